@@ -1,0 +1,84 @@
+"""The error envelope every Haru service answers with, and its closed list of codes.
+
+Exception hierarchy of haru-protocol::
+
+    HaruProtocolError
+    └── ExecError             (_exec: a command could not run or did not finish)
+        ├── ExecSpawnError    (missing binary, no permission)
+        └── ExecTimeoutError  (killed after its time bound)
+    UrlJoinError(ValueError)  (_urls: a join that would change origin or escape the base)
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import Field
+
+from haru_protocol._base import PeerModel
+
+
+class HaruProtocolError(Exception):
+    """Root of the exceptions raised by haru-protocol helpers."""
+
+
+class ErrorCode(StrEnum):
+    """Every code an error envelope may carry (SPEC section 9)."""
+
+    UNAUTHORIZED = "unauthorized"
+    FLEET_NOT_FOUND = "fleet_not_found"
+    MODEL_NOT_FOUND = "model_not_found"
+    NO_ACTIVE_DOMAIN = "no_active_domain"
+    INVALID_REQUEST = "invalid_request"
+    INVALID_TARGET = "invalid_target"
+    OPERATION_CONFLICT = "operation_conflict"
+    UPSTREAM_UNREACHABLE = "upstream_unreachable"
+    UPSTREAM_TIMEOUT = "upstream_timeout"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    SHUTTING_DOWN = "shutting_down"
+    INTERNAL_ERROR = "internal_error"
+    STATE_STORE_UNAVAILABLE = "state_store_unavailable"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    NOT_IMPLEMENTED = "not_implemented"
+
+
+ERROR_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.FLEET_NOT_FOUND: 404,
+    ErrorCode.MODEL_NOT_FOUND: 404,
+    ErrorCode.NO_ACTIVE_DOMAIN: 503,
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.INVALID_TARGET: 422,
+    ErrorCode.OPERATION_CONFLICT: 409,
+    ErrorCode.UPSTREAM_UNREACHABLE: 502,
+    ErrorCode.UPSTREAM_TIMEOUT: 504,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.INTERNAL_ERROR: 500,
+    ErrorCode.STATE_STORE_UNAVAILABLE: 503,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.NOT_IMPLEMENTED: 501,
+}
+"""The usual HTTP status of each code (a route may document a different one)."""
+
+
+class ErrorDetail(PeerModel):
+    """The inside of the error envelope."""
+
+    code: str
+    """One of :class:`ErrorCode` (kept as a string when parsed from a newer peer)."""
+    message: str = Field(max_length=4096)
+    """Human-readable explanation; never contains a secret."""
+
+
+class ErrorBody(PeerModel):
+    """``{"error": {"code", "message"}}``: the body of every non-2xx answer."""
+
+    error: ErrorDetail
+
+
+def error_body(code: ErrorCode, message: str) -> ErrorBody:
+    """Build the envelope for ``code``, truncating an overlong message."""
+    return ErrorBody(error=ErrorDetail(code=code.value, message=message[:4096]))

@@ -1,0 +1,253 @@
+"""Read models and control-API bodies of the server (SPEC 3.6, 7.2, 7.4)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+from uuid import UUID
+
+from pydantic import AwareDatetime, Field, StrictInt, model_validator
+
+from haru_protocol._base import HttpUrl, ModelName, PeerModel, Slug, WireModel
+from haru_protocol._enums import (
+    DomainState,
+    InferenceSlotState,
+    OperationKind,
+    OperationState,
+    OperationStep,
+    Provider,
+    SlotKind,
+    TrainingSlotState,
+)
+from haru_protocol._layout import InferenceSlotSpec, Placement, Policy, SlotSpec, TrainingSlotSpec
+
+RouteRevision = Annotated[StrictInt, Field(ge=1)]
+"""Revision of a fleet's routing pointer; it grows by one on every move."""
+
+
+def _slot_state_for(kind: SlotKind, state: str) -> InferenceSlotState | TrainingSlotState:
+    if kind is SlotKind.INFERENCE:
+        return InferenceSlotState(state)
+    return TrainingSlotState(state)
+
+
+class SlotSnapshot(PeerModel):
+    """One slot as stored; ``kind`` always equals ``spec.kind``."""
+
+    id: UUID
+    domain_id: UUID
+    gpu_index: Annotated[StrictInt, Field(ge=0)]
+    kind: SlotKind
+    state: InferenceSlotState | TrainingSlotState
+    spec: SlotSpec
+
+    @model_validator(mode="before")
+    @classmethod
+    def _state_of_kind(cls, data: Any) -> Any:
+        # The state vocabulary depends on the kind; resolve it before field validation so an
+        # inference state on a training slot is rejected instead of silently coerced.
+        if isinstance(data, dict):
+            kind = data.get("kind")
+            state = data.get("state")
+            if isinstance(kind, str) and isinstance(state, str):
+                try:
+                    data = {**data, "state": _slot_state_for(SlotKind(kind), state)}
+                except ValueError as exc:
+                    raise ValueError(f"state {state!r} is not a {kind} slot state") from exc
+        return data
+
+    @model_validator(mode="after")
+    def _kind_matches_spec(self) -> SlotSnapshot:
+        if self.kind != self.spec.kind:
+            raise ValueError(f"slot kind {self.kind.value!r} differs from spec kind")
+        if self.gpu_index != self.spec.gpu_index:
+            raise ValueError("slot gpuIndex differs from spec gpuIndex")
+        expected = InferenceSlotState if self.kind is SlotKind.INFERENCE else TrainingSlotState
+        if not isinstance(self.state, expected):
+            raise ValueError(f"state {self.state.value!r} is not a {self.kind.value} slot state")
+        return self
+
+    @property
+    def inference_spec(self) -> InferenceSlotSpec | None:
+        """The spec when this is an inference slot."""
+        return self.spec if isinstance(self.spec, InferenceSlotSpec) else None
+
+    @property
+    def training_spec(self) -> TrainingSlotSpec | None:
+        """The spec when this is a training slot."""
+        return self.spec if isinstance(self.spec, TrainingSlotSpec) else None
+
+
+class DomainSnapshot(PeerModel):
+    """One failure domain as stored; its role derives from the fleet's pointer."""
+
+    id: UUID
+    fleet_id: UUID
+    slug: Slug
+    state: DomainState
+    provider: Provider
+    placement: Placement
+    supervisor_url: HttpUrl | None
+    serving_base_url: HttpUrl | None
+    last_seen_at: AwareDatetime | None
+    state_updated_at: AwareDatetime
+    slots: tuple[SlotSnapshot, ...]
+
+
+class FleetSnapshot(PeerModel):
+    """A fleet with its resolved policy, domains and slots (``GET /v1/fleets/{ref}``)."""
+
+    id: UUID
+    slug: Slug
+    display_name: str | None
+    active_domain_id: UUID | None
+    route_revision: RouteRevision
+    policy: Policy
+    domains: tuple[DomainSnapshot, ...]
+
+    def domain(self, domain_id: UUID) -> DomainSnapshot | None:
+        """The domain with this id, if it belongs to the fleet."""
+        return next((d for d in self.domains if d.id == domain_id), None)
+
+    @property
+    def active_domain(self) -> DomainSnapshot | None:
+        """The domain the routing pointer targets, if any."""
+        return None if self.active_domain_id is None else self.domain(self.active_domain_id)
+
+
+class FleetRoutePointer(PeerModel):
+    """The narrow routing read: who is active, at which revision."""
+
+    id: UUID
+    slug: Slug
+    active_domain_id: UUID | None
+    route_revision: RouteRevision
+
+
+class FleetList(PeerModel):
+    """``GET /v1/fleets``."""
+
+    fleets: tuple[FleetRoutePointer, ...]
+
+
+class OperationError(PeerModel):
+    """Why an operation failed."""
+
+    step: OperationStep | None
+    code: str
+    """One of :class:`~haru_protocol.OperationErrorCode`."""
+    message: str
+
+
+class Operation(PeerModel):
+    """A promote or demote and its progress."""
+
+    id: UUID
+    fleet_id: UUID
+    kind: OperationKind
+    state: OperationState
+    target_domain_id: UUID
+    source_domain_id: UUID | None = None
+    """The routing pointer when the operation was created."""
+    current_step: OperationStep | None
+    step_started_at: AwareDatetime | None
+    error: OperationError | None
+    routing_committed: bool = False
+    created_at: AwareDatetime
+    finished_at: AwareDatetime | None
+
+
+class PromoteRequest(WireModel):
+    """Body of ``POST /v1/fleets/{ref}/promote``."""
+
+    target_domain_id: UUID
+
+
+class DemoteRequest(WireModel):
+    """Body of ``POST /v1/fleets/{ref}/demote``."""
+
+    target_domain_id: UUID
+
+
+class AlreadyActiveResponse(PeerModel):
+    """The target already serves: nothing to do."""
+
+    status: Literal["already_active"] = "already_active"
+    route_revision: RouteRevision
+
+
+class AcceptedResponse(PeerModel):
+    """An operation was created, or an in-flight one with the same intent was joined."""
+
+    status: Literal["accepted"] = "accepted"
+    operation: Operation
+
+
+OperationRequestResponse = Annotated[
+    AlreadyActiveResponse | AcceptedResponse, Field(discriminator="status")
+]
+"""Answer of promote and demote."""
+
+
+class ReconcileResponse(PeerModel):
+    """Result of one reconcile tick."""
+
+    fleet_id: UUID
+    operation: Operation | None
+
+
+class Event(PeerModel):
+    """One entry of a fleet's append-only audit trail."""
+
+    id: StrictInt
+    fleet_id: UUID
+    domain_id: UUID | None = None
+    slot_id: UUID | None = None
+    operation_id: UUID | None = None
+    type: str
+    """One of :class:`~haru_protocol.EventType` (kept as a string for forward compatibility)."""
+    payload: dict[str, Any]
+    created_at: AwareDatetime
+
+
+class EventList(PeerModel):
+    """``GET /v1/fleets/{ref}/events``: oldest first."""
+
+    events: tuple[Event, ...]
+    next_after: StrictInt | None = None
+    """Pass as ``after`` to continue; null when the page was the last one."""
+
+
+class RouteModel(PeerModel):
+    """A model binding in the route intent."""
+
+    name: ModelName
+    serving_url: HttpUrl
+    eligible: bool
+
+
+class RouteTarget(PeerModel):
+    """A domain in the route intent."""
+
+    domain_id: UUID
+    domain_slug: Slug
+    endpoint_url: HttpUrl | None
+    eligible: bool
+    weight: Literal[0, 1]
+    models: tuple[RouteModel, ...]
+
+
+class RouteIntent(PeerModel):
+    """Provider-neutral routing intent any router can apply (SPEC 7.4)."""
+
+    fleet_id: UUID
+    fleet_slug: Slug
+    revision: RouteRevision
+    generated_at: AwareDatetime
+    active: RouteTarget | None
+    standbys: tuple[RouteTarget, ...]
+
+
+class Health(PeerModel):
+    """``GET /healthz``."""
+
+    ok: bool = True

@@ -1,0 +1,203 @@
+"""The supervisor's config document and every request and response body of its API (SPEC 6)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, StrictInt, model_validator
+
+from haru_protocol._base import (
+    DurationMs,
+    GpuIndex,
+    ModelName,
+    NonEmptyStr,
+    PeerModel,
+    Port,
+    WireModel,
+)
+from haru_protocol._enums import SlotKind, TrainingRunState
+
+
+class SupervisorModel(WireModel):
+    """A local vLLM server: one model on ``127.0.0.1:<port>``."""
+
+    name: ModelName
+    """The server's ``--served-model-name``."""
+    port: Port
+
+
+class SupervisorInferenceSlot(WireModel):
+    """The vLLM servers on one GPU."""
+
+    kind: Literal[SlotKind.INFERENCE] = SlotKind.INFERENCE
+    gpu_index: GpuIndex
+    models: tuple[SupervisorModel, ...] = Field(min_length=1)
+
+
+class SupervisorTrainingSlot(WireModel):
+    """The training run on one GPU."""
+
+    kind: Literal[SlotKind.TRAINING] = SlotKind.TRAINING
+    gpu_index: GpuIndex
+    command: tuple[NonEmptyStr, ...] = Field(min_length=1)
+    checkpoint_dir: NonEmptyStr
+
+
+SupervisorSlot = Annotated[
+    SupervisorInferenceSlot | SupervisorTrainingSlot, Field(discriminator="kind")
+]
+
+
+class SupervisorConfig(WireModel):
+    """``HARU_SUPERVISOR_CONFIG``: what runs on this GPU host."""
+
+    schema_uri: str | None = Field(default=None, alias="$schema")
+    slots: tuple[SupervisorSlot, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> SupervisorConfig:
+        seen: set[tuple[int, SlotKind]] = set()
+        for slot in self.slots:
+            key = (slot.gpu_index, slot.kind)
+            if key in seen:
+                raise ValueError(f"duplicate {slot.kind.value} slot on GPU {slot.gpu_index}")
+            seen.add(key)
+        names = [
+            m.name for s in self.slots if isinstance(s, SupervisorInferenceSlot) for m in s.models
+        ]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"model names configured twice: {duplicates!r}")
+        ports = [
+            m.port for s in self.slots if isinstance(s, SupervisorInferenceSlot) for m in s.models
+        ]
+        if len(set(ports)) != len(ports):
+            raise ValueError("two models share a port")
+        return self
+
+    @property
+    def inference_slots(self) -> tuple[SupervisorInferenceSlot, ...]:
+        """The inference slots."""
+        return tuple(s for s in self.slots if isinstance(s, SupervisorInferenceSlot))
+
+    @property
+    def training_slots(self) -> tuple[SupervisorTrainingSlot, ...]:
+        """The training slots."""
+        return tuple(s for s in self.slots if isinstance(s, SupervisorTrainingSlot))
+
+
+class ModelStatus(PeerModel):
+    """One local vLLM server's sleep state; ``sleeping`` is null when it proved nothing."""
+
+    name: str
+    port: int
+    sleeping: bool | None
+
+
+class TrainingStatus(PeerModel):
+    """One training run."""
+
+    state: TrainingRunState
+    pids: tuple[int, ...] = ()
+
+
+class SlotStatus(PeerModel):
+    """One configured slot in ``GET /v1/status``."""
+
+    gpu_index: int
+    kind: SlotKind
+    models: tuple[ModelStatus, ...] | None = None
+    training: TrainingStatus | None = None
+
+
+class SupervisorStatus(PeerModel):
+    """``GET /v1/status``."""
+
+    slots: tuple[SlotStatus, ...]
+    ready: bool
+    """At least one model is configured and every model reports awake."""
+
+
+class ReadyResponse(PeerModel):
+    """``GET /v1/ready``."""
+
+    ready: bool
+
+
+class SleepRequest(WireModel):
+    """Body of ``POST /v1/vllm/sleep``; an empty body targets every inference slot."""
+
+    gpu_index: GpuIndex | None = None
+    drain_timeout_ms: DurationMs | None = None
+    """Wait up to this long for in-flight requests to finish before sleeping."""
+
+
+class WakeRequest(WireModel):
+    """Body of ``POST /v1/vllm/wake``; an empty body targets every inference slot."""
+
+    gpu_index: GpuIndex | None = None
+
+
+class OkResponse(PeerModel):
+    """A plain success."""
+
+    status: Literal["ok"] = "ok"
+
+
+class TrainingStopRequest(WireModel):
+    """Body of ``POST /v1/training/stop``."""
+
+    grace_ms: DurationMs | None = None
+    """SIGTERM now, SIGKILL after this grace (default 30 s)."""
+
+
+class TrainingSlotStatus(PeerModel):
+    """One run in ``GET /v1/training/status``."""
+
+    gpu_index: int
+    state: TrainingRunState
+    pids: tuple[int, ...] = ()
+
+
+class TrainingStatusResponse(PeerModel):
+    """``GET /v1/training/status``."""
+
+    slots: tuple[TrainingSlotStatus, ...]
+
+
+class GpuMemory(PeerModel):
+    """Memory of one GPU, in MiB, with ``used`` excluding driver-reserved memory."""
+
+    index: int
+    used_mib: float = Field(alias="usedMiB")
+    total_mib: float = Field(alias="totalMiB")
+
+
+class GpuMemoryResponse(PeerModel):
+    """``GET /v1/gpu/memory``."""
+
+    gpus: tuple[GpuMemory, ...]
+
+
+class ProbeRequest(WireModel):
+    """Body of ``POST /v1/probe``."""
+
+    prompt: NonEmptyStr = "ping"
+    max_tokens: Annotated[StrictInt, Field(ge=1, le=4096)] = 4
+    timeout_ms: DurationMs | None = None
+
+
+class ProbeResult(PeerModel):
+    """The probe of one model."""
+
+    model: str
+    ok: bool
+    latency_ms: float
+    error: str | None = None
+
+
+class ProbeResponse(PeerModel):
+    """``POST /v1/probe``: ``ok`` only when every configured model answered with content."""
+
+    ok: bool
+    results: tuple[ProbeResult, ...]

@@ -1,0 +1,85 @@
+"""The server's environment (SPEC 7.1), parsed once at start-up into a frozen object."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from haru_protocol import MAX_DURATION_MS, normalize_token
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value the server cannot use (a boot error)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the server reads from its environment."""
+
+    database_url: str | None = None
+    """Raw ``DATABASE_URL``; None means the embedded SQLite default."""
+    port: int = 8700
+    api_token: str | None = None
+    supervisor_token: str | None = None
+    default_fleet: str | None = None
+    chat_header_timeout_ms: int = 30_000
+    snapshot_cache_ttl_ms: int = 2_000
+    chat_max_body_bytes: int = 33_554_432
+    reconcile_interval_ms: int | None = None
+    reconcile_fleets: tuple[str, ...] | None = None
+    """Fleets the loop reconciles; None means every fleet in the store."""
+
+    @property
+    def host(self) -> str:
+        """Bind address: all interfaces only when a token guards the API."""
+        return "0.0.0.0" if self.api_token else "127.0.0.1"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Settings:
+        """Parse the environment; blank values count as unset.
+
+        Raises:
+            SettingsError: a number is not a positive integer in range.
+        """
+
+        def text(name: str) -> str | None:
+            value = env.get(name)
+            if value is None or not value.strip():
+                return None
+            return value.strip()
+
+        def number(name: str, default: int, *, maximum: int = MAX_DURATION_MS) -> int:
+            raw = text(name)
+            if raw is None:
+                return default
+            try:
+                value = int(raw, 10)
+            except ValueError:
+                raise SettingsError(f"{name} must be a positive integer, got {raw!r}") from None
+            if not 0 < value <= maximum:
+                raise SettingsError(f"{name} must be between 1 and {maximum}, got {value}")
+            return value
+
+        default_fleet = text("HARU_DEFAULT_FLEET")
+        interval_raw = text("HARU_RECONCILE_INTERVAL_MS")
+        fleets_raw = text("HARU_RECONCILE_FLEETS")
+        if fleets_raw is None or fleets_raw == "*":
+            fleets: tuple[str, ...] | None = (
+                (default_fleet,) if fleets_raw is None and default_fleet is not None else None
+            )
+        else:
+            fleets = tuple(f.strip() for f in fleets_raw.split(",") if f.strip()) or None
+        return cls(
+            database_url=text("DATABASE_URL"),
+            port=number("PORT", 8700, maximum=65535),
+            api_token=normalize_token(env.get("HARU_API_TOKEN")),
+            supervisor_token=normalize_token(env.get("HARU_SUPERVISOR_TOKEN")),
+            default_fleet=default_fleet,
+            chat_header_timeout_ms=number("HARU_CHAT_HEADER_TIMEOUT_MS", 30_000),
+            snapshot_cache_ttl_ms=number("HARU_SNAPSHOT_CACHE_TTL_MS", 2_000),
+            chat_max_body_bytes=number("HARU_CHAT_MAX_BODY_BYTES", 33_554_432),
+            reconcile_interval_ms=(
+                None if interval_raw is None else number("HARU_RECONCILE_INTERVAL_MS", 0)
+            ),
+            reconcile_fleets=fleets,
+        )
