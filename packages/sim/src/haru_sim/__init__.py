@@ -22,7 +22,7 @@ from haru_sim._trainer import CHECKPOINT_FILE, TrainerCheckpoint, read_trainer_c
 from haru_sim._vllm import create_vllm_app, embedding_vector
 from haru_sim._vllm_cli import parse_listen_line
 
-__all__ = (
+__all__ = (  # noqa: RUF022 - grouped by topic, sorted within each group
     # Emulated vLLM server
     "SLEEP_TAGS",
     "FaultUpdate",

@@ -14,7 +14,7 @@ SleepMode = Literal["abort", "wait", "keep"]
 
 SLEEP_MODES: tuple[SleepMode, ...] = get_args(SleepMode)
 SLEEP_TAGS: tuple[str, ...] = ("weights", "kv_cache")
-"""What a level-1/2 sleep puts to sleep; ``/wake_up?tags=...`` wakes a subset (vLLM ``SLEEP_TAGS``)."""
+"""What a level-1/2 sleep puts to sleep; ``/wake_up?tags=...`` wakes a subset (vLLM's names)."""
 
 
 class FaultUpdate(TypedDict, total=False):
@@ -80,8 +80,9 @@ class Faults:
         """Return a copy with ``changes`` applied; unknown names raise :class:`SimConfigError`."""
         unknown = sorted(set(changes) - FAULT_NAMES)
         if unknown:
+            known = ", ".join(sorted(FAULT_NAMES))
             raise SimConfigError(
-                f"unknown fault(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(FAULT_NAMES))}"
+                f"unknown fault(s) {', '.join(map(repr, unknown))}; known: {known}"
             )
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]  # validated in __post_init__
 
@@ -131,8 +132,9 @@ class VllmSimConfig:
     faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
-        names = self.served_model_names
-        if isinstance(names, str) or not names:
+        # Checked at run time too: the CLI and JSON callers are not type-checked.
+        names: object = self.served_model_names
+        if not isinstance(names, tuple) or not names:
             raise SimConfigError("served_model_names must be a non-empty tuple of names")
         if any(not isinstance(n, str) or not n for n in names):
             raise SimConfigError(f"served model names must be non-empty strings, got {names!r}")
@@ -152,7 +154,8 @@ class VllmSimConfig:
         for name in ("max_model_len", "embedding_dimensions", "request_log_size"):
             if not _is_int(getattr(self, name), minimum=1):
                 raise SimConfigError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        if not isinstance(self.faults, Faults):
+        faults: object = self.faults
+        if not isinstance(faults, Faults):
             raise SimConfigError(f"faults must be a Faults, got {self.faults!r}")
 
     @property

@@ -18,14 +18,16 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from haru_sim._config import SLEEP_TAGS, Faults, SleepMode, VllmSimConfig
 from haru_sim._errors import SimUnsupportedError
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +96,7 @@ class Engine:
         self.sleeps = 0
         self.wakes = 0
         self._recorded: deque[RecordedRequest] = deque(maxlen=config.request_log_size)
+        self._detached: set[asyncio.Task[Any]] = set()
 
     # -- state -------------------------------------------------------------------------------
 
@@ -103,7 +106,7 @@ class Engine:
 
     @property
     def is_sleeping(self) -> bool:
-        """vLLM's ``is_sleeping``: the scheduler is paused or some tag still sleeps."""
+        """What vLLM's ``is_sleeping`` answers: the scheduler is paused or some tag still sleeps."""
         return not self._admitting or bool(self._sleeping_tags)
 
     @property
@@ -179,6 +182,29 @@ class Engine:
         self._closing = True
         self._notify()
 
+    async def run_detached(self, operation: Coroutine[Any, Any, _T]) -> _T:
+        """Run ``operation`` to its end even if the caller is cancelled.
+
+        A vLLM sleep or wake goes on when its HTTP client disconnects; the server cancels a
+        handler whose client went away (which is what aborts generations), so admin calls
+        run in a task the engine holds and awaits at shutdown.
+        """
+        task = asyncio.create_task(operation)
+        self._detached.add(task)
+        task.add_done_callback(self._detached_done)
+        return await asyncio.shield(task)
+
+    def _detached_done(self, task: asyncio.Task[Any]) -> None:
+        self._detached.discard(task)
+        # Retrieve the outcome so an operation whose caller left does not warn at exit.
+        if not task.cancelled() and task.exception() is not None:
+            logger.info("detached admin operation ended with %r", task.exception())
+
+    async def wait_detached(self) -> None:
+        """Wait for detached admin operations (they end quickly once :meth:`close` ran)."""
+        if self._detached:
+            await asyncio.gather(*self._detached, return_exceptions=True)
+
     # -- faults ------------------------------------------------------------------------------
 
     async def set_faults(self, faults: Faults) -> Faults:
@@ -219,7 +245,8 @@ class Engine:
             self._admitting = False
             if mode == "abort":
                 self._abort_all()
-            elif mode == "wait":
+            elif mode == "wait" and self._stepping:
+                # Only a stepping engine can drain; requests frozen by an earlier keep stay.
                 self._notify()
                 await self._wait_until(lambda: not self._running)
             self._stepping = False

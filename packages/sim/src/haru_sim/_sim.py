@@ -78,7 +78,12 @@ class VllmSim:
         """
         if self._runner is not None or self._stopped:
             raise SimStateError("a VllmSim can be started only once")
-        runner = web.AppRunner(build_app(self._engine), shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
+        # handler_cancellation: a client that disconnects aborts its request, as in vLLM.
+        runner = web.AppRunner(
+            build_app(self._engine),
+            shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+            handler_cancellation=True,
+        )
         await runner.setup()
         self._runner = runner
         try:
@@ -203,8 +208,7 @@ class VllmSim:
 
     @property
     def sleeping(self) -> bool:
-        """What ``GET /is_sleeping`` would answer (true from the start of a sleep to the end
-        of a full wake)."""
+        """What ``GET /is_sleeping`` would answer: true from a sleep's start to a full wake."""
         return self._engine.is_sleeping
 
     @property

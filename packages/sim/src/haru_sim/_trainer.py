@@ -203,6 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"cannot create HARU_CHECKPOINT_DIR {raw_dir!r}: {exc}", EXIT_FAILED)
 
     resumed = read_trainer_checkpoint(checkpoint_dir)
+    if resumed is None and (checkpoint_dir / CHECKPOINT_FILE).exists():
+        sys.stderr.write(
+            f"{PROGRAM}: ignoring an unreadable {CHECKPOINT_FILE}; starting at step 0\n"
+        )
     step = resumed.step if resumed is not None else 0
     child: subprocess.Popen[bytes] | None = None
     if args.spawn_child:

@@ -17,7 +17,7 @@ import re
 import struct
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -138,7 +138,9 @@ async def _read_recorded(request: web.Request, engine: Engine) -> bytes:
         RecordedRequest(
             method=request.method,
             path=request.path_qs,
-            headers=tuple((k, v) for k, v in request.headers.items()),
+            headers=tuple(
+                (k.decode("latin-1"), v.decode("latin-1")) for k, v in request.raw_headers
+            ),
             body=body,
             received_at=time.time(),
         )
@@ -402,11 +404,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     include_usage = _include_usage(payload, stream=stream)
     _check_context(prompt_tokens, limit, config)
     tokens, natural_finish = _plan(words, limit)
-    base = {
-        "id": _new_id("chatcmpl"),
-        "created": int(time.time()),
-        "model": config.primary_model_name,
-    }
+    chat_id, created = _new_id("chatcmpl"), int(time.time())
+
+    def head(object_: str) -> dict[str, object]:
+        return {
+            "id": chat_id,
+            "object": object_,
+            "created": created,
+            "model": config.primary_model_name,
+        }
+
     if not stream:
         parts: list[str] = []
 
@@ -414,7 +421,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             parts.append(piece)
 
         emitted, finish = await _generate(engine, _pieces(tokens), natural_finish, collect)
-        message = {
+        message: dict[str, object] = {
             "role": "assistant",
             "content": "".join(parts),
             "refusal": None,
@@ -422,8 +429,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         }
         return web.json_response(
             {
-                **base,
-                "object": "chat.completion",
+                **head("chat.completion"),
                 "choices": [
                     {
                         "index": 0,
@@ -439,8 +445,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
     def chunk(delta: Mapping[str, object], finish_reason: str | None) -> dict[str, object]:
         return {
-            **base,
-            "object": "chat.completion.chunk",
+            **head("chat.completion.chunk"),
             "choices": [
                 {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             ],
@@ -463,8 +468,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if include_usage:
             await writer.send(
                 {
-                    **base,
-                    "object": "chat.completion.chunk",
+                    **head("chat.completion.chunk"),
                     "choices": [],
                     "usage": _usage(prompt_tokens, emitted),
                 }
@@ -710,7 +714,7 @@ async def sleep(request: web.Request) -> web.StreamResponse:
     level = _query_level(request)
     mode = _query_mode(request)
     try:
-        await engine.sleep(level, mode)
+        await engine.run_detached(engine.sleep(level, mode))
     except SimulatedFaultError as exc:
         raise _internal(str(exc)) from exc
     if engine.config.legacy_empty_bodies:
@@ -722,7 +726,7 @@ async def wake_up(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     tags = request.query.getall("tags", []) or None
     try:
-        fully_awake = await engine.wake_up(tags)
+        fully_awake = await engine.run_detached(engine.wake_up(tags))
     except SimulatedFaultError as exc:
         raise _internal(str(exc)) from exc
     if engine.config.legacy_empty_bodies:
@@ -769,7 +773,7 @@ async def control_clear_faults(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     try:
         faults = await engine.set_faults(type(engine.faults)())
-    except SimUnsupportedError as exc:  # pragma: no cover - refuse can only be on with a listener
+    except SimUnsupportedError as exc:  # refuse is only ever on with a listener; kept for safety
         return _control_error(409, "unsupported", str(exc))
     return web.json_response({"faults": faults.to_json()})
 
@@ -827,6 +831,13 @@ async def _close_engine(app: web.Application) -> None:
     app[ENGINE_KEY].close()
 
 
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    engine = app[ENGINE_KEY]
+    engine.close()
+    await engine.wait_detached()
+
+
 def build_app(engine: Engine, *, control_only: bool = False) -> web.Application:
     """Assemble the aiohttp app around ``engine`` (``control_only``: just ``/_sim/*``)."""
     app = web.Application(
@@ -834,6 +845,7 @@ def build_app(engine: Engine, *, control_only: bool = False) -> web.Application:
     )
     app[ENGINE_KEY] = engine
     app.on_shutdown.append(_close_engine)
+    app.cleanup_ctx.append(_engine_ctx)
     _add(app, CONTROL_ROUTES)
     if control_only:
         return app
