@@ -1,0 +1,130 @@
+"""``haru-supervisor``: run the GPU-host agent until SIGTERM or SIGINT.
+
+Shutdown (SPEC 6.5): refuse new training starts, stop every run (SIGTERM now, SIGKILL after
+the grace) and wait for it to end, then stop listening and exit. A second signal during the
+grace SIGKILLs the trainers at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from haru_supervisor._app import create_app
+from haru_supervisor._errors import SettingsError
+from haru_supervisor._keys import runs_key
+from haru_supervisor._settings import TOKEN_VAR, Settings, load_settings
+
+logger = logging.getLogger("haru_supervisor")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+_USAGE = (
+    "usage: haru-supervisor\n"
+    "Configured by the environment: PORT (default 8701), HARU_SUPERVISOR_TOKEN,\n"
+    "HARU_SUPERVISOR_CONFIG (required: inline JSON or a file path),\n"
+    "HARU_SUPERVISOR_GPU_SOURCE (auto|nvml|nvidia-smi), HARU_SUPERVISOR_SHUTDOWN_GRACE_MS.\n"
+)
+
+# Handlers are short (sleep/wake are bounded at about 120 s, but they are not worth waiting
+# for once the trainers are down and the supervisor is exiting).
+_HTTP_SHUTDOWN_TIMEOUT_S = 5.0
+
+
+async def serve(settings: Settings) -> int:
+    """Serve until SIGTERM/SIGINT, then shut down as SPEC 6.5 says; returns the exit status."""
+    if settings.token is None:
+        logger.warning(
+            "%s is not set: the supervisor API is OPEN (no authentication) and listens on "
+            "127.0.0.1 only; set a token to serve the control plane from another host",
+            TOKEN_VAR,
+        )
+    app = create_app(settings)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=_HTTP_SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        bind_error: OSError | None = None
+        try:
+            await site.start()
+        except OSError as exc:
+            bind_error = exc
+        if bind_error is not None:
+            logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, bind_error)
+            return EXIT_FAILED
+        host, port = runner.addresses[0][:2]
+        logger.info("haru-supervisor listening on http://%s:%d", host, port)
+
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        force = asyncio.Event()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if stop.is_set():
+                logger.warning("%s again: killing the trainers now", sig.name)
+                force.set()
+            else:
+                logger.info("%s: shutting down", sig.name)
+                stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            await stop.wait()
+            runs = app[runs_key]
+            runs.refuse_starts()
+
+            async def kill_on_second_signal() -> None:
+                await force.wait()
+                await runs.stop_all(0.0)
+
+            killer = asyncio.create_task(kill_on_second_signal(), name="second-signal")
+            ended = False
+            try:
+                ended = await runs.shutdown(settings.shutdown_grace_s)
+            finally:
+                killer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await killer
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+    finally:
+        await runner.cleanup()
+    logger.info("haru-supervisor stopped")
+    return EXIT_OK if ended else EXIT_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point: configure logging, read the environment, serve."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args:
+        help_asked = args in (["-h"], ["--help"])
+        (sys.stdout if help_asked else sys.stderr).write(_USAGE)
+        return EXIT_OK if help_asked else EXIT_USAGE
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # Heartbeats poll /v1/status every few seconds; one access line each is noise.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        settings = load_settings(os.environ)
+    except SettingsError as exc:
+        sys.stderr.write(f"haru-supervisor: {exc}\n")
+        return EXIT_USAGE
+    return asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""The aiohttp application: state behind typed keys, lifecycles in ``cleanup_ctx``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+from aiohttp import web
+from haru_protocol import Exec, run_exec
+
+from haru_supervisor._gpu import NvmlLoader, load_pynvml, open_gpu_reader
+from haru_supervisor._http import MAX_BODY_BYTES, auth_middleware, error_middleware
+from haru_supervisor._keys import gpu_key, runs_key, settings_key, vllm_key
+from haru_supervisor._routes import routes
+from haru_supervisor._settings import Settings
+from haru_supervisor._training import DEFAULT_POLL_S, TrainingRuns
+from haru_supervisor._vllm import VllmAdminClient, VllmTimeouts
+
+Clock = Callable[[], float]
+
+
+def create_app(
+    settings: Settings,
+    *,
+    exec_: Exec = run_exec,
+    nvml_loader: NvmlLoader = load_pynvml,
+    vllm_timeouts: VllmTimeouts | None = None,
+    clock: Clock = time.monotonic,
+    training_poll_s: float = DEFAULT_POLL_S,
+) -> web.Application:
+    """Build the supervisor's application.
+
+    Args:
+        settings: Parsed start-up settings.
+        exec_: Runs ``nvidia-smi`` (tests inject a fake).
+        nvml_loader: Imports the NVML bindings (tests inject a fake).
+        vllm_timeouts: Bounds on calls to the local vLLM servers.
+        clock: Monotonic seconds, for drain budgets, kill deadlines and probe latency.
+        training_poll_s: How often a stopping run checks for surviving processes.
+
+    Returns:
+        The application. Its cleanup stops every training run (SIGTERM, then SIGKILL after
+        ``settings.shutdown_grace_s``) before anything else is released.
+    """
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware], client_max_size=MAX_BODY_BYTES
+    )
+    app[settings_key] = settings
+    app[runs_key] = TrainingRuns(
+        settings.config.training_slots,
+        base_env=settings.trainer_env,
+        clock=clock,
+        poll_s=training_poll_s,
+    )
+
+    async def http_ctx(app: web.Application) -> AsyncIterator[None]:
+        # One session for every local call. No keep-alive: uvicorn closes idle connections
+        # after 5 s, and a sleep sent on a connection it is closing would fail for nothing.
+        # No proxy from the environment either: the targets are on the loopback interface.
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True),
+            timeout=aiohttp.ClientTimeout(total=None),
+            trust_env=False,
+        )
+        app[vllm_key] = VllmAdminClient(session, timeouts=vllm_timeouts, clock=clock)
+        try:
+            yield
+        finally:
+            await session.close()
+
+    async def gpu_ctx(app: web.Application) -> AsyncIterator[None]:
+        reader = await open_gpu_reader(
+            settings.gpu_source,
+            exec_=exec_,
+            nvml_loader=nvml_loader,
+            search_path=settings.search_path,
+        )
+        app[gpu_key] = reader
+        try:
+            yield
+        finally:
+            reader.close()
+
+    async def training_ctx(app: web.Application) -> AsyncIterator[None]:
+        yield
+        # Last line of defence (the entry point already did this before it stopped
+        # listening): no trainer outlives the application.
+        await app[runs_key].shutdown(settings.shutdown_grace_s)
+
+    app.cleanup_ctx.extend([http_ctx, gpu_ctx, training_ctx])
+    app.add_routes(routes)
+    return app

@@ -1,0 +1,241 @@
+"""The supervisor API (SPEC 6.4)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Sequence
+from typing import Final
+
+from aiohttp import web
+from haru_protocol import (
+    ErrorCode,
+    GpuMemoryResponse,
+    Health,
+    ModelStatus,
+    OkResponse,
+    PeerModel,
+    ProbeRequest,
+    ProbeResponse,
+    ReadyResponse,
+    SleepRequest,
+    SlotKind,
+    SlotStatus,
+    SupervisorConfig,
+    SupervisorInferenceSlot,
+    SupervisorModel,
+    TrainingStatus,
+    TrainingStatusResponse,
+    TrainingStopRequest,
+    WakeRequest,
+    WireModel,
+)
+
+from haru_supervisor._errors import (
+    GpuMemorySourceError,
+    GpuMemoryUnavailable,
+    ShuttingDownError,
+    VllmAdminError,
+)
+from haru_supervisor._gpu import SOURCE_HEADER
+from haru_supervisor._http import ApiError, read_body
+from haru_supervisor._keys import gpu_key, runs_key, settings_key, vllm_key
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROBE_TIMEOUT_S: Final = 30.0
+"""Bound of each probe completion when the request names none (the first request after a
+wake is several times slower than the next ones)."""
+
+_REASON_LIMIT: Final = 300
+
+routes = web.RouteTableDef()
+
+
+class _NoParameters(WireModel):
+    """Body of an action without parameters: empty or ``{}`` (any key is unknown)."""
+
+
+def _json(
+    model: WireModel | PeerModel, *, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.json_response(text=model.model_dump_json(), status=status, headers=headers)
+
+
+def _config(request: web.Request) -> SupervisorConfig:
+    return request.app[settings_key].config
+
+
+def _target_models(config: SupervisorConfig, gpu_index: int | None) -> tuple[SupervisorModel, ...]:
+    slots: Sequence[SupervisorInferenceSlot] = config.inference_slots
+    if gpu_index is not None:
+        slots = [slot for slot in slots if slot.gpu_index == gpu_index]
+        if not slots:
+            raise ApiError(
+                ErrorCode.INVALID_TARGET,
+                f"no inference slot on GPU {gpu_index}",
+                status=404,
+            )
+    return tuple(model for slot in slots for model in slot.models)
+
+
+async def _attempt_all(
+    action: str, calls: Sequence[tuple[SupervisorModel, Awaitable[None]]]
+) -> None:
+    """Run every call concurrently, all to completion, then report each failed model (502)."""
+    outcomes = await asyncio.gather(*(call for _, call in calls), return_exceptions=True)
+    failures: list[str] = []
+    for (model, _), outcome in zip(calls, outcomes, strict=True):
+        if isinstance(outcome, VllmAdminError):
+            reason = outcome.reason
+            if len(reason) > _REASON_LIMIT:
+                reason = reason[:_REASON_LIMIT] + "..."
+            failures.append(f"{model.name} ({reason})")
+        elif isinstance(outcome, BaseException):
+            if not isinstance(outcome, Exception):
+                raise outcome  # cancellation and the like: never swallowed
+            logger.error("%s %s failed unexpectedly", action, model.name, exc_info=outcome)
+            failures.append(f"{model.name} (internal error)")
+    if failures:
+        logger.warning("%s failed for %s", action, ", ".join(failures))
+        raise ApiError(
+            ErrorCode.UPSTREAM_UNREACHABLE,
+            f"{action} failed for {len(failures)} of {len(calls)} model(s): " + "; ".join(failures),
+        )
+
+
+@routes.get("/healthz")
+async def healthz(_request: web.Request) -> web.Response:
+    return _json(Health(ok=True))
+
+
+async def _model_statuses(request: web.Request) -> dict[str, ModelStatus]:
+    client = request.app[vllm_key]
+    models = [model for slot in _config(request).inference_slots for model in slot.models]
+    sleeping = await asyncio.gather(*(client.is_sleeping(model) for model in models))
+    return {
+        model.name: ModelStatus(name=model.name, port=model.port, sleeping=state)
+        for model, state in zip(models, sleeping, strict=True)
+    }
+
+
+def _ready(statuses: dict[str, ModelStatus]) -> bool:
+    return bool(statuses) and all(status.sleeping is False for status in statuses.values())
+
+
+def _slot_json(entry: SlotStatus) -> dict[str, object]:
+    # `models` and `training` are absent (not null) on slots they do not apply to, while a
+    # model's `sleeping` stays null when its server proved nothing.
+    omit = {name for name in ("models", "training") if getattr(entry, name) is None}
+    return entry.model_dump(mode="json", exclude=omit)
+
+
+@routes.get("/v1/status")
+async def status(request: web.Request) -> web.Response:
+    runs = request.app[runs_key]
+    statuses, trainings = await asyncio.gather(_model_statuses(request), runs.statuses())
+    by_gpu = {training.gpu_index: training for training in trainings}
+    slots: list[dict[str, object]] = []
+    for slot in _config(request).slots:
+        if isinstance(slot, SupervisorInferenceSlot):
+            entry = SlotStatus(
+                gpu_index=slot.gpu_index,
+                kind=SlotKind.INFERENCE,
+                models=tuple(statuses[model.name] for model in slot.models),
+            )
+        else:
+            training = by_gpu[slot.gpu_index]
+            entry = SlotStatus(
+                gpu_index=slot.gpu_index,
+                kind=SlotKind.TRAINING,
+                training=TrainingStatus(state=training.state, pids=training.pids),
+            )
+        slots.append(_slot_json(entry))
+    body = {"slots": slots, "ready": _ready(statuses)}
+    return web.json_response(text=json.dumps(body))
+
+
+@routes.get("/v1/ready")
+async def ready(request: web.Request) -> web.Response:
+    return _json(ReadyResponse(ready=_ready(await _model_statuses(request))))
+
+
+@routes.post("/v1/vllm/sleep")
+async def vllm_sleep(request: web.Request) -> web.Response:
+    body = await read_body(request, SleepRequest)
+    models = _target_models(_config(request), body.gpu_index)
+    client = request.app[vllm_key]
+    drain_s = None if body.drain_timeout_ms is None else body.drain_timeout_ms / 1000
+    await _attempt_all(
+        "sleep", [(model, client.sleep(model, drain_timeout_s=drain_s)) for model in models]
+    )
+    return _json(OkResponse())
+
+
+@routes.post("/v1/vllm/wake")
+async def vllm_wake(request: web.Request) -> web.Response:
+    body = await read_body(request, WakeRequest)
+    models = _target_models(_config(request), body.gpu_index)
+    client = request.app[vllm_key]
+    await _attempt_all("wake", [(model, client.wake(model)) for model in models])
+    return _json(OkResponse())
+
+
+@routes.post("/v1/training/start")
+async def training_start(request: web.Request) -> web.Response:
+    await read_body(request, _NoParameters)
+    try:
+        failures = await request.app[runs_key].start_all()
+    except ShuttingDownError as exc:
+        raise ApiError(ErrorCode.SHUTTING_DOWN, str(exc)) from exc
+    if failures:
+        raise ApiError(
+            ErrorCode.INTERNAL_ERROR,
+            "training could not start: " + "; ".join(str(failure) for failure in failures),
+        )
+    return _json(OkResponse())
+
+
+@routes.post("/v1/training/stop")
+async def training_stop(request: web.Request) -> web.Response:
+    body = await read_body(request, TrainingStopRequest)
+    settings = request.app[settings_key]
+    grace_s = settings.stop_grace_s if body.grace_ms is None else body.grace_ms / 1000
+    await request.app[runs_key].stop_all(grace_s)
+    return _json(OkResponse(), status=202)
+
+
+@routes.get("/v1/training/status")
+async def training_status(request: web.Request) -> web.Response:
+    return _json(TrainingStatusResponse(slots=await request.app[runs_key].statuses()))
+
+
+@routes.get("/v1/gpu/memory")
+async def gpu_memory(request: web.Request) -> web.Response:
+    reader = request.app[gpu_key]
+    try:
+        gpus = await reader.read()
+    except GpuMemoryUnavailable as exc:
+        raise ApiError(ErrorCode.NOT_IMPLEMENTED, str(exc)) from exc
+    except GpuMemorySourceError as exc:
+        raise ApiError(ErrorCode.UPSTREAM_UNREACHABLE, str(exc)) from exc
+    source = reader.source
+    headers = {SOURCE_HEADER: source.name} if source is not None else None
+    return _json(GpuMemoryResponse(gpus=gpus), headers=headers)
+
+
+@routes.post("/v1/probe")
+async def probe(request: web.Request) -> web.Response:
+    body = await read_body(request, ProbeRequest)
+    timeout_s = DEFAULT_PROBE_TIMEOUT_S if body.timeout_ms is None else body.timeout_ms / 1000
+    client = request.app[vllm_key]
+    models = [model for slot in _config(request).inference_slots for model in slot.models]
+    results = await asyncio.gather(
+        *(
+            client.probe(model, prompt=body.prompt, max_tokens=body.max_tokens, timeout_s=timeout_s)
+            for model in models
+        )
+    )
+    ok = bool(results) and all(result.ok for result in results)
+    return _json(ProbeResponse(ok=ok, results=tuple(results)))

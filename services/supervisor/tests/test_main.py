@@ -1,0 +1,249 @@
+"""``haru-supervisor`` as a real process: binding, auth, a shutdown that leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+Command = Callable[..., tuple[str, ...]]
+
+_LISTENING = re.compile(r"listening on http://([0-9.]+):([0-9]+)")
+
+
+def _executable() -> str:
+    found = shutil.which("haru-supervisor", path=str(Path(sys.executable).parent))
+    assert found is not None, "the haru-supervisor console script is not installed"
+    return found
+
+
+@dataclass
+class Supervisor:
+    process: asyncio.subprocess.Process
+    host: str = ""
+    port: int = 0
+    lines: list[str] = field(default_factory=list)
+    readers: list[asyncio.Task[None]] = field(default_factory=list)
+    listening: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+    async def collect(self, stream: asyncio.StreamReader) -> None:
+        async for raw in stream:
+            line = raw.decode(errors="replace").rstrip()
+            self.lines.append(line)
+            match = _LISTENING.search(line)
+            if match:
+                self.host, self.port = match.group(1), int(match.group(2))
+                self.listening.set()
+
+
+@pytest.fixture
+async def launch() -> AsyncIterator[Callable[..., Any]]:
+    """Start ``haru-supervisor`` with an environment; killed (group and all) if a test fails."""
+    started: list[Supervisor] = []
+
+    async def start(env: dict[str, str], *, wait: bool = True) -> Supervisor:
+        process = await asyncio.create_subprocess_exec(
+            _executable(),
+            env=env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        supervisor = Supervisor(process)
+        assert process.stdout is not None
+        assert process.stderr is not None
+        supervisor.readers = [
+            asyncio.create_task(supervisor.collect(process.stdout)),
+            asyncio.create_task(supervisor.collect(process.stderr)),
+        ]
+        started.append(supervisor)
+        if wait:
+            try:
+                await asyncio.wait_for(supervisor.listening.wait(), 15)
+            except TimeoutError:
+                raise AssertionError("no listening line:\n" + supervisor.log) from None
+        return supervisor
+
+    yield start
+    for supervisor in started:
+        if supervisor.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                supervisor.process.kill()
+            await supervisor.process.wait()
+        await asyncio.gather(*supervisor.readers)
+
+
+def _base_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
+    env.update({"PORT": "0", "PYTHONUNBUFFERED": "1"}, **extra)
+    return env
+
+
+async def test_shutdown_stops_every_trainer_before_exiting(
+    launch: Any,
+    tmp_path: Path,
+    sim_trainer: Command,
+    fake_trainer: Command,
+    wait_for: Any,
+    alive: Callable[[int], bool],
+) -> None:
+    config = {
+        "slots": [
+            {
+                "kind": "training",
+                "gpuIndex": 0,
+                "command": list(sim_trainer("--checkpoint-every", "1000")),
+                "checkpointDir": str(tmp_path / "polite"),
+            },
+            {
+                "kind": "training",
+                "gpuIndex": 1,
+                "command": list(fake_trainer("--ignore-term", "--grandchild")),
+                "checkpointDir": str(tmp_path / "stubborn"),
+            },
+        ]
+    }
+    config_path = tmp_path / "supervisor.json"
+    config_path.write_text(json.dumps(config))
+    supervisor = await launch(
+        _base_env(
+            HARU_SUPERVISOR_CONFIG=str(config_path),
+            HARU_SUPERVISOR_SHUTDOWN_GRACE_MS="1500",
+        )
+    )
+    assert supervisor.host == "127.0.0.1"
+    assert "HARU_SUPERVISOR_TOKEN is not set" in supervisor.log
+
+    async with aiohttp.ClientSession(supervisor.url) as http:
+        async with http.post("/v1/training/start") as response:
+            assert response.status == 200
+
+        async def training() -> list[dict[str, Any]]:
+            async with http.get("/v1/training/status") as response:
+                slots: list[dict[str, Any]] = (await response.json())["slots"]
+                return slots
+
+        async def all_running() -> bool:
+            slots = await training()
+            return [len(s["pids"]) for s in slots] == [1, 2] and (
+                tmp_path / "stubborn" / "ready.json"
+            ).exists()
+
+        await wait_for(all_running, timeout=10)
+        pids = [pid for slot in await training() for pid in slot["pids"]]
+
+        supervisor.process.send_signal(signal.SIGTERM)
+
+        # During the grace the API still answers: starts are refused, the stubborn run stops.
+        async def stopping() -> bool:
+            slots = await training()
+            return bool(slots[1]["state"] == "stopping")
+
+        await wait_for(stopping, timeout=5)
+        async with http.post("/v1/training/start") as response:
+            assert response.status == 503
+            assert (await response.json())["error"]["code"] == "shutting_down"
+
+    assert await asyncio.wait_for(supervisor.process.wait(), 20) == 0
+    assert not [pid for pid in pids if alive(pid)], supervisor.log
+    assert "SIGKILL to group" in supervisor.log
+    assert "haru-supervisor stopped" in supervisor.log
+    with pytest.raises(aiohttp.ClientConnectionError):
+        async with aiohttp.ClientSession() as http, http.get(supervisor.url + "/healthz"):
+            pass
+
+
+async def test_a_second_signal_kills_the_trainers_at_once(
+    launch: Any, tmp_path: Path, fake_trainer: Command, wait_for: Any, alive: Callable[[int], bool]
+) -> None:
+    config = {
+        "slots": [
+            {
+                "kind": "training",
+                "gpuIndex": 0,
+                "command": list(fake_trainer("--ignore-term")),
+                "checkpointDir": str(tmp_path),
+            }
+        ]
+    }
+    supervisor = await launch(
+        _base_env(
+            HARU_SUPERVISOR_CONFIG=json.dumps(config),
+            HARU_SUPERVISOR_SHUTDOWN_GRACE_MS="600000",
+        )
+    )
+    async with aiohttp.ClientSession(supervisor.url) as http:
+        async with http.post("/v1/training/start") as response:
+            assert response.status == 200
+        await wait_for(lambda: (tmp_path / "ready.json").exists(), timeout=10)
+    (pid,) = json.loads((tmp_path / "ready.json").read_text())
+    supervisor.process.send_signal(signal.SIGINT)
+    await wait_for(lambda: "SIGTERM to group" in supervisor.log)
+    assert alive(pid)  # the ten-minute grace is running
+    supervisor.process.send_signal(signal.SIGINT)
+    assert await asyncio.wait_for(supervisor.process.wait(), 15) == 0
+    assert not alive(pid)
+    assert "killing the trainers now" in supervisor.log
+
+
+async def test_with_a_token_it_listens_everywhere_and_checks_it(
+    launch: Any, unused_port: Callable[[], int]
+) -> None:
+    token = "proc-test-token-19ab"
+    port = unused_port()
+    config = {
+        "slots": [{"kind": "inference", "gpuIndex": 0, "models": [{"name": "m", "port": port}]}]
+    }
+    supervisor = await launch(
+        _base_env(HARU_SUPERVISOR_CONFIG=json.dumps(config), HARU_SUPERVISOR_TOKEN=f" {token} ")
+    )
+    assert supervisor.host == "0.0.0.0"
+    async with aiohttp.ClientSession(supervisor.url) as http:
+        async with http.get("/healthz") as response:
+            assert response.status == 200
+        async with http.get("/v1/status") as response:
+            assert response.status == 401
+        async with http.get("/v1/status", headers={"Authorization": f"Bearer {token}"}) as response:
+            assert response.status == 200
+            body = await response.json()
+    # Nothing listens on the model's port: its sleep state proves nothing.
+    assert body == {
+        "slots": [
+            {
+                "gpuIndex": 0,
+                "kind": "inference",
+                "models": [{"name": "m", "port": port, "sleeping": None}],
+            }
+        ],
+        "ready": False,
+    }
+    supervisor.process.send_signal(signal.SIGINT)
+    assert await asyncio.wait_for(supervisor.process.wait(), 15) == 0
+    assert token not in supervisor.log
+
+
+async def test_an_invalid_config_exits_with_a_usage_error(launch: Any) -> None:
+    supervisor = await launch(_base_env(HARU_SUPERVISOR_CONFIG='{"slots": []}'), wait=False)
+    assert await asyncio.wait_for(supervisor.process.wait(), 15) == 2
+    await asyncio.gather(*supervisor.readers)
+    assert "HARU_SUPERVISOR_CONFIG: inline JSON is invalid" in supervisor.log

@@ -1,0 +1,158 @@
+"""Start-up settings parsed from the environment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from haru_supervisor import Settings, SettingsError, load_config, load_settings
+
+CONFIG: dict[str, Any] = {
+    "slots": [
+        {"kind": "inference", "gpuIndex": 0, "models": [{"name": "chat-small", "port": 8001}]},
+        {
+            "kind": "training",
+            "gpuIndex": 1,
+            "command": ["python", "train.py", "--lora"],
+            "checkpointDir": "/var/lib/haru/ckpt",
+        },
+    ]
+}
+
+
+def test_inline_json_and_defaults() -> None:
+    settings = load_settings({"HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG)})
+    assert settings.port == 8701
+    assert settings.token is None
+    assert settings.host == "127.0.0.1"
+    assert settings.gpu_source == "auto"
+    assert settings.shutdown_grace_s == 30.0
+    assert settings.stop_grace_s == 30.0
+    assert [slot.gpu_index for slot in settings.config.training_slots] == [1]
+    assert settings.config.training_slots[0].command == ("python", "train.py", "--lora")
+
+
+def test_config_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "supervisor.json"
+    path.write_text(json.dumps(CONFIG | {"$schema": "https://example.invalid/s.json"}))
+    settings = load_settings({"HARU_SUPERVISOR_CONFIG": f"  {path}\n"})
+    assert settings.config.inference_slots[0].models[0].port == 8001
+
+
+def test_a_token_binds_every_interface_and_is_trimmed() -> None:
+    settings = load_settings(
+        {"HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG), "HARU_SUPERVISOR_TOKEN": "  abc123  "}
+    )
+    assert settings.token == "abc123"
+    assert settings.host == "0.0.0.0"
+    assert "abc123" not in repr(settings)
+
+
+def test_a_blank_token_counts_as_unset() -> None:
+    settings = load_settings(
+        {"HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG), "HARU_SUPERVISOR_TOKEN": "   "}
+    )
+    assert settings.token is None
+    assert settings.host == "127.0.0.1"
+
+
+def test_the_trainer_environment_holds_no_secret() -> None:
+    settings = load_settings(
+        {
+            "HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG),
+            "HARU_SUPERVISOR_TOKEN": "tok-42-secret",
+            "DB_URL": "postgres://u:tok-42-secret@h/db",
+            "HOME": "/root",
+            "PATH": "/usr/bin",
+        }
+    )
+    assert dict(settings.trainer_env) == {
+        "HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG),
+        "HOME": "/root",
+        "PATH": "/usr/bin",
+    }
+    assert settings.search_path == "/usr/bin"
+
+
+def test_settings_built_directly_also_strip_the_token() -> None:
+    settings = Settings(
+        config=load_config(json.dumps(CONFIG)),
+        token="t0k",
+        trainer_env={"HARU_SUPERVISOR_TOKEN": "t0k", "A": "b"},
+    )
+    assert dict(settings.trainer_env) == {"A": "b"}
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"PORT": "9000"}, ("port", 9000)),
+        ({"PORT": "0"}, ("port", 0)),
+        ({"PORT": " "}, ("port", 8701)),
+        ({"HARU_SUPERVISOR_GPU_SOURCE": "NVML"}, ("gpu_source", "nvml")),
+        ({"HARU_SUPERVISOR_GPU_SOURCE": "nvidia-smi"}, ("gpu_source", "nvidia-smi")),
+        ({"HARU_SUPERVISOR_GPU_SOURCE": ""}, ("gpu_source", "auto")),
+        ({"HARU_SUPERVISOR_SHUTDOWN_GRACE_MS": "1500"}, ("shutdown_grace_s", 1.5)),
+        ({"HARU_SUPERVISOR_SHUTDOWN_GRACE_MS": "0"}, ("shutdown_grace_s", 0.0)),
+    ],
+)
+def test_optional_variables(env: dict[str, str], expected: tuple[str, object]) -> None:
+    settings = load_settings({"HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG), **env})
+    name, value = expected
+    assert getattr(settings, name) == value
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({}, "HARU_SUPERVISOR_CONFIG is required"),
+        ({"HARU_SUPERVISOR_CONFIG": "  "}, "HARU_SUPERVISOR_CONFIG is required"),
+        ({"HARU_SUPERVISOR_CONFIG": "/nonexistent/supervisor.json"}, "cannot read file"),
+        ({"HARU_SUPERVISOR_CONFIG": "{not json"}, "not valid JSON"),
+        ({"HARU_SUPERVISOR_CONFIG": '{"slots": []}'}, "invalid"),
+        (
+            {"HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG | {"extra": 1})},
+            "Extra inputs are not permitted",
+        ),
+        (
+            {
+                "HARU_SUPERVISOR_CONFIG": json.dumps(
+                    {
+                        "slots": [
+                            {
+                                "kind": "inference",
+                                "gpuIndex": 0,
+                                "models": [{"name": "A", "port": 1}],
+                            }
+                        ]
+                    }
+                )
+            },
+            "lowercase",
+        ),
+        (
+            {
+                "HARU_SUPERVISOR_CONFIG": json.dumps(
+                    {"slots": [CONFIG["slots"][0], CONFIG["slots"][0]]}
+                )
+            },
+            "duplicate inference slot on GPU 0",
+        ),
+        ({"PORT": "http"}, "PORT must be an integer"),
+        ({"PORT": "70000"}, "PORT must be an integer"),
+        ({"PORT": "-1"}, "PORT must be an integer"),
+        ({"HARU_SUPERVISOR_GPU_SOURCE": "cuda"}, "HARU_SUPERVISOR_GPU_SOURCE must be one of"),
+        ({"HARU_SUPERVISOR_SHUTDOWN_GRACE_MS": "soon"}, "non-negative integer"),
+    ],
+)
+def test_invalid_settings(env: dict[str, str], match: str) -> None:
+    env = {"HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG)} | env if env else env
+    with pytest.raises(SettingsError, match=match):
+        load_settings(env)
+
+
+def test_an_unreadable_config_file(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="cannot read file"):
+        load_config(str(tmp_path))  # a directory

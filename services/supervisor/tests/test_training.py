@@ -1,0 +1,326 @@
+"""Training runs with real child processes and real signals."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from haru_protocol import SupervisorTrainingSlot, TrainingRunState
+from haru_sim import read_trainer_checkpoint
+from haru_supervisor import (
+    ShuttingDownError,
+    TrainingRun,
+    TrainingRuns,
+    TrainingStartError,
+    trainer_base_env,
+)
+
+Command = Callable[..., tuple[str, ...]]
+
+
+def _slot(
+    command: tuple[str, ...], checkpoint_dir: Path, gpu_index: int = 1
+) -> SupervisorTrainingSlot:
+    return SupervisorTrainingSlot(
+        gpu_index=gpu_index, command=command, checkpoint_dir=str(checkpoint_dir)
+    )
+
+
+def _run(command: tuple[str, ...], checkpoint_dir: Path, **kwargs: Any) -> TrainingRun:
+    return TrainingRun(
+        _slot(command, checkpoint_dir), base_env=dict(os.environ), poll_s=0.02, **kwargs
+    )
+
+
+def _state(run: TrainingRun) -> TrainingRunState:
+    # A call, so the type checker does not narrow the state across awaits.
+    return run.state
+
+
+def _ready_pids(directory: Path) -> list[int] | None:
+    try:
+        pids: list[int] = json.loads((directory / "ready.json").read_text())
+    except FileNotFoundError:
+        return None
+    return pids
+
+
+async def test_a_trainer_that_exits_on_sigterm(
+    tmp_path: Path, sim_trainer: Command, wait_for: Any, alive: Callable[[int], bool]
+) -> None:
+    run = _run(sim_trainer(), tmp_path)
+    assert _state(run) is TrainingRunState.IDLE
+    assert await run.pids() == ()
+    assert await run.start() is True
+    assert _state(run) is TrainingRunState.RUNNING
+    await wait_for(lambda: read_trainer_checkpoint(tmp_path) is not None)
+    (pid,) = await run.pids()
+    started = time.monotonic()
+    await run.stop(30.0)
+    assert _state(run) is TrainingRunState.STOPPING
+    await run.wait_idle()
+    # It ended on SIGTERM, long before the 30 s grace.
+    assert time.monotonic() - started < 10
+    assert _state(run) is TrainingRunState.IDLE
+    assert await run.pids() == ()
+    assert not alive(pid)
+    checkpoint = read_trainer_checkpoint(tmp_path)
+    assert checkpoint is not None
+    assert checkpoint.gpu_index == 1
+
+
+async def test_a_trainer_ignoring_sigterm_is_killed_at_the_grace(
+    tmp_path: Path,
+    sim_trainer: Command,
+    wait_for: Any,
+    alive: Callable[[int], bool],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="haru_supervisor")
+    run = _run(sim_trainer("--ignore-sigterm"), tmp_path)
+    await run.start()
+    await wait_for(lambda: read_trainer_checkpoint(tmp_path) is not None)
+    (pid,) = await run.pids()
+    await run.stop(0.4)
+    deadline = run.kill_deadline
+    assert deadline is not None
+    # SIGTERM was delivered and ignored: still alive and stopping until the deadline.
+    assert alive(pid)
+    assert _state(run) is TrainingRunState.STOPPING
+    await run.wait_idle()
+    assert time.monotonic() >= deadline
+    assert not alive(pid)
+    assert "SIGKILL to group" in caplog.text
+    assert "ended by SIGKILL" in caplog.text
+
+
+async def test_the_whole_process_group_dies(
+    tmp_path: Path, fake_trainer: Command, wait_for: Any, alive: Callable[[int], bool]
+) -> None:
+    # The trainer exits on SIGTERM; its grandchild ignores SIGTERM and must be SIGKILLed.
+    run = _run(fake_trainer("--grandchild"), tmp_path)
+    await run.start()
+    await wait_for(lambda: _ready_pids(tmp_path) is not None)
+    pids = _ready_pids(tmp_path)
+    assert pids is not None
+    assert len(pids) == 2
+    await wait_for(lambda: _pids_reported(run, pids))
+    await run.stop(0.4)
+    await wait_for(lambda: not alive(pids[0]))
+    # The leader is gone but the grandchild holds the run in `stopping`.
+    assert alive(pids[1])
+    assert _state(run) is TrainingRunState.STOPPING
+    assert await run.pids() == (pids[1],)
+    await run.wait_idle()
+    assert not any(alive(pid) for pid in pids)
+    assert await run.pids() == ()
+
+
+async def _pids_reported(run: TrainingRun, pids: list[int]) -> bool:
+    return set(await run.pids()) == set(pids)
+
+
+async def test_sim_trainer_with_a_child_stops_cleanly(
+    tmp_path: Path, sim_trainer: Command, wait_for: Any, alive: Callable[[int], bool]
+) -> None:
+    run = _run(sim_trainer("--spawn-child"), tmp_path)
+    await run.start()
+
+    async def two_pids() -> bool:
+        return len(await run.pids()) == 2
+
+    await wait_for(two_pids)
+    pids = await run.pids()
+    await run.stop(5.0)
+    await run.wait_idle()
+    assert not any(alive(pid) for pid in pids)
+
+
+async def test_a_missing_binary_leaves_the_run_idle(tmp_path: Path) -> None:
+    run = _run((str(tmp_path / "no-such-trainer"), "--flag"), tmp_path)
+    with pytest.raises(TrainingStartError, match="No such file or directory") as caught:
+        await run.start()
+    assert caught.value.gpu_index == 1
+    assert _state(run) is TrainingRunState.IDLE
+    assert await run.pids() == ()
+    await run.stop(1.0)  # a no-op on an idle run
+    assert _state(run) is TrainingRunState.IDLE
+
+
+async def test_a_non_executable_file_leaves_the_run_idle(tmp_path: Path) -> None:
+    script = tmp_path / "trainer.sh"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o644)
+    run = _run((str(script),), tmp_path)
+    with pytest.raises(TrainingStartError, match="Permission denied"):
+        await run.start()
+    assert _state(run) is TrainingRunState.IDLE
+
+
+async def test_the_environment_has_no_secret_and_exactly_two_additions(
+    tmp_path: Path, fake_trainer: Command, wait_for: Any
+) -> None:
+    token = "s3cret-token-value"
+    parent = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LC_ALL": "C.UTF-8",
+        "KEEP_ME": "yes",
+        "HARU_SUPERVISOR_TOKEN": token,
+        "SAME_SECRET_ELSEWHERE": f"https://user:{token}@example.invalid/",
+        "HARU_CHECKPOINT_DIR": "/stale",
+        "HARU_GPU_INDEX": "7",
+    }
+    run = TrainingRun(
+        _slot(fake_trainer(), tmp_path, gpu_index=3),
+        base_env=trainer_base_env(parent, token),
+        poll_s=0.02,
+    )
+    await run.start()
+    await wait_for(lambda: _ready_pids(tmp_path) is not None)
+    env = json.loads((tmp_path / "env.json").read_text())
+    await run.stop(5.0)
+    await run.wait_idle()
+    assert env == {
+        "PATH": parent["PATH"],
+        "LC_ALL": "C.UTF-8",
+        "KEEP_ME": "yes",
+        "HARU_CHECKPOINT_DIR": str(tmp_path),
+        "HARU_GPU_INDEX": "3",
+    }
+    assert token not in json.dumps(env)
+
+
+async def test_a_second_stop_only_tightens_the_deadline(
+    tmp_path: Path, sim_trainer: Command, wait_for: Any, alive: Callable[[int], bool]
+) -> None:
+    run = _run(sim_trainer("--ignore-sigterm"), tmp_path)
+    await run.start()
+    await wait_for(lambda: read_trainer_checkpoint(tmp_path) is not None)
+    (pid,) = await run.pids()
+    await run.stop(60.0)
+    first = run.kill_deadline
+    assert first is not None
+    await run.stop(120.0)  # looser: ignored
+    assert run.kill_deadline == first
+    started = time.monotonic()
+    await run.stop(0.2)  # tighter: taken
+    second = run.kill_deadline
+    assert second is not None
+    assert second < first
+    await run.wait_idle()
+    assert time.monotonic() - started < 10  # killed at the tightened deadline, not after 60 s
+    assert not alive(pid)
+
+
+async def test_start_is_idempotent_and_a_run_can_start_again(
+    tmp_path: Path, sim_trainer: Command, wait_for: Any
+) -> None:
+    run = _run(sim_trainer(), tmp_path)
+    assert await run.start() is True
+    assert await run.start() is False
+    await wait_for(lambda: read_trainer_checkpoint(tmp_path) is not None)
+    (pid,) = await run.pids()
+    await run.stop(5.0)
+    assert await run.start() is False  # stopping: still a no-op
+    await run.wait_idle()
+    assert await run.start() is True
+    await wait_for(lambda: _has_new_pid(run, pid))
+    await run.stop(5.0)
+    await run.wait_idle()
+
+
+async def _has_new_pid(run: TrainingRun, old: int) -> bool:
+    pids = await run.pids()
+    return bool(pids) and pids != (old,)
+
+
+async def test_a_trainer_exiting_on_its_own_returns_to_idle(
+    tmp_path: Path, sim_trainer: Command, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="haru_supervisor")
+    run = _run(sim_trainer("--max-steps", "3"), tmp_path)
+    await run.start()
+    await run.wait_idle()
+    assert _state(run) is TrainingRunState.IDLE
+    assert await run.pids() == ()
+    assert "exited with status 0" in caplog.text
+
+
+async def test_a_crashing_trainer_returns_to_idle(tmp_path: Path, fake_trainer: Command) -> None:
+    run = _run(fake_trainer("--exit-after-ms", "10", "--exit-code", "3"), tmp_path)
+    await run.start()
+    await run.wait_idle()
+    assert _state(run) is TrainingRunState.IDLE
+
+
+async def test_processes_left_behind_by_a_finished_trainer_are_killed(
+    tmp_path: Path,
+    fake_trainer: Command,
+    wait_for: Any,
+    alive: Callable[[int], bool],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    run = _run(fake_trainer("--grandchild", "--exit-after-ms", "50"), tmp_path)
+    await run.start()
+    await run.wait_idle()
+    pids = _ready_pids(tmp_path)
+    assert pids is not None
+    assert not any(alive(pid) for pid in pids)
+    assert "left processes in its group" in caplog.text
+
+
+async def test_runs_refuse_starts_once_shutdown_began(
+    tmp_path: Path, sim_trainer: Command, wait_for: Any, alive: Callable[[int], bool]
+) -> None:
+    runs = TrainingRuns(
+        [
+            _slot(sim_trainer(), tmp_path / "a", gpu_index=1),
+            _slot(sim_trainer("--ignore-sigterm"), tmp_path / "b", gpu_index=2),
+        ],
+        base_env=dict(os.environ),
+        poll_s=0.02,
+    )
+    assert await runs.start_all() == []
+    await wait_for(
+        lambda: all(read_trainer_checkpoint(tmp_path / d) is not None for d in ("a", "b"))
+    )
+    pids = [pid for status in await runs.statuses() for pid in status.pids]
+    assert len(pids) == 2
+    assert await runs.shutdown(0.3) is True
+    assert runs.refusing_starts
+    assert not any(alive(pid) for pid in pids)
+    with pytest.raises(ShuttingDownError):
+        await runs.start_all()
+    assert [s.state for s in await runs.statuses()] == [TrainingRunState.IDLE] * 2
+
+
+async def test_start_all_reports_each_spawn_failure_and_starts_the_rest(
+    tmp_path: Path, sim_trainer: Command
+) -> None:
+    runs = TrainingRuns(
+        [
+            _slot(("/nonexistent/trainer",), tmp_path / "a", gpu_index=1),
+            _slot(sim_trainer(), tmp_path / "b", gpu_index=2),
+        ],
+        base_env=dict(os.environ),
+        poll_s=0.02,
+    )
+    failures = await runs.start_all()
+    assert [f.gpu_index for f in failures] == [1]
+    run = runs.by_gpu(2)
+    assert run is not None
+    assert _state(run) is TrainingRunState.RUNNING
+    assert await runs.shutdown(5.0) is True
+
+
+def test_the_trainer_environment_helper_drops_per_slot_variables() -> None:
+    env = trainer_base_env({"A": "1", "HARU_GPU_INDEX": "0", "HARU_CHECKPOINT_DIR": "/x"}, None)
+    assert env == {"A": "1"}
+    assert sys.executable  # the interpreter the trainers run on
