@@ -1,6 +1,56 @@
-"""Haru's pure decision logic: no I/O, no clock reads (time is always an argument)."""
+"""Haru's pure decision logic: no I/O, no clock reads (time is always an argument).
 
+Everything here takes snapshots from :mod:`haru_protocol` and returns values or frozen intents
+(:class:`CreateOperation`, :class:`FailoverDecision`, :class:`SlotChange`, ...) that the
+repository layer and the reconciler apply with compare-and-swap writes.
+"""
+
+from haru_core._bindings import (
+    has_inference_bindings,
+    inference_bindings,
+    inference_slots,
+    is_active,
+    slot_bindings,
+    training_slots,
+)
+from haru_core._decisions import (
+    AlreadyActive,
+    CreateOperation,
+    InvalidTarget,
+    TargetProblem,
+    decide_demotion,
+    decide_promotion,
+)
 from haru_core._errors import HaruCoreError, InvalidTransitionError
+from haru_core._failover import (
+    FailoverDecision,
+    detect_degraded_escalation,
+    detect_failover,
+    is_stale,
+    is_viable_standby,
+    rank_standbys,
+)
+from haru_core._heartbeat import (
+    DomainChange,
+    SlotChange,
+    active_ready,
+    domain_change_on_heartbeat,
+    model_sleep_states,
+    slot_health_changes,
+)
+from haru_core._plan import (
+    BEST_EFFORT_STEPS,
+    DEMOTE_STEPS,
+    PROMOTE_STEPS,
+    first_step,
+    is_best_effort,
+    is_step_overdue,
+    next_step,
+    plan_for,
+    step_budget_ms,
+    step_remaining_ms,
+)
+from haru_core._routing import build_route_intent, find_routable_binding, routable_models
 from haru_core._states import (
     DOMAIN_TRANSITIONS,
     INFERENCE_TRANSITIONS,
@@ -16,21 +66,64 @@ from haru_core._states import (
     valid_states,
 )
 
-__all__ = (
+__all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     # State tables (SPEC 4)
     "DOMAIN_TRANSITIONS",
     "INFERENCE_TRANSITIONS",
+    "TRAINING_TRANSITIONS",
     "PROMOTABLE_DOMAIN_STATES",
     "ROUTABLE_DOMAIN_STATES",
-    "TRAINING_TRANSITIONS",
+    "Machine",
+    "machine_for",
+    "valid_states",
+    "is_valid_state",
+    "can_transition",
+    "assert_transition",
+    "states_with_edge_to",
+    # Operation plans (SPEC 4, 3.5)
+    "PROMOTE_STEPS",
+    "DEMOTE_STEPS",
+    "BEST_EFFORT_STEPS",
+    "plan_for",
+    "first_step",
+    "next_step",
+    "is_best_effort",
+    "step_budget_ms",
+    "step_remaining_ms",
+    "is_step_overdue",
+    # Bindings and roles
+    "inference_slots",
+    "training_slots",
+    "slot_bindings",
+    "inference_bindings",
+    "has_inference_bindings",
+    "is_active",
+    # Promotion and demotion decisions (SPEC 7.2)
+    "AlreadyActive",
+    "TargetProblem",
+    "InvalidTarget",
+    "CreateOperation",
+    "decide_promotion",
+    "decide_demotion",
+    # Failover (SPEC 7.3 step 2)
+    "FailoverDecision",
+    "is_stale",
+    "is_viable_standby",
+    "rank_standbys",
+    "detect_failover",
+    "detect_degraded_escalation",
+    # Heartbeat verdicts (SPEC 7.3 step 1)
+    "SlotChange",
+    "DomainChange",
+    "model_sleep_states",
+    "slot_health_changes",
+    "active_ready",
+    "domain_change_on_heartbeat",
+    # Routing (SPEC 7.4)
+    "routable_models",
+    "find_routable_binding",
+    "build_route_intent",
     # Errors
     "HaruCoreError",
     "InvalidTransitionError",
-    "Machine",
-    "assert_transition",
-    "can_transition",
-    "is_valid_state",
-    "machine_for",
-    "states_with_edge_to",
-    "valid_states",
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from haru_protocol._errors import HaruProtocolError
 
@@ -21,7 +21,8 @@ def join_url(base: str, path: str) -> str:
 
     Raises:
         UrlJoinError: ``path`` is absolute (has a scheme or host), carries a query or fragment,
-            or contains a ``.``/``..`` segment, or ``base`` is not an http(s) URL.
+            or contains a ``.``/``..`` segment (also percent-encoded, e.g. ``%2e%2e``), or
+            ``base`` is not an http(s) URL.
     """
     parts = urlsplit(base)
     if parts.scheme not in ("http", "https") or not parts.netloc:
@@ -32,7 +33,8 @@ def join_url(base: str, path: str) -> str:
     if extra.query or extra.fragment or "?" in path or "#" in path:
         raise UrlJoinError(f"path {path!r} must not carry a query or fragment")
     segments = [s for s in extra.path.split("/") if s]
-    if any(s in (".", "..") for s in segments):
+    # Percent-encoded dot segments count too: HTTP clients (yarl) decode and resolve them.
+    if any(unquote(s) in (".", "..") for s in segments):
         raise UrlJoinError(f"path {path!r} must not contain '.' or '..' segments")
     prefix = parts.path.rstrip("/")
     joined = prefix + "/" + "/".join(segments)

@@ -1,0 +1,147 @@
+"""Standby ranking, failover detection and degraded escalation (SPEC 7.3 step 2, 7.4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Literal
+from uuid import UUID
+
+from haru_protocol import DomainSnapshot, DomainState, FleetSnapshot, InferenceSlotState
+
+from haru_core._bindings import has_inference_bindings, inference_slots, is_active
+from haru_core._states import PROMOTABLE_DOMAIN_STATES
+from haru_core._time import require_aware
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_STATE_RANK = {DomainState.READY: 0, DomainState.DEGRADED: 1}
+_NOT_RANKED = len(_STATE_RANK)
+
+
+@dataclass(frozen=True, slots=True)
+class FailoverDecision:
+    """Promote ``target_domain_id`` because the active domain failed or went stale."""
+
+    target_domain_id: UUID
+    reason: Literal["active_failed", "active_stale"]
+    active_domain_id: UUID
+    """The domain that was active when the decision was taken."""
+
+
+def is_stale(domain: DomainSnapshot, *, now: datetime, heartbeat_stale_ms: int) -> bool:
+    """Whether the last heartbeat of ``domain`` is older than ``heartbeat_stale_ms``.
+
+    A domain that was never seen is NOT stale: its supervisor may simply not have been polled
+    yet, and failing over away from it would be a guess.
+    """
+    require_aware("now", now)
+    if domain.last_seen_at is None:
+        return False
+    return now - domain.last_seen_at > timedelta(milliseconds=heartbeat_stale_ms)
+
+
+def is_viable_standby(fleet: FleetSnapshot, domain: DomainSnapshot, *, now: datetime) -> bool:
+    """Whether ``domain`` is a standby known to be healthy enough to take over right now.
+
+    Viable: not the active, state ready, a supervisor URL, seen within the policy's
+    ``heartbeatStaleMs``, at least one inference slot, and no inference slot failed.
+    """
+    require_aware("now", now)
+    slots = inference_slots(domain)
+    return (
+        not is_active(fleet, domain)
+        and domain.state is DomainState.READY
+        and domain.supervisor_url is not None
+        and domain.last_seen_at is not None
+        and not is_stale(domain, now=now, heartbeat_stale_ms=fleet.policy.heartbeat_stale_ms)
+        and bool(slots)
+        and all(s.state is not InferenceSlotState.FAILED for s in slots)
+    )
+
+
+def _rank_key(domain: DomainSnapshot) -> tuple[int, int, timedelta, str, str]:
+    # Newer heartbeats first: a larger distance before the epoch sorts first. timedelta keys
+    # compare exactly (float timestamps could tie or misorder at microsecond resolution).
+    if domain.last_seen_at is None:
+        seen_rank, recency = 1, timedelta(0)
+    else:
+        seen_rank, recency = 0, _EPOCH - domain.last_seen_at
+    # Slugs are unique per fleet; the id only keeps the order total on malformed input.
+    return (
+        _STATE_RANK.get(domain.state, _NOT_RANKED),
+        seen_rank,
+        recency,
+        domain.slug,
+        str(domain.id),
+    )
+
+
+def rank_standbys(fleet: FleetSnapshot) -> tuple[DomainSnapshot, ...]:
+    """Every standby of ``fleet``, best candidate first.
+
+    Order: state ready, then degraded, then any other state; then the most recent
+    ``lastSeenAt`` (never seen last); then slug by code point (never locale). The order is total
+    and does not depend on the order of ``fleet.domains``.
+    """
+    return tuple(sorted((d for d in fleet.domains if not is_active(fleet, d)), key=_rank_key))
+
+
+def _is_fallback_candidate(domain: DomainSnapshot) -> bool:
+    return (
+        domain.state in PROMOTABLE_DOMAIN_STATES
+        and domain.supervisor_url is not None
+        and has_inference_bindings(domain)
+    )
+
+
+def detect_failover(fleet: FleetSnapshot, *, now: datetime) -> FailoverDecision | None:
+    """Decide an automatic failover (SPEC 7.3 step 2).
+
+    Needs ``autoFailover`` on and an active domain that is failed or stale. The target is the
+    first viable standby of :func:`rank_standbys`, else the first ranked standby that is ready
+    or degraded, has a supervisor URL and has inference bindings. The caller checks that no
+    operation is in flight.
+
+    Returns:
+        The decision, or None when no failover is due or no standby could take over.
+    """
+    require_aware("now", now)
+    if not fleet.policy.auto_failover:
+        return None
+    active = fleet.active_domain
+    if active is None:
+        return None
+    reason: Literal["active_failed", "active_stale"]
+    if active.state is DomainState.FAILED:
+        reason = "active_failed"
+    elif is_stale(active, now=now, heartbeat_stale_ms=fleet.policy.heartbeat_stale_ms):
+        reason = "active_stale"
+    else:
+        return None
+    ranked = rank_standbys(fleet)
+    target = next((d for d in ranked if is_viable_standby(fleet, d, now=now)), None)
+    if target is None:
+        target = next((d for d in ranked if _is_fallback_candidate(d)), None)
+    if target is None:
+        return None
+    return FailoverDecision(target_domain_id=target.id, reason=reason, active_domain_id=active.id)
+
+
+def detect_degraded_escalation(fleet: FleetSnapshot, *, now: datetime) -> UUID | None:
+    """The id of an active domain that stayed degraded past ``degradedGraceMs``, if any.
+
+    Escalation (degraded to failed) needs ``autoFailover`` on, the active degraded for strictly
+    longer than the grace since its ``stateUpdatedAt``, and a viable standby to fail over to:
+    without one, failing the active would only stop the traffic it still serves.
+    """
+    require_aware("now", now)
+    if not fleet.policy.auto_failover:
+        return None
+    active = fleet.active_domain
+    if active is None or active.state is not DomainState.DEGRADED:
+        return None
+    if now - active.state_updated_at <= timedelta(milliseconds=fleet.policy.degraded_grace_ms):
+        return None
+    if not any(is_viable_standby(fleet, d, now=now) for d in fleet.domains):
+        return None
+    return active.id

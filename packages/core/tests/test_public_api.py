@@ -1,0 +1,116 @@
+"""haru_core's surface: the contracted names, and purity enforced on its imports."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import haru_core
+
+PACKAGE_DIR = Path(haru_core.__file__).resolve().parent
+
+# Pure logic: the standard library's data-only modules and haru-protocol, nothing that does
+# I/O (os, asyncio, sockets, subprocess), reads a clock behind the caller's back, or pulls in
+# the server's stack (aiohttp, sqlalchemy).
+ALLOWED_IMPORTS = {
+    "__future__",
+    "collections",
+    "dataclasses",
+    "datetime",
+    "enum",
+    "typing",
+    "uuid",
+    "haru_protocol",
+    "haru_core",
+}
+
+# The contract other packages code against (CORE_API); removing a name breaks them.
+CONTRACT = {
+    "DOMAIN_TRANSITIONS",
+    "INFERENCE_TRANSITIONS",
+    "TRAINING_TRANSITIONS",
+    "PROMOTABLE_DOMAIN_STATES",
+    "ROUTABLE_DOMAIN_STATES",
+    "Machine",
+    "machine_for",
+    "valid_states",
+    "is_valid_state",
+    "can_transition",
+    "assert_transition",
+    "states_with_edge_to",
+    "PROMOTE_STEPS",
+    "DEMOTE_STEPS",
+    "BEST_EFFORT_STEPS",
+    "plan_for",
+    "first_step",
+    "next_step",
+    "is_best_effort",
+    "step_budget_ms",
+    "step_remaining_ms",
+    "is_step_overdue",
+    "inference_bindings",
+    "has_inference_bindings",
+    "training_slots",
+    "inference_slots",
+    "is_active",
+    "AlreadyActive",
+    "TargetProblem",
+    "InvalidTarget",
+    "CreateOperation",
+    "decide_promotion",
+    "decide_demotion",
+    "is_stale",
+    "is_viable_standby",
+    "rank_standbys",
+    "FailoverDecision",
+    "detect_failover",
+    "detect_degraded_escalation",
+    "SlotChange",
+    "DomainChange",
+    "model_sleep_states",
+    "slot_health_changes",
+    "active_ready",
+    "domain_change_on_heartbeat",
+    "routable_models",
+    "find_routable_binding",
+    "build_route_intent",
+    "HaruCoreError",
+    "InvalidTransitionError",
+}
+
+
+def imported_roots(path: Path) -> set[str]:
+    roots: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path.name}: relative import"
+            assert node.module is not None
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_modules_import_nothing_impure() -> None:
+    modules = sorted(PACKAGE_DIR.glob("*.py"))
+    assert len(modules) >= 8
+    for module in modules:
+        extra = imported_roots(module) - ALLOWED_IMPORTS
+        assert not extra, f"{module.name} imports {sorted(extra)}"
+
+
+def test_no_private_protocol_imports() -> None:
+    for module in PACKAGE_DIR.glob("*.py"):
+        tree = ast.parse(module.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not node.module.startswith("haru_protocol."), module.name
+
+
+def test_contract_is_exported() -> None:
+    exported = set(haru_core.__all__)
+    assert len(exported) == len(haru_core.__all__), "duplicate names in __all__"
+    assert exported >= CONTRACT, sorted(CONTRACT - exported)
+    assert exported - CONTRACT == {"slot_bindings"}
+    for name in exported:
+        assert getattr(haru_core, name) is not None
