@@ -1,3 +1,102 @@
-"""SkyPilot boundary of Haru: task YAML renderer and sky CLI runner."""
+"""SkyPilot boundary of Haru: task YAML renderer and ``sky`` CLI runner (SPEC 8).
 
-__all__: tuple[str, ...] = ()
+Haru never calls a cloud API: a domain with provider ``skypilot`` is one SkyPilot cluster,
+described by a :class:`TaskSpec`, rendered by :func:`render_task_yaml`, and driven by
+:class:`SkyPilotDriver` through the ``sky`` CLI (argv only, time-bounded, typed errors).
+Services depend on the :class:`DomainDriver` protocol so tests can inject fakes.
+"""
+
+from haru_driver_skypilot._driver import DomainDriver, SkyPilotDriver, resolve_sdk
+from haru_driver_skypilot._errors import (
+    InvalidSpecError,
+    SkyCliError,
+    SkyCommandError,
+    SkyDriverError,
+    SkyOutputError,
+    SkySdkError,
+    SkyTimeoutError,
+    SkyUnavailableError,
+    UnknownStatusError,
+)
+from haru_driver_skypilot._render import dump_yaml, render_task_yaml, task_config
+from haru_driver_skypilot._runner import (
+    SkyRunner,
+    SkyTimeouts,
+    is_cold_server_failure,
+    strip_ansi,
+    temporary_yaml,
+)
+from haru_driver_skypilot._sdk import (
+    SkyPilotSdk,
+    SkySdk,
+    StatusSource,
+    sdk_available,
+    service_record_to_mapping,
+    status_record_to_mapping,
+)
+from haru_driver_skypilot._spec import (
+    MAX_NAME_LENGTH,
+    TaskSpec,
+    check_name,
+    cluster_name,
+    is_valid_name,
+)
+from haru_driver_skypilot._status import (
+    ClusterInfo,
+    ClusterStatus,
+    cluster_info_from_record,
+    find_cluster,
+    parse_status_json,
+)
+from haru_driver_skypilot._testing import ExecCall, Reply, ScriptedExec
+
+# Grouped by topic rather than sorted, so the public surface reads like a table of contents.
+__all__ = (  # noqa: RUF022
+    # Specs and names
+    "TaskSpec",
+    "cluster_name",
+    "check_name",
+    "is_valid_name",
+    "MAX_NAME_LENGTH",
+    # Rendering
+    "render_task_yaml",
+    "task_config",
+    "dump_yaml",
+    # Runner
+    "SkyRunner",
+    "SkyTimeouts",
+    "is_cold_server_failure",
+    "strip_ansi",
+    "temporary_yaml",
+    # Status
+    "ClusterInfo",
+    "ClusterStatus",
+    "cluster_info_from_record",
+    "find_cluster",
+    "parse_status_json",
+    # Driver
+    "DomainDriver",
+    "SkyPilotDriver",
+    "resolve_sdk",
+    # SDK (optional extra `sky`)
+    "SkySdk",
+    "SkyPilotSdk",
+    "StatusSource",
+    "sdk_available",
+    "status_record_to_mapping",
+    "service_record_to_mapping",
+    # Errors
+    "SkyDriverError",
+    "InvalidSpecError",
+    "SkyCommandError",
+    "SkyCliError",
+    "SkyTimeoutError",
+    "SkyUnavailableError",
+    "SkyOutputError",
+    "UnknownStatusError",
+    "SkySdkError",
+    # Test support
+    "ScriptedExec",
+    "Reply",
+    "ExecCall",
+)

@@ -1,0 +1,189 @@
+"""The ``sky`` runner: argv only, time-bounded, one retry on a cold API server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from haru_protocol import (
+    Exec,
+    ExecError,
+    ExecResult,
+    ExecSpawnError,
+    ExecTimeoutError,
+    run_exec,
+)
+
+from haru_driver_skypilot._errors import (
+    SkyCliError,
+    SkyOutputError,
+    SkyTimeoutError,
+    SkyUnavailableError,
+)
+
+logger = logging.getLogger(__name__)
+
+_ANSI_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
+
+# What the `sky` client prints when the local API server is not (yet) accepting connections:
+# it auto-starts one ("Failed to connect to SkyPilot API server at ... Starting a local
+# server."), and the first request can still race the start-up (ConnectionRefused).
+_COLD_SERVER_RE = re.compile(
+    r"connection refused|connectionrefused|failed to connect|starting a local server"
+    r"|could not connect to skypilot api server",
+    re.IGNORECASE,
+)
+
+
+def strip_ansi(text: str) -> str:
+    """Remove terminal escape sequences (colours, bold) that ``sky`` prints even to pipes."""
+    return _ANSI_RE.sub("", text)
+
+
+def is_cold_server_failure(result: ExecResult) -> bool:
+    """Whether a failed ``sky`` call looks like it hit a local API server still starting."""
+    if result.ok:
+        return False
+    return _COLD_SERVER_RE.search(strip_ansi(f"{result.stdout}\n{result.stderr}")) is not None
+
+
+@dataclass(frozen=True, slots=True)
+class SkyTimeouts:
+    """Time bounds, in seconds, of each kind of ``sky`` command.
+
+    Attributes:
+        launch: ``sky launch`` and ``sky serve up``: provisioning, setup and (for services)
+            the controller launch take many minutes.
+        status: ``sky status`` and ``sky serve status``: quick queries, but the first call
+            may auto-start the local API server (about 20 s cold).
+        stop: ``sky stop``: the client waits for the instances to stop.
+        down: ``sky down`` and ``sky serve down``: the client waits for the termination.
+    """
+
+    launch: float = 1800.0
+    status: float = 60.0
+    stop: float = 300.0
+    down: float = 300.0
+
+    def __post_init__(self) -> None:
+        for name in ("launch", "status", "stop", "down"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"timeout {name!r} must be positive")
+
+
+class SkyRunner:
+    """Runs ``sky`` subcommands through the protocol's exec boundary.
+
+    Every call is an argv list (never a shell) with an explicit time bound. A call that fails
+    the way a cold local API server fails (connection refused, "Failed to connect",
+    "Starting a local server") is retried ``cold_start_retries`` times after
+    ``retry_delay`` seconds; any other failure is raised at once.
+    """
+
+    def __init__(
+        self,
+        *,
+        executable: str = "sky",
+        execute: Exec = run_exec,
+        env: Mapping[str, str] | None = None,
+        cold_start_retries: int = 1,
+        retry_delay: float = 3.0,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        """Create a runner.
+
+        Args:
+            executable: The ``sky`` binary: a name looked up on ``PATH`` or a path.
+            execute: The exec function (inject a fake in tests).
+            env: The complete environment of the child, or ``None`` to inherit this
+                process's environment.
+            cold_start_retries: How many times to retry a cold-server failure.
+            retry_delay: Seconds to wait before such a retry.
+            sleep: The sleep function used for that wait (inject to keep tests fast).
+        """
+        if cold_start_retries < 0:
+            raise ValueError("cold_start_retries must be >= 0")
+        if retry_delay < 0:
+            raise ValueError("retry_delay must be >= 0")
+        self._executable = executable
+        self._execute = execute
+        self._env = None if env is None else dict(env)
+        self._retries = cold_start_retries
+        self._retry_delay = retry_delay
+        self._sleep = sleep
+
+    @property
+    def executable(self) -> str:
+        """The ``sky`` binary this runner calls."""
+        return self._executable
+
+    async def run(self, args: Sequence[str], *, timeout: float) -> ExecResult:
+        """Run ``sky <args...>`` and return its result when it exits with status 0.
+
+        Args:
+            args: The arguments after ``sky``.
+            timeout: Seconds the command may run (per attempt).
+
+        Raises:
+            SkyCliError: it exited non-zero (after the cold-server retry, if that applied).
+            SkyTimeoutError: it ran past ``timeout`` and was killed.
+            SkyUnavailableError: ``sky`` could not be started.
+            SkyOutputError: it printed more than the exec boundary accepts.
+        """
+        argv = (self._executable, *args)
+        attempt = 0
+        while True:
+            logger.debug("running %s (timeout %.0f s)", argv, timeout)
+            try:
+                result = await self._execute(argv, timeout=timeout, env=self._env)
+            except ExecTimeoutError as exc:
+                raise SkyTimeoutError(str(exc), argv=argv, timeout=timeout) from exc
+            except ExecSpawnError as exc:
+                raise SkyUnavailableError(str(exc), argv=argv) from exc
+            except ExecError as exc:
+                raise SkyOutputError(str(exc), argv=argv) from exc
+            if result.ok:
+                return result
+            if attempt < self._retries and is_cold_server_failure(result):
+                attempt += 1
+                logger.warning(
+                    "%s failed on a cold SkyPilot API server (status %d); retrying in %.1f s",
+                    argv[:3],
+                    result.returncode,
+                    self._retry_delay,
+                )
+                await self._sleep(self._retry_delay)
+                continue
+            raise SkyCliError.from_result(result)
+
+
+def _write_file(directory: str, filename: str, text: str) -> Path:
+    path = Path(directory) / filename
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@contextlib.asynccontextmanager
+async def temporary_yaml(text: str, *, filename: str) -> AsyncIterator[Path]:
+    """Write ``text`` to a file in a fresh private temp dir; remove the dir on exit.
+
+    The directory is created mode 0700 because ``envs`` may carry credentials.
+
+    Args:
+        text: The YAML document.
+        filename: The file's name inside the temp dir (e.g. ``<cluster>.yaml``).
+    """
+    if "/" in filename or filename in {"", ".", ".."}:
+        raise ValueError(f"bad file name {filename!r}")
+    directory = await asyncio.to_thread(tempfile.mkdtemp, prefix="haru-sky-")
+    try:
+        yield await asyncio.to_thread(_write_file, directory, filename, text)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, directory, True)
