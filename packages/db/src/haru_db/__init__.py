@@ -1,3 +1,48 @@
-"""Haru state store: SQLAlchemy tables, Alembic migrations and compare-and-swap repository."""
+"""Haru's state store: schema, Alembic migrations and the compare-and-swap repository.
 
-__all__: tuple[str, ...] = ()
+One URL picks the engine: PostgreSQL (psycopg 3) in production, an embedded SQLite file by
+default. Every write is one guarded statement that reports whether it won (SPEC 5.3); reads
+return haru_protocol read models. The pytest plugin :mod:`haru_db.testing` gives other
+packages a freshly migrated database per test on both engines.
+"""
+
+from haru_db._errors import (
+    ConstraintViolationError,
+    HaruDbError,
+    LayoutFileError,
+    MalformedFleetStateError,
+    SchemaOutdatedError,
+    SchemaTooNewError,
+    StateStoreUnavailableError,
+)
+from haru_db._migrate import check_schema, current_revision, downgrade, head_revision, upgrade
+from haru_db._operator import load_layout_file, seed_layout_file
+from haru_db._store import LayoutApplyResult, StateStore
+from haru_db._urls import DEFAULT_DATABASE_FILE, redact_database_url, resolve_database_url
+
+__all__ = (
+    # URLs
+    "DEFAULT_DATABASE_FILE",
+    # Errors
+    "ConstraintViolationError",
+    "HaruDbError",
+    # Repository
+    "LayoutApplyResult",
+    "LayoutFileError",
+    "MalformedFleetStateError",
+    "SchemaOutdatedError",
+    "SchemaTooNewError",
+    "StateStore",
+    "StateStoreUnavailableError",
+    # Migrations
+    "check_schema",
+    "current_revision",
+    "downgrade",
+    "head_revision",
+    # Operator helpers (the haru CLI)
+    "load_layout_file",
+    "redact_database_url",
+    "resolve_database_url",
+    "seed_layout_file",
+    "upgrade",
+)

@@ -1,0 +1,1 @@
+"""Alembic revision scripts (loaded by Alembic from this folder, never imported by haru_db)."""
