@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime
 from uuid import UUID
 
 from aiohttp import web
 from haru_db import StateStore
 
+from haru_server._clock import Clock as Clock
+from haru_server._loop import ReconcileLoop
+from haru_server._reconciler import Reconciler
 from haru_server._settings import Settings
-
-Clock = Callable[[], datetime]
-"""Returns the current aware UTC time; injected so tests control budgets."""
 
 FleetKicker = Callable[[UUID], None]
 """Asks the background loop to reconcile one fleet now (debounced; never blocks)."""
 
 settings_key = web.AppKey("settings", Settings)
 store_key = web.AppKey("store", StateStore)
-clock_key = web.AppKey("clock", Clock)
-kick_fleet_key = web.AppKey("kick_fleet", FleetKicker)
+clock_key: web.AppKey[Clock] = web.AppKey("clock")
+kick_fleet_key: web.AppKey[FleetKicker] = web.AppKey("kick_fleet")
+reconciler_key = web.AppKey("reconciler", Reconciler)
+"""Runs reconcile ticks (set at start-up, once the supervisor client session exists)."""
+loop_key: web.AppKey[ReconcileLoop | None] = web.AppKey("reconcile_loop")
+"""The background loop, or None when ``HARU_RECONCILE_INTERVAL_MS`` is unset."""

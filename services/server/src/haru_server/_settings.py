@@ -7,18 +7,21 @@ from dataclasses import dataclass
 
 from haru_protocol import MAX_DURATION_MS, normalize_token
 
+from haru_server._errors import HaruServerError
 
-class SettingsError(ValueError):
+
+class SettingsError(HaruServerError, ValueError):
     """An environment variable holds a value the server cannot use (a boot error)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class Settings:
     """Everything the server reads from its environment."""
 
     database_url: str | None = None
     """Raw ``DATABASE_URL``; None means the embedded SQLite default."""
     port: int = 8700
+    """TCP port; 0 picks a free one (the bound port is logged)."""
     api_token: str | None = None
     supervisor_token: str | None = None
     default_fleet: str | None = None
@@ -28,6 +31,17 @@ class Settings:
     reconcile_interval_ms: int | None = None
     reconcile_fleets: tuple[str, ...] | None = None
     """Fleets the loop reconciles; None means every fleet in the store."""
+
+    def __repr__(self) -> str:
+        # Tokens never reach a log line, even through a repr.
+        return (
+            f"Settings(database_url={'set' if self.database_url else 'unset'}, "
+            f"port={self.port}, api_token={'set' if self.api_token else 'unset'}, "
+            f"supervisor_token={'set' if self.supervisor_token else 'unset'}, "
+            f"default_fleet={self.default_fleet!r}, "
+            f"reconcile_interval_ms={self.reconcile_interval_ms!r}, "
+            f"reconcile_fleets={self.reconcile_fleets!r})"
+        )
 
     @property
     def host(self) -> str:
@@ -39,7 +53,7 @@ class Settings:
         """Parse the environment; blank values count as unset.
 
         Raises:
-            SettingsError: a number is not a positive integer in range.
+            SettingsError: a number is not an integer in its range.
         """
 
         def text(name: str) -> str | None:
@@ -48,16 +62,18 @@ class Settings:
                 return None
             return value.strip()
 
-        def number(name: str, default: int, *, maximum: int = MAX_DURATION_MS) -> int:
+        def number(
+            name: str, default: int, *, minimum: int = 1, maximum: int = MAX_DURATION_MS
+        ) -> int:
             raw = text(name)
             if raw is None:
                 return default
             try:
                 value = int(raw, 10)
             except ValueError:
-                raise SettingsError(f"{name} must be a positive integer, got {raw!r}") from None
-            if not 0 < value <= maximum:
-                raise SettingsError(f"{name} must be between 1 and {maximum}, got {value}")
+                raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
+            if not minimum <= value <= maximum:
+                raise SettingsError(f"{name} must be between {minimum} and {maximum}, got {value}")
             return value
 
         default_fleet = text("HARU_DEFAULT_FLEET")
@@ -71,7 +87,8 @@ class Settings:
             fleets = tuple(f.strip() for f in fleets_raw.split(",") if f.strip()) or None
         return cls(
             database_url=text("DATABASE_URL"),
-            port=number("PORT", 8700, maximum=65535),
+            # PORT=0 binds a free port (logged at boot): tests and side-by-side servers use it.
+            port=number("PORT", 8700, minimum=0, maximum=65535),
             api_token=normalize_token(env.get("HARU_API_TOKEN")),
             supervisor_token=normalize_token(env.get("HARU_SUPERVISOR_TOKEN")),
             default_fleet=default_fleet,

@@ -1,0 +1,144 @@
+"""The control server's application factory and its lifecycles."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+from haru_db import HaruDbError, StateStore
+
+from haru_server._clock import Clock, utc_now
+from haru_server._keys import (
+    FleetKicker,
+    clock_key,
+    kick_fleet_key,
+    loop_key,
+    reconciler_key,
+    settings_key,
+    store_key,
+)
+from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
+from haru_server._middleware import auth_middleware, error_middleware
+from haru_server._proxy import install_proxy
+from haru_server._reconciler import Reconciler, ReconcilerOptions
+from haru_server._routes import routes
+from haru_server._settings import Settings
+from haru_server._supervisor import SupervisorClient
+
+logger = logging.getLogger(__name__)
+
+_kickers_key = web.AppKey("kickers", FleetKickers)
+_owns_store_key = web.AppKey("owns_store", bool)
+_reconciler_options_key = web.AppKey("reconciler_options", ReconcilerOptions)
+_busy_interval_key = web.AppKey("busy_interval_s", float)
+
+SUPERVISOR_CONNECTIONS = 64
+"""Concurrent connections to supervisors (heartbeats of every fleet share them)."""
+
+
+def create_app(
+    settings: Settings,
+    *,
+    store: StateStore | None = None,
+    clock: Clock | None = None,
+    reconciler_options: ReconcilerOptions | None = None,
+    busy_interval_s: float = 0.15,
+) -> web.Application:
+    """Build the control server: control API, reconciler, background loop and the proxy.
+
+    Args:
+        settings: The parsed environment.
+        store: An open state store to use (the caller closes it); None opens one from
+            ``settings.database_url`` and closes it at cleanup. Migrations are not applied
+            here (see :func:`haru_server.serve`).
+        clock: The application clock (tests inject one to drive budgets).
+        reconciler_options: Tuning of the reconcile tick.
+        busy_interval_s: Loop pause between ticks of a fleet with an operation in flight.
+    """
+    app = web.Application(middlewares=[error_middleware, auth_middleware])
+    app[settings_key] = settings
+    app[_owns_store_key] = store is None
+    app[store_key] = store if store is not None else StateStore.open(settings.database_url)
+    app_clock: Clock = clock if clock is not None else utc_now
+    app[clock_key] = app_clock
+    kickers = FleetKickers()
+    app[_kickers_key] = kickers
+    kick: FleetKicker = kickers
+    app[kick_fleet_key] = kick
+    app[_reconciler_options_key] = reconciler_options or ReconcilerOptions()
+    app[_busy_interval_key] = busy_interval_s
+    app.cleanup_ctx.extend([_store_ctx, _reconciler_ctx, _loop_ctx])
+    app.add_routes(routes)
+    install_proxy(app)
+    return app
+
+
+async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    if app[_owns_store_key]:
+        await app[store_key].close()
+
+
+async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[settings_key]
+    connector = aiohttp.TCPConnector(limit=SUPERVISOR_CONNECTIONS)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        client = SupervisorClient(session, token=settings.supervisor_token)
+        app[reconciler_key] = Reconciler(
+            app[store_key],
+            client,
+            clock=app[clock_key],
+            options=app[_reconciler_options_key],
+        )
+        yield
+
+
+async def _loop_ctx(app: web.Application) -> AsyncIterator[None]:
+    settings = app[settings_key]
+    interval_ms = settings.reconcile_interval_ms
+    if interval_ms is None:
+        app[loop_key] = None
+        await _warn_auto_failover_without_loop(app[store_key])
+        yield
+        return
+    loop = ReconcileLoop(
+        app[reconciler_key],
+        app[store_key],
+        LoopOptions(
+            interval_s=interval_ms / 1000,
+            busy_interval_s=min(app[_busy_interval_key], interval_ms / 1000),
+            fleets=settings.reconcile_fleets,
+        ),
+    )
+    app[loop_key] = loop
+    app[_kickers_key].attach(loop)
+    fleets = "every fleet" if settings.reconcile_fleets is None else settings.reconcile_fleets
+    logger.info("reconcile loop every %d ms for %s", interval_ms, fleets)
+    loop.start()
+    try:
+        yield
+    finally:
+        app[_kickers_key].attach(None)
+        await loop.stop()
+
+
+async def _warn_auto_failover_without_loop(store: StateStore) -> None:
+    try:
+        pointers = await store.list_fleets()
+        armed = []
+        for pointer in pointers:
+            fleet = await store.get_fleet_snapshot(str(pointer.id))
+            if fleet is not None and fleet.policy.auto_failover:
+                armed.append(fleet.slug)
+    except HaruDbError as exc:
+        logger.warning("could not check fleets for autoFailover at boot: %s", exc)
+        return
+    if armed:
+        logger.warning(
+            "!!! autoFailover is ON for fleet(s) %s but HARU_RECONCILE_INTERVAL_MS is unset: "
+            "no reconcile loop runs, so NOTHING will fail over automatically. Set "
+            "HARU_RECONCILE_INTERVAL_MS (e.g. 1000) or drive POST /v1/fleets/{ref}/reconcile.",
+            ", ".join(armed),
+        )

@@ -1,0 +1,610 @@
+"""The demo's scenario and the ``haru demo`` main loop.
+
+Scenario, under steady SDK traffic through the proxy:
+
+1. **planned switchover**: promote the standby; report each step's time (from the audit
+   events), the time to the routing flip, and every request that failed while it ran (target:
+   none), then check the old active went back to standby posture;
+2. **unplanned failure**: SIGKILL every vLLM server of the active domain and let autoFailover
+   act; report the time to detection (the ``operation.auto_failover`` event), each step, the
+   routing flip, the first good answer from the new active, and the failed requests (counted
+   honestly: traffic keeps flowing into a dead domain until routing moves);
+3. **recovery**: restart the killed servers asleep and return that domain to standby posture.
+
+:func:`run_demo` runs the topology, the live view, the scenario, and then serves until Ctrl-C
+(or ``--duration``), stopping every process it started on the way out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Final
+
+import aiohttp
+from haru_protocol import (
+    Event,
+    FleetSnapshot,
+    Operation,
+    OperationKind,
+    OperationState,
+    Policy,
+)
+from rich.console import Console
+from rich.live import Live
+
+from haru_server._control_client import ControlApiError, ControlClient
+from haru_server._demo import (
+    DEFAULT_DEMO_PORT,
+    DemoTimings,
+    DemoTopology,
+    TopologyOptions,
+    active_slug,
+    is_standby_posture,
+    port_is_free,
+)
+from haru_server._demo_procs import DemoError
+from haru_server._demo_traffic import ChatTraffic, RequestRecord, TrafficSummary
+from haru_server._demo_view import FleetWatcher, ViewState, render_view, step_durations
+
+WARMUP_S: Final = 2.0
+"""Steady traffic before the first switchover."""
+SETTLE_S: Final = 1.0
+"""Traffic kept flowing after an operation ends before its requests are judged."""
+BETWEEN_S: Final = 1.5
+"""Steady traffic between the two switchovers."""
+_FIRST_GOOD_WAIT_S: Final = 10.0
+
+
+@dataclass(slots=True, kw_only=True)
+class SwitchoverResult:
+    """How one switchover went.
+
+    Attributes:
+        kind: ``planned`` or ``unplanned``.
+        source: Domain that was active before.
+        target: Domain that should be active after.
+        operation: The promote, as it ended (None when none was seen).
+        steps: ``(step, seconds)`` from the operation's events.
+        detection_s: Failure to ``operation.auto_failover`` (unplanned only).
+        routing_s: Request (planned) or failure (unplanned) to the routing flip.
+        first_good_s: Failure to the first good answer from the new active (unplanned only).
+        requests: The demo's requests in flight during the switchover.
+        failures: The ones that failed.
+        budget_s: Deadline of the routing flip.
+        old_active_standby: The old active reached standby posture afterwards (planned only).
+        error: What went wrong, when something did.
+    """
+
+    kind: str
+    source: str
+    target: str
+    operation: Operation | None = None
+    steps: list[tuple[str, float]] = field(default_factory=list)
+    detection_s: float | None = None
+    routing_s: float | None = None
+    first_good_s: float | None = None
+    requests: TrafficSummary = field(default_factory=lambda: TrafficSummary(0, 0, 0, 0))
+    failures: list[RequestRecord] = field(default_factory=list)
+    budget_s: float = 0.0
+    old_active_standby: bool | None = None
+    error: str | None = None
+
+    @property
+    def switched(self) -> bool:
+        """Routing moved to the target within the budget."""
+        return self.routing_s is not None and self.routing_s <= self.budget_s
+
+    @property
+    def succeeded(self) -> bool:
+        """The operation succeeded."""
+        return self.operation is not None and self.operation.state is OperationState.SUCCEEDED
+
+
+@dataclass(slots=True, kw_only=True)
+class ScenarioReport:
+    """The scenario's outcome."""
+
+    planned: SwitchoverResult
+    unplanned: SwitchoverResult | None = None
+    recovered: bool | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the scenario met its targets.
+
+        Zero failed requests in the planned switchover, the old active back in standby
+        posture, a failover within its budget, and the failed domain recovered.
+        """
+        planned = self.planned
+        if not (planned.succeeded and planned.switched and not planned.failures):
+            return False
+        if planned.old_active_standby is False:
+            return False
+        unplanned = self.unplanned
+        if unplanned is None or not (unplanned.switched and unplanned.succeeded):
+            return False
+        return self.recovered is True
+
+    def lines(self) -> list[str]:
+        """The report as text lines."""
+        out = [*_switchover_lines(self.planned)]
+        if self.unplanned is not None:
+            out.extend(_switchover_lines(self.unplanned))
+        if self.recovered is not None:
+            out.append(
+                "recovery: failed domain restarted, back in standby posture (vLLM asleep, "
+                "training running)"
+                if self.recovered
+                else "recovery: the failed domain did NOT return to standby posture"
+            )
+        out.append("RESULT: " + ("success" if self.ok else "FAILED"))
+        return out
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def _switchover_lines(result: SwitchoverResult) -> list[str]:
+    title = "planned switchover" if result.kind == "planned" else "unplanned failure"
+    state = result.operation.state.value if result.operation is not None else "not seen"
+    lines = [f"{title}: {result.source} -> {result.target} (promote {state})"]
+    if result.detection_s is not None or result.kind == "unplanned":
+        lines.append(f"  time to detection:      {_ms(result.detection_s)}")
+    if result.steps:
+        lines.append(
+            "  steps:                  "
+            + ", ".join(f"{step} {_ms(seconds)}" for step, seconds in result.steps)
+        )
+    label = "request to routing flip" if result.kind == "planned" else "failure to routing flip"
+    lines.append(f"  {label + ':':<24}{_ms(result.routing_s)} (budget {result.budget_s:.0f} s)")
+    if result.kind == "unplanned":
+        lines.append(f"  first good answer:      {_ms(result.first_good_s)} after the kill")
+    requests = result.requests
+    lines.append(
+        f"  requests during it:     {requests.total} sent, {requests.ok} ok, "
+        f"{requests.failed} failed"
+    )
+    reasons: dict[str, int] = {}
+    for record in result.failures:
+        reason = record.error or "?"
+        reasons[reason] = reasons.get(reason, 0) + 1
+    lines.extend(f"    {count} x {reason}" for reason, count in sorted(reasons.items()))
+    if result.old_active_standby is not None:
+        lines.append(
+            f"  old active back in standby posture: {'yes' if result.old_active_standby else 'NO'}"
+        )
+    if result.error:
+        lines.append(f"  problem: {result.error}")
+    return lines
+
+
+def promote_budget_s(policy: Policy) -> float:
+    """Sum of the budgets of every promote step up to and including ``switch_active``."""
+    return (
+        policy.stop_training_timeout_ms
+        + policy.verify_gpu_timeout_ms
+        + policy.wake_timeout_ms
+        + policy.probe_timeout_ms
+        + policy.switch_active_timeout_ms
+    ) / 1000
+
+
+def operation_budget_s(policy: Policy) -> float:
+    """Every promote step's budget together (best-effort steps included)."""
+    return (
+        promote_budget_s(policy)
+        + policy.sleep_timeout_ms / 1000
+        + policy.start_training_timeout_ms / 1000
+    )
+
+
+async def fetch_events(client: ControlClient, fleet: str, *, after: int = 0) -> list[Event]:
+    """Every event of the fleet after ``after``, oldest first."""
+    events: list[Event] = []
+    cursor = after
+    while True:
+        page = await client.events(fleet, after=cursor, limit=500)
+        events.extend(page.events)
+        if page.events:
+            cursor = page.events[-1].id
+        if page.next_after is None:
+            return events
+
+
+def _event_time(
+    events: Sequence[Event], type_: str, *, operation_id: object = None
+) -> float | None:
+    for event in events:
+        if event.type == type_ and (operation_id is None or event.operation_id == operation_id):
+            return event.created_at.timestamp()
+    return None
+
+
+async def _last_event_id(topology: DemoTopology) -> int:
+    async with topology.control() as client:
+        events = await fetch_events(client, topology.fleet_slug)
+    return events[-1].id if events else 0
+
+
+def _other_domain(fleet: FleetSnapshot, slug: str) -> str:
+    return next(d.slug for d in fleet.domains if d.slug != slug)
+
+
+async def planned_switchover(
+    topology: DemoTopology, traffic: ChatTraffic, *, phase: Callable[[str], None]
+) -> SwitchoverResult:
+    """Promote the standby under traffic and measure it."""
+    fleet = await topology.fleet()
+    source = active_slug(fleet) or topology.initial_active()
+    target = _other_domain(fleet, source)
+    result = SwitchoverResult(
+        kind="planned", source=source, target=target, budget_s=promote_budget_s(fleet.policy)
+    )
+    phase(f"planned switchover: promoting {target}")
+    cursor = await _last_event_id(topology)
+    requested = time.time()
+    try:
+        accepted = await topology.request(OperationKind.PROMOTE, target)
+        if accepted is None:
+            result.error = f"{target} was already active"
+            return result
+        result.operation = await topology.wait_for_operation(
+            accepted.id, timeout_s=operation_budget_s(fleet.policy) + 5
+        )
+    except (DemoError, ControlApiError) as exc:
+        result.error = str(exc)
+        return result
+    await asyncio.sleep(SETTLE_S)
+    ended = time.time()
+    operation = result.operation
+    async with topology.control() as client:
+        events = await fetch_events(client, topology.fleet_slug, after=cursor)
+    result.steps = step_durations(events, operation.id)
+    switched = _event_time(events, "routing.switched", operation_id=operation.id)
+    result.routing_s = None if switched is None else switched - requested
+    window = traffic.window(since=requested, until=ended)
+    result.requests = TrafficSummary.of(window)
+    result.failures = [r for r in window if not r.ok]
+    if operation.state is not OperationState.SUCCEEDED:
+        result.error = f"promote ended {operation.state.value}: {operation.error}"
+    phase(f"planned switchover done: waiting for {source} to reach standby posture")
+    try:
+        await topology.wait_for_fleet(
+            lambda f: is_standby_posture(f, source),
+            what=f"{source} to reach standby posture",
+            timeout_s=operation_budget_s(fleet.policy),
+        )
+        result.old_active_standby = True
+    except DemoError:
+        result.old_active_standby = False
+    return result
+
+
+async def unplanned_failover(
+    topology: DemoTopology, traffic: ChatTraffic, *, phase: Callable[[str], None]
+) -> SwitchoverResult:
+    """SIGKILL the active domain's vLLM servers and measure the automatic failover."""
+    fleet = await topology.fleet()
+    source = active_slug(fleet) or topology.initial_active()
+    target = _other_domain(fleet, source)
+    policy = fleet.policy
+    detection_budget_s = (policy.degraded_grace_ms + policy.heartbeat_stale_ms) / 1000
+    result = SwitchoverResult(
+        kind="unplanned",
+        source=source,
+        target=target,
+        budget_s=detection_budget_s + promote_budget_s(policy),
+    )
+    cursor = await _last_event_id(topology)
+    phase(f"unplanned failure: SIGKILL every vLLM server of {source}")
+    killed = (await topology.kill_vllm(source)).timestamp()
+    phase(f"unplanned failure: waiting for autoFailover to {target}")
+    try:
+        await topology.wait_for_fleet(
+            lambda f: active_slug(f) == target,
+            what=f"routing to move to {target}",
+            timeout_s=result.budget_s,
+        )
+    except DemoError as exc:
+        result.error = str(exc)
+    deadline = time.monotonic() + _FIRST_GOOD_WAIT_S
+    first = traffic.first_good_after(killed)
+    while first is None and result.error is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        first = traffic.first_good_after(killed)
+    result.first_good_s = None if first is None else first.ended_at - killed
+    await asyncio.sleep(SETTLE_S)
+    ended = time.time()
+    window = traffic.window(since=killed, until=ended)
+    result.requests = TrafficSummary.of(window)
+    result.failures = [r for r in window if not r.ok]
+    async with topology.control() as client:
+        events = await fetch_events(client, topology.fleet_slug, after=cursor)
+    auto = next((e for e in events if e.type == "operation.auto_failover"), None)
+    if auto is None:
+        result.error = result.error or "no automatic failover was started"
+        return result
+    result.detection_s = auto.created_at.timestamp() - killed
+    operation_id = auto.operation_id
+    switched = _event_time(events, "routing.switched", operation_id=operation_id)
+    result.routing_s = None if switched is None else switched - killed
+    if operation_id is not None:
+        async with topology.control() as client:
+            result.operation = await client.operation(topology.fleet_slug, operation_id)
+    return result
+
+
+async def finish_failover(
+    topology: DemoTopology, result: SwitchoverResult, *, phase: Callable[[str], None]
+) -> None:
+    """Wait for the failover's best-effort tail to end and record its steps."""
+    operation = result.operation
+    if operation is None:
+        return
+    fleet = await topology.fleet()
+    phase("unplanned failure: waiting for the promote's best-effort steps")
+    try:
+        operation = await topology.wait_for_operation(
+            operation.id, timeout_s=operation_budget_s(fleet.policy) + 5
+        )
+    except DemoError as exc:
+        result.error = result.error or str(exc)
+        return
+    result.operation = operation
+    async with topology.control() as client:
+        events = await fetch_events(client, topology.fleet_slug)
+    result.steps = step_durations(events, operation.id)
+    if operation.state is not OperationState.SUCCEEDED:
+        result.error = result.error or f"promote ended {operation.state.value}"
+
+
+async def recover(
+    topology: DemoTopology,
+    failover: SwitchoverResult,
+    *,
+    phase: Callable[[str], None],
+) -> bool:
+    """Restart the killed domain's vLLM servers asleep and return it to standby posture.
+
+    They come back while the failover's best-effort tail may still be trying to put them to
+    sleep: then that tail finishes the job (sleep, start training); otherwise a demote does.
+    """
+    slug = failover.source
+    phase(f"recovery: restarting {slug}'s vLLM servers (asleep)")
+    await topology.restart_vllm(slug, asleep=True)
+    await finish_failover(topology, failover, phase=phase)
+    fleet = await topology.fleet()
+    budget = operation_budget_s(fleet.policy) + 10
+    try:
+        await topology.wait_for_fleet(
+            lambda f: _domain_state(f, slug) in ("ready", "degraded"),
+            what=f"{slug} to answer heartbeats again",
+            timeout_s=budget,
+        )
+        phase(f"recovery: {slug} back to standby posture")
+        await _ensure_posture(topology, slug, timeout_s=budget)
+    except (DemoError, ControlApiError):
+        return False
+    return True
+
+
+def _domain_state(fleet: FleetSnapshot, slug: str) -> str | None:
+    return next((d.state.value for d in fleet.domains if d.slug == slug), None)
+
+
+async def _ensure_posture(topology: DemoTopology, slug: str, *, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        fleet = await topology.fleet()
+        if is_standby_posture(fleet, slug):
+            return
+        try:
+            await topology.ensure_standby_posture()
+        except ControlApiError as exc:
+            # Another operation (the failover's best-effort tail) may still be in flight.
+            if exc.code != "operation_conflict":
+                raise
+        if time.monotonic() >= deadline:
+            raise DemoError(f"{slug} did not reach standby posture within {timeout_s:.0f}s")
+        await asyncio.sleep(0.2)
+
+
+async def run_scenario(
+    topology: DemoTopology, traffic: ChatTraffic, *, phase: Callable[[str], None]
+) -> ScenarioReport:
+    """Planned switchover, unplanned failure with autoFailover, and recovery."""
+    phase(f"steady traffic on {topology.initial_active()}")
+    await asyncio.sleep(WARMUP_S)
+    planned = await planned_switchover(topology, traffic, phase=phase)
+    report = ScenarioReport(planned=planned)
+    if not (planned.succeeded and planned.switched):
+        return report
+    phase(f"steady traffic on {planned.target}")
+    await asyncio.sleep(BETWEEN_S)
+    report.unplanned = await unplanned_failover(topology, traffic, phase=phase)
+    report.recovered = await recover(topology, report.unplanned, phase=phase)
+    return report
+
+
+# ---- the command's main loop -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoRun:
+    """What ``haru demo`` was asked to do."""
+
+    workdir: Path
+    port: int = DEFAULT_DEMO_PORT
+    scenario: bool = True
+    scenario_only: bool = False
+    duration_s: float | None = None
+    timings: DemoTimings = field(default_factory=DemoTimings)
+    clients: int = 4
+
+
+def snippets(server_url: str, fleet: str, model: str) -> str:
+    """What to try against the running demo."""
+    return f"""\
+Try it (HARU_DEFAULT_FLEET={fleet}, so no X-Haru-Fleet header is needed):
+
+  curl -s {server_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hello haru"}}]}}'
+
+  python - <<'EOF'
+  from openai import OpenAI
+  client = OpenAI(base_url="{server_url}/v1", api_key="unused")
+  reply = client.chat.completions.create(
+      model="{model}", messages=[{{"role": "user", "content": "hello haru"}}])
+  print(reply.choices[0].message.content)
+  EOF
+
+  uv run haru fleet show {fleet} --url {server_url}
+  uv run haru promote {fleet} alpha --wait --url {server_url}
+  uv run haru events {fleet} --follow --url {server_url}
+"""
+
+
+def run_demo(run: DemoRun) -> int:
+    """Run the demo; returns the exit status (SIGTERM and Ctrl-C stop it cleanly)."""
+    try:
+        return asyncio.run(_main(run))
+    except KeyboardInterrupt:
+        return 130
+
+
+async def _main(run: DemoRun) -> int:
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    terminated = False
+
+    def on_sigterm() -> None:
+        nonlocal terminated
+        terminated = True
+        if task is not None:
+            task.cancel()
+
+    with contextlib.suppress(NotImplementedError):
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        return await _demo(run)
+    except asyncio.CancelledError:
+        if terminated:
+            return 143
+        raise
+    finally:
+        with contextlib.suppress(NotImplementedError):
+            loop.remove_signal_handler(signal.SIGTERM)
+
+
+async def _demo(run: DemoRun) -> int:
+    console = Console(highlight=False)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    port = run.port
+    if port and not port_is_free(port):
+        err.print(f"port {port} is taken: the server will listen on a free port instead")
+        port = 0
+    topology = DemoTopology(
+        TopologyOptions(workdir=run.workdir, server_port=port, timings=run.timings)
+    )
+    err.print(f"[bold]haru demo[/]: workdir {topology.workdir} (logs in {topology.workdir}/logs)")
+    try:
+        await topology.start(on_progress=lambda message: err.print(f"  {message}"))
+        return await _run_with_view(run, topology, console, err)
+    except DemoError as exc:
+        err.print(f"[bold red]demo failed:[/] {exc}")
+        return 1
+    finally:
+        err.print("stopping every process the demo started")
+        await topology.close()
+
+
+async def _run_with_view(
+    run: DemoRun, topology: DemoTopology, console: Console, err: Console
+) -> int:
+    fleet = await topology.fleet()
+    models = list(dict.fromkeys(m for d in topology.domains.values() for m in d.models))
+    state = ViewState(server_url=topology.server_url)
+    traffic = ChatTraffic(topology.server_url, fleet=fleet.slug, models=models, clients=run.clients)
+    vllm_urls = {
+        slug: [server.url for server in domain.vllm.values()]
+        for slug, domain in topology.domains.items()
+    }
+    live: Live | None = None
+
+    def say(text: str) -> None:
+        # Above the live view when there is one (it scrolls), else plain lines.
+        if live is not None:
+            live.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        else:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+
+    def phase(text: str) -> None:
+        state.phase = text
+        stamp = f"[{datetime.now(UTC).astimezone():%H:%M:%S}] {text}"
+        if live is not None:
+            say(stamp)
+        else:
+            err.print(stamp, markup=False, highlight=False, soft_wrap=True)
+
+    status = 0
+    async with topology.control() as control, aiohttp.ClientSession() as session:
+        watcher = FleetWatcher(
+            state,
+            fleet=fleet.slug,
+            control=control,
+            session=session,
+            vllm_urls=vllm_urls,
+            traffic=traffic,
+        )
+        await watcher.poll()
+        if console.is_terminal:
+            live = Live(render_view(state), console=console, auto_refresh=False)
+        refresher: asyncio.Task[None] | None = None
+        watcher.start()
+        try:
+            if live is not None:
+                live.start()
+                refresher = asyncio.create_task(_refresh(live, state), name="haru-demo-view")
+            if run.scenario:
+                traffic.start()
+                try:
+                    report = await run_scenario(topology, traffic, phase=phase)
+                finally:
+                    await traffic.stop()
+                status = 0 if report.ok else 1
+                say("\n".join(report.lines()))
+            if run.scenario_only:
+                phase("scenario finished")
+                return status
+            phase(f"serving on {topology.server_url} (Ctrl-C to stop)")
+            say(snippets(topology.server_url, fleet.slug, models[0]))
+            if run.duration_s is not None:
+                await asyncio.sleep(run.duration_s)
+            else:
+                await asyncio.Event().wait()
+            return status
+        finally:
+            if refresher is not None:
+                refresher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await refresher
+            await watcher.stop()
+            if live is not None:
+                live.update(render_view(state), refresh=True)
+                live.stop()
+
+
+async def _refresh(live: Live, state: ViewState) -> None:
+    while True:
+        live.update(render_view(state), refresh=True)
+        await asyncio.sleep(0.25)

@@ -1,0 +1,231 @@
+"""The background reconcile loop (``HARU_RECONCILE_INTERVAL_MS``) and the fleet kicker.
+
+One worker task per fleet: a slow fleet never delays another, and a fleet never overlaps
+itself in one process. A worker ticks its fleet every interval, comes back after
+``busy_interval_s`` while an operation is in flight, and ticks at once when kicked (an
+accepted promote or demote, or the proxy's passive failure detection). Kicks coalesce: any
+number of kicks while a tick runs cause one more tick, and kicked ticks are spaced by at
+least ``kick_gap_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from uuid import UUID
+
+from haru_db import StateStore, StateStoreUnavailableError
+
+from haru_server._errors import FleetNotFoundError
+from haru_server._reconciler import Reconciler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class LoopOptions:
+    """Timing of the background loop.
+
+    Attributes:
+        interval_s: Pause between ticks of an idle fleet (``HARU_RECONCILE_INTERVAL_MS``).
+        busy_interval_s: Pause between ticks while an operation is in flight.
+        kick_gap_s: Shortest spacing between the start of a tick and a kicked tick.
+        fleets: Fleet references to reconcile; None = every fleet in the store.
+        stop_grace_s: At stop, how long running ticks may finish before they are cancelled.
+    """
+
+    interval_s: float
+    busy_interval_s: float = 0.15
+    kick_gap_s: float = 0.05
+    fleets: tuple[str, ...] | None = None
+    stop_grace_s: float = 5.0
+
+
+class _Worker:
+    def __init__(self, fleet_id: UUID) -> None:
+        self.fleet_id = fleet_id
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+
+class ReconcileLoop:
+    """Reconciles fleets in the background until :meth:`stop`.
+
+    Args:
+        reconciler: Runs the ticks.
+        store: Lists fleets (discovery) and resolves configured references.
+        options: Timing and the fleets to reconcile.
+    """
+
+    def __init__(self, reconciler: Reconciler, store: StateStore, options: LoopOptions) -> None:
+        self._reconciler = reconciler
+        self._store = store
+        self._options = options
+        self._workers: dict[UUID, _Worker] = {}
+        self._discover = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._missing: set[str] = set()
+        self._store_down = False
+
+    @property
+    def fleet_ids(self) -> frozenset[UUID]:
+        """Fleets that currently have a worker."""
+        return frozenset(self._workers)
+
+    def start(self) -> None:
+        """Start the discovery task (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="haru-reconcile-loop")
+
+    async def stop(self) -> None:
+        """Stop discovery and every worker.
+
+        Workers finish the tick they are in (bounded by ``stop_grace_s``, then cancelled), so
+        a stop never abandons a tick between its statements when it can avoid it.
+        """
+        self._stopping.set()
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        workers = [w.task for w in self._workers.values() if w.task is not None]
+        self._workers.clear()
+        if not workers:
+            return
+        _, pending = await asyncio.wait(workers, timeout=self._options.stop_grace_s)
+        for worker in pending:
+            worker.cancel()
+        for worker in workers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await worker
+
+    def kick(self, fleet_id: UUID) -> None:
+        """Ask for a tick of ``fleet_id`` now; never blocks, coalesces repeated kicks."""
+        worker = self._workers.get(fleet_id)
+        if worker is not None:
+            worker.wake.set()
+        else:
+            # A fleet seeded since the last discovery: find it now.
+            self._discover.set()
+
+    # ---- discovery ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._discover.clear()
+            await self._discover_fleets()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._options.interval_s):
+                    await self._discover.wait()
+
+    async def _fleet_ids(self) -> list[UUID]:
+        refs = self._options.fleets
+        if refs is None:
+            return [pointer.id for pointer in await self._store.list_fleets()]
+        ids: list[UUID] = []
+        for ref in refs:
+            pointer = await self._store.get_fleet_route_pointer(ref)
+            if pointer is None:
+                if ref not in self._missing:
+                    self._missing.add(ref)
+                    logger.warning("reconcile loop: fleet %r is not in the store (yet)", ref)
+                continue
+            self._missing.discard(ref)
+            ids.append(pointer.id)
+        return ids
+
+    async def _discover_fleets(self) -> None:
+        try:
+            fleet_ids = await self._fleet_ids()
+        except StateStoreUnavailableError as exc:
+            if not self._store_down:
+                self._store_down = True
+                logger.warning("reconcile loop: state store unavailable: %s", exc)
+            return
+        if self._store_down:
+            self._store_down = False
+            logger.info("reconcile loop: state store reachable again")
+        for fleet_id in fleet_ids:
+            if fleet_id not in self._workers:
+                worker = _Worker(fleet_id)
+                self._workers[fleet_id] = worker
+                worker.task = asyncio.create_task(
+                    self._work(worker), name=f"haru-reconcile-{fleet_id}"
+                )
+
+    # ---- one fleet ---------------------------------------------------------------------------
+
+    async def _work(self, worker: _Worker) -> None:
+        options = self._options
+        ref = str(worker.fleet_id)
+        failing: str | None = None
+        while not self._stopping.is_set():
+            worker.wake.clear()
+            started = time.monotonic()
+            delay = options.interval_s
+            try:
+                result = await self._reconciler.tick(ref)
+            except FleetNotFoundError:
+                logger.info("reconcile loop: fleet %s is gone; its worker stops", ref)
+                self._workers.pop(worker.fleet_id, None)
+                return
+            except StateStoreUnavailableError as exc:
+                message = f"state store unavailable: {exc}"
+                if failing != message:
+                    logger.warning("reconcile of fleet %s: %s", ref, message)
+                failing = message
+            except Exception:  # one bad tick must not end this fleet's loop
+                logger.exception("reconcile of fleet %s failed", ref)
+                failing = "unexpected failure"
+            else:
+                if failing is not None:
+                    logger.info("reconcile of fleet %s recovered", ref)
+                    failing = None
+                if result.in_flight:
+                    delay = options.busy_interval_s
+            await self._pause(worker, started, delay)
+
+    async def _pause(self, worker: _Worker, started: float, delay: float) -> None:
+        if self._stopping.is_set():
+            return
+        stop = asyncio.ensure_future(self._stopping.wait())
+        wake = asyncio.ensure_future(worker.wake.wait())
+        try:
+            await asyncio.wait(
+                (stop, wake),
+                timeout=max(0.0, started + delay - time.monotonic()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            stop.cancel()
+            wake.cancel()
+        gap = started + self._options.kick_gap_s - time.monotonic()
+        if gap > 0 and not self._stopping.is_set():
+            await asyncio.sleep(gap)
+
+
+class FleetKickers:
+    """The ``kick_fleet_key`` callable: forwards to the loop once one runs, else does nothing.
+
+    It exists before the loop does (the proxy is installed first), so it is a stable object
+    the loop attaches to at start-up.
+    """
+
+    def __init__(self) -> None:
+        self._loop: ReconcileLoop | None = None
+
+    def attach(self, loop: ReconcileLoop | None) -> None:
+        """Forward kicks to ``loop`` (None: drop them)."""
+        self._loop = loop
+
+    def __call__(self, fleet_id: UUID) -> None:
+        """Kick ``fleet_id`` (non-blocking; without a loop the kick is dropped)."""
+        if self._loop is not None:
+            self._loop.kick(fleet_id)
+        else:
+            logger.debug("kick of fleet %s dropped: no reconcile loop runs", fleet_id)

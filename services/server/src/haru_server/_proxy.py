@@ -1,0 +1,536 @@
+"""The inference proxy: OpenAI-compatible requests streamed to the active domain (SPEC 7.5).
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings`` and
+``GET /v1/models``. The fleet comes from ``X-Haru-Fleet`` (else ``HARU_DEFAULT_FLEET``); the
+body is capped before it is buffered, parsed only to read ``model`` and forwarded
+byte-identical to the binding's ``servingUrl`` joined with the same path (never any other
+path). The answer streams back chunk by chunk with its status; only ``content-type`` is copied.
+The upstream gets ``HARU_CHAT_HEADER_TIMEOUT_MS`` to send its headers and no bound at all
+afterwards. A client that goes away aborts the upstream request; an upstream that dies
+mid-answer breaks the client's connection (never a clean end of a truncated answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Final
+from uuid import UUID
+
+import aiohttp
+from aiohttp import hdrs, web
+from haru_protocol import ErrorCode, is_slug
+from yarl import URL
+
+from haru_server._http import ApiError
+from haru_server._keys import FleetKicker, clock_key, kick_fleet_key, settings_key, store_key
+from haru_server._proxy_routes import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    EMBEDDINGS_PATH,
+    MODELS_PATH,
+    RouteTable,
+    model_of,
+)
+from haru_server._route_cache import (
+    DEFAULT_MAX_FLEETS,
+    DEFAULT_OUTAGE_MEMO_MS,
+    DEFAULT_POINTER_TIMEOUT_MS,
+    DEFAULT_SNAPSHOT_TIMEOUT_MS,
+    RouteCache,
+    RouteLookup,
+    is_uuid_shaped,
+)
+
+logger = logging.getLogger(__name__)
+
+FLEET_HEADER: Final = "X-Haru-Fleet"
+ROUTING_HEADER: Final = "X-Haru-Routing"
+_STALE: Final = "stale"
+
+# uvicorn (vLLM's server) closes idle keep-alive connections after 5 s; reusing one it is about
+# to close would fail a POST that cannot be retried, so the pool lets go of them first.
+_UPSTREAM_KEEPALIVE_S: Final = 4.0
+_MAX_CONNECT_S: Final = 10.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProxyTuning:
+    """Knobs of the proxy that are not environment settings (defaults suit production).
+
+    Attributes:
+        pointer_timeout_ms: Bound on the per-request route-pointer read.
+        snapshot_timeout_ms: Bound on a snapshot load.
+        outage_memo_ms: After a failed pointer read, serve stale without asking for this long.
+        max_fleets: Route-cache entries kept (LRU beyond).
+        kick_interval_ms: At most one passive-failure kick per fleet in this window.
+        disconnect_poll_ms: How often an open request checks that its client is still there
+            (aiohttp does not cancel handlers on disconnect unless told to).
+        connect_timeout_ms: Bound on opening an upstream connection (also capped by
+            ``HARU_CHAT_HEADER_TIMEOUT_MS``); a connect that takes longer is unreachable.
+        monotonic: Monotonic clock in seconds (injected by tests).
+    """
+
+    pointer_timeout_ms: int = DEFAULT_POINTER_TIMEOUT_MS
+    snapshot_timeout_ms: int = DEFAULT_SNAPSHOT_TIMEOUT_MS
+    outage_memo_ms: int = DEFAULT_OUTAGE_MEMO_MS
+    max_fleets: int = DEFAULT_MAX_FLEETS
+    kick_interval_ms: int = 1_000
+    disconnect_poll_ms: int = 250
+    connect_timeout_ms: int = int(_MAX_CONNECT_S * 1000)
+    monotonic: Callable[[], float] = time.monotonic
+
+
+class _ClientGoneError(Exception):
+    """The client closed its connection while its request was being served."""
+
+
+class _DisconnectWatch:
+    """Cancels the serving task when the client's connection closes.
+
+    aiohttp leaves a handler running after its client disconnected (unless the server runs
+    with ``handler_cancellation``), so without this a request waiting for upstream headers
+    would keep the upstream generating for nobody. The check is a timer callback, free when
+    nothing happens; a cancel it caused surfaces as :class:`_ClientGoneError`.
+    """
+
+    __slots__ = ("_handle", "_interval", "_loop", "_request", "_task", "fired")
+
+    def __init__(self, request: web.BaseRequest, interval_s: float) -> None:
+        self._request = request
+        self._interval = interval_s
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        if task is None:  # pragma: no cover - handlers always run in a task
+            raise RuntimeError("a disconnect watch needs a running task")
+        self._task = task
+        self._handle: asyncio.TimerHandle | None = None
+        self.fired = False
+
+    def _check(self) -> None:
+        transport = self._request.transport
+        if transport is None or transport.is_closing():
+            self.fired = True
+            self._handle = None
+            self._task.cancel()
+        else:
+            self._handle = self._loop.call_later(self._interval, self._check)
+
+    async def __aenter__(self) -> _DisconnectWatch:
+        self._handle = self._loop.call_later(self._interval, self._check)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        # Our own cancel is swallowed, unless someone else cancelled the task as well.
+        if (
+            self.fired
+            and exc_type is not None
+            and issubclass(exc_type, asyncio.CancelledError)
+            and self._task.uncancel() == 0
+        ):
+            raise _ClientGoneError from exc
+
+
+class _KickDebouncer:
+    """Asks for an out-of-band reconcile at most once per interval per fleet."""
+
+    __slots__ = ("_clock", "_interval", "_kick", "_last")
+
+    def __init__(self, kick: FleetKicker | None, *, interval_s: float, clock: Callable[[], float]):
+        self._kick = kick
+        self._interval = interval_s
+        self._clock = clock
+        self._last: dict[UUID, float] = {}
+
+    def __call__(self, fleet_id: UUID) -> bool:
+        """Kick ``fleet_id`` unless it was kicked within the interval; True when it kicked."""
+        if self._kick is None:
+            return False
+        now = self._clock()
+        last = self._last.get(fleet_id)
+        if last is not None and now - last < self._interval:
+            return False
+        self._last[fleet_id] = now
+        if len(self._last) > 1024:
+            self._last = {k: t for k, t in self._last.items() if now - t < self._interval}
+        self._kick(fleet_id)
+        return True
+
+
+class _Proxy:
+    """Everything one running app needs to proxy: settings, the pooled session, the cache."""
+
+    def __init__(
+        self,
+        app: web.Application,
+        session: aiohttp.ClientSession,
+        tuning: ProxyTuning,
+    ) -> None:
+        settings = app[settings_key]
+        self._session = session
+        self._clock = app[clock_key]
+        self._default_fleet = settings.default_fleet
+        self.max_body = settings.chat_max_body_bytes
+        self._header_timeout = settings.chat_header_timeout_ms / 1000
+        self._poll = tuning.disconnect_poll_ms / 1000
+        self.cache: RouteCache[RouteTable] = RouteCache(
+            app[store_key],
+            build=RouteTable,
+            ttl_ms=settings.snapshot_cache_ttl_ms,
+            pointer_timeout_ms=tuning.pointer_timeout_ms,
+            snapshot_timeout_ms=tuning.snapshot_timeout_ms,
+            outage_memo_ms=tuning.outage_memo_ms,
+            max_fleets=tuning.max_fleets,
+            clock=tuning.monotonic,
+        )
+        self._kick = _KickDebouncer(
+            app.get(kick_fleet_key),
+            interval_s=tuning.kick_interval_ms / 1000,
+            clock=tuning.monotonic,
+        )
+
+    # -- request pieces ----------------------------------------------------------------------
+
+    def fleet_ref(self, request: web.BaseRequest) -> str:
+        raw = request.headers.get(FLEET_HEADER)
+        ref = raw.strip() if raw is not None else ""
+        if not ref:
+            if self._default_fleet is None:
+                raise ApiError(
+                    ErrorCode.FLEET_NOT_FOUND,
+                    f"no fleet selected: send {FLEET_HEADER} or set HARU_DEFAULT_FLEET",
+                )
+            ref = self._default_fleet
+        if not (is_slug(ref) or is_uuid_shaped(ref)):
+            # Neither an id nor a slug: no fleet can have it, so the store is not asked.
+            raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref[:100]!r} not found")
+        return ref
+
+    async def read_body(self, request: web.BaseRequest) -> bytes:
+        limit = self.max_body
+        length = request.content_length
+        if length is not None:
+            if length > limit:
+                raise self._too_large()
+            try:
+                return await request.content.readexactly(length)
+            except asyncio.IncompleteReadError:
+                raise ApiError(
+                    ErrorCode.INVALID_REQUEST, "the request body ended before its Content-Length"
+                ) from None
+        # No declared length (chunked upload): read as it comes and stop one byte past the cap.
+        chunks: list[bytes] = []
+        size = 0
+        content = request.content
+        while chunk := await content.readany():
+            size += len(chunk)
+            if size > limit:
+                raise self._too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            ErrorCode.PAYLOAD_TOO_LARGE,
+            f"the request body exceeds HARU_CHAT_MAX_BODY_BYTES ({self.max_body} bytes)",
+        )
+
+    async def route(self, ref: str) -> RouteLookup[RouteTable]:
+        lookup = await self.cache.resolve(ref)
+        if not lookup.routes.routable:
+            active = lookup.snapshot.active_domain
+            reason = (
+                "has no active domain"
+                if active is None
+                else f"has its active domain {active.slug!r} in state {active.state.value!r}"
+            )
+            raise ApiError(
+                ErrorCode.NO_ACTIVE_DOMAIN,
+                f"fleet {lookup.routes.fleet_slug!r} {reason}; nothing can serve right now",
+                headers=_routing_headers(lookup),
+            )
+        return lookup
+
+    # -- handlers ----------------------------------------------------------------------------
+
+    async def forward(self, request: web.Request, path: str) -> web.StreamResponse:
+        ref = self.fleet_ref(request)
+        try:
+            body = await self.read_body(request)
+        except ConnectionResetError:
+            return web.Response(status=499)  # gone while sending its body; logged as 499
+        model = model_of(body)
+        lookup = await self.route(ref)
+        routes = lookup.routes
+        url = routes.target(model, path)
+        if url is None:
+            available = ", ".join(routes.models) or "none"
+            raise ApiError(
+                ErrorCode.MODEL_NOT_FOUND,
+                f"model {model[:200]!r} is not available on fleet {routes.fleet_slug!r}; "
+                f"available models: {available}",
+                headers=_routing_headers(lookup),
+            )
+        headers: dict[str, str] = {
+            hdrs.CONTENT_TYPE: request.headers.get(hdrs.CONTENT_TYPE, "application/json"),
+            # The answer is relayed byte for byte with only content-type copied back, so it
+            # must not arrive compressed.
+            hdrs.ACCEPT_ENCODING: "identity",
+        }
+        accept = request.headers.get(hdrs.ACCEPT)
+        if accept is not None:
+            headers[hdrs.ACCEPT] = accept
+        try:
+            async with _DisconnectWatch(request, self._poll):
+                upstream = await self._open(url, body, headers, lookup)
+                try:
+                    return await self._relay(request, upstream, lookup)
+                finally:
+                    # A fully read answer returns the connection to the pool; anything else
+                    # (client gone, upstream broken, cancelled) closes it, which aborts the
+                    # upstream request.
+                    if upstream.content.is_eof() and upstream.content.exception() is None:
+                        upstream.release()
+                    else:
+                        upstream.close()
+        except _ClientGoneError:
+            # Nobody will read this; the app's error middleware logs it as 499.
+            return web.Response(status=499)
+
+    async def _open(
+        self,
+        url: URL,
+        body: bytes,
+        headers: dict[str, str],
+        lookup: RouteLookup[RouteTable],
+    ) -> aiohttp.ClientResponse:
+        routing = _routing_headers(lookup)
+        try:
+            async with asyncio.timeout(self._header_timeout):
+                return await self._session.post(url, data=body, headers=headers)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            # Connect failures (refused, unroutable, connect timeout) mean the active domain's
+            # server is not there: ask the reconciler to look now instead of at its next tick.
+            if self._kick(lookup.fleet_id):
+                logger.warning(
+                    "fleet %s: upstream %s unreachable (%s); requested a reconcile",
+                    lookup.routes.fleet_slug,
+                    _origin(url),
+                    exc,
+                )
+            raise ApiError(
+                ErrorCode.UPSTREAM_UNREACHABLE,
+                f"the model server of fleet {lookup.routes.fleet_slug!r} is unreachable",
+                headers=routing,
+            ) from None
+        except TimeoutError:
+            raise ApiError(
+                ErrorCode.UPSTREAM_TIMEOUT,
+                "the model server sent no response headers within "
+                f"{int(self._header_timeout * 1000)} ms",
+                headers=routing,
+            ) from None
+        except aiohttp.ClientError as exc:
+            logger.warning(
+                "fleet %s: upstream %s failed before answering: %s",
+                lookup.routes.fleet_slug,
+                _origin(url),
+                exc,
+            )
+            raise ApiError(
+                ErrorCode.UPSTREAM_UNREACHABLE,
+                f"the model server of fleet {lookup.routes.fleet_slug!r} failed before "
+                f"answering ({type(exc).__name__})",
+                headers=routing,
+            ) from None
+
+    async def _relay(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        lookup: RouteLookup[RouteTable],
+    ) -> web.StreamResponse:
+        headers: dict[str, str] = {}
+        content_type = upstream.headers.get(hdrs.CONTENT_TYPE)
+        if content_type is not None:
+            headers[hdrs.CONTENT_TYPE] = content_type
+        if lookup.stale:
+            headers[ROUTING_HEADER] = _STALE
+        content = upstream.content
+        if content.is_eof() and content.exception() is None:
+            # The whole answer arrived together with its headers (a small JSON answer): it is
+            # already in memory, so send it in one write instead of headers, body, terminator.
+            return web.Response(status=upstream.status, body=content.read_nowait(), headers=headers)
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        length = upstream.content_length
+        if length is not None and hdrs.CONTENT_ENCODING not in upstream.headers:
+            # Framing, not a copied header: a known length spares chunked encoding, and a
+            # short body still reads as truncated to the client.
+            response.content_length = length
+        try:
+            await response.prepare(request)
+            while True:
+                try:
+                    chunk = await content.readany()
+                except aiohttp.ClientError as exc:
+                    self._broken(request, upstream, lookup, exc)
+                    return response
+                if not chunk:
+                    break
+                await response.write(chunk)
+            await response.write_eof()
+        except ConnectionError:
+            # The client went away mid-answer: stop reading (the caller closes the upstream).
+            logger.info("499 %s %s: client disconnected mid-answer", request.method, request.path)
+        return response
+
+    def _broken(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        lookup: RouteLookup[RouteTable],
+        exc: BaseException,
+    ) -> None:
+        logger.warning(
+            "fleet %s: upstream %s broke mid-answer (%s); breaking the client connection",
+            lookup.routes.fleet_slug,
+            _origin(upstream.url),
+            exc,
+        )
+        # Close without the final chunk (or with fewer bytes than Content-Length): the client
+        # must see a broken answer, never a clean end of a truncated one.
+        transport = request.transport
+        if transport is not None:
+            transport.close()
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        lookup = await self.route(self.fleet_ref(request))
+        created = int(self._clock().timestamp())
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "haru"}
+            for name in lookup.routes.models
+        ]
+        return web.json_response({"object": "list", "data": data}, headers=_routing_headers(lookup))
+
+
+def _routing_headers(lookup: RouteLookup[RouteTable]) -> dict[str, str] | None:
+    return {ROUTING_HEADER: _STALE} if lookup.stale else None
+
+
+def _origin(url: URL) -> str:
+    # Logged instead of the full URL: a servingUrl's query string may carry a credential.
+    return str(url.origin())
+
+
+# -- wiring ------------------------------------------------------------------------------------
+
+
+class _ProxyHolder:
+    """App state slot: the running proxy between startup and cleanup."""
+
+    __slots__ = ("proxy", "tuning")
+
+    def __init__(self, tuning: ProxyTuning) -> None:
+        self.tuning = tuning
+        self.proxy: _Proxy | None = None
+
+    async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        settings = app[settings_key]
+        connect_s = min(settings.chat_header_timeout_ms, self.tuning.connect_timeout_ms) / 1000
+        connector = aiohttp.TCPConnector(
+            limit=0,  # each upstream queues its own requests; a pool cap would only add latency
+            keepalive_timeout=_UPSTREAM_KEEPALIVE_S,
+        )
+        session = aiohttp.ClientSession(
+            connector=connector,
+            # No total or read bound: the header bound is applied per request, and a stream may
+            # stay quiet for as long as the model needs.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=None),
+            cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
+            trust_env=False,
+        )
+        async with session:
+            proxy = _Proxy(app, session, self.tuning)
+            self.proxy = proxy
+            try:
+                yield
+            finally:
+                self.proxy = None
+                await proxy.cache.aclose()
+
+
+proxy_key: Final = web.AppKey("haru_proxy", _ProxyHolder)
+
+
+def _proxy_of(request: web.Request) -> _Proxy:
+    proxy = request.app[proxy_key].proxy
+    if proxy is None:
+        raise ApiError(ErrorCode.SHUTTING_DOWN, "the inference proxy is not running")
+    return proxy
+
+
+async def _expect_continue(request: web.Request) -> None:
+    # aiohttp's default answers "100 Continue" to any Expect before anything else runs, which
+    # invites a client to send a body the cap will refuse. Over the cap, stay silent: the
+    # handler (after the bearer check) answers 413 without reading the body.
+    proxy = request.app[proxy_key].proxy
+    length = request.content_length
+    if proxy is not None and length is not None and length > proxy.max_body:
+        return
+    if request.version != aiohttp.HttpVersion11:
+        return
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if expect.lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text=f"unknown expectation {expect[:100]!r}")
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the 100 is not part of the response
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _proxy_of(request).forward(request, CHAT_PATH)
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _proxy_of(request).forward(request, COMPLETIONS_PATH)
+
+
+async def _embeddings(request: web.Request) -> web.StreamResponse:
+    return await _proxy_of(request).forward(request, EMBEDDINGS_PATH)
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    return await _proxy_of(request).models(request)
+
+
+def install_proxy(app: web.Application, *, tuning: ProxyTuning | None = None) -> None:
+    """Register the inference routes on ``app`` and the lifecycle of their shared resources.
+
+    Call after ``app[settings_key]``, ``app[store_key]`` and ``app[clock_key]`` are set
+    (``app[kick_fleet_key]`` is optional: without it no passive-failure kick is sent). The
+    bearer check and the rendering of :class:`~haru_server._http.ApiError` are the app's
+    middlewares' job. One pooled ``ClientSession`` and one route cache live from startup to
+    cleanup.
+
+    Args:
+        app: The application, not yet started.
+        tuning: Non-environment knobs; the defaults suit production.
+    """
+    holder = _ProxyHolder(tuning if tuning is not None else ProxyTuning())
+    app[proxy_key] = holder
+    app.router.add_post(CHAT_PATH, _chat_completions, expect_handler=_expect_continue)
+    app.router.add_post(COMPLETIONS_PATH, _completions, expect_handler=_expect_continue)
+    app.router.add_post(EMBEDDINGS_PATH, _embeddings, expect_handler=_expect_continue)
+    app.router.add_get(MODELS_PATH, _models, allow_head=False)
+    app.cleanup_ctx.append(holder.lifecycle)

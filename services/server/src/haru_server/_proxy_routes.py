@@ -1,0 +1,104 @@
+"""Pure pieces of the inference proxy: the per-snapshot route table and body inspection."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Final
+
+from haru_core import (
+    ROUTABLE_DOMAIN_STATES,
+    find_routable_binding,
+    inference_bindings,
+    routable_models,
+)
+from haru_protocol import ErrorCode, FleetSnapshot, UrlJoinError, join_url
+from yarl import URL
+
+from haru_server._http import ApiError
+
+logger = logging.getLogger(__name__)
+
+CHAT_PATH: Final = "/v1/chat/completions"
+COMPLETIONS_PATH: Final = "/v1/completions"
+EMBEDDINGS_PATH: Final = "/v1/embeddings"
+MODELS_PATH: Final = "/v1/models"
+UPSTREAM_PATHS: Final = (CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH)
+"""The only paths the proxy ever builds on a binding's ``servingUrl`` (never an admin route)."""
+
+
+class RouteTable:
+    """Routing facts derived once per cached snapshot, so a cache hit costs dict lookups only.
+
+    Eligibility is decided by :func:`haru_core.find_routable_binding` for every model the
+    active domain binds; upstream URLs are joined with :func:`haru_protocol.join_url` (path
+    prefix and query of the ``servingUrl`` kept) and parsed once.
+
+    Attributes:
+        snapshot: The snapshot the table was built from.
+        fleet_slug: The fleet's slug (for messages).
+        routable: The active domain exists and is ready or degraded.
+        models: Names of the active domain's eligible models, in layout order.
+    """
+
+    __slots__ = ("_targets", "fleet_slug", "models", "routable", "snapshot")
+
+    def __init__(self, snapshot: FleetSnapshot) -> None:
+        self.snapshot = snapshot
+        self.fleet_slug = snapshot.slug
+        active = snapshot.active_domain
+        self.routable = active is not None and active.state in ROUTABLE_DOMAIN_STATES
+        self.models: tuple[str, ...] = tuple(m.name for m in routable_models(snapshot))
+        self._targets: dict[str, dict[str, URL]] = {}
+        if active is None:
+            return
+        for bound in inference_bindings(active):
+            binding = find_routable_binding(snapshot, bound.name)
+            if binding is None:
+                continue
+            urls = _upstream_urls(binding.serving_url)
+            if isinstance(urls, str):
+                # The layout validated the URL; a join failing here means stored state that
+                # cannot be routed, so the model stays unavailable instead of half-routed.
+                logger.error(
+                    "fleet %s: model %r has an unusable servingUrl: %s",
+                    snapshot.slug,
+                    bound.name,
+                    urls,
+                )
+                continue
+            self._targets[binding.name] = urls
+
+    def target(self, model: str, path: str) -> URL | None:
+        """The upstream URL of ``path`` for ``model``, or None when it is not eligible."""
+        urls = self._targets.get(model)
+        return None if urls is None else urls[path]
+
+
+def _upstream_urls(serving_url: str) -> dict[str, URL] | str:
+    """Every proxied path joined onto ``serving_url``, or why that is impossible."""
+    try:
+        return {path: URL(join_url(serving_url, path)) for path in UPSTREAM_PATHS}
+    except (UrlJoinError, ValueError) as exc:
+        return str(exc)
+
+
+def model_of(body: bytes) -> str:
+    """Read ``model`` from a request body without changing the body.
+
+    Raises:
+        ApiError: ``invalid_request`` when the body is not a JSON object or ``model`` is not a
+            non-empty string.
+    """
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST, f"the request body is not valid JSON: {exc}"
+        ) from None
+    if not isinstance(payload, dict):
+        raise ApiError(ErrorCode.INVALID_REQUEST, "the request body must be a JSON object")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "'model' must be a non-empty string")
+    return model

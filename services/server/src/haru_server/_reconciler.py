@@ -1,0 +1,605 @@
+"""The reconcile tick (SPEC 7.3): heartbeats, escalation, failover, and the in-flight operation.
+
+Safe to run concurrently from many processes: every write is one compare-and-swap, no
+transaction spans a supervisor call, and only the tick whose CAS lands writes the events and
+side effects that belong to it. Decisions come from :mod:`haru_core`; this module is glue:
+read, call, CAS, event. Within one process a fleet never overlaps itself (a per-fleet lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from uuid import UUID
+
+from haru_core import (
+    PROMOTE_STEPS,
+    CreateOperation,
+    decide_demotion,
+    detect_degraded_escalation,
+    detect_failover,
+    domain_change_on_heartbeat,
+    first_step,
+    is_best_effort,
+    is_step_overdue,
+    next_step,
+    slot_health_changes,
+    step_budget_ms,
+    step_remaining_ms,
+)
+from haru_db import StateStore
+from haru_protocol import (
+    DomainSnapshot,
+    DomainState,
+    EventType,
+    FleetSnapshot,
+    Operation,
+    OperationError,
+    OperationErrorCode,
+    OperationKind,
+    OperationState,
+    OperationStep,
+    SupervisorStatus,
+)
+
+from haru_server._clock import Clock
+from haru_server._errors import FleetNotFoundError, SupervisorError
+from haru_server._steps import (
+    Done,
+    Failed,
+    Pending,
+    StepContext,
+    StepResult,
+    StepTuning,
+    run_step,
+)
+from haru_server._supervisor import HEARTBEAT_TIMEOUT_S, SupervisorClient
+
+logger = logging.getLogger(__name__)
+
+_WAKE_INDEX = PROMOTE_STEPS.index(OperationStep.WAKE_VLLM)
+
+
+@dataclass(frozen=True, slots=True)
+class ReconcilerOptions:
+    """Tuning of the reconcile tick.
+
+    Attributes:
+        heartbeat_timeout_s: Bound of each heartbeat poll (SPEC: about 5 s).
+        chaining: Run the next step in the same tick after a step resolves done.
+        chain_budget_s: Per-tick time bound of step chaining (wall clock).
+        tuning: How long an executor keeps polling for its proof after acting.
+    """
+
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    chaining: bool = True
+    chain_budget_s: float = 10.0
+    tuning: StepTuning = field(default_factory=StepTuning)
+
+
+@dataclass(frozen=True, slots=True)
+class TickResult:
+    """What one tick did.
+
+    Attributes:
+        fleet_id: The fleet.
+        operation: The operation this tick worked on (its state after the tick), or None.
+        in_flight: An operation is still pending or running (or was just queued): the loop
+            should come back soon.
+    """
+
+    fleet_id: UUID
+    operation: Operation | None
+    in_flight: bool
+
+
+class Reconciler:
+    """Runs reconcile ticks against one state store.
+
+    Args:
+        store: The state store.
+        client: The supervisor client.
+        clock: The application clock (budgets and ``state_updated_at`` use it).
+        options: Tuning.
+    """
+
+    def __init__(
+        self,
+        store: StateStore,
+        client: SupervisorClient,
+        *,
+        clock: Clock,
+        options: ReconcilerOptions | None = None,
+    ) -> None:
+        self._store = store
+        self._client = client
+        self._clock = clock
+        self._options = options or ReconcilerOptions()
+        self._locks: dict[UUID, asyncio.Lock] = {}
+        self._heartbeat_errors: dict[UUID, str] = {}
+
+    @property
+    def options(self) -> ReconcilerOptions:
+        """The tick's tuning."""
+        return self._options
+
+    async def tick(self, fleet_ref: str) -> TickResult:
+        """Run one reconcile tick of the fleet ``fleet_ref`` (id or slug).
+
+        Raises:
+            FleetNotFoundError: No such fleet.
+            haru_db.StateStoreUnavailableError: The store failed; the tick stops there.
+        """
+        fleet = await self._load(fleet_ref)
+        lock = self._locks.setdefault(fleet.id, asyncio.Lock())
+        waited = lock.locked()
+        async with lock:
+            if waited:
+                fleet = await self._load(str(fleet.id))
+            return await self._tick(fleet)
+
+    # ---- the tick ----------------------------------------------------------------------------
+
+    async def _tick(self, fleet: FleetSnapshot) -> TickResult:
+        fleet = await self._heartbeats(fleet)
+        operation = await self._store.get_in_flight_operation(fleet.id)
+        if operation is None:
+            fleet = await self._escalate(fleet)
+            operation = await self._failover(fleet)
+        if operation is None:
+            return TickResult(fleet.id, None, in_flight=False)
+        operation, queued = await self._advance(fleet, operation)
+        in_flight = queued or operation.state in (OperationState.PENDING, OperationState.RUNNING)
+        return TickResult(fleet.id, operation, in_flight=in_flight)
+
+    async def _load(self, ref: str) -> FleetSnapshot:
+        fleet = await self._store.get_fleet_snapshot(ref)
+        if fleet is None:
+            raise FleetNotFoundError(ref)
+        return fleet
+
+    # ---- step 1: heartbeats ------------------------------------------------------------------
+
+    async def _poll(self, domain: DomainSnapshot, url: str) -> SupervisorStatus | None:
+        try:
+            status = await self._client.status(url, timeout_s=self._options.heartbeat_timeout_s)
+        except SupervisorError as exc:
+            message = str(exc)
+            if self._heartbeat_errors.get(domain.id) != message:
+                self._heartbeat_errors[domain.id] = message
+                logger.warning("heartbeat of domain %s failed: %s", domain.slug, message)
+            return None
+        if self._heartbeat_errors.pop(domain.id, None) is not None:
+            logger.info("heartbeat of domain %s answers again", domain.slug)
+        return status
+
+    async def _heartbeats(self, fleet: FleetSnapshot) -> FleetSnapshot:
+        # A domain without a supervisor URL has nothing to poll (nothing could drive it).
+        polled = [(d, d.supervisor_url) for d in fleet.domains if d.supervisor_url is not None]
+        if not polled:
+            return fleet
+        statuses = await asyncio.gather(*(self._poll(d, url) for d, url in polled))
+        now = self._clock()
+        landed = False
+        seen: set[UUID] = set()
+        for (domain, _), status in zip(polled, statuses, strict=True):
+            if status is not None:
+                landed |= await self._mirror_slots(fleet, domain, status, now)
+                if await self._store.mark_domain_seen(domain.id, at=now):
+                    seen.add(domain.id)
+                else:
+                    # A newer heartbeat (another process, a clock ahead) is stored: judging
+                    # staleness from this snapshot's older value would be wrong. Re-read.
+                    landed = True
+            landed |= await self._judge_domain(fleet, domain, status, now)
+        if landed:
+            return await self._load(str(fleet.id))
+        if not seen:
+            return fleet
+        domains = tuple(
+            d.model_copy(update={"last_seen_at": now}) if d.id in seen else d for d in fleet.domains
+        )
+        return fleet.model_copy(update={"domains": domains})
+
+    async def _mirror_slots(
+        self,
+        fleet: FleetSnapshot,
+        domain: DomainSnapshot,
+        status: SupervisorStatus,
+        now: datetime,
+    ) -> bool:
+        landed = False
+        # One CAS per slot: one dead GPU must not drag its siblings.
+        for change in slot_health_changes(fleet, domain, status):
+            moved = await self._store.transition_slot(
+                change.slot_id,
+                kind=change.kind,
+                from_states=(change.from_state,),
+                to=change.to_state,
+                at=now,
+            )
+            if moved:
+                landed = True
+                await self._store.append_event(
+                    fleet_id=fleet.id,
+                    type=EventType.SLOT_STATE_CHANGED,
+                    payload={
+                        "kind": change.kind.value,
+                        "from": change.from_state.value,
+                        "to": change.to_state.value,
+                        "cause": "heartbeat",
+                    },
+                    at=now,
+                    domain_id=domain.id,
+                    slot_id=change.slot_id,
+                )
+        return landed
+
+    async def _judge_domain(
+        self,
+        fleet: FleetSnapshot,
+        domain: DomainSnapshot,
+        status: SupervisorStatus | None,
+        now: datetime,
+    ) -> bool:
+        change = domain_change_on_heartbeat(fleet, domain, status)
+        if change is None:
+            return False
+        moved = await self._store.transition_domain(
+            domain.id, from_states=(change.from_state,), to=change.to_state, at=now
+        )
+        if moved:
+            logger.info(
+                "domain %s: %s -> %s", domain.slug, change.from_state.value, change.to_state.value
+            )
+            await self._store.append_event(
+                fleet_id=fleet.id,
+                type=change.event or EventType.DOMAIN_STATE_CHANGED,
+                payload={
+                    "from": change.from_state.value,
+                    "to": change.to_state.value,
+                    **change.detail,
+                },
+                at=now,
+                domain_id=domain.id,
+            )
+        return moved
+
+    # ---- step 2: escalation and failover -----------------------------------------------------
+
+    async def _escalate(self, fleet: FleetSnapshot) -> FleetSnapshot:
+        now = self._clock()
+        domain_id = detect_degraded_escalation(fleet, now=now)
+        if domain_id is None:
+            return fleet
+        escalated = await self._store.escalate_domain_if_fleet_idle(
+            domain_id=domain_id,
+            fleet_id=fleet.id,
+            at=now,
+            heartbeat_stale_ms=fleet.policy.heartbeat_stale_ms,
+        )
+        if not escalated:
+            return fleet
+        logger.warning("fleet %s: degraded active domain escalated to failed", fleet.slug)
+        await self._store.append_event(
+            fleet_id=fleet.id,
+            type=EventType.DOMAIN_DEGRADED_ESCALATED,
+            payload={
+                "from": DomainState.DEGRADED.value,
+                "to": DomainState.FAILED.value,
+                "degradedGraceMs": fleet.policy.degraded_grace_ms,
+            },
+            at=now,
+            domain_id=domain_id,
+        )
+        return await self._load(str(fleet.id))
+
+    async def _failover(self, fleet: FleetSnapshot) -> Operation | None:
+        now = self._clock()
+        decision = detect_failover(fleet, now=now)
+        if decision is None:
+            return None
+        operation, created = await self._store.create_operation(
+            fleet_id=fleet.id,
+            kind=OperationKind.PROMOTE,
+            target_domain_id=decision.target_domain_id,
+            at=now,
+        )
+        if created:
+            logger.warning(
+                "fleet %s: automatic failover (%s) to domain %s",
+                fleet.slug,
+                decision.reason,
+                decision.target_domain_id,
+            )
+            await self._store.append_event(
+                fleet_id=fleet.id,
+                type=EventType.OPERATION_AUTO_FAILOVER,
+                payload={
+                    "reason": decision.reason,
+                    "activeDomainId": str(decision.active_domain_id),
+                    "targetDomainId": str(decision.target_domain_id),
+                },
+                at=now,
+                domain_id=decision.target_domain_id,
+                operation_id=operation.id,
+            )
+        return operation
+
+    # ---- step 3: the in-flight operation -----------------------------------------------------
+
+    async def _advance(self, fleet: FleetSnapshot, operation: Operation) -> tuple[Operation, bool]:
+        """Advance ``operation`` by one step, or several with chaining.
+
+        Returns:
+            The operation's state after the tick, and whether a follow-up operation was queued.
+        """
+        chain_end = time.monotonic() + self._options.chain_budget_s
+        while True:
+            if operation.state is OperationState.PENDING:
+                claimed = await self._claim(fleet, operation)
+                if claimed is None:
+                    return await self._reread(operation), False
+                operation = claimed
+            step = operation.current_step
+            if operation.state is not OperationState.RUNNING or step is None:
+                return operation, False
+            result = await self._resolve(fleet, operation, step)
+            operation, progressed, queued = await self._apply(fleet, operation, step, result)
+            if queued or not progressed or operation.state is not OperationState.RUNNING:
+                return operation, queued
+            if not self._options.chaining or time.monotonic() >= chain_end:
+                return operation, False
+            # The same snapshot serves the next step: executors read only what the layout
+            # and the operation fix (bindings, URLs, source, policy), and every write they
+            # make is guarded by the state it expects, so a racer's progress is never undone.
+
+    async def _claim(self, fleet: FleetSnapshot, operation: Operation) -> Operation | None:
+        now = self._clock()
+        step = first_step(operation.kind)
+        if not await self._store.claim_operation(operation.id, first_step=step, at=now):
+            return None
+        await self._event(
+            fleet,
+            operation,
+            EventType.OPERATION_STARTED,
+            {"kind": operation.kind.value, "targetDomainId": str(operation.target_domain_id)},
+            now,
+        )
+        return operation.model_copy(
+            update={"state": OperationState.RUNNING, "current_step": step, "step_started_at": now}
+        )
+
+    async def _reread(self, operation: Operation) -> Operation:
+        fresh = await self._store.get_operation(operation.id)
+        return operation if fresh is None else fresh
+
+    async def _resolve(
+        self, fleet: FleetSnapshot, operation: Operation, step: OperationStep
+    ) -> StepResult:
+        now = self._clock()
+        started = operation.step_started_at or now
+        policy = fleet.policy
+        if is_step_overdue(policy, step, started_at=started, now=now):
+            return await self._timeout(fleet, operation, step)
+        target = fleet.domain(operation.target_domain_id)
+        if target is None:
+            return Failed(
+                OperationErrorCode.TARGET_MISSING,
+                f"target domain {operation.target_domain_id} is no longer part of the fleet",
+            )
+        remaining = step_remaining_ms(policy, step, started_at=started, now=now)
+        ctx = StepContext(
+            store=self._store,
+            client=self._client,
+            tuning=self._options.tuning,
+            fleet=fleet,
+            operation=operation,
+            step=step,
+            target=target,
+            now=now,
+            remaining_ms=remaining,
+            deadline=time.monotonic() + remaining / 1000,
+        )
+        return await run_step(ctx)
+
+    async def _timeout(
+        self, fleet: FleetSnapshot, operation: Operation, step: OperationStep
+    ) -> StepResult:
+        budget = step_budget_ms(fleet.policy, step)
+        if is_best_effort(step):
+            # Never start training next to vLLM servers that may still be awake.
+            return Done(
+                {"timedOut": True, "budgetMs": budget},
+                complete=step is OperationStep.DEMOTE_OLD_SLEEP,
+                degrade_source=True,
+            )
+        if step is OperationStep.SWITCH_ACTIVE:
+            fresh = await self._reread(operation)
+            pointer = await self._store.get_fleet_route_pointer(str(fleet.id))
+            at_target = pointer is not None and pointer.active_domain_id == fresh.target_domain_id
+            if fresh.routing_committed or at_target:
+                return Done({"timedOut": True, "routingCommitted": True})
+        return Failed(
+            OperationErrorCode.STEP_TIMEOUT,
+            f"step {step.value} did not finish within its budget of {budget} ms",
+        )
+
+    async def _apply(
+        self,
+        fleet: FleetSnapshot,
+        operation: Operation,
+        step: OperationStep,
+        result: StepResult,
+    ) -> tuple[Operation, bool, bool]:
+        """Apply one step result with ONE operation CAS.
+
+        Returns:
+            The operation after it, whether this tick's CAS landed, and whether a follow-up
+            operation was queued.
+        """
+        match result:
+            case Pending(reason=reason):
+                logger.debug("operation %s step %s pending: %s", operation.id, step.value, reason)
+                return operation, False, False
+            case Failed():
+                return await self._fail(fleet, operation, step, result)
+            case Done():
+                return await self._done(fleet, operation, step, result)
+
+    async def _done(
+        self, fleet: FleetSnapshot, operation: Operation, step: OperationStep, result: Done
+    ) -> tuple[Operation, bool, bool]:
+        now = self._clock()
+        following = None if result.complete else next_step(operation.kind, step)
+        if following is None:
+            landed = await self._store.complete_operation(operation.id, from_step=step, at=now)
+        else:
+            landed = await self._store.advance_step(
+                operation.id, from_step=step, to_step=following, at=now
+            )
+        if not landed:
+            return await self._reread(operation), False, False
+        if result.degrade_source:
+            await self._degrade_source(fleet, operation, step, now)
+        await self._event(
+            fleet,
+            operation,
+            EventType.OPERATION_STEP_DONE,
+            {"step": step.value, **result.detail},
+            now,
+        )
+        if following is not None:
+            logger.info("operation %s: %s done, next %s", operation.id, step.value, following.value)
+            return (
+                operation.model_copy(update={"current_step": following, "step_started_at": now}),
+                True,
+                False,
+            )
+        logger.info("operation %s (%s) succeeded", operation.id, operation.kind.value)
+        await self._event(
+            fleet,
+            operation,
+            EventType.OPERATION_SUCCEEDED,
+            {"kind": operation.kind.value, "targetDomainId": str(operation.target_domain_id)},
+            now,
+        )
+        return await self._reread(operation), True, False
+
+    async def _degrade_source(
+        self, fleet: FleetSnapshot, operation: Operation, step: OperationStep, now: datetime
+    ) -> None:
+        source = operation.source_domain_id
+        degraded = False
+        if source is not None and source != operation.target_domain_id:
+            degraded = await self._store.transition_domain(
+                source, from_states=(DomainState.READY,), to=DomainState.DEGRADED, at=now
+            )
+        logger.warning(
+            "operation %s: best-effort step %s timed out; source domain %s %s",
+            operation.id,
+            step.value,
+            source,
+            "degraded" if degraded else "left as is",
+        )
+        await self._event(
+            fleet,
+            operation,
+            EventType.OPERATION_STEP_TIMEOUT_BEST_EFFORT,
+            {
+                "step": step.value,
+                "sourceDomainId": None if source is None else str(source),
+                "sourceDegraded": degraded,
+            },
+            now,
+            domain_id=source,
+        )
+
+    async def _fail(
+        self, fleet: FleetSnapshot, operation: Operation, step: OperationStep, result: Failed
+    ) -> tuple[Operation, bool, bool]:
+        now = self._clock()
+        error = OperationError(step=step, code=result.code.value, message=result.message)
+        promote = operation.kind is OperationKind.PROMOTE
+        landed = await self._store.fail_operation(
+            operation.id,
+            error=error,
+            at=now,
+            expected_step=step,
+            # Before the commit point this guard is always true; at switch_active it keeps a
+            # fail from undoing a pointer move that landed meanwhile.
+            target_not_routed=promote,
+        )
+        if not landed:
+            return await self._reread(operation), False, False
+        logger.warning(
+            "operation %s (%s) failed at %s: %s: %s",
+            operation.id,
+            operation.kind.value,
+            step.value,
+            result.code.value,
+            result.message,
+        )
+        await self._event(
+            fleet,
+            operation,
+            EventType.OPERATION_FAILED,
+            {"step": step.value, "code": result.code.value, "message": result.message},
+            now,
+        )
+        queued = False
+        if promote and PROMOTE_STEPS.index(step) >= _WAKE_INDEX:
+            queued = await self._restore(fleet, operation, now)
+        return await self._reread(operation), True, queued
+
+    async def _restore(self, fleet: FleetSnapshot, failed: Operation, now: datetime) -> bool:
+        """Queue a demote of a promote's target that failed after being woken."""
+        fresh = await self._load(str(fleet.id))
+        decision = decide_demotion(fresh, failed.target_domain_id)
+        if not isinstance(decision, CreateOperation):
+            logger.warning(
+                "operation %s: target cannot be returned to standby: %s",
+                failed.id,
+                decision.message,
+            )
+            return False
+        operation, created = await self._store.create_operation(
+            fleet_id=fleet.id,
+            kind=OperationKind.DEMOTE,
+            target_domain_id=decision.target_domain_id,
+            at=now,
+        )
+        if not created:
+            return operation.state in (OperationState.PENDING, OperationState.RUNNING)
+        logger.info("operation %s: demote %s queued to restore standby", failed.id, operation.id)
+        await self._event(
+            fleet,
+            operation,
+            EventType.OPERATION_RESTORE_DEMOTE,
+            {"failedOperationId": str(failed.id), "targetDomainId": str(failed.target_domain_id)},
+            now,
+        )
+        return True
+
+    async def _event(
+        self,
+        fleet: FleetSnapshot,
+        operation: Operation,
+        type_: EventType,
+        payload: Mapping[str, object],
+        now: datetime,
+        *,
+        domain_id: UUID | None = None,
+    ) -> None:
+        await self._store.append_event(
+            fleet_id=fleet.id,
+            type=type_,
+            payload=payload,
+            at=now,
+            domain_id=domain_id if domain_id is not None else operation.target_domain_id,
+            operation_id=operation.id,
+        )

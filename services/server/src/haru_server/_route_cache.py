@@ -1,0 +1,598 @@
+"""The proxy's routing cache: fresh when the store answers, fail-open only when it cannot.
+
+Every request reads the fleet's narrow route pointer (one small SELECT). A cached snapshot is
+reused while its ``routeRevision`` matches the pointer and its TTL (non-routing state such as
+slot health) has not run out; otherwise a fresh snapshot is loaded. The failure rules
+(SPEC 7.5):
+
+- the pointer read FAILS (store unreachable or slower than its bound): serve the last snapshot
+  this process cached for the fleet, marked stale; nothing cached means 503. This is safe
+  because the pointer cannot move while the store is down: moving it needs the very
+  compare-and-swap that is failing.
+- the pointer read succeeds but the snapshot load fails: serve the cache (stale) only when it
+  is at the pointer's revision; otherwise 503, and the entry is dropped so a later outage can
+  never resurrect routing known to be superseded. Malformed state is never served.
+- the pointer read returns nothing: 404, and the spelling's index (and the entry it named) is
+  forgotten. A read that throws is never confused with one that returns nothing.
+
+Entries are keyed by fleet id; each accepted spelling (slug, id in any case) is indexed onto
+the id with the database's id-first rule, and a slug that looks like a UUID is never an alias.
+Newer knowledge always wins: loads of one fleet are serialised, a load whose fleet received a
+verdict (drop, forget) while it was in flight is served but not cached, a lower revision never
+replaces a higher one, and an index change only applies when its pointer read started after
+the last one recorded for that spelling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Generic, Protocol, TypeVar
+from uuid import UUID
+
+from haru_db import MalformedFleetStateError, StateStoreUnavailableError
+from haru_protocol import ErrorCode, FleetRoutePointer, FleetSnapshot
+
+from haru_server._http import ApiError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_UUID_RE = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}")
+
+DEFAULT_POINTER_TIMEOUT_MS = 250
+"""Bound on the pointer read: well above a healthy p99 (a few ms), short enough that a hung
+store turns into stale serving before clients notice."""
+DEFAULT_SNAPSHOT_TIMEOUT_MS = 2_000
+"""Bound on a snapshot load (several statements on a cold connection)."""
+DEFAULT_OUTAGE_MEMO_MS = 1_000
+"""After a failed pointer read, serve stale without asking the store for this long (one probe
+at a time afterwards), so an outage costs one bounded wait per second, not one per request."""
+DEFAULT_MAX_FLEETS = 1_024
+"""Entries kept (least recently used evicted first)."""
+
+
+class RouteSource(Protocol):
+    """The two reads the cache needs (``haru_db.StateStore`` provides both)."""
+
+    async def get_fleet_route_pointer(self, ref: str) -> FleetRoutePointer | None: ...
+
+    async def get_fleet_snapshot(self, ref: str) -> FleetSnapshot | None: ...
+
+
+def is_uuid_shaped(ref: str) -> bool:
+    """Whether ``ref`` is looked up as a fleet id first (the database's rule, SPEC 3.1)."""
+    return _UUID_RE.fullmatch(ref) is not None
+
+
+def spelling_key(ref: str) -> str:
+    """The index key of a fleet reference: ids compare lowercase, slugs case-sensitively."""
+    return ref.lower() if is_uuid_shaped(ref) else ref
+
+
+@dataclass(frozen=True, slots=True)
+class RouteLookup(Generic[T]):
+    """What the cache answers for one request.
+
+    Attributes:
+        fleet_id: The fleet the reference resolved to.
+        snapshot: The snapshot to route with.
+        routes: What the cache's ``build`` callable derived from ``snapshot`` (built once per
+            cached snapshot, not per request).
+        stale: The store could not confirm this routing (answer with ``X-Haru-Routing: stale``).
+    """
+
+    fleet_id: UUID
+    snapshot: FleetSnapshot
+    routes: T
+    stale: bool
+
+
+@dataclass(slots=True)
+class _Entry(Generic[T]):
+    snapshot: FleetSnapshot
+    routes: T
+    loaded_at: float
+    """Clock reading taken when the load that produced it started."""
+    aliases: set[str] = field(default_factory=set)
+    load_failed_until: float = 0.0
+    """A snapshot load at this revision failed; until then, skip reloading and serve stale."""
+
+    @property
+    def revision(self) -> int:
+        return self.snapshot.route_revision
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    pointer: FleetRoutePointer | None
+    error: Exception | None
+    seq: int
+
+
+@dataclass(slots=True)
+class _ReadBatch:
+    """One reference's pointer read in flight, and the batch waiting for the next one."""
+
+    running: asyncio.Future[_Outcome] | None = None
+    queued: asyncio.Future[_Outcome] | None = None
+    driver: asyncio.Task[None] | None = None
+
+
+class RouteCache(Generic[T]):
+    """Per-process routing cache with the fail-open rules of SPEC 7.5.
+
+    Args:
+        store: Where pointers and snapshots come from.
+        build: Derives the per-snapshot routing structure handed back in
+            :attr:`RouteLookup.routes` (called once per loaded snapshot).
+        ttl_ms: How long a snapshot at the current revision is reused before a reload
+            (``HARU_SNAPSHOT_CACHE_TTL_MS``).
+        pointer_timeout_ms: Bound on the pointer read; slower counts as unreachable.
+        snapshot_timeout_ms: Bound on a snapshot load.
+        outage_memo_ms: After a failed pointer read, serve stale without reading for this long.
+        max_fleets: Entries kept; the least recently used is evicted beyond it.
+        clock: Monotonic seconds (injected by tests).
+    """
+
+    def __init__(
+        self,
+        store: RouteSource,
+        *,
+        build: Callable[[FleetSnapshot], T],
+        ttl_ms: int,
+        pointer_timeout_ms: int = DEFAULT_POINTER_TIMEOUT_MS,
+        snapshot_timeout_ms: int = DEFAULT_SNAPSHOT_TIMEOUT_MS,
+        outage_memo_ms: int = DEFAULT_OUTAGE_MEMO_MS,
+        max_fleets: int = DEFAULT_MAX_FLEETS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_fleets < 1:
+            raise ValueError(f"max_fleets must be >= 1, got {max_fleets}")
+        self._store = store
+        self._build = build
+        self._ttl = ttl_ms / 1000
+        self._pointer_timeout = pointer_timeout_ms / 1000
+        self._snapshot_timeout = snapshot_timeout_ms / 1000
+        self._outage_memo = outage_memo_ms / 1000
+        self._max_fleets = max_fleets
+        self._clock = clock
+        self._entries: OrderedDict[UUID, _Entry[T]] = OrderedDict()
+        self._aliases: dict[str, tuple[UUID, int]] = {}
+        """spelling key -> (fleet id, sequence number of the pointer read that taught it)."""
+        self._forgotten: OrderedDict[str, int] = OrderedDict()
+        """spelling key -> sequence number of the read that disclaimed it (bounded)."""
+        self._verdicts: dict[UUID, int] = {}
+        """fleet id -> count of drops; a load that saw the count change is not cached."""
+        self._locks: weakref.WeakValueDictionary[UUID, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._seq = 0
+        self._outage = False
+        self._outage_until = 0.0
+        self._probing = False
+        self._stale: set[UUID] = set()
+        self._abandoned: set[asyncio.Task[Any]] = set()
+        self._reads: dict[str, _ReadBatch] = {}
+
+    # -- introspection (tests, diagnostics) ---------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def cached_revision(self, fleet_id: UUID) -> int | None:
+        """The revision cached for ``fleet_id``, or None when nothing is cached."""
+        entry = self._entries.get(fleet_id)
+        return None if entry is None else entry.revision
+
+    def indexed(self, ref: str) -> UUID | None:
+        """The fleet id a spelling is indexed onto, or None."""
+        alias = self._aliases.get(spelling_key(ref))
+        return None if alias is None else alias[0]
+
+    @property
+    def in_outage(self) -> bool:
+        """Whether the last pointer read failed (and none has succeeded since)."""
+        return self._outage
+
+    async def aclose(self) -> None:
+        """Cancel and wait for the reads in flight or abandoned after their bound (shutdown)."""
+        tasks = [*self._abandoned, *(b.driver for b in self._reads.values() if b.driver)]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- bounded store reads ------------------------------------------------------------------
+
+    async def _bounded(self, read: Coroutine[Any, Any, R], timeout: float) -> R:
+        """Await ``read`` for at most ``timeout`` seconds, or raise :class:`TimeoutError`.
+
+        The read runs in its own task that is abandoned (cancelled, and held until it ends)
+        when the bound passes: a driver may take seconds to acknowledge a cancellation (psycopg
+        first tries to cancel the query on the server), and a hung store must cost the request
+        the bound, not that.
+        """
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(read)
+        waiter = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        task.add_done_callback(wake)
+        timer = loop.call_later(timeout, wake)
+        try:
+            await waiter
+        except BaseException:
+            self._abandon(task)  # the request itself was cancelled
+            raise
+        finally:
+            timer.cancel()
+            task.remove_done_callback(wake)
+        if not task.done():
+            self._abandon(task)
+            raise TimeoutError
+        return task.result()
+
+    def _abandon(self, task: asyncio.Task[Any]) -> None:
+        if task.done():
+            if not task.cancelled():
+                task.exception()  # retrieved: an abandoned read's outcome is irrelevant
+            return
+        task.cancel()
+        self._abandoned.add(task)
+        task.add_done_callback(self._forget_abandoned)
+
+    def _forget_abandoned(self, task: asyncio.Task[Any]) -> None:
+        self._abandoned.discard(task)
+        if not task.cancelled():
+            task.exception()
+
+    # -- coalesced pointer reads ---------------------------------------------------------------
+
+    async def _read_pointer(self, ref: str) -> tuple[FleetRoutePointer | None, int]:
+        """The pointer ``ref`` names, from a read that STARTED after this call.
+
+        Concurrent requests share reads: one arriving while a read of the same ``ref`` is in
+        flight waits for the next read, which starts when that one ends and serves everyone
+        who queued meanwhile. No request is ever answered from a read that began before it
+        arrived, so a committed pointer move is seen by every later request, while the store
+        sees at most one pointer read per reference at a time however many requests arrive.
+
+        Returns:
+            The pointer (None: no such fleet) and the read's sequence number (reads are
+            numbered in the order they start; later numbers carry newer knowledge).
+
+        Raises:
+            StateStoreUnavailableError: The read failed.
+            TimeoutError: No answer within the pointer bound.
+            MalformedFleetStateError: The stored fleet row is malformed.
+        """
+        loop = asyncio.get_running_loop()
+        batch = self._reads.get(ref)
+        if batch is None:
+            batch = self._reads[ref] = _ReadBatch()
+        if batch.driver is None:
+            shared = batch.running = loop.create_future()
+            batch.driver = loop.create_task(self._drive(ref, batch))
+        else:
+            if batch.queued is None:
+                batch.queued = loop.create_future()
+            shared = batch.queued
+        outcome = await self._await_shared(shared, self._pointer_timeout)
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.pointer, outcome.seq
+
+    async def _drive(self, ref: str, batch: _ReadBatch) -> None:
+        """Run reads for ``ref`` back to back while requests keep queueing for one."""
+        try:
+            shared = batch.running
+            while shared is not None:
+                self._seq += 1
+                seq = self._seq
+                try:
+                    pointer = await self._bounded(
+                        self._store.get_fleet_route_pointer(ref), self._pointer_timeout
+                    )
+                    outcome = _Outcome(pointer, None, seq)
+                except (StateStoreUnavailableError, TimeoutError, MalformedFleetStateError) as exc:
+                    outcome = _Outcome(None, exc, seq)
+                except Exception as exc:
+                    logger.exception("route cache: pointer read of %r failed unexpectedly", ref)
+                    outcome = _Outcome(None, exc, seq)  # the waiters answer 500, not hang
+                if not shared.done():
+                    shared.set_result(outcome)
+                shared = batch.running = batch.queued
+                batch.queued = None
+        finally:
+            batch.driver = None
+            batch.running = None
+            if batch.queued is None and self._reads.get(ref) is batch:
+                del self._reads[ref]
+
+    @staticmethod
+    async def _await_shared(shared: asyncio.Future[_Outcome], timeout: float) -> _Outcome:
+        """Wait for a shared read without ever cancelling it for the other waiters."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        shared.add_done_callback(wake)
+        timer = loop.call_later(timeout, wake)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            shared.remove_done_callback(wake)
+        if not shared.done():
+            raise TimeoutError
+        return shared.result()
+
+    # -- the request path ---------------------------------------------------------------------
+
+    async def resolve(self, ref: str) -> RouteLookup[T]:
+        """Routing for the fleet ``ref`` names, fresh when the store answers.
+
+        Raises:
+            ApiError: ``fleet_not_found`` (404) when the store says no such fleet exists;
+                ``state_store_unavailable`` (503) when routing cannot be served safely.
+        """
+        key = spelling_key(ref)
+        probe = self._outage
+        if probe:
+            if self._probing or self._clock() < self._outage_until:
+                return self._serve_stale(ref, key, "the state store is unreachable")
+            self._probing = True  # one probe at a time; the others keep serving stale
+        try:
+            try:
+                pointer, seq = await self._read_pointer(ref)
+            finally:
+                if probe:
+                    self._probing = False
+        except (StateStoreUnavailableError, TimeoutError) as exc:
+            self._enter_outage(exc)
+            return self._serve_stale(ref, key, "the state store is unreachable")
+        except MalformedFleetStateError as exc:
+            self._leave_outage()
+            alias = self._aliases.get(key)
+            if alias is not None:
+                self._drop(alias[0], why="its stored state is malformed")
+            raise self._malformed(ref, exc) from exc
+        self._leave_outage()
+        if pointer is None:
+            self._forget(key, seq)
+            raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref!r} not found")
+        entry = self._entries.get(pointer.id)
+        now = self._clock()
+        if entry is not None and entry.revision >= pointer.route_revision:
+            if now - entry.loaded_at < self._ttl:
+                return self._hit(entry, pointer.id, key, seq)
+            if now < entry.load_failed_until and entry.revision == pointer.route_revision:
+                self._learn(entry, pointer, key, seq)
+                return self._stale_hit(entry, pointer.id, "its snapshot failed to load")
+        return await self._load(ref, key, pointer, seq)
+
+    def _hit(self, entry: _Entry[T], fleet_id: UUID, key: str, seq: int) -> RouteLookup[T]:
+        self._entries.move_to_end(fleet_id)
+        alias = self._aliases.get(key)
+        if alias is None or alias[0] != fleet_id:
+            self._learn_key(entry, fleet_id, key, seq)
+        if fleet_id in self._stale:
+            self._leave_stale(fleet_id, entry)
+        return RouteLookup(fleet_id, entry.snapshot, entry.routes, stale=False)
+
+    def _stale_hit(self, entry: _Entry[T], fleet_id: UUID, why: str) -> RouteLookup[T]:
+        self._entries.move_to_end(fleet_id)
+        self._enter_stale(fleet_id, entry, why)
+        return RouteLookup(fleet_id, entry.snapshot, entry.routes, stale=True)
+
+    async def _load(
+        self, ref: str, key: str, pointer: FleetRoutePointer, seq: int
+    ) -> RouteLookup[T]:
+        fleet_id = pointer.id
+        lock = self._locks.get(fleet_id)
+        if lock is None:
+            lock = self._locks[fleet_id] = asyncio.Lock()
+        async with lock:
+            # Another request may have loaded this revision while this one waited.
+            entry = self._entries.get(fleet_id)
+            started = self._clock()
+            if (
+                entry is not None
+                and entry.revision >= pointer.route_revision
+                and started - entry.loaded_at < self._ttl
+            ):
+                return self._hit(entry, fleet_id, key, seq)
+            verdicts = self._verdicts.get(fleet_id, 0)
+            try:
+                snapshot = await self._bounded(
+                    self._store.get_fleet_snapshot(str(fleet_id)), self._snapshot_timeout
+                )
+            except (StateStoreUnavailableError, TimeoutError) as exc:
+                return self._load_failed(ref, key, pointer, seq, exc)
+            except MalformedFleetStateError as exc:
+                self._drop(fleet_id, why="its stored state is malformed")
+                raise self._malformed(ref, exc) from exc
+            if snapshot is None or snapshot.id != fleet_id:
+                # Gone between the two reads (an id-first lookup only ever returns that id).
+                self._drop(fleet_id, why="the store no longer knows it")
+                self._forget(key, seq)
+                raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref!r} not found")
+            routes = self._build(snapshot)
+            entry = self._entries.get(fleet_id)
+            if (
+                self._verdicts.get(fleet_id, 0) != verdicts
+                or self._forgotten.get(key, -1) > seq
+                or (entry is not None and entry.revision > snapshot.route_revision)
+            ):
+                # Newer knowledge landed while this load was in flight: answer this request
+                # with what it read, but never let it overwrite what the cache knows now.
+                return RouteLookup(fleet_id, snapshot, routes, stale=False)
+            fresh = _Entry(snapshot=snapshot, routes=routes, loaded_at=started)
+            if entry is not None:
+                fresh.aliases = entry.aliases
+            self._entries[fleet_id] = fresh
+            self._entries.move_to_end(fleet_id)
+            self._learn(fresh, pointer, key, seq)
+            self._evict()
+            if fleet_id in self._stale:
+                self._leave_stale(fleet_id, fresh)
+            return RouteLookup(fleet_id, snapshot, routes, stale=False)
+
+    def _load_failed(
+        self,
+        ref: str,
+        key: str,
+        pointer: FleetRoutePointer,
+        seq: int,
+        exc: BaseException,
+    ) -> RouteLookup[T]:
+        fleet_id = pointer.id
+        entry = self._entries.get(fleet_id)
+        if entry is not None and entry.revision == pointer.route_revision:
+            entry.load_failed_until = self._clock() + self._outage_memo
+            self._learn(entry, pointer, key, seq)
+            return self._stale_hit(entry, fleet_id, f"its snapshot failed to load ({exc})")
+        if entry is not None:
+            self._drop(
+                fleet_id,
+                why=(
+                    f"routing moved to revision {pointer.route_revision} and that snapshot "
+                    f"failed to load ({exc})"
+                ),
+            )
+        raise ApiError(
+            ErrorCode.STATE_STORE_UNAVAILABLE,
+            f"the state store could not load the routing of fleet {ref!r}; retry shortly",
+        ) from exc
+
+    def _serve_stale(self, ref: str, key: str, why: str) -> RouteLookup[T]:
+        alias = self._aliases.get(key)
+        entry = None if alias is None else self._entries.get(alias[0])
+        if alias is None or entry is None:
+            raise ApiError(
+                ErrorCode.STATE_STORE_UNAVAILABLE,
+                f"{why} and no routing for fleet {ref!r} is cached in this process",
+            )
+        return self._stale_hit(entry, alias[0], why)
+
+    # -- knowledge bookkeeping ----------------------------------------------------------------
+
+    def _learn(self, entry: _Entry[T], pointer: FleetRoutePointer, key: str, seq: int) -> None:
+        fleet_id = pointer.id
+        for spelling in (str(fleet_id), pointer.slug, key):
+            self._learn_key(entry, fleet_id, spelling, seq)
+
+    def _learn_key(self, entry: _Entry[T], fleet_id: UUID, key: str, seq: int) -> None:
+        if key != str(fleet_id) and is_uuid_shaped(key):
+            return  # a UUID-shaped slug is never an alias: an id lookup may name another fleet
+        if key in entry.aliases and self._aliases.get(key, (None, 0))[0] == fleet_id:
+            return
+        if self._forgotten.get(key, -1) > seq:
+            return  # disclaimed by a read that started after this one
+        current = self._aliases.get(key)
+        if current is not None:
+            if current[1] > seq:
+                return
+            if current[0] != fleet_id:
+                other = self._entries.get(current[0])
+                if other is not None:
+                    other.aliases.discard(key)
+        self._aliases[key] = (fleet_id, seq)
+        entry.aliases.add(key)
+        self._forgotten.pop(key, None)
+
+    def _forget(self, key: str, seq: int) -> None:
+        """The store says this spelling names no fleet: forget it and what it named."""
+        self._forgotten[key] = max(seq, self._forgotten.get(key, -1))
+        self._forgotten.move_to_end(key)
+        while len(self._forgotten) > self._max_fleets:
+            self._forgotten.popitem(last=False)
+        alias = self._aliases.pop(key, None)
+        if alias is not None:
+            self._drop(alias[0], why=f"the store no longer knows {key!r}")
+
+    def _drop(self, fleet_id: UUID, *, why: str) -> None:
+        self._verdicts[fleet_id] = self._verdicts.get(fleet_id, 0) + 1
+        entry = self._entries.pop(fleet_id, None)
+        if entry is None:
+            return
+        logger.warning(
+            "route cache: dropped fleet %s (revision %d): %s", fleet_id, entry.revision, why
+        )
+        self._unlink(fleet_id, entry)
+
+    def _unlink(self, fleet_id: UUID, entry: _Entry[T]) -> None:
+        for key in entry.aliases:
+            alias = self._aliases.get(key)
+            if alias is not None and alias[0] == fleet_id:
+                del self._aliases[key]
+        if fleet_id in self._stale:
+            self._stale.discard(fleet_id)
+            logger.warning(
+                "fleet %s (%s): no longer serving stale routing (entry dropped)",
+                entry.snapshot.slug,
+                fleet_id,
+            )
+
+    def _evict(self) -> None:
+        while len(self._entries) > self._max_fleets:
+            fleet_id, entry = self._entries.popitem(last=False)
+            # Capacity eviction is not a verdict: an in-flight load of it may still be cached.
+            self._unlink(fleet_id, entry)
+        if len(self._verdicts) > 4 * self._max_fleets:
+            # Verdict counts only matter while a load is in flight (under the fleet's lock).
+            self._verdicts = {k: v for k, v in self._verdicts.items() if k in self._locks}
+
+    # -- outage and stale-serving transitions (logged once per fleet, not per request) --------
+
+    def _enter_outage(self, exc: BaseException) -> None:
+        self._outage_until = self._clock() + self._outage_memo
+        if not self._outage:
+            self._outage = True
+            logger.warning("route cache: state store unreachable (%s); failing open", exc)
+
+    def _leave_outage(self) -> None:
+        if self._outage:
+            self._outage = False
+            logger.info("route cache: state store reachable again")
+
+    def _enter_stale(self, fleet_id: UUID, entry: _Entry[T], why: str) -> None:
+        if fleet_id not in self._stale:
+            self._stale.add(fleet_id)
+            logger.warning(
+                "fleet %s (%s): serving cached routing at revision %d (stale): %s",
+                entry.snapshot.slug,
+                fleet_id,
+                entry.revision,
+                why,
+            )
+
+    def _leave_stale(self, fleet_id: UUID, entry: _Entry[T]) -> None:
+        self._stale.discard(fleet_id)
+        logger.info(
+            "fleet %s (%s): routing confirmed by the state store again (revision %d)",
+            entry.snapshot.slug,
+            fleet_id,
+            entry.revision,
+        )
+
+    @staticmethod
+    def _malformed(ref: str, exc: MalformedFleetStateError) -> ApiError:
+        logger.error("fleet %r: stored state is malformed, refusing to route: %s", ref, exc)
+        return ApiError(
+            ErrorCode.STATE_STORE_UNAVAILABLE,
+            f"the stored state of fleet {ref!r} failed validation and cannot be served "
+            "(see the server log)",
+        )

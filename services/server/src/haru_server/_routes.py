@@ -1,0 +1,217 @@
+"""The control API (SPEC 7.2): fleets, operations, events, route intent and reconcile."""
+
+from __future__ import annotations
+
+import logging
+from uuid import UUID
+
+from aiohttp import web
+from haru_core import (
+    AlreadyActive,
+    InvalidTarget,
+    build_route_intent,
+    decide_demotion,
+    decide_promotion,
+)
+from haru_protocol import (
+    AcceptedResponse,
+    AlreadyActiveResponse,
+    DemoteRequest,
+    ErrorCode,
+    EventList,
+    EventType,
+    FleetList,
+    FleetRoutePointer,
+    FleetSnapshot,
+    Health,
+    OperationKind,
+    PeerModel,
+    PromoteRequest,
+    ReconcileResponse,
+    WireModel,
+)
+
+from haru_server._errors import FleetNotFoundError
+from haru_server._http import ApiError, parse_body
+from haru_server._keys import clock_key, kick_fleet_key, reconciler_key, store_key
+
+logger = logging.getLogger(__name__)
+
+routes = web.RouteTableDef()
+
+EVENTS_DEFAULT_LIMIT = 100
+EVENTS_MAX_LIMIT = 1000
+
+
+class ReconcileRequest(WireModel):
+    """Body of ``POST /v1/fleets/{ref}/reconcile``: empty (or ``{}``); no key is accepted."""
+
+
+def _json(model: PeerModel, *, status: int = 200) -> web.Response:
+    return web.json_response(text=model.model_dump_json(), status=status)
+
+
+def _fleet_not_found(ref: str) -> ApiError:
+    return ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref!r} not found")
+
+
+async def _snapshot(request: web.Request) -> FleetSnapshot:
+    ref = request.match_info["ref"]
+    fleet = await request.app[store_key].get_fleet_snapshot(ref)
+    if fleet is None:
+        raise _fleet_not_found(ref)
+    return fleet
+
+
+async def _pointer(request: web.Request) -> FleetRoutePointer:
+    ref = request.match_info["ref"]
+    pointer = await request.app[store_key].get_fleet_route_pointer(ref)
+    if pointer is None:
+        raise _fleet_not_found(ref)
+    return pointer
+
+
+def _int_query(request: web.Request, name: str, default: int, *, low: int, high: int) -> int:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST, f"query parameter {name!r} must be an integer"
+        ) from None
+    if not low <= value <= high:
+        raise ApiError(
+            ErrorCode.INVALID_REQUEST, f"query parameter {name!r} must be between {low} and {high}"
+        )
+    return value
+
+
+@routes.get("/healthz")
+async def healthz(request: web.Request) -> web.Response:
+    # Never touches the database: a red liveness probe during a store outage would restart
+    # the process and throw away the routing cache that keeps traffic flowing.
+    return _json(Health())
+
+
+@routes.get("/v1/fleets")
+async def list_fleets(request: web.Request) -> web.Response:
+    fleets = await request.app[store_key].list_fleets()
+    return _json(FleetList(fleets=tuple(fleets)))
+
+
+@routes.get("/v1/fleets/{ref}")
+async def get_fleet(request: web.Request) -> web.Response:
+    return _json(await _snapshot(request))
+
+
+@routes.get("/v1/fleets/{ref}/route-intent")
+async def route_intent(request: web.Request) -> web.Response:
+    fleet = await _snapshot(request)
+    return _json(build_route_intent(fleet, now=request.app[clock_key]()))
+
+
+@routes.post("/v1/fleets/{ref}/reconcile")
+async def reconcile(request: web.Request) -> web.Response:
+    await parse_body(request, ReconcileRequest, empty_ok=True)
+    ref = request.match_info["ref"]
+    try:
+        result = await request.app[reconciler_key].tick(ref)
+    except FleetNotFoundError:
+        raise _fleet_not_found(ref) from None
+    return _json(ReconcileResponse(fleet_id=result.fleet_id, operation=result.operation))
+
+
+async def _request_operation(
+    request: web.Request, kind: OperationKind, target_domain_id: UUID
+) -> web.Response:
+    fleet = await _snapshot(request)
+    decision = (
+        decide_promotion(fleet, target_domain_id)
+        if kind is OperationKind.PROMOTE
+        else decide_demotion(fleet, target_domain_id)
+    )
+    if isinstance(decision, AlreadyActive):
+        return _json(AlreadyActiveResponse(route_revision=decision.route_revision))
+    if isinstance(decision, InvalidTarget):
+        raise ApiError(ErrorCode.INVALID_TARGET, decision.message)
+    store = request.app[store_key]
+    now = request.app[clock_key]()
+    operation, created = await store.create_operation(
+        fleet_id=fleet.id, kind=decision.kind, target_domain_id=decision.target_domain_id, at=now
+    )
+    if not created and (
+        operation.kind is not decision.kind
+        or operation.target_domain_id != decision.target_domain_id
+    ):
+        raise ApiError(
+            ErrorCode.OPERATION_CONFLICT,
+            f"operation {operation.id} ({operation.kind.value} of domain "
+            f"{operation.target_domain_id}) is in flight; retry when it has finished",
+        )
+    if created:
+        target = fleet.domain(decision.target_domain_id)
+        logger.info(
+            "fleet %s: %s of domain %s accepted (operation %s)",
+            fleet.slug,
+            kind.value,
+            None if target is None else target.slug,
+            operation.id,
+        )
+        await store.append_event(
+            fleet_id=fleet.id,
+            type=(
+                EventType.OPERATION_REQUESTED_PROMOTE
+                if kind is OperationKind.PROMOTE
+                else EventType.OPERATION_REQUESTED_DEMOTE
+            ),
+            payload={
+                "kind": kind.value,
+                "targetDomainId": str(decision.target_domain_id),
+                "sourceDomainId": (
+                    None if operation.source_domain_id is None else str(operation.source_domain_id)
+                ),
+            },
+            at=now,
+            domain_id=decision.target_domain_id,
+            operation_id=operation.id,
+        )
+    request.app[kick_fleet_key](fleet.id)
+    return _json(AcceptedResponse(operation=operation), status=202)
+
+
+@routes.post("/v1/fleets/{ref}/promote")
+async def promote(request: web.Request) -> web.Response:
+    body = await parse_body(request, PromoteRequest)
+    return await _request_operation(request, OperationKind.PROMOTE, body.target_domain_id)
+
+
+@routes.post("/v1/fleets/{ref}/demote")
+async def demote(request: web.Request) -> web.Response:
+    body = await parse_body(request, DemoteRequest)
+    return await _request_operation(request, OperationKind.DEMOTE, body.target_domain_id)
+
+
+@routes.get("/v1/fleets/{ref}/operations/{operation_id}")
+async def get_operation(request: web.Request) -> web.Response:
+    pointer = await _pointer(request)
+    raw = request.match_info["operation_id"]
+    try:
+        operation_id = UUID(raw)
+    except ValueError:
+        raise ApiError(ErrorCode.NOT_FOUND, f"operation {raw!r} not found") from None
+    operation = await request.app[store_key].get_operation(operation_id, fleet_id=pointer.id)
+    if operation is None:
+        raise ApiError(ErrorCode.NOT_FOUND, f"operation {raw!r} not found in this fleet")
+    return _json(operation)
+
+
+@routes.get("/v1/fleets/{ref}/events")
+async def list_events(request: web.Request) -> web.Response:
+    after = _int_query(request, "after", 0, low=0, high=2**63 - 1)
+    limit = _int_query(request, "limit", EVENTS_DEFAULT_LIMIT, low=1, high=EVENTS_MAX_LIMIT)
+    pointer = await _pointer(request)
+    events = await request.app[store_key].list_events(pointer.id, after=after, limit=limit)
+    next_after = events[-1].id if len(events) == limit else None
+    return _json(EventList(events=tuple(events), next_after=next_after))

@@ -1,0 +1,511 @@
+"""Step executors of promote and demote (SPEC 7.3): each is re-runnable and proves its result.
+
+An executor runs once per tick. It acts on a supervisor (idempotently), polls the
+supervisor's status for PROOF and returns :class:`Done` only on that proof. Every supervisor
+failure, timeout or malformed answer makes the step :class:`Pending` (the next tick tries
+again until the step's budget runs out), except a 401/403 from the TARGET's supervisor,
+which fails the step ``supervisor_unauthorized``. Source-side steps (``demote_old_*``) never
+fail. Every supervisor call is bounded by what remains of the step's budget.
+
+Executors only mirror slot states (guarded CAS from-lists that the proof justifies); moving
+the operation itself is the reconciler's job (one CAS per step result).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TypeVar
+from uuid import UUID
+
+from haru_core import inference_bindings, model_sleep_states, training_slots
+from haru_db import StateStore
+from haru_protocol import (
+    DomainSnapshot,
+    EventType,
+    FleetSnapshot,
+    GpuMemoryResponse,
+    InferenceSlotState,
+    Operation,
+    OperationErrorCode,
+    OperationStep,
+    SlotKind,
+    SupervisorStatus,
+    TrainingRunState,
+    TrainingSlotState,
+)
+
+from haru_server._errors import SupervisorError, SupervisorUnauthorizedError
+from haru_server._supervisor import HEARTBEAT_TIMEOUT_S, SupervisorClient
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+_I = InferenceSlotState
+_TS = TrainingSlotState
+_S = OperationStep
+
+GPU_RELEASED_RATIO = 0.25
+"""A GPU counts as released by training when used/total memory is at most this (SPEC 7.3)."""
+
+DRAIN_SHARE = 0.75
+"""Share of the remaining budget the old active may spend draining before it sleeps."""
+
+_SLEEP_MIRROR_FROM = (_I.SERVING, _I.PROBING, _I.WAKING, _I.FAILED)
+"""Inference states that a proven sleep moves to ``sleeping`` (``failed`` too: the proof
+repairs it exactly as a standby heartbeat would)."""
+
+
+# ---- results ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The step's effect is proven; the operation may move on.
+
+    Attributes:
+        detail: JSON-ready facts for the ``operation.step.done`` event (camelCase keys).
+        complete: End the operation after this step even if the plan has more steps.
+        degrade_source: A best-effort step timed out: degrade the source domain.
+    """
+
+    detail: Mapping[str, object] = field(default_factory=dict)
+    complete: bool = False
+    degrade_source: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """Not proven yet; nothing is written to the operation row."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The step failed for good; the operation fails with this code."""
+
+    code: OperationErrorCode
+    message: str
+
+
+StepResult = Done | Pending | Failed
+
+
+class _Outcome(Exception):  # noqa: N818  # control flow inside one executor, never escapes
+    def __init__(self, result: Pending | Failed) -> None:
+        super().__init__(result)
+        self.result = result
+
+
+# ---- context ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StepTuning:
+    """How long an executor keeps polling for its proof after acting.
+
+    Attributes:
+        settle_s: Poll for up to this long (bounded by the step's budget) before answering
+            pending, so a proof that lands a few milliseconds after the action is seen in
+            the same tick instead of one loop interval later. 0 = a single poll.
+        first_poll_s: First pause between polls; it doubles up to ``max_poll_s``.
+        max_poll_s: Longest pause between polls.
+    """
+
+    settle_s: float = 1.0
+    first_poll_s: float = 0.005
+    max_poll_s: float = 0.015
+
+
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """Everything one executor run needs."""
+
+    store: StateStore
+    client: SupervisorClient
+    tuning: StepTuning
+    fleet: FleetSnapshot
+    operation: Operation
+    step: OperationStep
+    target: DomainSnapshot
+    now: datetime
+    remaining_ms: int
+    deadline: float
+    """``time.monotonic()`` at which the step's budget runs out."""
+
+    def bound(self, cap_s: float | None = None) -> float:
+        """Seconds a supervisor call may take: what remains of the budget, capped."""
+        left = max(0.0, self.deadline - time.monotonic())
+        return left if cap_s is None else min(left, cap_s)
+
+    def remaining_now_ms(self) -> int:
+        """Milliseconds of budget left right now."""
+        return int(self.bound() * 1000)
+
+    @property
+    def source(self) -> DomainSnapshot | None:
+        """The domain that was active when the operation was created, unless it is the target."""
+        source_id = self.operation.source_domain_id
+        if source_id is None or source_id == self.target.id:
+            return None
+        return self.fleet.domain(source_id)
+
+
+# ---- proofs (pure) ---------------------------------------------------------------------------
+
+
+def _training_runs(status: SupervisorStatus) -> dict[int, tuple[TrainingRunState, int]]:
+    runs: dict[int, tuple[TrainingRunState, int]] = {}
+    for slot in status.slots:
+        if slot.kind is SlotKind.TRAINING and slot.training is not None:
+            runs[slot.gpu_index] = (slot.training.state, len(slot.training.pids))
+    return runs
+
+
+def training_not_idle(domain: DomainSnapshot, status: SupervisorStatus) -> list[int]:
+    """GPUs of the layout's training slots whose run is not reported idle (missing included)."""
+    runs = _training_runs(status)
+    return [
+        s.gpu_index
+        for s in training_slots(domain)
+        if runs.get(s.gpu_index, (None, 0))[0] is not TrainingRunState.IDLE
+    ]
+
+
+def training_not_running(domain: DomainSnapshot, status: SupervisorStatus) -> list[int]:
+    """GPUs of the layout's training slots not reported running with a pid."""
+    runs = _training_runs(status)
+    not_running: list[int] = []
+    for slot in training_slots(domain):
+        state, pids = runs.get(slot.gpu_index, (None, 0))
+        if state is not TrainingRunState.RUNNING or pids == 0:
+            not_running.append(slot.gpu_index)
+    return not_running
+
+
+def models_not_in(domain: DomainSnapshot, status: SupervisorStatus, *, asleep: bool) -> list[str]:
+    """Layout-bound models of ``domain`` not proven asleep (or awake); omitted ones included."""
+    sleeping = model_sleep_states(status)
+    return [b.name for b in inference_bindings(domain) if sleeping.get(b.name) is not asleep]
+
+
+def gpus_not_released(domain: DomainSnapshot, memory: GpuMemoryResponse) -> list[int]:
+    """GPUs of the layout's training slots still holding more than 25 % of their memory."""
+    by_index = {g.index: g for g in memory.gpus}
+    held: list[int] = []
+    for slot in training_slots(domain):
+        gpu = by_index.get(slot.gpu_index)
+        if gpu is None or gpu.total_mib <= 0 or gpu.used_mib / gpu.total_mib > GPU_RELEASED_RATIO:
+            held.append(slot.gpu_index)
+    return held
+
+
+# ---- supervisor calls with the step rules ----------------------------------------------------
+
+
+def _supervisor_url(domain: DomainSnapshot) -> str:
+    if domain.supervisor_url is None:
+        raise _Outcome(Pending(f"domain {domain.slug!r} has no supervisor URL"))
+    return domain.supervisor_url
+
+
+async def _call(ctx: StepContext, call: Awaitable[_T], *, target_side: bool) -> _T:
+    try:
+        return await call
+    except SupervisorUnauthorizedError as exc:
+        if target_side:
+            raise _Outcome(Failed(OperationErrorCode.SUPERVISOR_UNAUTHORIZED, str(exc))) from exc
+        raise _Outcome(Pending(str(exc))) from exc
+    except SupervisorError as exc:
+        raise _Outcome(Pending(str(exc))) from exc
+
+
+async def _poll_until(
+    ctx: StepContext,
+    fetch: Callable[[], Awaitable[_T]],
+    unproven: Callable[[_T], Sequence[object]],
+    *,
+    target_side: bool,
+) -> Sequence[object]:
+    """Poll ``fetch`` until ``unproven`` is empty or the settle window closes.
+
+    Returns:
+        What is still unproven after the last poll (empty: proven).
+    """
+    settle_end = min(time.monotonic() + ctx.tuning.settle_s, ctx.deadline)
+    pause = ctx.tuning.first_poll_s
+    while True:
+        missing = unproven(await _call(ctx, fetch(), target_side=target_side))
+        if not missing or time.monotonic() + pause >= settle_end:
+            return missing
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, ctx.tuning.max_poll_s)
+
+
+async def _status(ctx: StepContext, domain: DomainSnapshot) -> SupervisorStatus:
+    return await ctx.client.status(
+        _supervisor_url(domain), timeout_s=ctx.bound(HEARTBEAT_TIMEOUT_S)
+    )
+
+
+async def _mirror(
+    ctx: StepContext,
+    domain: DomainSnapshot,
+    kind: SlotKind,
+    from_states: Collection[str],
+    to: str,
+) -> int:
+    return await ctx.store.transition_domain_slots(
+        domain.id, kind=kind, from_states=from_states, to=to, at=ctx.now
+    )
+
+
+# ---- executors -------------------------------------------------------------------------------
+
+
+async def _stop_training(ctx: StepContext) -> StepResult:
+    target = ctx.target
+    if not training_slots(target):
+        return Done({"skipped": "no training slots"})
+    url = _supervisor_url(target)
+    await _mirror(ctx, target, SlotKind.TRAINING, (_TS.TRAINING,), _TS.STOPPING)
+    grace = ctx.fleet.policy.training_stop_grace_ms
+    await _call(
+        ctx,
+        ctx.client.stop_training(url, timeout_s=ctx.bound(HEARTBEAT_TIMEOUT_S), grace_ms=grace),
+        target_side=True,
+    )
+    busy = await _poll_until(
+        ctx,
+        lambda: _status(ctx, target),
+        lambda status: training_not_idle(target, status),
+        target_side=True,
+    )
+    if busy:
+        return Pending(f"training still running on GPU(s) {busy}")
+    moved = await _mirror(ctx, target, SlotKind.TRAINING, (_TS.STOPPING, _TS.TRAINING), _TS.IDLE)
+    return Done({"trainingSlotsIdle": moved})
+
+
+async def _verify_gpu(ctx: StepContext) -> StepResult:
+    target = ctx.target
+    if not training_slots(target):
+        return Done({"skipped": "no training slots"})
+    url = _supervisor_url(target)
+    last: list[GpuMemoryResponse] = []
+
+    async def fetch() -> GpuMemoryResponse:
+        memory = await ctx.client.gpu_memory(url, timeout_s=ctx.bound(HEARTBEAT_TIMEOUT_S))
+        last[:] = [memory]
+        return memory
+
+    held = await _poll_until(
+        ctx, fetch, lambda memory: gpus_not_released(target, memory), target_side=True
+    )
+    if held:
+        return Pending(f"GPU(s) {held} still hold more than {GPU_RELEASED_RATIO:.0%} of memory")
+    gpus = [
+        {"index": g.index, "usedMiB": g.used_mib, "totalMiB": g.total_mib} for g in last[0].gpus
+    ]
+    return Done({"gpus": gpus})
+
+
+async def _wake_vllm(ctx: StepContext) -> StepResult:
+    target = ctx.target
+    if not inference_bindings(target):
+        return Failed(
+            OperationErrorCode.NO_INFERENCE_BINDINGS,
+            f"domain {target.slug!r} has no inference slot with a model binding",
+        )
+    url = _supervisor_url(target)
+    await _mirror(ctx, target, SlotKind.INFERENCE, (_I.SLEEPING, _I.FAILED), _I.WAKING)
+    # Waking an awake vLLM is a harmless no-op, so no status read first (sleep differs:
+    # sleeping again aborts queued requests).
+    await _call(ctx, ctx.client.wake(url, timeout_s=ctx.bound()), target_side=True)
+    asleep = await _poll_until(
+        ctx,
+        lambda: _status(ctx, target),
+        lambda status: models_not_in(target, status, asleep=False),
+        target_side=True,
+    )
+    if asleep:
+        return Pending(f"model(s) not proven awake: {asleep}")
+    await _mirror(ctx, target, SlotKind.INFERENCE, (_I.WAKING,), _I.PROBING)
+    return Done({"models": [b.name for b in inference_bindings(target)]})
+
+
+async def _probe(ctx: StepContext) -> StepResult:
+    target = ctx.target
+    url = _supervisor_url(target)
+    probe = ctx.fleet.policy.probe
+    remaining = max(1, ctx.remaining_now_ms())
+    response = await _call(
+        ctx,
+        ctx.client.probe(
+            url,
+            timeout_s=ctx.bound(),
+            prompt=probe.prompt,
+            max_tokens=probe.max_tokens,
+            timeout_ms=remaining,
+        ),
+        target_side=True,
+    )
+    results = {r.model: r for r in response.results}
+    problems: list[str] = []
+    latencies: dict[str, float] = {}
+    for binding in inference_bindings(target):
+        result = results.get(binding.name)
+        if result is None:
+            problems.append(f"{binding.name} (never probed)")
+        elif not result.ok:
+            problems.append(f"{binding.name} ({result.error or 'failed'})")
+        else:
+            latencies[binding.name] = result.latency_ms
+    if problems:
+        return Failed(OperationErrorCode.PROBE_FAILED, "probe failed: " + ", ".join(problems))
+    await _mirror(ctx, target, SlotKind.INFERENCE, (_I.PROBING,), _I.SERVING)
+    return Done({"latencyMs": latencies})
+
+
+async def _switch_active(ctx: StepContext) -> StepResult:
+    fleet, op, target = ctx.fleet, ctx.operation, ctx.target
+    if fleet.active_domain_id == target.id:
+        return Done({"alreadyActive": True, "routeRevision": fleet.route_revision})
+    switched = await ctx.store.switch_active(
+        fleet_id=fleet.id,
+        expected_active_domain_id=op.source_domain_id,
+        target_domain_id=target.id,
+        operation_id=op.id,
+        at=ctx.now,
+    )
+    pointer = await ctx.store.get_fleet_route_pointer(str(fleet.id))
+    revision = None if pointer is None else pointer.route_revision
+    if switched:
+        await ctx.store.append_event(
+            fleet_id=fleet.id,
+            type=EventType.ROUTING_SWITCHED,
+            payload={
+                "fromDomainId": _str(op.source_domain_id),
+                "toDomainId": str(target.id),
+                "routeRevision": revision,
+            },
+            at=ctx.now,
+            domain_id=target.id,
+            operation_id=op.id,
+        )
+        return Done({"routeRevision": revision})
+    if pointer is not None and pointer.active_domain_id == target.id:
+        return Done({"routeRevision": revision})
+    where = "gone" if pointer is None else _str(pointer.active_domain_id)
+    return Failed(
+        OperationErrorCode.CAS_LOST,
+        f"routing pointer is {where}, expected {_str(op.source_domain_id)}; not switched",
+    )
+
+
+async def _sleep_domain(ctx: StepContext, domain: DomainSnapshot, *, drain: bool) -> StepResult:
+    url = _supervisor_url(domain)
+    target_side = domain.id == ctx.target.id
+    status = await _call(ctx, _status(ctx, domain), target_side=target_side)
+    if models_not_in(domain, status, asleep=True):
+        remaining = ctx.remaining_now_ms()
+        drain_ms = max(1, int(remaining * DRAIN_SHARE)) if drain and remaining > 1 else None
+        await _call(
+            ctx,
+            ctx.client.sleep(url, timeout_s=ctx.bound(), drain_timeout_ms=drain_ms),
+            target_side=target_side,
+        )
+    awake = await _poll_until(
+        ctx,
+        lambda: _status(ctx, domain),
+        lambda status: models_not_in(domain, status, asleep=True),
+        target_side=target_side,
+    )
+    if awake:
+        return Pending(f"model(s) not proven asleep on {domain.slug!r}: {awake}")
+    moved = await _mirror(ctx, domain, SlotKind.INFERENCE, _SLEEP_MIRROR_FROM, _I.SLEEPING)
+    return Done({"domainId": str(domain.id), "inferenceSlotsSleeping": moved})
+
+
+async def _train_domain(ctx: StepContext, domain: DomainSnapshot) -> StepResult:
+    if not training_slots(domain):
+        return Done({"domainId": str(domain.id), "skipped": "no training slots"})
+    url = _supervisor_url(domain)
+    target_side = domain.id == ctx.target.id
+    status = await _call(ctx, _status(ctx, domain), target_side=target_side)
+    if training_not_running(domain, status):
+        await _call(
+            ctx,
+            ctx.client.start_training(url, timeout_s=ctx.bound(HEARTBEAT_TIMEOUT_S)),
+            target_side=target_side,
+        )
+    idle = await _poll_until(
+        ctx,
+        lambda: _status(ctx, domain),
+        lambda status: training_not_running(domain, status),
+        target_side=target_side,
+    )
+    if idle:
+        return Pending(f"training not proven running on {domain.slug!r} GPU(s) {idle}")
+    moved = await _mirror(ctx, domain, SlotKind.TRAINING, (_TS.IDLE, _TS.STOPPING), _TS.TRAINING)
+    return Done({"domainId": str(domain.id), "trainingSlotsTraining": moved})
+
+
+async def _demote_old_sleep(ctx: StepContext) -> StepResult:
+    source = ctx.source
+    if source is None:
+        return Done({"skipped": "no previous active domain"})
+    return await _sleep_domain(ctx, source, drain=True)
+
+
+async def _demote_old_train(ctx: StepContext) -> StepResult:
+    source = ctx.source
+    if source is None:
+        return Done({"skipped": "no previous active domain"})
+    return await _train_domain(ctx, source)
+
+
+async def _sleep_vllm(ctx: StepContext) -> StepResult:
+    if ctx.fleet.active_domain_id == ctx.target.id:
+        return Failed(
+            OperationErrorCode.TARGET_IS_ACTIVE,
+            f"domain {ctx.target.slug!r} became the active domain; it cannot be put to sleep",
+        )
+    return await _sleep_domain(ctx, ctx.target, drain=False)
+
+
+async def _start_training(ctx: StepContext) -> StepResult:
+    return await _train_domain(ctx, ctx.target)
+
+
+_EXECUTORS: Mapping[OperationStep, Callable[[StepContext], Awaitable[StepResult]]] = {
+    _S.STOP_TRAINING: _stop_training,
+    _S.VERIFY_GPU: _verify_gpu,
+    _S.WAKE_VLLM: _wake_vllm,
+    _S.PROBE: _probe,
+    _S.SWITCH_ACTIVE: _switch_active,
+    _S.DEMOTE_OLD_SLEEP: _demote_old_sleep,
+    _S.DEMOTE_OLD_TRAIN: _demote_old_train,
+    _S.SLEEP_VLLM: _sleep_vllm,
+    _S.START_TRAINING: _start_training,
+}
+
+
+async def run_step(ctx: StepContext) -> StepResult:
+    """Run the executor of ``ctx.step`` once and return its result.
+
+    A supervisor failure never raises (it is a result); state-store failures propagate.
+    """
+    try:
+        return await _EXECUTORS[ctx.step](ctx)
+    except _Outcome as outcome:
+        return outcome.result
+
+
+def _str(value: UUID | None) -> str | None:
+    return None if value is None else str(value)

@@ -1,0 +1,230 @@
+"""The one client the server uses to talk to domain supervisors (SPEC 6.4).
+
+Every call has an explicit time bound (the caller passes what remains of its budget), presents
+the server's bearer token, never follows a redirect (the token must not travel to another
+host) and maps every failure onto one typed :class:`~haru_server._errors.SupervisorError`:
+a malformed answer is a supervisor failure like any other, never an exception that escapes
+a reconcile tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import TypeVar
+
+import aiohttp
+from haru_protocol import (
+    GpuMemoryResponse,
+    OkResponse,
+    PeerModel,
+    ProbeRequest,
+    ProbeResponse,
+    SleepRequest,
+    SupervisorStatus,
+    TrainingStopRequest,
+    UrlJoinError,
+    WakeRequest,
+    WireModel,
+    bearer_header,
+    join_url,
+)
+from pydantic import ValidationError
+
+from haru_server._errors import (
+    SupervisorBadResponseError,
+    SupervisorRejectedError,
+    SupervisorTimeoutError,
+    SupervisorUnauthorizedError,
+    SupervisorUnreachableError,
+)
+
+logger = logging.getLogger(__name__)
+
+_M = TypeVar("_M", bound=PeerModel)
+
+MAX_RESPONSE_BYTES = 1024 * 1024
+"""A supervisor answer larger than this is a bad response (it is never that large)."""
+
+MIN_CALL_TIMEOUT_S = 0.001
+"""A call is never given a zero or negative bound (aiohttp would read it as "no bound")."""
+
+HEARTBEAT_TIMEOUT_S = 5.0
+"""Bound of one heartbeat poll (SPEC 7.3: about 5 s)."""
+
+
+class SupervisorClient:
+    """Typed calls to the supervisor API over one shared :class:`aiohttp.ClientSession`.
+
+    Args:
+        session: The application's client session (the client never closes it).
+        token: Bearer token presented to every supervisor (``HARU_SUPERVISOR_TOKEN``).
+    """
+
+    def __init__(self, session: aiohttp.ClientSession, *, token: str | None) -> None:
+        self._session = session
+        self._headers = bearer_header(token)
+
+    async def status(self, base_url: str, *, timeout_s: float) -> SupervisorStatus:
+        """``GET /v1/status``: sleep state of every model and state of every training run."""
+        return await self._call("GET", base_url, "/v1/status", SupervisorStatus, timeout_s)
+
+    async def gpu_memory(self, base_url: str, *, timeout_s: float) -> GpuMemoryResponse:
+        """``GET /v1/gpu/memory``: used and total memory of every GPU."""
+        return await self._call("GET", base_url, "/v1/gpu/memory", GpuMemoryResponse, timeout_s)
+
+    async def wake(self, base_url: str, *, timeout_s: float) -> None:
+        """``POST /v1/vllm/wake`` for every inference slot."""
+        await self._call(
+            "POST", base_url, "/v1/vllm/wake", OkResponse, timeout_s, body=WakeRequest()
+        )
+
+    async def sleep(
+        self, base_url: str, *, timeout_s: float, drain_timeout_ms: int | None = None
+    ) -> None:
+        """``POST /v1/vllm/sleep`` for every inference slot, draining first when asked."""
+        body = SleepRequest(drain_timeout_ms=drain_timeout_ms)
+        await self._call("POST", base_url, "/v1/vllm/sleep", OkResponse, timeout_s, body=body)
+
+    async def start_training(self, base_url: str, *, timeout_s: float) -> None:
+        """``POST /v1/training/start`` (idempotent on the supervisor)."""
+        await self._request("POST", base_url, "/v1/training/start", timeout_s)
+
+    async def stop_training(self, base_url: str, *, timeout_s: float, grace_ms: int) -> None:
+        """``POST /v1/training/stop``: SIGTERM now, SIGKILL after ``grace_ms``."""
+        body = TrainingStopRequest(grace_ms=grace_ms)
+        await self._request("POST", base_url, "/v1/training/stop", timeout_s, body=body)
+
+    async def probe(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float,
+        prompt: str,
+        max_tokens: int,
+        timeout_ms: int,
+    ) -> ProbeResponse:
+        """``POST /v1/probe``: one small chat completion per configured model."""
+        body = ProbeRequest(prompt=prompt, max_tokens=max_tokens, timeout_ms=timeout_ms)
+        return await self._call("POST", base_url, "/v1/probe", ProbeResponse, timeout_s, body=body)
+
+    async def _call(
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        model: type[_M],
+        timeout_s: float,
+        *,
+        body: WireModel | None = None,
+    ) -> _M:
+        url, raw = await self._request(method, base_url, path, timeout_s, body=body)
+        try:
+            return model.model_validate_json(raw)
+        except ValidationError as exc:
+            raise SupervisorBadResponseError(
+                f"{method} {url}: malformed {model.__name__} ({exc.error_count()} error(s): "
+                f"{_first_error(exc)})",
+                url=url,
+            ) from exc
+
+    async def _request(
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        timeout_s: float,
+        *,
+        body: WireModel | None = None,
+    ) -> tuple[str, bytes]:
+        try:
+            url = join_url(base_url, path)
+        except UrlJoinError as exc:
+            raise SupervisorUnreachableError(
+                f"supervisor URL {base_url!r} is unusable: {exc}", url=base_url
+            ) from exc
+        data = None if body is None else body.model_dump_json(exclude_none=True).encode()
+        headers = dict(self._headers)
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        bound = max(timeout_s, MIN_CALL_TIMEOUT_S)
+        try:
+            async with (
+                asyncio.timeout(bound),
+                self._session.request(
+                    method,
+                    url,
+                    data=data,
+                    headers=headers,
+                    allow_redirects=False,
+                    timeout=aiohttp.ClientTimeout(total=None),
+                ) as response,
+            ):
+                raw = await _read_bounded(response, url)
+                status = response.status
+        except TimeoutError as exc:
+            raise SupervisorTimeoutError(
+                f"{method} {url}: no answer within {bound:.3f} s", url=url
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise SupervisorUnreachableError(
+                f"{method} {url}: {type(exc).__name__}: {exc}", url=url
+            ) from exc
+        except OSError as exc:
+            raise SupervisorUnreachableError(f"{method} {url}: {exc}", url=url) from exc
+        if status in (401, 403):
+            raise SupervisorUnauthorizedError(
+                f"{method} {url}: supervisor refused the server's token ({status})",
+                url=url,
+                status=status,
+            )
+        if not 200 <= status < 300:
+            code, message = _error_envelope(raw)
+            detail = f": {code}: {message}" if code is not None else ""
+            raise SupervisorRejectedError(
+                f"{method} {url}: HTTP {status}{detail}", url=url, status=status, code=code
+            )
+        return url, raw
+
+
+async def _read_bounded(response: aiohttp.ClientResponse, url: str) -> bytes:
+    length = response.content_length
+    if length is not None and length > MAX_RESPONSE_BYTES:
+        raise SupervisorBadResponseError(
+            f"{url}: answer of {length} bytes exceeds {MAX_RESPONSE_BYTES}", url=url
+        )
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_any():
+        size += len(chunk)
+        if size > MAX_RESPONSE_BYTES:
+            raise SupervisorBadResponseError(
+                f"{url}: answer exceeds {MAX_RESPONSE_BYTES} bytes", url=url
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error_envelope(raw: bytes) -> tuple[str | None, str]:
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        return None, ""
+    if not isinstance(parsed, dict):
+        return None, ""
+    error = parsed.get("error")
+    if not isinstance(error, dict):
+        return None, ""
+    code = error.get("code")
+    message = error.get("message")
+    return (
+        code if isinstance(code, str) else None,
+        message[:512] if isinstance(message, str) else "",
+    )
+
+
+def _first_error(exc: ValidationError) -> str:
+    first = exc.errors(include_url=False, include_input=False)[0]
+    loc = ".".join(str(part) for part in first["loc"]) or "<root>"
+    return f"{loc}: {first['msg']}"

@@ -1,0 +1,516 @@
+"""The control API of SPEC 7.2 over a real aiohttp server: every route, status and envelope."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+from uuid import UUID, uuid4
+
+import pytest
+import sqlalchemy as sa
+from aiohttp import ClientResponse, web
+from aiohttp.test_utils import TestClient
+from haru_db import StateStore
+from haru_protocol import (
+    DomainState,
+    EventType,
+    FleetSnapshot,
+    OperationKind,
+    load_example_layout,
+)
+from haru_server._app import create_app
+from haru_server._clock import ManualClock
+from haru_server._middleware import error_middleware
+from haru_server._settings import Settings
+from haru_server.localfleet import LocalFleet
+from pytest_aiohttp import AiohttpClient, AiohttpServer
+from sqlalchemy.ext.asyncio import create_async_engine
+
+MakeFleet = Callable[..., Awaitable[LocalFleet]]
+
+TOKEN = "api-token-123"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def example(store: StateStore, clock: ManualClock) -> FleetSnapshot:
+    await store.apply_fleet_layout(load_example_layout(), at=clock())
+    snapshot = await store.get_fleet_snapshot("example")
+    assert snapshot is not None
+    return snapshot
+
+
+def domain_id(snapshot: FleetSnapshot, slug: str) -> UUID:
+    return next(d.id for d in snapshot.domains if d.slug == slug)
+
+
+@pytest.fixture
+async def api(
+    store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
+) -> TestClient[web.Request, web.Application]:
+    app = create_app(Settings(api_token=TOKEN), store=store, clock=clock)
+    return await aiohttp_client(app, headers=AUTH)
+
+
+async def error_of(response: ClientResponse) -> tuple[int, str, str]:
+    body = await response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"code", "message"}
+    return response.status, body["error"]["code"], body["error"]["message"]
+
+
+# ---- health and auth -------------------------------------------------------------------------
+
+
+async def test_healthz_is_open_and_never_touches_the_database(
+    aiohttp_client: AiohttpClient, clock: ManualClock
+) -> None:
+    broken = StateStore.open("postgresql://haru@127.0.0.1:1/haru")
+    app = create_app(Settings(api_token=TOKEN), store=broken, clock=clock)
+    client = await aiohttp_client(app)
+    response = await client.get("/healthz")
+    assert response.status == 200
+    assert await response.json() == {"ok": True}
+    # The same store fails every real route: healthz answered without it.
+    response = await client.get("/v1/fleets", headers=AUTH)
+    assert await error_of(response) == (
+        503,
+        "state_store_unavailable",
+        "the state store is unavailable",
+    )
+    await broken.close()
+    response = await client.get("/healthz")
+    assert response.status == 200
+
+
+async def test_healthz_answers_with_the_store_closed(
+    api: TestClient[web.Request, web.Application], store: StateStore
+) -> None:
+    await store.close()
+    response = await api.get("/healthz")
+    assert response.status == 200
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": f"Basic {TOKEN}"},
+        {"Authorization": TOKEN},
+        {"Authorization": "Bearer"},
+    ],
+)
+async def test_v1_requires_the_bearer_token(
+    store: StateStore, clock: ManualClock, headers: dict[str, str], aiohttp_client: AiohttpClient
+) -> None:
+    client = await aiohttp_client(create_app(Settings(api_token=TOKEN), store=store, clock=clock))
+    for method, path in [
+        ("GET", "/v1/fleets"),
+        ("GET", "/v1/fleets/example"),
+        ("POST", "/v1/fleets/example/promote"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/nope"),
+    ]:
+        response = await client.request(method, path, headers=headers)
+        status, code, message = await error_of(response)
+        assert (status, code) == (401, "unauthorized")
+        assert TOKEN not in message
+        assert response.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+async def test_bearer_scheme_is_case_insensitive(
+    store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
+) -> None:
+    client = await aiohttp_client(create_app(Settings(api_token=TOKEN), store=store, clock=clock))
+    response = await client.get("/v1/fleets", headers={"Authorization": f"bEaReR {TOKEN}"})
+    assert response.status == 200
+
+
+async def test_without_a_token_the_api_is_open(
+    store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
+) -> None:
+    settings = Settings()
+    assert settings.host == "127.0.0.1"
+    client = await aiohttp_client(create_app(settings, store=store, clock=clock))
+    response = await client.get("/v1/fleets")
+    assert response.status == 200
+
+
+# ---- unknown routes, methods, faults ---------------------------------------------------------
+
+
+async def test_unknown_route_and_method_get_the_envelope(
+    api: TestClient[web.Request, web.Application],
+) -> None:
+    response = await api.get("/v1/no-such-route")
+    assert (await error_of(response))[:2] == (404, "not_found")
+    response = await api.get("/nothing-here")
+    assert (await error_of(response))[:2] == (404, "not_found")
+    response = await api.delete("/v1/fleets")
+    assert (await error_of(response))[:2] == (405, "method_not_allowed")
+    assert "GET" in response.headers["Allow"]
+
+
+async def test_unexpected_fault_is_500_without_a_trace_and_logged_once(
+    store: StateStore,
+    clock: ManualClock,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    aiohttp_client: AiohttpClient,
+) -> None:
+    async def explode() -> None:
+        raise RuntimeError("secret internals")
+
+    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+    monkeypatch.setattr(store, "list_fleets", explode)
+    with caplog.at_level(logging.ERROR, logger="haru_server"):
+        response = await client.get("/v1/fleets")
+    status, code, message = await error_of(response)
+    assert (status, code) == (500, "internal_error")
+    assert "secret internals" not in message
+    assert "Traceback" not in await response.text()
+    logged = [r for r in caplog.records if r.name == "haru_server._middleware"]
+    assert len(logged) == 1
+    assert logged[0].exc_info is not None
+
+
+async def test_client_disconnect_is_logged_as_499(
+    aiohttp_server: AiohttpServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        started.set()
+        await release.wait()
+        return web.json_response({"late": True})
+
+    app = web.Application(middlewares=[error_middleware])
+    app.router.add_get("/slow", slow)
+    server = await aiohttp_server(app)
+    with caplog.at_level(logging.INFO, logger="haru_server"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        await started.wait()
+        writer.close()
+        await writer.wait_closed()
+        await asyncio.sleep(0.05)
+        release.set()
+        for _ in range(100):
+            if any("499" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.01)
+    assert any("499 GET /slow" in r.getMessage() for r in caplog.records)
+    del reader
+
+
+# ---- fleets ----------------------------------------------------------------------------------
+
+
+async def test_list_and_get_fleets_by_slug_and_by_id(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
+) -> None:
+    assert await (await api.get("/v1/fleets")).json() == {"fleets": []}
+    snapshot = await example(store, clock)
+    listing = await (await api.get("/v1/fleets")).json()
+    assert listing == {
+        "fleets": [
+            {
+                "id": str(snapshot.id),
+                "slug": "example",
+                "activeDomainId": str(snapshot.active_domain_id),
+                "routeRevision": snapshot.route_revision,
+            }
+        ]
+    }
+    by_slug = await (await api.get("/v1/fleets/example")).json()
+    by_id = await (await api.get(f"/v1/fleets/{snapshot.id}")).json()
+    by_upper = await (await api.get(f"/v1/fleets/{str(snapshot.id).upper()}")).json()
+    assert by_slug == by_id == by_upper
+    assert by_slug["slug"] == "example"
+    assert by_slug["policy"]["autoFailover"] is True
+    assert by_slug["policy"]["wakeTimeoutMs"] == 120_000
+    assert {d["slug"] for d in by_slug["domains"]} == {"alpha", "beta"}
+    first_slot = by_slug["domains"][0]["slots"][0]
+    assert set(first_slot) >= {"id", "domainId", "gpuIndex", "kind", "state", "spec"}
+
+
+@pytest.mark.parametrize("ref", ["nope", str(uuid4()), "EXAMPLE", "a/b"])
+async def test_unknown_fleet_is_404(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock, ref: str
+) -> None:
+    await example(store, clock)
+    response = await api.get(f"/v1/fleets/{ref}")
+    if "/" in ref:
+        assert (await error_of(response))[:2] == (404, "not_found")
+    else:
+        assert (await error_of(response))[:2] == (404, "fleet_not_found")
+    for path in ("route-intent", "events"):
+        response = await api.get(f"/v1/fleets/{ref}/{path}")
+        assert response.status == 404
+
+
+async def test_route_intent(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
+) -> None:
+    snapshot = await example(store, clock)
+    intent = await (await api.get("/v1/fleets/example/route-intent")).json()
+    assert intent["fleetId"] == str(snapshot.id)
+    assert intent["fleetSlug"] == "example"
+    assert intent["revision"] == snapshot.route_revision
+    assert intent["active"]["domainSlug"] == "alpha"
+    assert intent["active"]["eligible"] is True
+    assert intent["active"]["weight"] == 1
+    assert intent["active"]["endpointUrl"] == "http://127.0.0.1:8800"
+    assert [s["domainSlug"] for s in intent["standbys"]] == ["beta"]
+    assert intent["standbys"][0]["eligible"] is False
+    assert intent["standbys"][0]["weight"] == 0
+
+
+# ---- promote / demote ------------------------------------------------------------------------
+
+
+async def test_promote_the_active_is_already_active(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
+) -> None:
+    snapshot = await example(store, clock)
+    response = await api.post(
+        "/v1/fleets/example/promote", json={"targetDomainId": str(snapshot.active_domain_id)}
+    )
+    assert response.status == 200
+    assert await response.json() == {
+        "status": "already_active",
+        "routeRevision": snapshot.route_revision,
+    }
+
+
+async def test_promote_accepted_joined_and_conflicting(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
+) -> None:
+    snapshot = await example(store, clock)
+    beta = domain_id(snapshot, "beta")
+    response = await api.post(
+        "/v1/fleets/example/promote", json={"targetDomainId": str(beta).upper()}
+    )
+    assert response.status == 202
+    body = await response.json()
+    assert body["status"] == "accepted"
+    operation = body["operation"]
+    assert operation["kind"] == "promote"
+    assert operation["state"] == "pending"
+    assert operation["targetDomainId"] == str(beta)
+    assert operation["fleetId"] == str(snapshot.id)
+    for key in ("currentStep", "stepStartedAt", "error", "createdAt", "finishedAt"):
+        assert key in operation
+    # The same intent joins the in-flight operation (by id too, any case).
+    again = await api.post(f"/v1/fleets/{snapshot.id}/promote", json={"targetDomainId": str(beta)})
+    assert again.status == 202
+    assert (await again.json())["operation"]["id"] == operation["id"]
+    # A different operation while one is in flight: 409.
+    conflict = await api.post("/v1/fleets/example/demote", json={"targetDomainId": str(beta)})
+    status, code, message = await error_of(conflict)
+    assert (status, code) == (409, "operation_conflict")
+    assert operation["id"] in message
+    events = await (await api.get("/v1/fleets/example/events")).json()
+    requested = [e for e in events["events"] if e["type"] == EventType.OPERATION_REQUESTED_PROMOTE]
+    assert len(requested) == 1
+    assert requested[0]["operationId"] == operation["id"]
+    fetched = await api.get(f"/v1/fleets/example/operations/{operation['id'].upper()}")
+    assert fetched.status == 200
+    assert (await fetched.json())["id"] == operation["id"]
+
+
+async def test_promote_invalid_targets_are_422(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
+) -> None:
+    snapshot = await example(store, clock)
+    response = await api.post("/v1/fleets/example/promote", json={"targetDomainId": str(uuid4())})
+    status, code, message = await error_of(response)
+    assert (status, code) == (422, "invalid_target")
+    assert "not part of fleet" in message
+    beta = domain_id(snapshot, "beta")
+    assert await store.transition_domain(
+        beta, from_states=[DomainState.READY], to=DomainState.FAILED, at=clock()
+    )
+    response = await api.post("/v1/fleets/example/promote", json={"targetDomainId": str(beta)})
+    status, code, message = await error_of(response)
+    assert (status, code) == (422, "invalid_target")
+    assert "failed" in message
+    assert await store.get_in_flight_operation(snapshot.id) is None
+
+
+async def test_demote_of_the_active_is_422_and_of_a_standby_accepted(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
+) -> None:
+    snapshot = await example(store, clock)
+    response = await api.post(
+        "/v1/fleets/example/demote", json={"targetDomainId": str(snapshot.active_domain_id)}
+    )
+    assert (await error_of(response))[:2] == (422, "invalid_target")
+    beta = domain_id(snapshot, "beta")
+    response = await api.post("/v1/fleets/example/demote", json={"targetDomainId": str(beta)})
+    assert response.status == 202
+    operation = (await response.json())["operation"]
+    assert operation["kind"] == "demote"
+    in_flight = await store.get_in_flight_operation(snapshot.id)
+    assert in_flight is not None
+    assert in_flight.kind is OperationKind.DEMOTE
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        (b"", "empty"),
+        (b"{not json", "Invalid JSON"),
+        (b"[]", "body"),
+        (b"{}", "targetDomainId"),
+        (b'{"targetDomainId": "not-a-uuid"}', "targetDomainId"),
+        (b'{"targetDomainId": 42}', "targetDomainId"),
+        (b'{"targetDomainId": "%s", "force": true}' % str(uuid4()).encode(), "force"),
+        (b'{"target_domain_id": "%s", "extra": 1}' % str(uuid4()).encode(), "extra"),
+    ],
+)
+async def test_strict_bodies_are_400(
+    api: TestClient[web.Request, web.Application],
+    store: StateStore,
+    clock: ManualClock,
+    body: bytes,
+    fragment: str,
+) -> None:
+    await example(store, clock)
+    for route in ("promote", "demote"):
+        response = await api.post(
+            f"/v1/fleets/example/{route}",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        status, code, message = await error_of(response)
+        assert (status, code) == (400, "invalid_request")
+        assert fragment in message
+
+
+async def test_control_bodies_over_16_kib_are_413(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
+) -> None:
+    await example(store, clock)
+    big = b'{"targetDomainId": "' + b"a" * (16 * 1024) + b'"}'
+    response = await api.post("/v1/fleets/example/promote", data=big)
+    assert (await error_of(response))[:2] == (413, "payload_too_large")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(20):
+            yield b" " * 1024
+
+    response = await api.post("/v1/fleets/example/reconcile", data=chunks())
+    assert (await error_of(response))[:2] == (413, "payload_too_large")
+
+
+async def test_413_comes_after_the_bearer_check(
+    store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
+) -> None:
+    client = await aiohttp_client(create_app(Settings(api_token=TOKEN), store=store, clock=clock))
+    response = await client.post("/v1/fleets/example/promote", data=b"x" * 20_000)
+    assert (await error_of(response))[:2] == (401, "unauthorized")
+
+
+# ---- reconcile, operations, events -----------------------------------------------------------
+
+
+async def test_reconcile_runs_one_tick(
+    store: StateStore,
+    clock: ManualClock,
+    make_fleet: MakeFleet,
+    helpers: Any,
+    api: TestClient[web.Request, web.Application],
+) -> None:
+    fleet = await make_fleet(training_gpus=())
+    snapshot = await helpers.seed(store, fleet, clock)
+    response = await api.post("/v1/fleets/local/reconcile")
+    assert response.status == 200
+    assert await response.json() == {"fleetId": str(snapshot.id), "operation": None}
+    beta = domain_id(snapshot, "beta")
+    accepted = await api.post("/v1/fleets/local/promote", json={"targetDomainId": str(beta)})
+    operation_id = (await accepted.json())["operation"]["id"]
+    response = await api.post(f"/v1/fleets/{snapshot.id}/reconcile", json={})
+    body = await response.json()
+    assert body["operation"]["id"] == operation_id
+    assert body["operation"]["state"] == "succeeded"
+    response = await api.post("/v1/fleets/local/reconcile", json={"force": True})
+    assert (await error_of(response))[:2] == (400, "invalid_request")
+    response = await api.post("/v1/fleets/missing/reconcile")
+    assert (await error_of(response))[:2] == (404, "fleet_not_found")
+
+
+async def test_operations_route(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
+) -> None:
+    snapshot = await example(store, clock)
+    response = await api.get(f"/v1/fleets/example/operations/{uuid4()}")
+    assert (await error_of(response))[:2] == (404, "not_found")
+    response = await api.get("/v1/fleets/example/operations/not-a-uuid")
+    assert (await error_of(response))[:2] == (404, "not_found")
+    # An operation of another fleet is not found through this one.
+    other = load_example_layout().model_copy(update={"slug": "other"})
+    await store.apply_fleet_layout(other, at=clock())
+    other_snapshot = await store.get_fleet_snapshot("other")
+    assert other_snapshot is not None
+    operation, _ = await store.create_operation(
+        fleet_id=other_snapshot.id,
+        kind=OperationKind.DEMOTE,
+        target_domain_id=domain_id(other_snapshot, "beta"),
+        at=clock(),
+    )
+    response = await api.get(f"/v1/fleets/example/operations/{operation.id}")
+    assert response.status == 404
+    response = await api.get(f"/v1/fleets/other/operations/{operation.id}")
+    assert (await response.json())["id"] == str(operation.id)
+    assert snapshot.id != other_snapshot.id
+
+
+async def test_events_paginate_oldest_first(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
+) -> None:
+    snapshot = await example(store, clock)
+    for index in range(5):
+        await store.append_event(
+            fleet_id=snapshot.id, type="test.event", payload={"n": index}, at=clock()
+        )
+    everything = await (await api.get("/v1/fleets/example/events")).json()
+    ids = [e["id"] for e in everything["events"]]
+    assert ids == sorted(ids)
+    assert everything["nextAfter"] is None
+    page = await (await api.get("/v1/fleets/example/events?limit=2")).json()
+    assert len(page["events"]) == 2
+    assert page["nextAfter"] == page["events"][-1]["id"]
+    rest = await (await api.get(f"/v1/fleets/example/events?after={page['nextAfter']}")).json()
+    assert [e["id"] for e in rest["events"]] == ids[2:]
+    for query in ("after=-1", "after=x", "limit=0", "limit=1001", "limit=1.5"):
+        response = await api.get(f"/v1/fleets/example/events?{query}")
+        assert (await error_of(response))[:2] == (400, "invalid_request")
+
+
+async def test_malformed_stored_state_is_reported_not_served(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
+) -> None:
+    snapshot = await example(store, clock)
+    engine = create_async_engine(store.url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                sa.text("UPDATE slots SET spec = :spec WHERE id = :id"),
+                {
+                    "spec": '{"kind": "inference", "gpuIndex": 0, "models": []}',
+                    "id": snapshot.domains[0].slots[0].id
+                    if store.dialect == "postgresql"
+                    else snapshot.domains[0].slots[0].id.hex,
+                },
+            )
+    finally:
+        await engine.dispose()
+    response = await api.get("/v1/fleets/example")
+    status, code, message = await error_of(response)
+    assert (status, code) == (503, "state_store_unavailable")
+    assert "malformed" in message

@@ -1,0 +1,175 @@
+"""The ``haru`` CLI: store commands on a real database, remote commands against ``haru serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from haru_db import StateStore
+from haru_protocol import example_layout_json
+from haru_server.cli import app
+from haru_server.localfleet import LocalFleet
+from typer.testing import CliRunner, Result
+
+MakeFleet = Callable[..., Awaitable[LocalFleet]]
+
+WIDE = {"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> Result:
+    runner = CliRunner()
+    return runner.invoke(app, list(args), env={**WIDE, **(env or {})}, catch_exceptions=False)
+
+
+def test_db_upgrade_and_seed_the_example(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    upgraded = invoke("db", "upgrade", env={"DATABASE_URL": url})
+    assert upgraded.exit_code == 0, upgraded.output
+    assert "revision" in upgraded.output
+    seeded = invoke("seed", "--database-url", url)
+    assert seeded.exit_code == 0, seeded.output
+    assert "fleet example" in seeded.output
+    assert "created" in seeded.output
+    again = invoke("seed", env={"DATABASE_URL": url})
+    assert again.exit_code == 0
+    assert "already present" in again.output
+    assert "0 domain(s) and 0 slot(s) added" in again.output
+
+
+def test_seed_a_layout_file_and_reject_a_bad_one(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    layout = json.loads(example_layout_json())
+    layout["slug"] = "custom"
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(layout), encoding="utf-8")
+    result = invoke("seed", str(good), "--database-url", url)
+    assert result.exit_code == 0, result.output
+    assert "fleet custom" in result.output
+    layout["domains"][0]["supervisorURL"] = "http://typo"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(layout), encoding="utf-8")
+    result = invoke("seed", str(bad), "--database-url", url)
+    assert result.exit_code == 2
+    assert "supervisorURL" in result.output
+    missing = invoke("seed", str(tmp_path / "missing.json"), "--database-url", url)
+    assert missing.exit_code == 2
+    assert "cannot read" in missing.output
+
+
+def test_remote_commands_explain_an_unreachable_server() -> None:
+    result = invoke("fleets", "--url", "http://127.0.0.1:1")
+    assert result.exit_code == 1
+    assert "cannot reach the server" in result.output
+
+
+@pytest.fixture
+async def served(tmp_path: Path, make_fleet: MakeFleet) -> AsyncIterator[tuple[str, LocalFleet]]:
+    """A ``haru serve`` process on a SQLite file seeded with a local fleet, with its loop."""
+    fleet = await make_fleet()
+    url = f"sqlite:///{tmp_path / 'served.db'}"
+    from datetime import UTC, datetime
+
+    from haru_db import upgrade
+
+    await upgrade(url)
+    store = StateStore.open(url)
+    await store.apply_fleet_layout(fleet.layout(), at=datetime.now(UTC))
+    await store.close()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "haru_server",
+        "serve",
+        env={
+            "PATH": "/usr/bin:/bin",
+            "DATABASE_URL": url,
+            "PORT": "0",
+            "HARU_API_TOKEN": "cli-token",
+            "HARU_RECONCILE_INTERVAL_MS": "100",
+        },
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    lines: list[str] = []
+
+    async def drain() -> None:
+        assert process.stderr is not None
+        async for raw in process.stderr:
+            lines.append(raw.decode(errors="replace"))
+
+    base = ""
+    async with asyncio.timeout(30):
+        while not base:
+            raw = await process.stderr.readline()
+            if not raw:
+                raise AssertionError("server exited: " + "".join(lines))
+            line = raw.decode(errors="replace")
+            lines.append(line)
+            if "listening on" in line:
+                base = line.rsplit("(", 1)[1].rstrip(")\n ")
+    reader = asyncio.create_task(drain())
+    try:
+        yield base, fleet
+    finally:
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            await process.wait()
+        await reader
+
+
+async def run_cli(*args: str) -> Result:
+    return await asyncio.to_thread(invoke, *args)
+
+
+async def test_remote_commands_against_a_running_server(served: tuple[str, LocalFleet]) -> None:
+    base, _fleet = served
+    auth = ("--url", base, "--token", "cli-token")
+    denied = await run_cli("fleets", "--url", base, "--token", "wrong")
+    assert denied.exit_code == 1
+    assert "401" in denied.output
+    assert "cli-token" not in denied.output
+
+    listing = await run_cli("fleets", *auth)
+    assert listing.exit_code == 0, listing.output
+    assert "local" in listing.output
+
+    shown = await run_cli("fleet", "show", "local", *auth)
+    assert shown.exit_code == 0, shown.output
+    for text in ("alpha", "beta", "active", "standby", "serving", "sleeping", "example-chat-large"):
+        assert text in shown.output
+
+    unknown = await run_cli("promote", "local", "gamma", *auth)
+    assert unknown.exit_code == 2
+    assert "no domain 'gamma'" in unknown.output
+    active = await run_cli("promote", "local", "alpha", *auth)
+    assert active.exit_code == 0
+    assert "already active" in active.output
+    refused = await run_cli("demote", "local", "alpha", *auth)
+    assert refused.exit_code == 1
+    assert "422" in refused.output
+
+    promoted = await run_cli("promote", "local", "beta", "--wait", "--timeout", "60", *auth)
+    assert promoted.exit_code == 0, promoted.output
+    assert "accepted" in promoted.output
+    for step in ("stop_training", "wake_vllm", "probe", "switch_active", "demote_old_train"):
+        assert step in promoted.output
+    assert "promote succeeded" in promoted.output
+
+    shown = await run_cli("fleet", "show", "local", *auth)
+    beta_line = next(line for line in shown.output.splitlines() if " beta " in line)
+    assert "active" in beta_line
+
+    events = await run_cli("events", "local", *auth)
+    assert events.exit_code == 0
+    assert "routing.switched" in events.output
+    assert "operation.succeeded" in events.output
+    later = await run_cli("events", "local", "--after", "100000", *auth)
+    assert later.exit_code == 0
+    assert later.output.strip() == ""

@@ -1,0 +1,218 @@
+"""Real ``haru serve`` processes: boot behaviour, signals, and two servers sharing PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import aiohttp
+import pytest
+from haru_db import StateStore
+from haru_protocol import EventType, OperationState
+from haru_server._clock import ManualClock
+from haru_server.localfleet import LocalFleet
+
+MakeFleet = Callable[..., Awaitable[LocalFleet]]
+UrlFactory = Callable[[], Awaitable[str]]
+
+TOKEN = "process-test-token"
+_LISTENING = re.compile(r"haru-server listening on \S+ \((http://\S+)\)")
+
+
+@dataclass
+class ServerProcess:
+    process: asyncio.subprocess.Process
+    lines: list[str] = field(default_factory=list)
+    url: str = ""
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+
+async def _drain(server: ServerProcess, listening: asyncio.Future[str]) -> None:
+    assert server.process.stderr is not None
+    async for raw in server.process.stderr:
+        line = raw.decode(errors="replace").rstrip()
+        server.lines.append(line)
+        match = _LISTENING.search(line)
+        if match and not listening.done():
+            listening.set_result(match.group(1))
+    if not listening.done():
+        listening.set_exception(RuntimeError("server exited before listening"))
+
+
+def server_env(extra: Mapping[str, str]) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HARU_") and k not in ("DATABASE_URL", "PORT")
+    }
+    env.update(extra)
+    return env
+
+
+@asynccontextmanager
+async def haru_serve(
+    env: Mapping[str, str], *, expect_listening: bool = True, cwd: Path | None = None
+) -> AsyncIterator[ServerProcess]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "haru_server",
+        "serve",
+        env=server_env(env),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=cwd,
+    )
+    server = ServerProcess(process)
+    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    reader = asyncio.create_task(_drain(server, listening))
+    try:
+        if expect_listening:
+            async with asyncio.timeout(30):
+                server.url = await listening
+        yield server
+    finally:
+        if process.returncode is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(15):
+                    await process.wait()
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        await reader
+        if not listening.done():
+            listening.cancel()
+
+
+async def test_boot_rejects_bad_numbers_clearly() -> None:
+    async with haru_serve({"PORT": "eighty"}, expect_listening=False) as server:
+        async with asyncio.timeout(30):
+            code = await server.process.wait()
+    assert code == 2
+    assert "invalid environment" in server.log
+    assert "PORT" in server.log
+    assert "Traceback" not in server.log
+
+
+async def test_boot_refuses_a_schema_newer_than_the_code(tmp_path: Path) -> None:
+    database = tmp_path / "newer.db"
+    url = f"sqlite:///{database}"
+    from haru_db import upgrade
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    await upgrade(url)
+    engine = create_async_engine(f"sqlite+aiosqlite:///{database}")
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(text("UPDATE alembic_version SET version_num = 'ffffffffffff'"))
+    finally:
+        await engine.dispose()
+    async with haru_serve({"DATABASE_URL": url, "PORT": "0"}, expect_listening=False) as server:
+        async with asyncio.timeout(30):
+            code = await server.process.wait()
+    assert code == 1
+    assert "newer" in server.log
+    assert "Traceback" not in server.log
+
+
+async def test_embedded_default_is_announced_and_sigterm_stops_cleanly(tmp_path: Path) -> None:
+    async with haru_serve({"PORT": "0"}, cwd=tmp_path) as server:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{server.url}/healthz") as response:
+                assert response.status == 200
+            async with http.get(f"{server.url}/v1/fleets") as response:
+                # No token: open, on 127.0.0.1 only.
+                assert response.status == 200
+        server.process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            code = await server.process.wait()
+    assert code == 0
+    assert "embedded SQLite default" in server.log
+    assert "DATABASE_URL unset" in server.log
+    assert "HARU_API_TOKEN is unset" in server.log
+    assert "127.0.0.1" in server.url
+    assert (tmp_path / "haru.db").exists()
+
+
+@pytest.mark.postgres
+async def test_two_server_processes_drive_one_promotion(
+    postgres_url_factory: UrlFactory, make_fleet: MakeFleet, clock: ManualClock, helpers: Any
+) -> None:
+    url = await postgres_url_factory()
+    store = StateStore.open(url)
+    try:
+        fleet = await make_fleet()
+        # The servers use the real clock: seed with it too.
+        from datetime import UTC, datetime
+
+        await store.apply_fleet_layout(fleet.layout(), at=datetime.now(UTC))
+        seeded = await store.get_fleet_snapshot("local")
+        assert seeded is not None
+        beta = next(d.id for d in seeded.domains if d.slug == "beta")
+        env = {
+            "DATABASE_URL": url,
+            "PORT": "0",
+            "HARU_API_TOKEN": TOKEN,
+            "HARU_RECONCILE_INTERVAL_MS": "200",
+        }
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with contextlib.AsyncExitStack() as stack:
+            # Both boot at once (their migration check races on the same database too).
+            first, second = await asyncio.gather(
+                stack.enter_async_context(haru_serve(env)),
+                stack.enter_async_context(haru_serve(env)),
+            )
+            http = await stack.enter_async_context(aiohttp.ClientSession(headers=headers))
+
+            async def promote(server: ServerProcess) -> tuple[int, dict[str, Any]]:
+                async with http.post(
+                    f"{server.url}/v1/fleets/local/promote",
+                    json={"targetDomainId": str(beta)},
+                ) as response:
+                    return response.status, await response.json()
+
+            answers = await asyncio.gather(promote(first), promote(second))
+            assert [status for status, _ in answers] == [202, 202]
+            ids = {body["operation"]["id"] for _, body in answers}
+            assert len(ids) == 1
+            operation_id = UUID(ids.pop())
+
+            async with asyncio.timeout(60):
+                while True:
+                    async with http.get(
+                        f"{second.url}/v1/fleets/local/operations/{operation_id}"
+                    ) as response:
+                        operation = await response.json()
+                    if operation["state"] not in ("pending", "running"):
+                        break
+                    await asyncio.sleep(0.05)
+            assert operation["state"] == OperationState.SUCCEEDED.value, operation
+            async with http.get(f"{first.url}/v1/fleets/local") as response:
+                snapshot = await response.json()
+            assert snapshot["activeDomainId"] == str(beta)
+            assert snapshot["routeRevision"] == seeded.route_revision + 1
+        events = await store.list_events(seeded.id, limit=1000)
+        types = Counter(e.type for e in events)
+        assert types[EventType.ROUTING_SWITCHED] == 1
+        assert types[EventType.OPERATION_REQUESTED_PROMOTE] == 1
+        assert types[EventType.OPERATION_SUCCEEDED] == 1
+        assert "Traceback" not in first.log + second.log
+    finally:
+        await store.close()

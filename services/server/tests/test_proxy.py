@@ -1,0 +1,983 @@
+"""The inference proxy over real sockets: emulated vLLM upstreams, a real SQLite store.
+
+Each test runs a minimal app (the proxy plus a middleware rendering ``ApiError``) on
+127.0.0.1, a fleet applied from a layout whose servingUrls point at :class:`VllmSim`
+instances (or at tiny raw upstreams where the sim cannot show what is tested), and talks to
+it with aiohttp, raw sockets or the official ``openai`` SDK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+import aiohttp
+import httpx2
+import openai
+import pytest
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from haru_db import StateStore
+from haru_protocol import (
+    DomainState,
+    FleetLayout,
+    InferenceSlotState,
+    OperationKind,
+    OperationStep,
+    SlotKind,
+)
+from haru_server._app import create_app
+from haru_server._http import ApiError, render_api_error
+from haru_server._keys import clock_key, kick_fleet_key, settings_key, store_key
+from haru_server._proxy import ProxyTuning, _KickDebouncer, install_proxy
+from haru_server._settings import Settings
+from haru_sim import VllmSim, VllmSimConfig
+from pytest_aiohttp import AiohttpServer
+
+MODELS = ("chat-small", "chat-large", "embed-small")
+PLACEMENT = {"cloud": "aws", "region": "us-east-1", "accelerator": "EXAMPLE-GPU"}
+FAST_TUNING = ProxyTuning(disconnect_poll_ms=20, outage_memo_ms=50)
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def served(sim: VllmSim) -> int:
+    """Inference requests ``sim`` received (a function, so no assertion narrows the count)."""
+    return len(sim.recorded_requests)
+
+
+# -- fixtures ----------------------------------------------------------------------------------
+
+
+@web.middleware
+async def render_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return render_api_error(exc)
+
+
+@dataclass
+class Proxy:
+    url: str
+    app: web.Application
+    kicks: list[UUID] = field(default_factory=list)
+
+    @property
+    def v1(self) -> str:
+        return f"{self.url}/v1"
+
+
+ProxyFactory = Callable[..., Awaitable[Proxy]]
+
+
+@pytest.fixture
+async def make_proxy(sqlite_store: StateStore) -> AsyncIterator[ProxyFactory]:
+    runners: list[web.AppRunner] = []
+
+    async def make(
+        *,
+        tuning: ProxyTuning = FAST_TUNING,
+        store: StateStore | None = None,
+        handler_cancellation: bool = False,
+        **overrides: Any,
+    ) -> Proxy:
+        settings = Settings(
+            **{"chat_header_timeout_ms": 5_000, "snapshot_cache_ttl_ms": 2_000, **overrides}
+        )
+        app = web.Application(middlewares=[render_errors])
+        proxy = Proxy(url="", app=app)
+        app[settings_key] = settings
+        app[store_key] = store if store is not None else sqlite_store
+        app[clock_key] = now
+        app[kick_fleet_key] = proxy.kicks.append
+        install_proxy(app, tuning=tuning)
+        # Served like production (web.run_app's default: handlers are NOT cancelled when a
+        # client disconnects), unless a test asks for aiohttp's handler cancellation.
+        runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
+        await runner.setup()
+        runners.append(runner)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        proxy.url = f"http://{host}:{port}"
+        return proxy
+
+    yield make
+    for runner in runners:
+        await runner.cleanup()
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[contextlib.AsyncExitStack]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield stack
+
+
+async def start_sim(stack: contextlib.AsyncExitStack, **config: Any) -> VllmSim:
+    sim = VllmSim(VllmSimConfig(served_model_names=MODELS, **config))
+    await stack.enter_async_context(sim)
+    return sim
+
+
+def layout(slug: str, alpha: dict[str, str], beta: dict[str, str]) -> FleetLayout:
+    def domain(name: str, models: dict[str, str]) -> dict[str, Any]:
+        return {
+            "slug": name,
+            "placement": PLACEMENT,
+            "slots": [
+                {
+                    "kind": "inference",
+                    "gpuIndex": 0,
+                    "models": [{"name": n, "servingUrl": u} for n, u in models.items()],
+                }
+            ],
+        }
+
+    return FleetLayout.model_validate(
+        {
+            "slug": slug,
+            "activeDomainSlug": "alpha",
+            "domains": [domain("alpha", alpha), domain("beta", beta)],
+        }
+    )
+
+
+@dataclass
+class Fleet:
+    id: UUID
+    slug: str
+    alpha_id: UUID
+    beta_id: UUID
+
+
+async def apply(store: StateStore, fleet_layout: FleetLayout) -> Fleet:
+    result = await store.apply_fleet_layout(fleet_layout, at=now())
+    snapshot = await store.get_fleet_snapshot(str(result.fleet_id))
+    assert snapshot is not None
+    assert snapshot.active_domain_id is not None
+    ids = {d.slug: d.id for d in snapshot.domains}
+    return Fleet(result.fleet_id, snapshot.slug, ids["alpha"], ids["beta"])
+
+
+@dataclass
+class Setup:
+    fleet: Fleet
+    alpha: VllmSim
+    beta: VllmSim
+
+
+async def make_setup(
+    store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    *,
+    slug: str = "prod",
+    extra_alpha: dict[str, str] | None = None,
+    **sim_config: Any,
+) -> Setup:
+    alpha = await start_sim(stack, **sim_config)
+    beta = await start_sim(stack, **sim_config)
+    models_alpha = dict.fromkeys(MODELS, alpha.url) | (extra_alpha or {})
+    fleet = await apply(store, layout(slug, models_alpha, dict.fromkeys(MODELS, beta.url)))
+    return Setup(fleet, alpha, beta)
+
+
+@pytest.fixture
+async def setup(sqlite_store: StateStore, stack: contextlib.AsyncExitStack) -> Setup:
+    return await make_setup(sqlite_store, stack)
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+SdkFactory = Callable[..., openai.AsyncOpenAI]
+
+
+@pytest.fixture
+async def sdk_factory() -> AsyncIterator[SdkFactory]:
+    clients: list[openai.AsyncOpenAI] = []
+
+    def make(base_url: str, fleet: str, *, sent: list[bytes] | None = None) -> openai.AsyncOpenAI:
+        async def record(request: httpx2.Request) -> None:
+            if sent is not None:
+                sent.append(request.content)
+
+        client = openai.AsyncOpenAI(
+            base_url=base_url,
+            api_key="sk-client-secret",
+            default_headers={"X-Haru-Fleet": fleet},
+            max_retries=0,
+            http_client=httpx2.AsyncClient(event_hooks={"request": [record]}),
+        )
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        await client.close()
+
+
+def chat_body(model: str = "chat-small", text: str = "hello there", **extra: Any) -> bytes:
+    return json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+    ).encode()
+
+
+async def post(
+    http: aiohttp.ClientSession,
+    proxy: Proxy,
+    body: bytes,
+    *,
+    fleet: str | None = "prod",
+    path: str = "/v1/chat/completions",
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    all_headers = {"Content-Type": "application/json", **(headers or {})}
+    if fleet is not None:
+        all_headers["X-Haru-Fleet"] = fleet
+    async with http.post(f"{proxy.url}{path}", data=body, headers=all_headers) as resp:
+        return resp.status, dict(resp.headers), await resp.read()
+
+
+def error_code(body: bytes) -> str:
+    code = json.loads(body)["error"]["code"]
+    assert isinstance(code, str)
+    return code
+
+
+async def eventually(predicate: Callable[[], bool], *, within: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+# -- the official SDK against the proxy --------------------------------------------------------
+
+
+async def test_sdk_chat_completions(
+    make_proxy: ProxyFactory, setup: Setup, sdk_factory: SdkFactory
+) -> None:
+    proxy = await make_proxy()
+    client = sdk_factory(proxy.v1, "prod")
+    answer = await client.chat.completions.create(
+        model="chat-small", messages=[{"role": "user", "content": "ping pong"}]
+    )
+    assert answer.choices[0].message.content == "ping pong"
+    recorded = setup.alpha.recorded_requests[-1]
+    assert recorded.path == "/v1/chat/completions"
+    # The client's credential for Haru never travels to the model server.
+    assert all(name.lower() != "authorization" for name, _ in recorded.headers)
+    assert all(name.lower() != "x-haru-fleet" for name, _ in recorded.headers)
+
+
+async def test_sdk_streaming_chat(
+    make_proxy: ProxyFactory, setup: Setup, sdk_factory: SdkFactory
+) -> None:
+    proxy = await make_proxy()
+    client = sdk_factory(proxy.v1, "prod")
+    stream = await client.chat.completions.create(
+        model="chat-small",
+        messages=[{"role": "user", "content": "one two three four"}],
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    pieces: list[str] = []
+    usage = None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    assert "".join(pieces) == "one two three four"
+    assert len(pieces) == 4
+    assert usage is not None
+    assert usage.completion_tokens == 4
+
+
+async def test_sdk_completions_embeddings_and_models(
+    make_proxy: ProxyFactory, setup: Setup, sdk_factory: SdkFactory
+) -> None:
+    proxy = await make_proxy()
+    client = sdk_factory(proxy.v1, "prod")
+    completion = await client.completions.create(model="chat-large", prompt="a b c", max_tokens=2)
+    assert completion.choices[0].text == "a b"
+    embedding = await client.embeddings.create(model="embed-small", input=["x", "y"])
+    assert len(embedding.data) == 2
+    assert len(embedding.data[0].embedding) == 8
+    models = await client.models.list()
+    assert [m.id for m in models.data] == list(MODELS)
+    assert all(m.owned_by == "haru" for m in models.data)
+    paths = [r.path for r in setup.alpha.recorded_requests]
+    assert paths == ["/v1/completions", "/v1/embeddings"]
+
+
+async def test_sdk_vendor_extensions_arrive_byte_identical(
+    make_proxy: ProxyFactory, setup: Setup, sdk_factory: SdkFactory
+) -> None:
+    proxy = await make_proxy()
+    sent: list[bytes] = []
+    client = sdk_factory(proxy.v1, "prod", sent=sent)
+    await client.chat.completions.create(
+        model="chat-small",
+        messages=[{"role": "user", "content": "héllo 世界"}],
+        extra_body={
+            "guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            "priority": -3,
+            "vendor_x": {"nested": [1, 2.5, None, True, "\u2028"]},
+        },
+    )
+    assert len(sent) == 1
+    assert setup.alpha.recorded_requests[-1].body == sent[0]
+    assert b"vendor_x" in sent[0]
+
+
+async def test_raw_body_bytes_are_never_reencoded(
+    make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy()
+    body = (
+        b'{ "messages" :[{"content":"caf\\u00e9 \\ud83d\\ude00","role":"user"}],\n'
+        b'  "model":"chat-small", "temperature": 1.0000000000000001, "seed": 1e2,'
+        b' "x":{"b":1,"a":2}, "x":{"dup":true} }  '
+    )
+    status, _, _ = await post(http, proxy, body)
+    assert status == 200
+    assert setup.alpha.recorded_requests[-1].body == body
+
+
+# -- streaming ---------------------------------------------------------------------------------
+
+
+async def test_sse_chunks_arrive_while_the_upstream_is_still_generating(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    http: aiohttp.ClientSession,
+) -> None:
+    env = await make_setup(sqlite_store, stack, token_latency_ms=40)
+    proxy = await make_proxy()
+    words = " ".join(f"w{i}" for i in range(20))
+    async with http.post(
+        f"{proxy.url}/v1/chat/completions",
+        data=chat_body(text=words, stream=True),
+        headers={"X-Haru-Fleet": "prod"},
+    ) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        first = await resp.content.readline()
+        assert first.startswith(b"data: ")
+        # The first event reached the client before the upstream finished generating.
+        assert env.alpha.num_running == 1
+        rest = await resp.read()
+    events = [line for line in (first + rest).split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1] == b"data: [DONE]"
+    assert len(events) >= 21
+
+
+async def test_quiet_stream_is_never_cut_by_the_header_bound(
+    make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(chat_header_timeout_ms=200)
+    # Headers come at once, then the first token takes four header bounds.
+    await setup.alpha.set_faults(slow_first_token_ms=800)
+    status, _, body = await post(http, proxy, chat_body(text="slow answer", stream=True))
+    assert status == 200
+    assert body.rstrip().endswith(b"data: [DONE]")
+    assert b"slow" in body
+
+
+async def test_no_headers_within_the_bound_is_504(
+    make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(chat_header_timeout_ms=200)
+    # A non-streamed answer sends its headers only once generated.
+    await setup.alpha.set_faults(slow_first_token_ms=3_000)
+    status, headers, body = await post(http, proxy, chat_body())
+    assert status == 504
+    assert error_code(body) == "upstream_timeout"
+    assert headers["Content-Type"].startswith("application/json")
+
+
+async def read_into(resp: aiohttp.ClientResponse, pieces: list[bytes]) -> None:
+    async for chunk in resp.content.iter_any():
+        pieces.append(chunk)
+
+
+async def test_upstream_cut_mid_stream_breaks_the_client_stream(
+    make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy()
+    await setup.alpha.set_faults(cut_stream_after_chunks=2)
+    async with http.post(
+        f"{proxy.url}/v1/chat/completions",
+        data=chat_body(text="a b c d e f", stream=True),
+        headers={"X-Haru-Fleet": "prod"},
+    ) as resp:
+        assert resp.status == 200
+        pieces: list[bytes] = []
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await read_into(resp, pieces)
+    received = b"".join(pieces)
+    assert received.count(b"data: ") == 2
+    assert b"[DONE]" not in received
+
+
+async def test_upstream_cut_reaches_the_sdk_as_an_error(
+    make_proxy: ProxyFactory, setup: Setup, sdk_factory: SdkFactory
+) -> None:
+    proxy = await make_proxy()
+    await setup.alpha.set_faults(cut_stream_after_chunks=1)
+    client = sdk_factory(proxy.v1, "prod")
+    stream = await client.chat.completions.create(
+        model="chat-small", messages=[{"role": "user", "content": "a b c"}], stream=True
+    )
+    with pytest.raises((httpx2.RemoteProtocolError, openai.APIError)):
+        async for _ in stream:
+            pass
+
+
+# -- upstream failures -------------------------------------------------------------------------
+
+
+async def test_connect_failure_is_502_and_kicks_the_fleet_once(
+    make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy()
+    await setup.alpha.set_faults(refuse=True)
+    for _ in range(3):
+        status, _, body = await post(http, proxy, chat_body())
+        assert status == 502
+        assert error_code(body) == "upstream_unreachable"
+    assert proxy.kicks == [setup.fleet.id]  # debounced: one kick per second per fleet
+    assert served(setup.beta) == 0  # a standby is never routed to
+
+
+def test_kicks_are_debounced_per_fleet() -> None:
+    now = [100.0]
+    kicked: list[UUID] = []
+    debounce = _KickDebouncer(kicked.append, interval_s=1.0, clock=lambda: now[0])
+    a, b = UUID(int=1), UUID(int=2)
+    assert debounce(a)
+    assert not debounce(a)
+    assert debounce(b)
+    now[0] += 0.99
+    assert not debounce(a)
+    now[0] += 0.02
+    assert debounce(a)
+    assert kicked == [a, b, a]
+    assert not _KickDebouncer(None, interval_s=1.0, clock=lambda: now[0])(a)
+
+
+async def test_upstream_errors_pass_through_unchanged_and_unretried(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    http: aiohttp.ClientSession,
+) -> None:
+    ghost = await start_sim(stack)  # bound in the layout as "chat-ghost", which it does not serve
+    env = await make_setup(sqlite_store, stack, extra_alpha={"chat-ghost": ghost.url})
+    proxy = await make_proxy()
+    status, headers, body = await post(
+        http, proxy, json.dumps({"model": "chat-small", "messages": []}).encode()
+    )
+    assert status == 400
+    assert headers["Content-Type"].startswith("application/json")
+    assert json.loads(body)["error"]["type"] == "BadRequestError"
+    assert env.alpha.requests_served["/v1/chat/completions"] == 1
+
+    status, _, body = await post(http, proxy, chat_body(model="chat-ghost"))
+    assert status == 404
+    assert json.loads(body)["error"]["type"] == "NotFoundError"  # vLLM's body, not Haru's
+    assert ghost.requests_served["/v1/chat/completions"] == 1
+
+    await env.alpha.set_faults(error_500=True)
+    status, _, body = await post(http, proxy, chat_body())
+    assert status == 500
+    assert json.loads(body)["error"]["type"] == "InternalServerError"
+    assert env.alpha.requests_served["/v1/chat/completions"] == 2
+
+
+@dataclass
+class RawUpstream:
+    """A raw TCP upstream: answers nothing (``silent``) or one SSE event then stays quiet.
+
+    It records when the proxy closes the connection, which is what "the upstream request is
+    aborted" means on the wire.
+    """
+
+    mode: str
+    received: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    server: asyncio.Server | None = None
+    writers: list[asyncio.StreamWriter] = field(default_factory=list)
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.tasks.add(task)
+        self.writers.append(writer)
+        await reader.readuntil(b"\r\n\r\n")
+        self.received.set()
+        if self.mode == "one_event":
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n"
+                b"e\r\ndata: first\n\n\r\n"
+            )
+            await writer.drain()
+        while await reader.read(65536):
+            pass
+        self.closed.set()
+        writer.close()
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        for writer in self.writers:
+            writer.close()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.server.wait_closed()
+
+
+RawUpstreamFactory = Callable[[str], Awaitable[tuple[RawUpstream, str]]]
+
+
+@pytest.fixture
+async def raw_upstream() -> AsyncIterator[RawUpstreamFactory]:
+    upstreams: list[RawUpstream] = []
+
+    async def make(mode: str) -> tuple[RawUpstream, str]:
+        upstream = RawUpstream(mode)
+        url = await upstream.start()
+        upstreams.append(upstream)
+        return upstream, url
+
+    yield make
+    for upstream in upstreams:
+        await upstream.stop()
+
+
+async def raw_request(
+    proxy: Proxy, body: bytes
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"
+        b"Content-Type: application/json\r\nX-Haru-Fleet: prod\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    return reader, writer
+
+
+@pytest.mark.parametrize("cancellation", [False, True], ids=["run_app", "cancelling"])
+async def test_client_gone_before_headers_aborts_the_upstream_request(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    raw_upstream: RawUpstreamFactory,
+    cancellation: bool,
+) -> None:
+    upstream, url = await raw_upstream("silent")
+    await make_setup(sqlite_store, stack, extra_alpha={"chat-hold": url})
+    proxy = await make_proxy(handler_cancellation=cancellation)
+    _, writer = await raw_request(proxy, chat_body(model="chat-hold"))
+    await asyncio.wait_for(upstream.received.wait(), 5)
+    writer.close()
+    await writer.wait_closed()
+    await asyncio.wait_for(upstream.closed.wait(), 5)
+
+
+@pytest.mark.parametrize("cancellation", [False, True], ids=["run_app", "cancelling"])
+async def test_client_gone_during_a_quiet_stream_stops_the_upstream_read(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    raw_upstream: RawUpstreamFactory,
+    cancellation: bool,
+) -> None:
+    upstream, url = await raw_upstream("one_event")
+    await make_setup(sqlite_store, stack, extra_alpha={"chat-hold": url})
+    proxy = await make_proxy(handler_cancellation=cancellation)
+    reader, writer = await raw_request(proxy, chat_body(model="chat-hold", stream=True))
+    await asyncio.wait_for(reader.readuntil(b"data: first\n\n"), 5)
+    writer.close()
+    await writer.wait_closed()
+    await asyncio.wait_for(upstream.closed.wait(), 5)
+
+
+@pytest.mark.parametrize("cancellation", [False, True], ids=["run_app", "cancelling"])
+async def test_client_gone_mid_stream_stops_the_generation(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    cancellation: bool,
+) -> None:
+    env = await make_setup(sqlite_store, stack, token_latency_ms=50)
+    proxy = await make_proxy(handler_cancellation=cancellation)
+    words = " ".join(f"w{i}" for i in range(200))  # about ten seconds of tokens
+    reader, writer = await raw_request(proxy, chat_body(text=words, stream=True))
+    await asyncio.wait_for(reader.readuntil(b"\n\n"), 5)
+    assert env.alpha.num_running == 1
+    writer.close()
+    await writer.wait_closed()
+    await eventually(lambda: env.alpha.num_running == 0, within=3)
+
+
+# -- request validation ------------------------------------------------------------------------
+
+
+async def test_body_cap_rejects_one_byte_over_and_accepts_exactly_at(
+    make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
+) -> None:
+    cap = 1024
+    proxy = await make_proxy(chat_max_body_bytes=cap)
+    body = chat_body()
+    exact = body + b" " * (cap - len(body))
+    assert len(exact) == cap
+    status, _, _ = await post(http, proxy, exact)
+    assert status == 200
+    assert setup.alpha.recorded_requests[-1].body == exact
+    status, _, answer = await post(http, proxy, exact + b" ")
+    assert status == 413
+    assert error_code(answer) == "payload_too_large"
+
+
+async def test_expect_continue_is_answered_only_within_the_cap(
+    make_proxy: ProxyFactory, setup: Setup
+) -> None:
+    proxy = await make_proxy(chat_max_body_bytes=1024)
+    host, port = proxy.url.removeprefix("http://").split(":")
+
+    async def ask(length: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nX-Haru-Fleet: prod\r\n"
+            b"Content-Type: application/json\r\nExpect: 100-continue\r\n"
+            + f"Content-Length: {length}\r\n\r\n".encode()
+        )
+        await writer.drain()
+        return reader, writer, await asyncio.wait_for(reader.readline(), 5)
+
+    reader, writer, status_line = await ask(4096)
+    assert status_line.startswith(b"HTTP/1.1 413")  # refused before any body was sent
+    writer.close()
+    await writer.wait_closed()
+
+    body = chat_body()
+    reader, writer, status_line = await ask(len(body))
+    assert status_line == b"HTTP/1.1 100 Continue\r\n"
+    assert await reader.readline() == b"\r\n"
+    writer.write(body)
+    await writer.drain()
+    assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"HTTP/1.1 200")
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_client_gone_while_sending_its_body(
+    make_proxy: ProxyFactory,
+    setup: Setup,
+    http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    proxy = await make_proxy()
+    host, port = proxy.url.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\nX-Haru-Fleet: prod\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 10000\r\n\r\n" + b'{"model": "'
+    )
+    await writer.drain()
+    writer.close()
+    await writer.wait_closed()
+    await asyncio.sleep(0.1)
+    assert (await post(http, proxy, chat_body()))[0] == 200  # the proxy carries on
+    assert served(setup.alpha) == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_body_cap_holds_for_a_chunked_upload(
+    make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(chat_max_body_bytes=4096)
+
+    async def chunks(total: int) -> AsyncIterator[bytes]:
+        head = b'{"model": "chat-small", "messages": [{"role": "user", "content": "hi"}], "pad": "'
+        yield head
+        sent = len(head)
+        while sent < total - 2:
+            piece = b"x" * min(512, total - 2 - sent)
+            sent += len(piece)
+            yield piece
+        yield b'"}'
+
+    async with http.post(
+        f"{proxy.url}/v1/chat/completions",
+        data=chunks(100_000),
+        headers={"X-Haru-Fleet": "prod", "Content-Type": "application/json"},
+    ) as resp:
+        assert resp.status == 413
+    async with http.post(
+        f"{proxy.url}/v1/chat/completions",
+        data=chunks(4096),
+        headers={"X-Haru-Fleet": "prod", "Content-Type": "application/json"},
+    ) as resp:
+        assert resp.status == 200
+    assert len(setup.alpha.recorded_requests[-1].body) == 4096
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"",
+        b'["model", "chat-small"]',
+        b'{"messages": []}',
+        b'{"model": ""}',
+        b'{"model": 42}',
+        b'{"model": null}',
+        b"[" * 100_000,
+        b'{"model": "\xff\xfe"}',
+    ],
+)
+async def test_bad_bodies_are_400_invalid_request(
+    make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession, body: bytes
+) -> None:
+    proxy = await make_proxy()
+    status, _, answer = await post(http, proxy, body)
+    assert status == 400
+    assert error_code(answer) == "invalid_request"
+    assert served(setup.alpha) == 0
+
+
+async def test_unknown_model_lists_the_available_ones(
+    make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy()
+    status, _, answer = await post(http, proxy, chat_body(model="chat-huge"))
+    assert status == 404
+    assert error_code(answer) == "model_not_found"
+    message = json.loads(answer)["error"]["message"]
+    for model in MODELS:
+        assert model in message
+
+
+async def test_fleet_selection(
+    make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy()
+    status, _, answer = await post(http, proxy, chat_body(), fleet=None)
+    assert status == 404
+    assert error_code(answer) == "fleet_not_found"
+    assert "X-Haru-Fleet" in json.loads(answer)["error"]["message"]
+    for ref in ("nope", "Not A Slug!", str(UUID(int=7))):
+        status, _, answer = await post(http, proxy, chat_body(), fleet=ref)
+        assert status == 404
+        assert error_code(answer) == "fleet_not_found"
+    status, _, _ = await post(http, proxy, chat_body(), fleet=str(setup.fleet.id).upper())
+    assert status == 200
+
+    defaulted = await make_proxy(default_fleet="prod")
+    status, _, _ = await post(http, defaulted, chat_body(), fleet=None)
+    assert status == 200
+    status, _, _ = await post(http, defaulted, chat_body(), fleet="  ")
+    assert status == 200
+
+
+async def test_only_inference_paths_exist(
+    make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy()
+    for path in ("/sleep", "/wake_up", "/v1/../sleep", "/v1/chat/completions/../../sleep"):
+        status, _, _ = await post(http, proxy, chat_body(), path=path)
+        assert status == 404
+    status, _, answer = await post(http, proxy, chat_body(model="../../sleep"))
+    assert status == 404
+    assert error_code(answer) == "model_not_found"
+    assert "/sleep" not in setup.alpha.requests_served
+    assert setup.alpha.sleeps == 0
+
+
+# -- routing -----------------------------------------------------------------------------------
+
+
+async def promote(store: StateStore, fleet: Fleet) -> None:
+    """Move the pointer to beta the way a promotion does: its slots serve, then one CAS."""
+    at = now()
+    operation, created = await store.create_operation(
+        fleet_id=fleet.id, kind=OperationKind.PROMOTE, target_domain_id=fleet.beta_id, at=at
+    )
+    assert created
+    assert await store.claim_operation(operation.id, first_step=OperationStep.STOP_TRAINING, at=at)
+    inference = SlotKind.INFERENCE
+    for before, after in (
+        (InferenceSlotState.SLEEPING, InferenceSlotState.WAKING),
+        (InferenceSlotState.WAKING, InferenceSlotState.PROBING),
+        (InferenceSlotState.PROBING, InferenceSlotState.SERVING),
+    ):
+        await store.transition_domain_slots(
+            fleet.beta_id, kind=inference, from_states=[before], to=after, at=at
+        )
+    assert await store.switch_active(
+        fleet_id=fleet.id,
+        expected_active_domain_id=fleet.alpha_id,
+        target_domain_id=fleet.beta_id,
+        operation_id=operation.id,
+        at=at,
+    )
+
+
+async def test_promotion_is_seen_on_the_very_next_request(
+    make_proxy: ProxyFactory, setup: Setup, sqlite_store: StateStore, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(snapshot_cache_ttl_ms=600_000)
+    for _ in range(3):
+        assert (await post(http, proxy, chat_body()))[0] == 200
+    assert served(setup.alpha) == 3
+    assert served(setup.beta) == 0
+    await promote(sqlite_store, setup.fleet)
+    status, headers, _ = await post(http, proxy, chat_body())
+    assert status == 200
+    assert "X-Haru-Routing" not in headers
+    assert served(setup.beta) == 1
+    assert served(setup.alpha) == 3
+
+
+async def test_active_domain_states(
+    make_proxy: ProxyFactory, setup: Setup, sqlite_store: StateStore, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(snapshot_cache_ttl_ms=1)
+    alpha = setup.fleet.alpha_id
+    assert await sqlite_store.transition_domain(
+        alpha, from_states=[DomainState.READY], to=DomainState.DEGRADED, at=now()
+    )
+    await asyncio.sleep(0.01)
+    assert (await post(http, proxy, chat_body()))[0] == 200  # degraded still serves
+    assert await sqlite_store.transition_domain(
+        alpha, from_states=[DomainState.DEGRADED], to=DomainState.FAILED, at=now()
+    )
+    await asyncio.sleep(0.01)
+    status, _, answer = await post(http, proxy, chat_body())
+    assert status == 503
+    assert error_code(answer) == "no_active_domain"
+    async with http.get(f"{proxy.v1}/models", headers={"X-Haru-Fleet": "prod"}) as resp:
+        assert resp.status == 503
+        assert error_code(await resp.read()) == "no_active_domain"
+    assert served(setup.beta) == 0
+
+
+async def test_models_lists_only_eligible_models(
+    make_proxy: ProxyFactory, setup: Setup, sqlite_store: StateStore, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(snapshot_cache_ttl_ms=1)
+    snapshot = await sqlite_store.get_fleet_snapshot("prod")
+    assert snapshot is not None
+    alpha = snapshot.domain(setup.fleet.alpha_id)
+    assert alpha is not None
+    slot = alpha.slots[0]
+    assert await sqlite_store.transition_slot(
+        slot.id,
+        kind=SlotKind.INFERENCE,
+        from_states=[InferenceSlotState.SERVING],
+        to=InferenceSlotState.FAILED,
+        at=now(),
+    )
+    await asyncio.sleep(0.01)
+    async with http.get(f"{proxy.v1}/models", headers={"X-Haru-Fleet": "prod"}) as resp:
+        assert resp.status == 200
+        assert await resp.json() == {"object": "list", "data": []}
+    status, _, answer = await post(http, proxy, chat_body())
+    assert status == 404
+    assert "available models: none" in json.loads(answer)["error"]["message"]
+
+
+async def test_serving_url_prefix_and_query_are_kept_and_only_content_type_returns(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    aiohttp_server: AiohttpServer,
+    http: aiohttp.ClientSession,
+) -> None:
+    seen: list[str] = []
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        seen.append(request.path_qs)
+        return web.Response(
+            status=201,
+            body=b'{"ok": true}',
+            headers={
+                "Content-Type": "application/vnd.test+json",
+                "Set-Cookie": "session=upstream",
+                "X-Upstream-Secret": "s3cret",
+            },
+        )
+
+    fake = web.Application()
+    fake.router.add_post("/prefix/v1/chat/completions", upstream)
+    server = await aiohttp_server(fake)
+    base = str(server.make_url("/prefix/")) + "?tenant=a&key=b"
+    await make_setup(sqlite_store, stack, extra_alpha={"chat-prefixed": base})
+    proxy = await make_proxy()
+    status, headers, body = await post(http, proxy, chat_body(model="chat-prefixed"))
+    assert status == 201
+    assert body == b'{"ok": true}'
+    assert seen == ["/prefix/v1/chat/completions?tenant=a&key=b"]
+    assert headers["Content-Type"] == "application/vnd.test+json"
+    assert "Set-Cookie" not in headers
+    assert "X-Upstream-Secret" not in headers
+    assert "X-Haru-Routing" not in headers
+
+
+# -- inside the real server app ----------------------------------------------------------------
+
+
+async def test_proxy_inside_the_server_app_behind_the_bearer_check(
+    sqlite_store: StateStore, stack: contextlib.AsyncExitStack, http: aiohttp.ClientSession
+) -> None:
+    env = await make_setup(sqlite_store, stack)
+    settings = Settings(api_token="server-token", default_fleet="prod", chat_max_body_bytes=2048)
+    runner = web.AppRunner(create_app(settings, store=sqlite_store))
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    url = f"http://{host}:{port}/v1/chat/completions"
+    bearer = {"Authorization": "Bearer server-token", "Content-Type": "application/json"}
+
+    async with http.post(url, data=b"x" * 10_000) as resp:
+        assert resp.status == 401  # the bearer check comes before the body cap
+        assert error_code(await resp.read()) == "unauthorized"
+    async with http.post(url, data=b"x" * 10_000, headers=bearer) as resp:
+        assert resp.status == 413
+        assert error_code(await resp.read()) == "payload_too_large"
+    async with http.post(url, data=chat_body(text="via the app"), headers=bearer) as resp:
+        assert resp.status == 200
+        assert (await resp.json())["choices"][0]["message"]["content"] == "via the app"
+    async with http.get(f"http://{host}:{port}/v1/models", headers=bearer) as resp:
+        assert resp.status == 200
+        assert [m["id"] for m in (await resp.json())["data"]] == list(MODELS)
+    recorded = env.alpha.recorded_requests[-1]
+    assert all("server-token" not in value for _, value in recorded.headers)

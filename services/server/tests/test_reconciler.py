@@ -1,0 +1,822 @@
+"""The reconcile tick against REAL supervisors, emulated vLLM servers and emulated trainers.
+
+Every domain runs a real supervisor app on a 127.0.0.1 socket; every model an emulated vLLM
+server on its own socket; trainers are real ``haru-sim-trainer`` processes stopped with real
+signals. Budgets run on an injected clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+from uuid import UUID
+
+import aiohttp
+from haru_db import StateStore
+from haru_protocol import (
+    DomainState,
+    EventType,
+    FleetSnapshot,
+    InferenceSlotSpec,
+    OperationErrorCode,
+    OperationKind,
+    OperationState,
+    OperationStep,
+    PolicyPatch,
+    SlotKind,
+    TrainingRunState,
+)
+from haru_server._clock import ManualClock
+from haru_server._reconciler import Reconciler
+from haru_server._supervisor import SupervisorClient
+from haru_server.localfleet import LocalFleet
+from haru_sim import read_trainer_checkpoint
+
+MakeFleet = Callable[..., Awaitable[LocalFleet]]
+MakeReconciler = Callable[..., Reconciler]
+
+
+def states(snapshot: FleetSnapshot, slug: str) -> tuple[DomainState, list[str], list[str]]:
+    domain = next(d for d in snapshot.domains if d.slug == slug)
+    inference = [s.state.value for s in domain.slots if s.kind is SlotKind.INFERENCE]
+    training = [s.state.value for s in domain.slots if s.kind is SlotKind.TRAINING]
+    return domain.state, inference, training
+
+
+def domain_id(snapshot: FleetSnapshot, slug: str) -> UUID:
+    return next(d.id for d in snapshot.domains if d.slug == slug)
+
+
+async def snapshot_of(store: StateStore, ref: str = "local") -> FleetSnapshot:
+    snapshot = await store.get_fleet_snapshot(ref)
+    assert snapshot is not None
+    return snapshot
+
+
+async def event_types(store: StateStore, fleet_id: UUID) -> list[str]:
+    return [e.type for e in await store.list_events(fleet_id, limit=1000)]
+
+
+async def wait_training(
+    client: SupervisorClient, url: str, state: TrainingRunState, *, timeout_s: float = 10
+) -> None:
+    async with asyncio.timeout(timeout_s):
+        while True:
+            status = await client.status(url, timeout_s=2)
+            runs = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
+            if runs and all(r is not None and r.state is state for r in runs):
+                return
+            await asyncio.sleep(0.02)
+
+
+async def start_standby_training(
+    fleet: LocalFleet,
+    http: aiohttp.ClientSession,
+    store: StateStore,
+    reconciler: Reconciler,
+    slug: str = "beta",
+) -> None:
+    """Bring the standby to its steady posture: asleep, trainers running (proven)."""
+    client = SupervisorClient(http, token=fleet.options.supervisor_token)
+    url = fleet.domain(slug).supervisor_url
+    await client.start_training(url, timeout_s=5)
+    await wait_training(client, url, TrainingRunState.RUNNING)
+    # Wait until every trainer really trains (its first checkpoint), so a SIGTERM later
+    # reaches its handler rather than a half-started interpreter.
+    async with asyncio.timeout(10):
+        for directory in fleet.domain(slug).checkpoint_dirs.values():
+            while read_trainer_checkpoint(directory) is None:
+                await asyncio.sleep(0.02)
+    await reconciler.tick("local")
+
+
+async def test_first_tick_mirrors_the_layout_posture(
+    store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    assert seeded.active_domain_id == domain_id(seeded, "alpha")
+    reconciler = make_reconciler(store)
+    result = await reconciler.tick("local")
+    assert result.operation is None
+    assert not result.in_flight
+    snapshot = await snapshot_of(store)
+    assert states(snapshot, "alpha") == (
+        DomainState.READY,
+        ["serving", "serving"],
+        ["idle", "idle"],
+    )
+    assert states(snapshot, "beta") == (
+        DomainState.READY,
+        ["sleeping", "sleeping"],
+        ["idle", "idle"],
+    )
+    assert all(d.last_seen_at == clock() for d in snapshot.domains)
+
+
+async def test_full_promotion(
+    store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    http: aiohttp.ClientSession,
+    helpers: Any,
+) -> None:
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store)
+    await start_standby_training(fleet, http, store, reconciler)
+    before = await snapshot_of(store)
+    assert states(before, "beta") == (
+        DomainState.READY,
+        ["sleeping", "sleeping"],
+        ["training", "training"],
+    )
+    trained = {}
+    for directory in fleet.domain("beta").checkpoint_dirs.values():
+        checkpoint = read_trainer_checkpoint(directory)
+        assert checkpoint is not None
+        trained[directory] = checkpoint.step
+    beta = domain_id(seeded, "beta")
+    _, created = await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
+    )
+    assert created
+    results = await helpers.tick_until_settled(reconciler, "local")
+    final = results[-1].operation
+    assert final is not None
+    assert final.state is OperationState.SUCCEEDED, final.error
+    assert final.routing_committed
+
+    after = await snapshot_of(store)
+    assert after.active_domain_id == beta
+    assert after.route_revision == seeded.route_revision + 1
+    assert states(after, "beta") == (DomainState.READY, ["serving", "serving"], ["idle", "idle"])
+    assert states(after, "alpha") == (
+        DomainState.READY,
+        ["sleeping", "sleeping"],
+        ["training", "training"],
+    )
+    # The real processes agree with the stored state.
+    beta_sims = fleet.domain("beta").sims.values()
+    alpha_sims = fleet.domain("alpha").sims.values()
+    assert all(not sim.sleeping for sim in beta_sims)
+    assert all(sim.sleeping for sim in alpha_sims)
+    client = SupervisorClient(http, token=None)
+    await wait_training(client, fleet.domain("alpha").supervisor_url, TrainingRunState.RUNNING)
+    # The standby's trainers were stopped with SIGTERM and flushed a final checkpoint.
+    for directory, step in trained.items():
+        final_checkpoint = read_trainer_checkpoint(directory)
+        assert final_checkpoint is not None
+        assert final_checkpoint.step >= step
+    # Each model was probed once (the warm-up request) before routing moved.
+    assert all(sim.requests_served.get("/v1/chat/completions", 0) >= 1 for sim in beta_sims)
+
+    types = await event_types(store, seeded.id)
+    assert types.count(EventType.ROUTING_SWITCHED) == 1
+    assert types.count(EventType.OPERATION_SUCCEEDED) == 1
+    done = [
+        e.payload["step"]
+        for e in await store.list_events(seeded.id, limit=1000)
+        if e.type == EventType.OPERATION_STEP_DONE
+    ]
+    assert done == [step.value for step in OperationStep][:7]
+
+
+async def test_step_chaining_finishes_a_promotion_in_few_ticks(
+    store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock)
+    chained = make_reconciler(store)
+    await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    results = await helpers.tick_until_settled(chained, "local")
+    assert len(results) == 1
+    assert results[0].operation is not None
+    assert results[0].operation.state is OperationState.SUCCEEDED
+
+
+async def test_without_chaining_each_tick_runs_one_step(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store, chaining=False)
+    await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    results = await helpers.tick_until_settled(reconciler, "local")
+    assert len(results) == 7
+    steps = [r.operation.current_step for r in results if r.operation is not None]
+    assert steps[:-1] == list(OperationStep)[1:7]
+
+
+async def test_full_demotion(
+    store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    http: aiohttp.ClientSession,
+    helpers: Any,
+) -> None:
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store)
+    beta = domain_id(seeded, "beta")
+    await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.DEMOTE, target_domain_id=beta, at=clock()
+    )
+    results = await helpers.tick_until_settled(reconciler, "local")
+    final = results[-1].operation
+    assert final is not None
+    assert final.state is OperationState.SUCCEEDED, final.error
+    after = await snapshot_of(store)
+    assert after.active_domain_id == seeded.active_domain_id
+    assert states(after, "beta") == (
+        DomainState.READY,
+        ["sleeping", "sleeping"],
+        ["training", "training"],
+    )
+    assert states(after, "alpha") == (DomainState.READY, ["serving", "serving"], ["idle", "idle"])
+    client = SupervisorClient(http, token=None)
+    await wait_training(client, fleet.domain("beta").supervisor_url, TrainingRunState.RUNNING)
+    assert all(sim.sleeping for sim in fleet.domain("beta").sims.values())
+
+
+async def test_probe_failure_leaves_routing_and_restores_the_standby(
+    store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    http: aiohttp.ClientSession,
+    helpers: Any,
+) -> None:
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store)
+    await start_standby_training(fleet, http, store, reconciler)
+    await fleet.domain("beta").sims["example-chat-medium"].set_faults(error_500=True)
+    beta = domain_id(seeded, "beta")
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
+    )
+    result = await reconciler.tick("local")
+    while (
+        result.operation is not None
+        and result.operation.kind is OperationKind.PROMOTE
+        and (result.operation.state is OperationState.RUNNING)
+    ):
+        await asyncio.sleep(0.02)
+        result = await reconciler.tick("local")
+    failed = await store.get_operation(promote.id)
+    assert failed is not None
+    assert failed.state is OperationState.FAILED
+    assert failed.error is not None
+    assert failed.error.step is OperationStep.PROBE
+    assert failed.error.code == OperationErrorCode.PROBE_FAILED
+    assert "example-chat-medium" in failed.error.message
+    assert "example-chat-small" not in failed.error.message
+    # Routing never moved; the old active kept serving.
+    mid = await snapshot_of(store)
+    assert mid.active_domain_id == seeded.active_domain_id
+    assert mid.route_revision == seeded.route_revision
+    assert states(mid, "alpha")[1] == ["serving", "serving"]
+    assert all(not sim.sleeping for sim in fleet.domain("alpha").sims.values())
+    # The failed promote queued a demote that returns beta to standby posture.
+    assert result.in_flight
+    restore = await store.get_in_flight_operation(seeded.id)
+    assert restore is not None
+    assert restore.kind is OperationKind.DEMOTE
+    assert restore.target_domain_id == beta
+    await helpers.tick_until_settled(reconciler, "local")
+    done = await store.get_operation(restore.id)
+    assert done is not None
+    assert done.state is OperationState.SUCCEEDED, done.error
+    after = await snapshot_of(store)
+    assert states(after, "beta") == (
+        DomainState.READY,
+        ["sleeping", "sleeping"],
+        ["training", "training"],
+    )
+    assert all(sim.sleeping for sim in fleet.domain("beta").sims.values())
+    types = await event_types(store, seeded.id)
+    assert EventType.OPERATION_RESTORE_DEMOTE in types
+    assert EventType.ROUTING_SWITCHED not in types
+
+
+async def test_step_timeout_on_injected_clock_fails_and_cleans_up(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock)
+    for sim in fleet.domain("beta").sims.values():
+        await sim.set_faults(wake_fails=True)
+    reconciler = make_reconciler(store)
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.current_step is OperationStep.WAKE_VLLM
+    assert result.operation.state is OperationState.RUNNING
+    waking = await snapshot_of(store)
+    assert states(waking, "beta")[1] == ["waking", "waking"]
+    clock.advance(ms=seeded.policy.wake_timeout_ms - 1)
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.state is OperationState.RUNNING
+    clock.advance(ms=1)
+    result = await reconciler.tick("local")
+    failed = await store.get_operation(promote.id)
+    assert failed is not None
+    assert failed.state is OperationState.FAILED
+    assert failed.error is not None
+    assert failed.error.code == OperationErrorCode.STEP_TIMEOUT
+    assert failed.error.step is OperationStep.WAKE_VLLM
+    after = await snapshot_of(store)
+    assert after.active_domain_id == seeded.active_domain_id
+    # Cleanup in the same statement as the fail: the wake path is failed.
+    assert states(after, "beta")[1] == ["failed", "failed"]
+
+
+async def test_unauthorized_supervisor_fails_the_step(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(supervisor_token="right-token")
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store, token="wrong-token")
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    await reconciler.tick("local")
+    failed = await store.get_operation(promote.id)
+    assert failed is not None
+    assert failed.state is OperationState.FAILED
+    assert failed.error is not None
+    assert failed.error.code == OperationErrorCode.SUPERVISOR_UNAUTHORIZED
+    assert failed.error.step is OperationStep.STOP_TRAINING
+    assert "wrong-token" not in failed.error.message
+    after = await snapshot_of(store)
+    assert after.active_domain_id == seeded.active_domain_id
+    # Heartbeats failed too (401 is no answer): ready domains went degraded.
+    assert {d.state for d in after.domains} == {DomainState.DEGRADED}
+
+
+async def test_supervisor_unreachable_mid_step_is_pending_until_the_budget_ends(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store, chaining=False)
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    for _ in range(3):  # stop_training, verify_gpu, wake_vllm
+        await reconciler.tick("local")
+    running = await store.get_operation(promote.id)
+    assert running is not None
+    assert running.current_step is OperationStep.PROBE
+    await fleet.stop_supervisor("beta")
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.state is OperationState.RUNNING
+    assert result.operation.current_step is OperationStep.PROBE
+    mid = await snapshot_of(store)
+    assert mid.active_domain_id == seeded.active_domain_id
+    assert states(mid, "beta")[0] is DomainState.DEGRADED
+    clock.advance(ms=seeded.policy.probe_timeout_ms)
+    await reconciler.tick("local")
+    failed = await store.get_operation(promote.id)
+    assert failed is not None
+    assert failed.error is not None
+    assert failed.error.code == OperationErrorCode.STEP_TIMEOUT
+    assert failed.error.step is OperationStep.PROBE
+    after = await snapshot_of(store)
+    assert after.active_domain_id == seeded.active_domain_id
+    assert states(after, "beta")[1] == ["failed", "failed"]
+    assert states(after, "alpha")[1] == ["serving", "serving"]
+
+
+async def test_config_drift_is_judged_against_the_layout(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    # The layout binds a model that neither supervisor is configured with.
+    layout = fleet.layout()
+    domains = []
+    for domain in layout.domains:
+        first = domain.slots[0]
+        assert isinstance(first, InferenceSlotSpec)
+        ghost = (*first.models, first.models[0].model_copy(update={"name": "ghost-model"}))
+        domains.append(
+            domain.model_copy(
+                update={"slots": (first.model_copy(update={"models": ghost}), *domain.slots[1:])}
+            )
+        )
+    await store.apply_fleet_layout(
+        layout.model_copy(update={"domains": tuple(domains)}), at=clock()
+    )
+    seeded = await snapshot_of(store)
+    reconciler = make_reconciler(store)
+    await reconciler.tick("local")
+    snapshot = await snapshot_of(store)
+    # Active: the slot with the unknown model is failed and the domain degraded (not ready).
+    assert states(snapshot, "alpha") == (DomainState.DEGRADED, ["failed", "serving"], [])
+    # Standby: an omitted model is not asleep.
+    assert states(snapshot, "beta") == (DomainState.READY, ["failed", "sleeping"], [])
+    not_ready = [
+        e for e in await store.list_events(seeded.id) if e.type == EventType.DOMAIN_NOT_READY
+    ]
+    assert len(not_ready) == 1
+    assert not_ready[0].payload["modelsNotAwake"] == ["ghost-model"]
+    # A promotion can never prove the unknown model awake: the wake times out.
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.current_step is OperationStep.WAKE_VLLM
+    clock.advance(ms=seeded.policy.wake_timeout_ms)
+    await reconciler.tick("local")
+    failed = await store.get_operation(promote.id)
+    assert failed is not None
+    assert failed.error is not None
+    assert failed.error.step is OperationStep.WAKE_VLLM
+    assert failed.error.code == OperationErrorCode.STEP_TIMEOUT
+    assert (await snapshot_of(store)).active_domain_id == seeded.active_domain_id
+
+
+AUTO = PolicyPatch(auto_failover=True, heartbeat_stale_ms=15_000, degraded_grace_ms=60_000)
+
+
+async def test_auto_failover_from_a_stale_heartbeat(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
+    reconciler = make_reconciler(store)
+    await reconciler.tick("local")
+    await fleet.stop_supervisor("alpha")
+    clock.advance(ms=10_000)
+    result = await reconciler.tick("local")
+    assert result.operation is None  # degraded, but not stale yet
+    snapshot = await snapshot_of(store)
+    assert states(snapshot, "alpha")[0] is DomainState.DEGRADED
+    clock.advance(ms=6_000)
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.kind is OperationKind.PROMOTE
+    assert result.operation.target_domain_id == domain_id(seeded, "beta")
+    # Routing switched; the unreachable old active cannot be put to sleep.
+    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    after = await snapshot_of(store)
+    assert after.active_domain_id == domain_id(seeded, "beta")
+    clock.advance(ms=after.policy.sleep_timeout_ms)
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.state is OperationState.SUCCEEDED
+    events = await store.list_events(seeded.id, limit=1000)
+    auto = [e for e in events if e.type == EventType.OPERATION_AUTO_FAILOVER]
+    assert len(auto) == 1
+    assert auto[0].payload["reason"] == "active_stale"
+    assert EventType.OPERATION_STEP_TIMEOUT_BEST_EFFORT in [e.type for e in events]
+
+
+async def test_auto_failover_from_a_dead_active_vllm(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
+    reconciler = make_reconciler(store)
+    await reconciler.tick("local")
+    for sim in fleet.domain("alpha").sims.values():
+        await sim.set_faults(refuse=True)
+    result = await reconciler.tick("local")
+    assert result.operation is None
+    snapshot = await snapshot_of(store)
+    assert states(snapshot, "alpha")[:2] == (DomainState.DEGRADED, ["failed", "failed"])
+    clock.advance(ms=60_000)
+    result = await reconciler.tick("local")
+    assert result.operation is None  # exactly the grace: not yet
+    clock.advance(ms=1)
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.target_domain_id == domain_id(seeded, "beta")
+    after = await snapshot_of(store)
+    assert after.active_domain_id == domain_id(seeded, "beta")
+    assert states(after, "alpha")[0] is DomainState.FAILED
+    assert states(after, "beta")[1] == ["serving", "serving"]
+    types = await event_types(store, seeded.id)
+    assert types.count(EventType.DOMAIN_DEGRADED_ESCALATED) == 1
+    assert types.count(EventType.OPERATION_AUTO_FAILOVER) == 1
+
+
+async def test_degraded_active_is_not_escalated_without_a_viable_standby(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
+    reconciler = make_reconciler(store)
+    await reconciler.tick("local")
+    await fleet.stop_supervisor("beta")
+    for sim in fleet.domain("alpha").sims.values():
+        await sim.set_faults(refuse=True)
+    await reconciler.tick("local")
+    clock.advance(ms=120_000)
+    result = await reconciler.tick("local")
+    assert result.operation is None
+    snapshot = await snapshot_of(store)
+    assert states(snapshot, "alpha")[0] is DomainState.DEGRADED
+    assert states(snapshot, "beta")[0] is DomainState.DEGRADED
+    assert snapshot.active_domain_id == seeded.active_domain_id
+    assert EventType.DOMAIN_DEGRADED_ESCALATED not in await event_types(store, seeded.id)
+
+
+async def test_best_effort_sleep_timeout_completes_without_training_next_to_awake_vllm(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    http: aiohttp.ClientSession,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    for sim in fleet.domain("alpha").sims.values():
+        await sim.set_faults(sleep_fails=True)
+    reconciler = make_reconciler(store)
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    clock.advance(ms=seeded.policy.sleep_timeout_ms)
+    result = await reconciler.tick("local")
+    done = await store.get_operation(promote.id)
+    assert done is not None
+    assert done.state is OperationState.SUCCEEDED
+    assert done.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    after = await snapshot_of(store)
+    assert after.active_domain_id == domain_id(seeded, "beta")
+    assert states(after, "alpha") == (
+        DomainState.DEGRADED,
+        ["serving", "serving"],
+        ["idle", "idle"],
+    )
+    client = SupervisorClient(http, token=None)
+    status = await client.status(fleet.domain("alpha").supervisor_url, timeout_s=2)
+    assert all(
+        s.training is not None and s.training.state is TrainingRunState.IDLE
+        for s in status.slots
+        if s.kind is SlotKind.TRAINING
+    )
+    timeouts = [
+        e
+        for e in await store.list_events(seeded.id, limit=1000)
+        if e.type == EventType.OPERATION_STEP_TIMEOUT_BEST_EFFORT
+    ]
+    assert len(timeouts) == 1
+    assert timeouts[0].payload["sourceDegraded"] is True
+
+
+async def test_best_effort_calls_are_bounded_by_the_remaining_budget(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    """A hung old active never holds a tick longer than what remains of the step's budget."""
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock)
+    stepper = make_reconciler(store, chaining=False, heartbeat_timeout_s=0.2)
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    result = await stepper.tick("local")
+    while result.operation is not None and result.operation.current_step is not (
+        OperationStep.DEMOTE_OLD_SLEEP
+    ):
+        result = await stepper.tick("local")
+    for sim in fleet.domain("alpha").sims.values():
+        await sim.set_faults(hang=True)
+    # Only 300 ms of the sleep step's budget are left when it runs against the hung vLLMs.
+    clock.advance(ms=seeded.policy.sleep_timeout_ms - 300)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    result = await stepper.tick("local")
+    elapsed = loop.time() - started
+    for sim in fleet.domain("alpha").sims.values():
+        await sim.clear_faults()
+    assert result.operation is not None
+    assert result.operation.id == promote.id
+    assert result.operation.state is OperationState.RUNNING
+    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    # Bounded by the 300 ms left (plus a 200 ms heartbeat), never by a 120 s sleep bound.
+    assert elapsed < 10
+
+
+async def run_to_step(
+    reconciler: Reconciler, store: StateStore, operation_id: UUID, step: OperationStep
+) -> None:
+    for _ in range(20):
+        current = await store.get_operation(operation_id)
+        assert current is not None
+        if current.current_step is step:
+            return
+        await reconciler.tick("local")
+    raise AssertionError(f"never reached {step}")
+
+
+async def test_verify_gpu_waits_for_released_memory_then_times_out(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    # GPU 1 keeps 40 % of its memory after training stopped (a leaked context).
+    fleet.domain("beta").gpu_used_mib[1] = 0.4 * 81_920
+    reconciler = make_reconciler(store)
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.current_step is OperationStep.VERIFY_GPU
+    clock.advance(ms=seeded.policy.verify_gpu_timeout_ms)
+    await reconciler.tick("local")
+    failed = await store.get_operation(promote.id)
+    assert failed is not None
+    assert failed.error is not None
+    assert (failed.error.step, failed.error.code) == (
+        OperationStep.VERIFY_GPU,
+        OperationErrorCode.STEP_TIMEOUT,
+    )
+    # Nothing was woken: no restore demote is queued.
+    assert await store.get_in_flight_operation(seeded.id) is None
+    assert all(sim.sleeping for sim in fleet.domain("beta").sims.values())
+
+
+async def test_switch_active_over_budget_counts_as_done_when_routing_committed(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock)
+    stepper = make_reconciler(store, chaining=False)
+    beta = domain_id(seeded, "beta")
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
+    )
+    await run_to_step(stepper, store, promote.id, OperationStep.SWITCH_ACTIVE)
+    # A previous tick's pointer CAS landed, then that process died before advancing.
+    assert await store.switch_active(
+        fleet_id=seeded.id,
+        expected_active_domain_id=seeded.active_domain_id,
+        target_domain_id=beta,
+        operation_id=promote.id,
+        at=clock(),
+    )
+    clock.advance(ms=seeded.policy.switch_active_timeout_ms)
+    result = await stepper.tick("local")
+    assert result.operation is not None
+    assert result.operation.state is OperationState.RUNNING
+    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    after = await snapshot_of(store)
+    assert after.active_domain_id == beta
+    assert after.route_revision == seeded.route_revision + 1
+
+
+async def test_switch_active_fails_cas_lost_when_the_pointer_moved_elsewhere(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    import sqlalchemy as sa
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock)
+    stepper = make_reconciler(store, chaining=False)
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    await run_to_step(stepper, store, promote.id, OperationStep.SWITCH_ACTIVE)
+    # Another writer (an operator's manual fix) cleared the pointer meanwhile.
+    engine = create_async_engine(store.url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                sa.text(
+                    "UPDATE fleets SET active_domain_id = NULL, route_revision = route_revision + 1"
+                )
+            )
+    finally:
+        await engine.dispose()
+    await stepper.tick("local")
+    failed = await store.get_operation(promote.id)
+    assert failed is not None
+    assert failed.error is not None
+    assert (failed.error.step, failed.error.code) == (
+        OperationStep.SWITCH_ACTIVE,
+        OperationErrorCode.CAS_LOST,
+    )
+    after = await snapshot_of(store)
+    assert after.active_domain_id is None
+    # The target was probed (serving) but never routed: the fail cleaned it up.
+    assert states(after, "beta")[1] == ["failed", "failed"]

@@ -1,0 +1,582 @@
+"""RouteCache in isolation: a scripted store at the seam, an injected clock, no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from uuid import UUID
+
+import pytest
+from haru_db import MalformedFleetStateError, StateStoreUnavailableError
+from haru_protocol import ErrorCode, FleetRoutePointer, FleetSnapshot, Policy
+from haru_server._http import ApiError
+from haru_server._route_cache import RouteCache, is_uuid_shaped, spelling_key
+
+Behaviour = Callable[[], object]
+
+
+def snapshot(fleet_id: UUID, slug: str, revision: int) -> FleetSnapshot:
+    return FleetSnapshot(
+        id=fleet_id,
+        slug=slug,
+        display_name=None,
+        active_domain_id=None,
+        route_revision=revision,
+        policy=Policy(),
+        domains=(),
+    )
+
+
+@dataclass
+class Fleet:
+    id: UUID
+    slug: str
+    revision: int = 1
+
+
+@dataclass
+class ScriptedStore:
+    """A store whose answers the test controls: fleets, failures, hangs and gates."""
+
+    fleets: dict[UUID, Fleet] = field(default_factory=dict)
+    pointer_error: BaseException | None = None
+    snapshot_error: BaseException | None = None
+    pointer_hang: bool = False
+    stubborn: asyncio.Event | None = None
+    """While set, a cancelled read keeps running until the event fires (like psycopg, which
+    first tries to cancel the query on the server)."""
+    snapshot_revision_override: int | None = None
+    pointer_gates: list[asyncio.Event] = field(default_factory=list)
+    snapshot_gates: list[asyncio.Event] = field(default_factory=list)
+    pointer_reads: int = 0
+    snapshot_loads: int = 0
+
+    def add(self, slug: str, revision: int = 1, fleet_id: UUID | None = None) -> Fleet:
+        fleet = Fleet(fleet_id or uuid.uuid4(), slug, revision)
+        self.fleets[fleet.id] = fleet
+        return fleet
+
+    def find(self, ref: str) -> Fleet | None:
+        # The database's id-first rule.
+        if is_uuid_shaped(ref):
+            by_id = self.fleets.get(UUID(ref))
+            if by_id is not None:
+                return by_id
+        return next((f for f in self.fleets.values() if f.slug == ref), None)
+
+    async def get_fleet_route_pointer(self, ref: str) -> FleetRoutePointer | None:
+        self.pointer_reads += 1
+        fleet = self.find(ref)  # read "now": a gated read returns what was true when it started
+        found = None if fleet is None else (fleet.id, fleet.slug, fleet.revision)
+        if self.pointer_gates:
+            await self.pointer_gates.pop(0).wait()
+        if self.pointer_hang:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                if self.stubborn is not None:
+                    await self.stubborn.wait()
+                raise
+        if self.pointer_error is not None:
+            raise self.pointer_error
+        if found is None:
+            return None
+        return FleetRoutePointer(
+            id=found[0], slug=found[1], active_domain_id=None, route_revision=found[2]
+        )
+
+    async def get_fleet_snapshot(self, ref: str) -> FleetSnapshot | None:
+        self.snapshot_loads += 1
+        fleet = self.find(ref)
+        found = None if fleet is None else (fleet.id, fleet.slug, fleet.revision)
+        if self.snapshot_gates:
+            await self.snapshot_gates.pop(0).wait()
+        if self.snapshot_error is not None:
+            raise self.snapshot_error
+        if found is None:
+            return None
+        revision = self.snapshot_revision_override or found[2]
+        return snapshot(found[0], found[1], revision)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def store() -> ScriptedStore:
+    return ScriptedStore()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def make_cache(store: ScriptedStore, clock: FakeClock, **kwargs: int) -> RouteCache[FleetSnapshot]:
+    options: dict[str, int] = {"ttl_ms": 2000, "outage_memo_ms": 1000, "pointer_timeout_ms": 50}
+    options.update(kwargs)
+    return RouteCache(store, build=lambda s: s, clock=clock, **options)
+
+
+def down() -> StateStoreUnavailableError:
+    return StateStoreUnavailableError("database unreachable (OperationalError)")
+
+
+async def until(predicate: Callable[[], bool]) -> None:
+    """Let other tasks run until ``predicate`` holds (bounded: fails instead of hanging)."""
+    for _ in range(1000):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never reached")
+
+
+async def expect_error(cache: RouteCache[FleetSnapshot], ref: str, code: ErrorCode) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        await cache.resolve(ref)
+    assert info.value.code is code
+    return info.value
+
+
+# -- spellings ---------------------------------------------------------------------------------
+
+
+def test_spelling_keys_follow_the_id_first_rule() -> None:
+    upper = "0B0C4A2E-1D2F-4B5A-9C8D-7E6F5A4B3C2D"
+    assert is_uuid_shaped(upper)
+    assert spelling_key(upper) == upper.lower()
+    assert spelling_key("prod") == "prod"
+    assert not is_uuid_shaped("prod")
+    assert not is_uuid_shaped("0b0c4a2e1d2f4b5a9c8d7e6f5a4b3c2d0")
+
+
+# -- fresh path --------------------------------------------------------------------------------
+
+
+async def test_hit_reads_the_pointer_but_not_the_snapshot(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    cache = make_cache(store, clock)
+    for _ in range(5):
+        lookup = await cache.resolve("prod")
+        assert lookup.fleet_id == fleet.id
+        assert not lookup.stale
+        assert lookup.routes.route_revision == 1
+    assert store.pointer_reads == 5
+    assert store.snapshot_loads == 1
+
+
+async def test_ttl_expiry_reloads_the_snapshot(store: ScriptedStore, clock: FakeClock) -> None:
+    store.add("prod")
+    cache = make_cache(store, clock, ttl_ms=2000)
+    await cache.resolve("prod")
+    clock.advance(1.9)
+    await cache.resolve("prod")
+    assert store.snapshot_loads == 1
+    clock.advance(0.2)
+    await cache.resolve("prod")
+    assert store.snapshot_loads == 2
+
+
+async def test_a_moved_pointer_is_seen_on_the_very_next_request(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    cache = make_cache(store, clock, ttl_ms=60_000)
+    assert (await cache.resolve("prod")).snapshot.route_revision == 1
+    fleet.revision = 2
+    lookup = await cache.resolve("prod")
+    assert lookup.snapshot.route_revision == 2
+    assert cache.cached_revision(fleet.id) == 2
+
+
+async def test_concurrent_misses_load_the_snapshot_once(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    store.add("prod")
+    gate = asyncio.Event()
+    store.snapshot_gates.append(gate)
+    cache = make_cache(store, clock)
+    tasks = [asyncio.create_task(cache.resolve("prod")) for _ in range(10)]
+    await until(lambda: store.snapshot_loads == 1)
+    gate.set()
+    lookups = await asyncio.gather(*tasks)
+    assert {lk.snapshot.route_revision for lk in lookups} == {1}
+    assert store.snapshot_loads == 1
+    # Ten requests, two pointer reads: the first, and one shared by those who came during it.
+    assert store.pointer_reads == 2
+
+
+async def test_a_request_never_uses_a_pointer_read_that_started_before_it(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    cache = make_cache(store, clock, ttl_ms=60_000)
+    await cache.resolve("prod")
+    gate = asyncio.Event()
+    store.pointer_gates.append(gate)
+    early = asyncio.create_task(cache.resolve("prod"))
+    await until(lambda: store.pointer_reads == 2)  # its read has started (and read revision 1)
+    fleet.revision = 2  # a promotion commits while that read is in flight
+    late = [asyncio.create_task(cache.resolve("prod")) for _ in range(5)]
+    await asyncio.sleep(0)
+    gate.set()
+    assert (await early).snapshot.route_revision == 1
+    assert {(await t).snapshot.route_revision for t in late} == {2}
+    assert store.pointer_reads == 3  # the five late requests shared one read
+
+
+async def test_unknown_fleet_is_404_and_never_cached(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    cache = make_cache(store, clock)
+    await expect_error(cache, "nope", ErrorCode.FLEET_NOT_FOUND)
+    assert len(cache) == 0
+
+
+# -- fail-open on a failing pointer read -------------------------------------------------------
+
+
+async def test_pointer_failure_serves_the_warm_cache_as_stale(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    cache = make_cache(store, clock)
+    await cache.resolve("prod")
+    store.pointer_error = down()
+    for _ in range(3):
+        lookup = await cache.resolve("prod")
+        assert lookup.stale
+        assert lookup.fleet_id == fleet.id
+    # Stale serving ignores the TTL: the pointer cannot move while the store is down.
+    clock.advance(3600)
+    assert (await cache.resolve(str(fleet.id).upper())).stale
+
+
+async def test_pointer_failure_with_a_cold_cache_is_503(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    store.add("prod")
+    store.pointer_error = down()
+    cache = make_cache(store, clock)
+    error = await expect_error(cache, "prod", ErrorCode.STATE_STORE_UNAVAILABLE)
+    assert error.status == 503
+
+
+async def test_hung_pointer_read_counts_as_unreachable_within_its_bound(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    store.add("prod")
+    cache = make_cache(store, clock, pointer_timeout_ms=20)
+    await cache.resolve("prod")
+    store.pointer_hang = True
+    lookup = await asyncio.wait_for(cache.resolve("prod"), timeout=2)
+    assert lookup.stale
+
+
+async def test_a_read_slow_to_cancel_still_costs_only_the_bound(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    store.add("prod")
+    cache = make_cache(store, clock, pointer_timeout_ms=20)
+    await cache.resolve("prod")
+    store.pointer_hang = True
+    store.stubborn = asyncio.Event()
+    lookup = await asyncio.wait_for(cache.resolve("prod"), timeout=2)
+    assert lookup.stale
+    store.stubborn.set()
+    await cache.aclose()
+
+
+async def test_outage_is_memoised_then_probed_once(store: ScriptedStore, clock: FakeClock) -> None:
+    store.add("prod")
+    cache = make_cache(store, clock, outage_memo_ms=1000)
+    await cache.resolve("prod")
+    store.pointer_error = down()
+    await cache.resolve("prod")
+    reads = store.pointer_reads
+    for _ in range(5):
+        assert (await cache.resolve("prod")).stale
+    assert store.pointer_reads == reads  # memo: no reads for a second
+    clock.advance(1.1)
+    # The memo expired: exactly one request probes while the others keep serving stale.
+    gate = asyncio.Event()
+    store.pointer_gates.append(gate)
+    probe = asyncio.create_task(cache.resolve("prod"))
+    await until(lambda: store.pointer_reads == reads + 1)
+    others = [await cache.resolve("prod") for _ in range(3)]
+    assert all(lk.stale for lk in others)
+    assert store.pointer_reads == reads + 1
+    store.pointer_error = None
+    gate.set()
+    assert not (await probe).stale
+    assert not cache.in_outage
+    assert not (await cache.resolve("prod")).stale
+
+
+async def test_a_failed_read_never_evicts(store: ScriptedStore, clock: FakeClock) -> None:
+    fleets = [store.add(f"fleet-{i}") for i in range(3)]
+    cache = make_cache(store, clock, max_fleets=3)
+    for fleet in fleets:
+        await cache.resolve(fleet.slug)
+    store.pointer_error = down()
+    clock.advance(5)
+    for _ in range(3):
+        for fleet in fleets:
+            assert (await cache.resolve(fleet.slug)).stale
+            clock.advance(2)
+    assert len(cache) == 3
+
+
+# -- pointer answered, snapshot load failed ----------------------------------------------------
+
+
+async def test_same_revision_with_a_failing_load_serves_stale(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    store.add("prod")
+    cache = make_cache(store, clock, ttl_ms=1000, outage_memo_ms=500)
+    await cache.resolve("prod")
+    clock.advance(2)  # TTL expired: a reload is due
+    store.snapshot_error = down()
+    assert (await cache.resolve("prod")).stale
+    loads = store.snapshot_loads
+    assert (await cache.resolve("prod")).stale
+    assert store.snapshot_loads == loads  # the failed load is memoised too
+    clock.advance(0.6)
+    store.snapshot_error = None
+    assert not (await cache.resolve("prod")).stale
+
+
+async def test_moved_pointer_with_a_failing_load_is_503_and_drops_the_entry(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    cache = make_cache(store, clock)
+    await cache.resolve("prod")
+    fleet.revision = 2
+    store.snapshot_error = down()
+    await expect_error(cache, "prod", ErrorCode.STATE_STORE_UNAVAILABLE)
+    assert cache.cached_revision(fleet.id) is None
+    # A later outage cannot resurrect routing known to be superseded.
+    store.pointer_error = down()
+    await expect_error(cache, "prod", ErrorCode.STATE_STORE_UNAVAILABLE)
+
+
+async def test_a_hung_load_at_a_moved_revision_is_503(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    cache = make_cache(store, clock, snapshot_timeout_ms=20)
+    await cache.resolve("prod")
+    fleet.revision = 2
+    store.snapshot_gates.append(asyncio.Event())  # never set
+    await expect_error(cache, "prod", ErrorCode.STATE_STORE_UNAVAILABLE)
+    assert cache.cached_revision(fleet.id) is None
+
+
+async def test_malformed_snapshot_is_503_and_never_served(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    cache = make_cache(store, clock, ttl_ms=1000)
+    await cache.resolve("prod")
+    clock.advance(2)
+    store.snapshot_error = MalformedFleetStateError("slot kind differs from spec kind")
+    await expect_error(cache, "prod", ErrorCode.STATE_STORE_UNAVAILABLE)
+    assert cache.cached_revision(fleet.id) is None
+    store.pointer_error = down()
+    await expect_error(cache, "prod", ErrorCode.STATE_STORE_UNAVAILABLE)
+
+
+async def test_malformed_pointer_is_503_and_drops_the_entry(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    cache = make_cache(store, clock)
+    await cache.resolve("prod")
+    store.pointer_error = MalformedFleetStateError("invalid slug read back")
+    await expect_error(cache, "prod", ErrorCode.STATE_STORE_UNAVAILABLE)
+    assert cache.cached_revision(fleet.id) is None
+    assert not cache.in_outage
+
+
+# -- verdicts: disclaimed and superseded entries -----------------------------------------------
+
+
+async def test_disclaimed_spelling_is_404_and_forgotten(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    cache = make_cache(store, clock)
+    await cache.resolve("prod")
+    assert cache.indexed("prod") == fleet.id
+    del store.fleets[fleet.id]
+    await expect_error(cache, "prod", ErrorCode.FLEET_NOT_FOUND)
+    assert cache.indexed("prod") is None
+    assert cache.cached_revision(fleet.id) is None
+    store.pointer_error = down()
+    await expect_error(cache, "prod", ErrorCode.STATE_STORE_UNAVAILABLE)
+    await expect_error(cache, str(fleet.id), ErrorCode.STATE_STORE_UNAVAILABLE)
+
+
+async def test_a_load_overtaken_by_a_verdict_is_served_but_not_cached(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    cache = make_cache(store, clock)
+    gate = asyncio.Event()
+    store.snapshot_gates.append(gate)
+    slow = asyncio.create_task(cache.resolve("prod"))
+    await until(lambda: store.snapshot_loads == 1)
+    # While that load is in flight the store disclaims the fleet.
+    del store.fleets[fleet.id]
+    await expect_error(cache, "prod", ErrorCode.FLEET_NOT_FOUND)
+    gate.set()
+    assert (await slow).fleet_id == fleet.id  # it answers with what it read ...
+    assert cache.cached_revision(fleet.id) is None  # ... but cannot undo the verdict
+    assert cache.indexed("prod") is None
+
+
+async def test_an_older_pointer_read_cannot_restore_a_forgotten_spelling(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    cache = make_cache(store, clock)
+    gate = asyncio.Event()
+    store.pointer_gates.append(gate)
+    older = asyncio.create_task(cache.resolve(str(fleet.id)))  # reads while "prod" exists
+    await until(lambda: store.pointer_reads == 1)
+    del store.fleets[fleet.id]
+    await expect_error(cache, "prod", ErrorCode.FLEET_NOT_FOUND)  # a newer read: gone
+    store.fleets[fleet.id] = fleet  # the older request's snapshot load still succeeds
+    gate.set()
+    await older
+    assert cache.indexed(str(fleet.id)) == fleet.id
+    assert cache.indexed("prod") is None  # the newer verdict on that spelling stands
+
+
+async def test_a_lower_revision_never_replaces_a_higher_one(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod", revision=5)
+    cache = make_cache(store, clock, ttl_ms=1000)
+    await cache.resolve("prod")
+    clock.advance(2)
+    store.snapshot_revision_override = 4  # a load that read older state
+    lookup = await cache.resolve("prod")
+    assert lookup.snapshot.route_revision == 4
+    assert cache.cached_revision(fleet.id) == 5
+
+
+# -- aliases -----------------------------------------------------------------------------------
+
+
+async def test_every_accepted_spelling_is_indexed_onto_the_id(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    cache = make_cache(store, clock)
+    await cache.resolve(str(fleet.id).upper())
+    assert cache.indexed("prod") == fleet.id
+    assert cache.indexed(str(fleet.id)) == fleet.id
+    assert len(cache) == 1
+    store.pointer_error = down()
+    for ref in ("prod", str(fleet.id), str(fleet.id).upper()):
+        lookup = await cache.resolve(ref)
+        assert lookup.stale
+        assert lookup.fleet_id == fleet.id
+
+
+async def test_a_uuid_shaped_slug_is_never_an_alias(store: ScriptedStore, clock: FakeClock) -> None:
+    tricky = str(uuid.uuid4())
+    fleet = store.add(tricky)
+    cache = make_cache(store, clock)
+    lookup = await cache.resolve(tricky)
+    assert lookup.fleet_id == fleet.id
+    assert cache.indexed(tricky) is None
+    assert cache.indexed(str(fleet.id)) == fleet.id
+    store.pointer_error = down()
+    await expect_error(cache, tricky, ErrorCode.STATE_STORE_UNAVAILABLE)
+    assert (await cache.resolve(str(fleet.id))).stale
+
+
+async def test_a_slug_that_moves_to_another_fleet_is_reindexed(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    first = store.add("prod")
+    cache = make_cache(store, clock)
+    await cache.resolve("prod")
+    del store.fleets[first.id]
+    second = store.add("prod")
+    assert (await cache.resolve("prod")).fleet_id == second.id
+    assert cache.indexed("prod") == second.id
+    store.pointer_error = down()
+    assert (await cache.resolve("prod")).fleet_id == second.id
+
+
+# -- size bound --------------------------------------------------------------------------------
+
+
+async def test_lru_bound_evicts_the_least_recently_used(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    a, b, c = (store.add(s) for s in ("a", "b", "c"))
+    cache = make_cache(store, clock, max_fleets=2)
+    await cache.resolve("a")
+    await cache.resolve("b")
+    await cache.resolve("a")  # a is now the most recently used
+    await cache.resolve("c")
+    assert len(cache) == 2
+    assert cache.cached_revision(b.id) is None
+    assert cache.cached_revision(a.id) == 1
+    assert cache.indexed("b") is None
+    store.pointer_error = down()
+    await expect_error(cache, "b", ErrorCode.STATE_STORE_UNAVAILABLE)
+    assert (await cache.resolve("c")).fleet_id == c.id
+
+
+# -- logging -----------------------------------------------------------------------------------
+
+
+async def test_stale_serving_is_logged_on_transitions_only(
+    store: ScriptedStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    store.add("prod")
+    cache = make_cache(store, clock, outage_memo_ms=100)
+    await cache.resolve("prod")
+    caplog.set_level(logging.INFO, logger="haru_server._route_cache")
+    store.pointer_error = down()
+    for _ in range(20):
+        await cache.resolve("prod")
+        clock.advance(0.05)
+    entering = [r for r in caplog.records if "serving cached routing" in r.getMessage()]
+    assert len(entering) == 1
+    assert entering[0].levelno == logging.WARNING
+    outage = [r for r in caplog.records if "failing open" in r.getMessage()]
+    assert len(outage) == 1
+    caplog.clear()
+    store.pointer_error = None
+    clock.advance(1)
+    for _ in range(5):
+        await cache.resolve("prod")
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("confirmed by the state store again" in m for m in messages) == 1
+    assert sum("reachable again" in m for m in messages) == 1
+
+
+def test_max_fleets_must_be_positive(store: ScriptedStore, clock: FakeClock) -> None:
+    with pytest.raises(ValueError, match="max_fleets"):
+        make_cache(store, clock, max_fleets=0)
