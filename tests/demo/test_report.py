@@ -1,0 +1,165 @@
+"""The scenario's verdict and report, and the ``haru demo`` command's argument handling."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from uuid import uuid4
+
+import pytest
+from haru_protocol import Operation, OperationKind, OperationState, Policy
+from haru_server import _demo
+from haru_server._demo_scenario import (
+    ScenarioReport,
+    SwitchoverResult,
+    operation_budget_s,
+    promote_budget_s,
+    snippets,
+)
+from haru_server._demo_traffic import RequestRecord, TrafficSummary
+from haru_server.cli import app
+from typer.testing import CliRunner
+
+
+def operation(state: OperationState) -> Operation:
+    now = datetime.now(UTC)
+    return Operation(
+        id=uuid4(),
+        fleet_id=uuid4(),
+        kind=OperationKind.PROMOTE,
+        state=state,
+        target_domain_id=uuid4(),
+        current_step=None,
+        step_started_at=None,
+        error=None,
+        created_at=now,
+        finished_at=now,
+    )
+
+
+def failure(error: str) -> RequestRecord:
+    return RequestRecord(
+        client=0, model="m", stream=True, started_at=1.0, ended_at=2.0, ok=False, error=error
+    )
+
+
+def planned(**changes: object) -> SwitchoverResult:
+    result = SwitchoverResult(
+        kind="planned",
+        source="alpha",
+        target="beta",
+        operation=operation(OperationState.SUCCEEDED),
+        steps=[("stop_training", 0.3), ("wake_vllm", 0.25)],
+        routing_s=0.8,
+        requests=TrafficSummary(total=80, ok=80, failed=0, stale=0),
+        budget_s=30.0,
+        old_active_standby=True,
+    )
+    for key, value in changes.items():
+        setattr(result, key, value)
+    return result
+
+
+def unplanned(**changes: object) -> SwitchoverResult:
+    result = SwitchoverResult(
+        kind="unplanned",
+        source="beta",
+        target="alpha",
+        operation=operation(OperationState.SUCCEEDED),
+        detection_s=1.1,
+        routing_s=2.3,
+        first_good_s=2.4,
+        requests=TrafficSummary(total=300, ok=200, failed=100, stale=0),
+        failures=[failure("HTTP 502 upstream_unreachable")] * 60
+        + [failure("HTTP 404 model_not_found")] * 40,
+        budget_s=34.0,
+    )
+    for key, value in changes.items():
+        setattr(result, key, value)
+    return result
+
+
+def test_a_clean_run_is_a_success_and_reports_every_measure() -> None:
+    report = ScenarioReport(planned=planned(), unplanned=unplanned(), recovered=True)
+    assert report.ok
+    text = "\n".join(report.lines())
+    assert "planned switchover: alpha -> beta (promote succeeded)" in text
+    assert "stop_training 300 ms, wake_vllm 250 ms" in text
+    assert "request to routing flip:800 ms (budget 30 s)" in text
+    assert "requests during it:     80 sent, 80 ok, 0 failed" in text
+    assert "time to detection:      1100 ms" in text
+    assert "first good answer:      2400 ms after the kill" in text
+    assert "60 x HTTP 502 upstream_unreachable" in text
+    assert "40 x HTTP 404 model_not_found" in text
+    assert text.endswith("RESULT: success")
+
+
+@pytest.mark.parametrize(
+    "report",
+    [
+        # One failed request in the planned switchover is a failure of the demo.
+        ScenarioReport(
+            planned=planned(failures=[failure("HTTP 502 upstream_unreachable")]),
+            unplanned=unplanned(),
+            recovered=True,
+        ),
+        ScenarioReport(planned=planned(operation=operation(OperationState.FAILED))),
+        ScenarioReport(planned=planned(routing_s=None), unplanned=unplanned(), recovered=True),
+        ScenarioReport(
+            planned=planned(old_active_standby=False), unplanned=unplanned(), recovered=True
+        ),
+        # The failover must move routing within its budget.
+        ScenarioReport(planned=planned(), unplanned=unplanned(routing_s=40.0), recovered=True),
+        ScenarioReport(planned=planned(), unplanned=unplanned(routing_s=None), recovered=True),
+        ScenarioReport(
+            planned=planned(),
+            unplanned=unplanned(operation=operation(OperationState.FAILED)),
+            recovered=True,
+        ),
+        ScenarioReport(planned=planned(), unplanned=unplanned(), recovered=False),
+        ScenarioReport(planned=planned()),
+    ],
+)
+def test_any_missed_target_fails_the_run(report: ScenarioReport) -> None:
+    assert not report.ok
+    assert report.lines()[-1] == "RESULT: FAILED"
+
+
+def test_budgets_come_from_the_policy() -> None:
+    policy = Policy()
+    assert promote_budget_s(policy) == (90_000 + 30_000 + 120_000 + 60_000 + 10_000) / 1000
+    assert operation_budget_s(policy) == promote_budget_s(policy) + 60 + 30
+
+
+def test_snippets_use_the_real_url_and_fleet() -> None:
+    text = snippets("http://127.0.0.1:8765", "example", "example-chat-small")
+    assert "curl -s http://127.0.0.1:8765/v1/chat/completions" in text
+    assert 'base_url="http://127.0.0.1:8765/v1"' in text
+    assert '"model": "example-chat-small"' in text
+    assert "haru fleet show example --url http://127.0.0.1:8765" in text
+
+
+def test_haru_demo_is_registered_with_its_options() -> None:
+    result = CliRunner().invoke(app, ["demo", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for option in ("--scenario-only", "--duration", "--workdir", "--keep", "--port"):
+        assert option in result.output
+
+
+def test_haru_demo_without_the_extra_says_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_demo, "demo_extra_missing", lambda: ["openai"])
+    result = CliRunner().invoke(app, ["demo", "--scenario-only"])
+    assert result.exit_code == 2
+    assert "missing: openai" in result.output
+    assert "pip install 'haru-server[demo]'" in result.output
+
+
+def test_the_extra_is_installed_in_the_workspace() -> None:
+    assert _demo.demo_extra_missing() == []
+
+
+def test_contradictory_flags_are_refused() -> None:
+    result = CliRunner().invoke(app, ["demo", "--scenario-only", "--no-scenario"])
+    assert result.exit_code == 2
+    assert "exclude each other" in result.output
