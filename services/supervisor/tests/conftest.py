@@ -21,7 +21,7 @@ from haru_supervisor import Settings, VllmTimeouts, create_app
 TOKEN = "sup-test-token-7f3a9c"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
-FAST_TIMEOUTS = VllmTimeouts(admin_s=5.0, read_s=2.0, drain_poll_s=0.02)
+FAST_TIMEOUTS = VllmTimeouts(admin_s=5.0, read_s=2.0, drain_poll_s=0.02, drain_quiet_s=0.05)
 
 
 @pytest.fixture

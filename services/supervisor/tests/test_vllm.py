@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestServer
 from haru_protocol import SupervisorModel
 from haru_supervisor import VllmAdminClient, VllmAdminError, VllmTimeouts, sum_metrics
 
-FAST = VllmTimeouts(admin_s=2.0, read_s=1.0, drain_poll_s=0.02)
+FAST = VllmTimeouts(admin_s=2.0, read_s=1.0, drain_poll_s=0.02, drain_quiet_s=0.05)
 
 
 @pytest.fixture
@@ -347,3 +347,48 @@ async def test_probe_of_a_sleeping_server_times_out(client: VllmAdminClient, sim
     assert not result.ok
     assert result.error == "no answer within 0.3 s"
     assert result.latency_ms >= 250
+
+
+async def test_drain_ends_only_after_a_quiet_period(scripted: ScriptedFactory) -> None:
+    peer, port = await scripted(
+        is_sleeping=(200, {"is_sleeping": False}),
+        metrics=(200, "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"),
+    )
+    timeouts = VllmTimeouts(admin_s=2.0, read_s=1.0, drain_poll_s=0.02, drain_quiet_s=0.15)
+    async with aiohttp.ClientSession() as session:
+        quiet_client = VllmAdminClient(session, timeouts=timeouts)
+        started = time.monotonic()
+        assert await quiet_client.drain(_model(port), timeout_s=5.0) is True
+        elapsed = time.monotonic() - started
+    metrics_reads = [seen for seen in peer.seen if seen[1] == "/metrics"]
+    assert len(metrics_reads) >= 2
+    assert elapsed >= 0.15
+
+
+async def test_a_request_arriving_during_the_quiet_period_is_drained_too(sims: Any) -> None:
+    sim = await sims("chat-small", token_latency_ms=30.0)
+    timeouts = VllmTimeouts(admin_s=5.0, read_s=1.0, drain_poll_s=0.02, drain_quiet_s=0.3)
+    async with aiohttp.ClientSession() as session:
+        quiet_client = VllmAdminClient(session, timeouts=timeouts)
+        sleeping = asyncio.create_task(quiet_client.sleep(_model(sim.port), drain_timeout_s=10.0))
+        await asyncio.sleep(0.05)  # the drain has read zero once and is waiting for quiet
+        late = asyncio.create_task(_chat(session, sim.url, words=10))
+        await sleeping
+        assert late.done()  # the sleep waited for the late request
+        completion = await late
+    assert completion["choices"][0]["finish_reason"] == "stop"
+    assert sim.sleeping
+
+
+async def test_sleep_after_a_drain_asks_vllm_to_wait(scripted: ScriptedFactory) -> None:
+    peer, port = await scripted(
+        is_sleeping=(200, {"is_sleeping": False}),
+        metrics=(200, "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"),
+        sleep=(200, {"status": "sleeping", "level": 1}),
+    )
+    async with aiohttp.ClientSession() as session:
+        quiet_client = VllmAdminClient(session, timeouts=FAST)
+        await quiet_client.sleep(_model(port), drain_timeout_s=5.0)
+        await quiet_client.sleep(_model(port))
+    sleeps = [query for _, path, query in peer.seen if path == "/sleep"]
+    assert sleeps == ["level=1&mode=wait", "level=1"]

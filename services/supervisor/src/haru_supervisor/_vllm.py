@@ -56,11 +56,15 @@ class VllmTimeouts:
             takes tens of seconds for a large model (level-1 sleep of an 8B model: about 10 s).
         read_s: ``/is_sleeping`` and ``/metrics``: heartbeats poll them, so they are tight.
         drain_poll_s: Interval between ``/metrics`` reads while draining before a sleep.
+        drain_quiet_s: A drain ends only after two zero readings at least this far apart: a
+            request that read the routing pointer just before the switch may still be on its
+            way to this server when the first zero is read.
     """
 
     admin_s: float = 120.0
     read_s: float = 5.0
     drain_poll_s: float = 0.1
+    drain_quiet_s: float = 0.2
 
 
 class _BodyTooLargeError(Exception):
@@ -243,9 +247,13 @@ class VllmAdminClient:
         Raises:
             VllmAdminError: The server refused, failed or did not answer in time.
         """
-        if drain_timeout_s is not None:
-            await self.drain(model, timeout_s=drain_timeout_s)
-        body = await self._admin_post(model, SLEEP_PATH, {"level": str(level)})
+        query = {"level": str(level)}
+        if drain_timeout_s is not None and await self.drain(model, timeout_s=drain_timeout_s):
+            # Drained: a request that still slips in finishes instead of being aborted (vLLM
+            # >= 0.17; older releases ignore the unknown query parameter). A drain that ran out
+            # of budget keeps vLLM's default (abort): the step cannot wait any longer.
+            query["mode"] = "wait"
+        body = await self._admin_post(model, SLEEP_PATH, query)
         status = None if body is None else body.get("status")
         if status is not None and status != "sleeping":
             raise VllmAdminError(
@@ -356,6 +364,7 @@ class VllmAdminClient:
         if await self.is_sleeping(model) is True:
             # Requests parked on a sleeping engine cannot finish before a wake.
             return True
+        quiet_since: float | None = None
         while True:
             remaining = deadline - self._clock()
             in_flight = await self.requests_in_flight(
@@ -363,9 +372,15 @@ class VllmAdminClient:
             )
             if in_flight is None:
                 return False
+            now = self._clock()
             if in_flight == 0:
-                return True
-            remaining = deadline - self._clock()
+                if quiet_since is None:
+                    quiet_since = now
+                if now - quiet_since >= self._timeouts.drain_quiet_s or now >= deadline:
+                    return True
+            else:
+                quiet_since = None
+            remaining = deadline - now
             if remaining <= 0:
                 logger.warning(
                     "%s: %d request(s) still in flight after draining %.1f s; sleeping anyway",
