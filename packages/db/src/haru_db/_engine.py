@@ -26,6 +26,7 @@ POSTGRES_CONNECT_TIMEOUT_S = 10
 """libpq connect timeout: an unreachable server fails fast instead of hanging a request."""
 
 _WRITE_OPTION = "haru_write"
+_READ_OPTION = "haru_read"
 
 
 def create_engine(url: str, *, statement_timeout_ms: int | None = None) -> AsyncEngine:
@@ -34,8 +35,9 @@ def create_engine(url: str, *, statement_timeout_ms: int | None = None) -> Async
     SQLite connections get ``foreign_keys=ON`` (SQLite leaves keys off by default), WAL (readers
     never block the writer), ``synchronous=NORMAL`` (durable enough under WAL, far fewer fsyncs)
     and a busy timeout; transactions begin DEFERRED, or IMMEDIATE on :func:`writer` engines.
-    PostgreSQL connections use psycopg 3 with a pre-ping (a server restart or a scaled-to-zero
-    Neon endpoint drops pooled connections) and, when given, a ``statement_timeout``.
+    PostgreSQL connections use psycopg 3 and, when given, a ``statement_timeout``; every
+    checkout except a :func:`reader`'s pings the connection first (a server restart or a
+    scaled-to-zero Neon endpoint drops pooled connections).
     """
     if statement_timeout_ms is not None and statement_timeout_ms <= 0:
         raise ValueError("statement_timeout_ms must be positive")
@@ -52,6 +54,23 @@ def writer(engine: AsyncEngine) -> AsyncEngine:
     read lock cannot be upgraded. PostgreSQL ignores the option.
     """
     return engine.execution_options(**{_WRITE_OPTION: True})
+
+
+def reader(engine: AsyncEngine) -> AsyncEngine:
+    """A view of ``engine`` (same pool) for single-statement reads, at one round trip each.
+
+    Every statement runs in its own implicit transaction, so a single SELECT still reads one
+    consistent snapshot; never run several statements on one reader connection expecting a
+    common view. On SQLite no ``BEGIN`` is emitted (the connections are in autocommit mode),
+    and releasing the connection costs nothing (see :func:`_sqlite_engine`). On PostgreSQL the
+    connection is in ``AUTOCOMMIT`` (no ``BEGIN``/``ROLLBACK`` round trips) and is not pinged
+    at checkout: the caller retries a read ONCE when it fails with
+    ``connection_invalidated`` (a dropped pooled connection), which is safe for a read and only
+    for a read.
+    """
+    if engine.dialect.name == "postgresql":
+        return engine.execution_options(**{_READ_OPTION: True}, isolation_level="AUTOCOMMIT")
+    return engine.execution_options(**{_READ_OPTION: True})
 
 
 def _sqlite_engine(url: str, *, busy_timeout_ms: int) -> AsyncEngine:
@@ -83,18 +102,64 @@ def _sqlite_engine(url: str, *, busy_timeout_ms: int) -> AsyncEngine:
 
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(connection: Connection) -> None:
-        write = connection.get_execution_options().get(_WRITE_OPTION, False)
-        connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+        options = connection.get_execution_options()
+        if options.get(_READ_OPTION, False):
+            # A lone SELECT in autocommit mode is its own consistent read transaction; an
+            # explicit BEGIN would only add a round trip to aiosqlite's worker thread.
+            return
+        connection.exec_driver_sql("BEGIN IMMEDIATE" if options.get(_WRITE_OPTION) else "BEGIN")
 
+    dialect = engine.sync_engine.dialect
+    rollback = dialect.do_rollback
+
+    def _rollback_if_open(dbapi_connection: Any) -> None:
+        # sqlite3's rollback() is already a no-op outside a transaction (it checks the same
+        # autocommit flag), but through aiosqlite even the no-op is a round trip to the worker
+        # thread, paid by every read when SQLAlchemy releases its connection. Checking here,
+        # on the loop's side, skips only calls that would have done nothing.
+        if _sqlite_in_transaction(dbapi_connection):
+            rollback(dbapi_connection)
+
+    dialect.do_rollback = _rollback_if_open  # type: ignore[method-assign]
     return engine
 
 
+def _sqlite_in_transaction(dbapi_connection: Any) -> bool:
+    try:
+        return bool(dbapi_connection.driver_connection.in_transaction)
+    except (AttributeError, ValueError, sqlite3.Error):
+        # Closed or not an aiosqlite connection: let the real rollback decide.
+        return True
+
+
 def _postgres_engine(url: str, *, statement_timeout_ms: int | None) -> AsyncEngine:
+    # No pool-wide pre-ping: it would cost the per-request pointer read a second round trip.
+    # Writers (and migrations, and anything else but a reader) ping on connect below; readers
+    # retry once on a dropped connection instead (see reader()).
     engine = create_async_engine(
         url,
-        pool_pre_ping=True,
         connect_args={"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S, "application_name": "haru"},
     )
+
+    @event.listens_for(engine.sync_engine, "engine_connect")
+    def _ping_unless_reader(connection: Connection) -> None:
+        # A write is a compare-and-swap: failing on a dead connection after the statement may
+        # have been sent would leave its outcome unknown, so the connection is proven alive
+        # before any statement, as pool_pre_ping did. A failed ping invalidates the connection
+        # (raising here would strand the checked-out connection); the first statement then
+        # checks out a fresh one, and reports the failure itself if the server is really gone.
+        if connection.get_execution_options().get(_READ_OPTION, False):
+            return
+        dialect = connection.dialect
+        dbapi_connection = connection.connection.dbapi_connection
+        if dbapi_connection is None:
+            return
+        try:
+            dialect.do_ping(dbapi_connection)
+        except dialect.loaded_dbapi.Error as exc:
+            logger.info("pooled connection failed its ping before a write; reconnecting")
+            connection.invalidate(exc)
+
     if statement_timeout_ms is not None:
         # A SET on connect rather than a startup "options" parameter: connection poolers
         # (PgBouncer, Neon's pooled endpoints) reject startup options.

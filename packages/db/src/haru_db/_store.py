@@ -28,6 +28,7 @@ from typing import Any
 from uuid import UUID, uuid4
 
 import sqlalchemy as sa
+import sqlalchemy.exc as sa_exc
 from haru_core import Machine as _Machine
 from haru_core import assert_transition, machine_for
 from haru_protocol import (
@@ -52,7 +53,7 @@ from haru_protocol import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from haru_db._engine import create_engine, translate_errors, writer
+from haru_db._engine import create_engine, reader, translate_errors, writer
 from haru_db._errors import HaruDbError
 from haru_db._rows import (
     Row,
@@ -137,6 +138,7 @@ class StateStore:
     def __init__(self, engine: AsyncEngine, *, url: str) -> None:
         self._engine = engine
         self._writer = writer(engine)
+        self._reader = reader(engine)
         self._url = url
         self._dialect: Dialect = dialect_of(url)
 
@@ -182,11 +184,23 @@ class StateStore:
                     return [dict(r) for r in result.mappings().all()] if result.returns_rows else []
 
     async def _read(self, stmt: sa.Executable) -> list[Row]:
+        # One statement, its own implicit transaction (see haru_db._engine.reader). A read is
+        # retried once when the pooled connection turns out dead (SQLAlchemy then invalidates
+        # the pool's older connections); a write is never retried.
         with translate_errors(self._url):
-            async with self._engine.connect() as conn:
-                result = await conn.execute(stmt)
-                with malformed("stored row"):
-                    return [dict(r) for r in result.mappings().all()]
+            try:
+                return await self._read_once(stmt)
+            except sa_exc.DBAPIError as exc:
+                if not exc.connection_invalidated:
+                    raise
+                logger.info("state store connection dropped; retrying the read once")
+            return await self._read_once(stmt)
+
+    async def _read_once(self, stmt: sa.Executable) -> list[Row]:
+        async with self._reader.connect() as conn:
+            result = await conn.execute(stmt)
+            with malformed("stored row"):
+                return [dict(r) for r in result.mappings().all()]
 
     def _insert(self, table: sa.Table) -> postgresql.Insert | sqlite.Insert:
         if self._dialect == "postgresql":
