@@ -84,10 +84,10 @@ def test_a_clean_run_is_a_success_and_reports_every_measure() -> None:
     text = "\n".join(report.lines())
     assert "planned switchover: alpha -> beta (promote succeeded)" in text
     assert "stop_training 300 ms, wake_vllm 250 ms" in text
-    assert "request to routing flip:800 ms (budget 30 s)" in text
-    assert "requests during it:     80 sent, 80 ok, 0 failed" in text
-    assert "time to detection:      1100 ms" in text
-    assert "first good answer:      2400 ms after the kill" in text
+    assert "request to routing flip:  800 ms (budget 30 s)" in text
+    assert "requests during it:       80 sent, 80 ok, 0 failed" in text
+    assert "time to detection:        1100 ms" in text
+    assert "first good answer:        2400 ms after the kill" in text
     assert "60 x HTTP 502 upstream_unreachable" in text
     assert "40 x HTTP 404 model_not_found" in text
     assert text.endswith("RESULT: success")

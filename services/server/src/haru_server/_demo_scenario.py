@@ -153,25 +153,30 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
+def _row(label: str, value: str) -> str:
+    return f"  {label + ':':<26}{value}"
+
+
 def _switchover_lines(result: SwitchoverResult) -> list[str]:
     title = "planned switchover" if result.kind == "planned" else "unplanned failure"
     state = result.operation.state.value if result.operation is not None else "not seen"
     lines = [f"{title}: {result.source} -> {result.target} (promote {state})"]
     if result.detection_s is not None or result.kind == "unplanned":
-        lines.append(f"  time to detection:      {_ms(result.detection_s)}")
+        lines.append(_row("time to detection", _ms(result.detection_s)))
     if result.steps:
         lines.append(
-            "  steps:                  "
-            + ", ".join(f"{step} {_ms(seconds)}" for step, seconds in result.steps)
+            _row("steps", ", ".join(f"{step} {_ms(seconds)}" for step, seconds in result.steps))
         )
     label = "request to routing flip" if result.kind == "planned" else "failure to routing flip"
-    lines.append(f"  {label + ':':<24}{_ms(result.routing_s)} (budget {result.budget_s:.0f} s)")
+    lines.append(_row(label, f"{_ms(result.routing_s)} (budget {result.budget_s:.0f} s)"))
     if result.kind == "unplanned":
-        lines.append(f"  first good answer:      {_ms(result.first_good_s)} after the kill")
+        lines.append(_row("first good answer", f"{_ms(result.first_good_s)} after the kill"))
     requests = result.requests
     lines.append(
-        f"  requests during it:     {requests.total} sent, {requests.ok} ok, "
-        f"{requests.failed} failed"
+        _row(
+            "requests during it",
+            f"{requests.total} sent, {requests.ok} ok, {requests.failed} failed",
+        )
     )
     reasons: dict[str, int] = {}
     for record in result.failures:
