@@ -412,7 +412,9 @@ async def _sleep_domain(ctx: StepContext, domain: DomainSnapshot, *, drain: bool
     url = _supervisor_url(domain)
     target_side = domain.id == ctx.target.id
     status = await _call(ctx, _status(ctx, domain), target_side=target_side)
-    if models_not_in(domain, status, asleep=True):
+    awake: Sequence[object] = models_not_in(domain, status, asleep=True)
+    # Already asleep: that status poll is the proof (polling again would prove nothing new).
+    if awake:
         remaining = ctx.remaining_now_ms()
         drain_ms = max(1, int(remaining * DRAIN_SHARE)) if drain and remaining > 1 else None
         await _call(
@@ -420,12 +422,12 @@ async def _sleep_domain(ctx: StepContext, domain: DomainSnapshot, *, drain: bool
             ctx.client.sleep(url, timeout_s=ctx.bound(), drain_timeout_ms=drain_ms),
             target_side=target_side,
         )
-    awake = await _poll_until(
-        ctx,
-        lambda: _status(ctx, domain),
-        lambda status: models_not_in(domain, status, asleep=True),
-        target_side=target_side,
-    )
+        awake = await _poll_until(
+            ctx,
+            lambda: _status(ctx, domain),
+            lambda status: models_not_in(domain, status, asleep=True),
+            target_side=target_side,
+        )
     if awake:
         return Pending(f"model(s) not proven asleep on {domain.slug!r}: {awake}")
     moved = await _mirror(ctx, domain, SlotKind.INFERENCE, _SLEEP_MIRROR_FROM, _I.SLEEPING)
@@ -438,18 +440,20 @@ async def _train_domain(ctx: StepContext, domain: DomainSnapshot) -> StepResult:
     url = _supervisor_url(domain)
     target_side = domain.id == ctx.target.id
     status = await _call(ctx, _status(ctx, domain), target_side=target_side)
-    if training_not_running(domain, status):
+    idle: Sequence[object] = training_not_running(domain, status)
+    # Already running: that status poll is the proof.
+    if idle:
         await _call(
             ctx,
             ctx.client.start_training(url, timeout_s=ctx.bound(HEARTBEAT_TIMEOUT_S)),
             target_side=target_side,
         )
-    idle = await _poll_until(
-        ctx,
-        lambda: _status(ctx, domain),
-        lambda status: training_not_running(domain, status),
-        target_side=target_side,
-    )
+        idle = await _poll_until(
+            ctx,
+            lambda: _status(ctx, domain),
+            lambda status: training_not_running(domain, status),
+            target_side=target_side,
+        )
     if idle:
         return Pending(f"training not proven running on {domain.slug!r} GPU(s) {idle}")
     moved = await _mirror(ctx, domain, SlotKind.TRAINING, (_TS.IDLE, _TS.STOPPING), _TS.TRAINING)

@@ -53,6 +53,9 @@ MIN_CALL_TIMEOUT_S = 0.001
 HEARTBEAT_TIMEOUT_S = 5.0
 """Bound of one heartbeat poll (SPEC 7.3: about 5 s)."""
 
+_NO_SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None)
+# Every call is bounded by asyncio.timeout instead (one bound covering connect, headers and body).
+
 
 class SupervisorClient:
     """Typed calls to the supervisor API over one shared :class:`aiohttp.ClientSession`.
@@ -158,7 +161,7 @@ class SupervisorClient:
                     data=data,
                     headers=headers,
                     allow_redirects=False,
-                    timeout=aiohttp.ClientTimeout(total=None),
+                    timeout=_NO_SESSION_TIMEOUT,
                 ) as response,
             ):
                 raw = await _read_bounded(response, url)
