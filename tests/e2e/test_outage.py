@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from haru_server._control_client import ControlApiError
-from haru_server._demo import DemoTopology, active_slug
+from haru_server._demo import DemoTimings, DemoTopology, active_slug
 from haru_server._demo_traffic import ChatTraffic
 from sqlalchemy.engine import make_url
 
@@ -163,15 +163,21 @@ class StoreOutage:
 async def store_outage(
     request: pytest.FixtureRequest,
     launch_context: Callable[[], contextlib.AbstractAsyncContextManager[Launch]],
+    e2e_timings: Callable[..., DemoTimings],
 ) -> AsyncIterator[StoreOutage]:
     """A topology on each engine, with a switch that takes its database away.
 
     The PostgreSQL database is requested before the topology starts, so the topology (and its
     server's connections) is gone before the database is handed back.
     """
+    # No heartbeat can be stored during the outage, so the active's lastSeenAt ages by the
+    # outage's length; a single missed poll right after it would then count as stale and fail
+    # over. This test is about stale serving, so the staleness window outlasts the outage.
+    base = e2e_timings()
+    timings = e2e_timings(policy=base.policy.model_copy(update={"heartbeat_stale_ms": 30_000}))
     if request.param == "sqlite":
         async with launch_context() as launch:
-            topology = await launch()
+            topology = await launch(timings=timings)
             assert topology.database_path is not None
             lockout = SqliteLockout(topology.database_path)
             try:
@@ -186,9 +192,10 @@ async def store_outage(
     try:
         async with launch_context() as launch:
             topology = await launch(
+                timings=timings,
                 database_url=url.set(host="127.0.0.1", port=port).render_as_string(
                     hide_password=False
-                )
+                ),
             )
 
             async def cut() -> None:
