@@ -486,28 +486,42 @@ def run_demo(run: DemoRun) -> int:
         return 130
 
 
+_SIGNAL_STATUS = {signal.SIGTERM: 143, signal.SIGINT: 130}
+"""Exit status after a stop by each signal (128 + the signal number, as shells report it)."""
+
+
 async def _main(run: DemoRun) -> int:
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
-    terminated = False
+    stopped_by: list[signal.Signals] = []
 
-    def on_sigterm() -> None:
-        nonlocal terminated
-        terminated = True
+    def on_signal(signum: signal.Signals) -> None:
+        # SIGTERM and Ctrl-C take the same path: cancel the demo, whose cleanup stops every
+        # process it started, then exit with the signal's status. (asyncio.run's own SIGINT
+        # handling would re-raise KeyboardInterrupt around the cleanup instead.)
+        if stopped_by:
+            return
+        stopped_by.append(signum)
+        # A second Ctrl-C during the cleanup then interrupts at once (the atexit hook still
+        # kills the process groups left behind).
+        loop.remove_signal_handler(signal.SIGINT)
         if task is not None:
             task.cancel()
 
-    with contextlib.suppress(NotImplementedError):
-        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    handled: list[signal.Signals] = []
+    for signum in _SIGNAL_STATUS:
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(signum, on_signal, signum)
+            handled.append(signum)
     try:
         return await _demo(run)
     except asyncio.CancelledError:
-        if terminated:
-            return 143
+        if stopped_by:
+            return _SIGNAL_STATUS[stopped_by[0]]
         raise
     finally:
-        with contextlib.suppress(NotImplementedError):
-            loop.remove_signal_handler(signal.SIGTERM)
+        for signum in handled:
+            loop.remove_signal_handler(signum)
 
 
 async def _demo(run: DemoRun) -> int:
