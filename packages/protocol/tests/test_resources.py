@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from haru_protocol import (
     FleetLayout,
     InferenceSlotSpec,
@@ -102,3 +103,24 @@ def test_regenerate_writes_the_rendered_files(tmp_path: Path) -> None:
         assert path.read_text(encoding="utf-8") == render_json_schemas()[path.name]
     assert main([str(tmp_path / "cli")]) == 0
     assert sorted(p.name for p in (tmp_path / "cli").iterdir()) == sorted(render_json_schemas())
+
+
+def test_schema_command_help_prints_usage_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_schema_command_rejects_unknown_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--output", "x"])
+    assert exit_info.value.code == 2
+    assert list(tmp_path.iterdir()) == []

@@ -5,7 +5,7 @@ Without ``DIR`` the files go to ``packages/protocol/schemas`` of the source chec
 
 from __future__ import annotations
 
-import sys
+import argparse
 from pathlib import Path
 
 from haru_protocol._resources import render_json_schemas
@@ -24,12 +24,26 @@ def write_schemas(directory: Path) -> list[Path]:
     return written
 
 
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m haru_protocol.schemas",
+        description="Write the JSON Schemas of Haru's operator documents into a folder.",
+    )
+    parser.add_argument(
+        "directory",
+        nargs="?",
+        type=Path,
+        default=DEFAULT_DIR,
+        help="target folder (default: packages/protocol/schemas of the source checkout)",
+    )
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point."""
-    args = sys.argv[1:] if argv is None else argv
-    directory = Path(args[0]) if args else DEFAULT_DIR
-    for path in write_schemas(directory):
-        sys.stdout.write(f"wrote {path}\n")
+    """Command-line entry point; ``--help`` prints usage and writes nothing."""
+    args = _parser().parse_args(argv)
+    for path in write_schemas(args.directory):
+        print(f"wrote {path}")  # noqa: T201 -- a command-line tool's output
     return 0
 
 
