@@ -158,7 +158,9 @@ async def test_requests_while_asleep_are_parked_then_served_after_wake(
         asyncio.create_task(post_json(http, f"{sim.url}/v1/embeddings", {"input": "x"})),
     ]
     await eventually(lambda: sim.num_waiting == 2)
-    assert await metric(http, sim, "num_requests_waiting") == 2.0
+    assert (sim.num_parked, sim.parked_total, sim.arrived_while_sleeping) == (2, 2, 2)
+    # An asleep engine does not step, so the gauges stay frozen at their last value.
+    assert await metric(http, sim, "num_requests_waiting") == 0.0
     assert await metric(http, sim, "num_requests_running") == 0.0
     assert not any(task.done() for task in parked)
 
@@ -167,6 +169,7 @@ async def test_requests_while_asleep_are_parked_then_served_after_wake(
     assert (chat_status, emb_status) == (200, 200)
     assert chat["choices"][0]["finish_reason"] == "stop"
     assert len(emb["data"][0]["embedding"]) == 8
+    assert sim.num_parked == 0
     assert await metric(http, sim, "num_requests_waiting") == 0.0
 
 
@@ -177,7 +180,7 @@ async def test_a_parked_stream_gets_headers_but_no_data_until_wake(
     async with http.post(f"{sim.url}/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
         # vLLM sends the streaming response's headers before the engine produces anything.
         assert resp.status == 200
-        assert sim.num_waiting == 1
+        await eventually(lambda: sim.num_waiting == 1)
         await sim.wake_up()
         events = [e async for e in read_sse(resp)]
     assert events[-1] == "[DONE]"
@@ -190,7 +193,11 @@ async def test_running_requests_show_in_metrics(
     sim = await start_sim(token_latency_ms=100.0)
     task = asyncio.create_task(post_json(http, f"{sim.url}/v1/chat/completions", CHAT))
     await eventually(lambda: sim.num_running == 1)
-    assert await metric(http, sim, "num_requests_running") == 1.0
+
+    async def gauge_shows_it() -> bool:
+        return await metric(http, sim, "num_requests_running") == 1.0
+
+    await eventually(gauge_shows_it)  # at the next engine step
     status, _ = await task
     assert status == 200
     assert await metric(http, sim, "num_requests_running") == 0.0

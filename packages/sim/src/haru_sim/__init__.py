@@ -14,7 +14,14 @@
 Depends on aiohttp only; no haru package.
 """
 
-from haru_sim._config import SLEEP_TAGS, Faults, FaultUpdate, SleepMode, VllmSimConfig
+from haru_sim._config import (
+    SLEEP_TAGS,
+    Faults,
+    FaultUpdate,
+    ReasoningField,
+    SleepMode,
+    VllmSimConfig,
+)
 from haru_sim._engine import RecordedRequest
 from haru_sim._errors import SimConfigError, SimError, SimStateError, SimUnsupportedError
 from haru_sim._sim import VllmSim
@@ -27,6 +34,7 @@ __all__ = (  # noqa: RUF022 - grouped by topic, sorted within each group
     "SLEEP_TAGS",
     "FaultUpdate",
     "Faults",
+    "ReasoningField",
     "RecordedRequest",
     "SleepMode",
     "VllmSim",

@@ -228,13 +228,45 @@ class VllmSim:
 
     @property
     def num_running(self) -> int:
-        """Requests being generated (``vllm:num_requests_running``)."""
+        """Requests being generated right now (live; the gauge lags, see :attr:`gauges`)."""
         return self._engine.num_running
 
     @property
     def num_waiting(self) -> int:
-        """Requests parked behind a paused engine (``vllm:num_requests_waiting``)."""
+        """Requests in the waiting queue right now: over ``max_num_seqs``, or parked."""
         return self._engine.num_waiting
+
+    @property
+    def num_tokenizing(self) -> int:
+        """Requests still being tokenised (in neither the running nor the waiting count)."""
+        return self._engine.num_tokenizing
+
+    @property
+    def num_parked(self) -> int:
+        """Waiting requests held by a pause or a sleeping engine right now."""
+        return self._engine.num_parked
+
+    @property
+    def parked_total(self) -> int:
+        """Requests that ever waited behind a pause or a sleeping engine."""
+        return self._engine.parked_total
+
+    @property
+    def arrived_while_sleeping(self) -> int:
+        """Inference requests that arrived while asleep or while a ``/sleep`` was in progress."""
+        return self._engine.arrived_while_sleeping
+
+    @property
+    def gauges(self) -> tuple[int, int] | None:
+        """(running, waiting) as ``/metrics`` shows them (last engine step); None without stats."""
+        if not self._config.log_stats:
+            return None
+        return self._engine.gauge_running, self._engine.gauge_waiting
+
+    @property
+    def sleep_in_progress(self) -> bool:
+        """A ``/sleep`` has not answered yet (draining, or the executor is going to sleep)."""
+        return self._engine.sleep_in_progress
 
     @property
     def requests_served(self) -> Mapping[str, int]:

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 from aiohttp import web
 
@@ -48,6 +48,10 @@ _MAX_BODY_BYTES: Final = 64 * 1024 * 1024
 _COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16  # OpenAI's and vLLM's default for /v1/completions
 _FALLBACK_WORDS: Final = ("ok",)
 _INT_RE: Final = re.compile(r"[+-]?[0-9]+")
+# vllm/entrypoints/serve/middleware/authenticate.py (0.33.0): only these need the API key.
+_GUARDED_PREFIXES: Final = ("/v1", "/v2", "/inference", "/cohere")
+
+_P = TypeVar("_P")
 
 
 class OpenAIError(Exception):
@@ -126,6 +130,20 @@ async def _fault_middleware(request: web.Request, handler: Handler) -> web.Strea
         engine.requests_served[resource.canonical] += 1
     if engine.faults.hang:
         await engine.wait_while_hung()
+    return await handler(request)
+
+
+@web.middleware
+async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    # Like vLLM's AuthenticationMiddleware: OPTIONS and unguarded paths pass.
+    api_key = request.app[ENGINE_KEY].config.api_key
+    if (
+        api_key is not None
+        and request.method != "OPTIONS"
+        and request.path.startswith(_GUARDED_PREFIXES)
+        and request.headers.get("Authorization") != f"Bearer {api_key}"
+    ):
+        return web.json_response({"error": "Unauthorized"}, status=401)
     return await handler(request)
 
 
@@ -285,6 +303,26 @@ def _pieces(tokens: Sequence[str]) -> list[str]:
     return [token if i == 0 else f" {token}" for i, token in enumerate(tokens)]
 
 
+def _chat_plan(
+    words: list[str], limit: int | None, config: VllmSimConfig
+) -> tuple[list[tuple[str, str]], str]:
+    """Chat pieces as (``"reasoning"`` | ``"content"``, text) and the natural finish reason.
+
+    With a reasoning parser the answer starts with ``reasoning_tokens`` words of "thinking"
+    (the prompt words, cycled); ``max_tokens`` counts them too, so a short answer can be all
+    reasoning.
+    """
+    reasoning: list[str] = []
+    if config.reasoning_field is not None:
+        reasoning = [words[i % len(words)] for i in range(config.reasoning_tokens)]
+    tokens, finish = _plan([*reasoning, *words], limit)
+    thought, answer = tokens[: len(reasoning)], tokens[len(reasoning) :]
+    return [
+        *(("reasoning", piece) for piece in _pieces(thought)),
+        *(("content", piece) for piece in _pieces(answer)),
+    ], finish
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -298,9 +336,9 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 async def _generate(
     engine: Engine,
-    pieces: Sequence[str],
+    pieces: Sequence[_P],
     natural_finish: str,
-    emit: Callable[[str], Awaitable[None]],
+    emit: Callable[[_P], Awaitable[None]],
 ) -> tuple[int, str]:
     """Admit, then emit ``pieces`` at the configured pace. Returns (emitted, finish_reason).
 
@@ -403,8 +441,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     stream = _optional_bool(payload, "stream")
     include_usage = _include_usage(payload, stream=stream)
     _check_context(prompt_tokens, limit, config)
-    tokens, natural_finish = _plan(words, limit)
+    pieces, natural_finish = _chat_plan(words, limit, config)
     chat_id, created = _new_id("chatcmpl"), int(time.time())
+    engine.note_arrival()
 
     def head(object_: str) -> dict[str, object]:
         return {
@@ -414,19 +453,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             "model": config.primary_model_name,
         }
 
+    reasoning_field = config.reasoning_field
     if not stream:
-        parts: list[str] = []
+        parts: dict[str, list[str]] = {"content": [], "reasoning": []}
 
-        async def collect(piece: str) -> None:
-            parts.append(piece)
+        async def collect(piece: tuple[str, str]) -> None:
+            parts[piece[0]].append(piece[1])
 
-        emitted, finish = await _generate(engine, _pieces(tokens), natural_finish, collect)
-        message: dict[str, object] = {
-            "role": "assistant",
-            "content": "".join(parts),
-            "refusal": None,
-            "tool_calls": [],
-        }
+        emitted, finish = await _generate(engine, pieces, natural_finish, collect)
+        message: dict[str, object] = {"role": "assistant", "content": "".join(parts["content"])}
+        if reasoning_field is not None:
+            # vLLM's reasoning parsers leave content null when no answer followed the thinking
+            # (vllm/reasoning/basic_parsers.py).
+            message["content"] = "".join(parts["content"]) or None
+            message[reasoning_field] = "".join(parts["reasoning"]) or None
+        message.update({"refusal": None, "tool_calls": []})
         return web.json_response(
             {
                 **head("chat.completion"),
@@ -454,14 +495,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     async def produce(writer: _SseWriter) -> None:
         role_sent = False
 
-        async def emit(piece: str) -> None:
+        async def emit(piece: tuple[str, str]) -> None:
             nonlocal role_sent
             if not role_sent:
                 role_sent = True
                 await writer.send(chunk({"role": "assistant", "content": ""}, None))
-            await writer.send(chunk({"content": piece}, None))
+            kind, text = piece
+            key = "content" if kind == "content" else (reasoning_field or "reasoning")
+            await writer.send(chunk({key: text}, None))
 
-        emitted, finish = await _generate(engine, _pieces(tokens), natural_finish, emit)
+        emitted, finish = await _generate(engine, pieces, natural_finish, emit)
         if not role_sent:
             await writer.send(chunk({"role": "assistant", "content": ""}, None))
         await writer.send(chunk({}, finish))
@@ -494,6 +537,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     for words in prompt_words:
         _check_context(max(1, len(words)), limit, config)
     plans = [_plan(words or list(_FALLBACK_WORDS), limit) for words in prompt_words]
+    engine.note_arrival()
     base = {
         "id": _new_id("cmpl"),
         "object": "text_completion",
@@ -580,6 +624,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
             "dimensions",
         )
     prompt_tokens = sum(max(1, len(text.split())) for text in inputs)
+    engine.note_arrival()
 
     async def no_emit(_piece: str) -> None:
         return None
@@ -649,12 +694,29 @@ async def health(_request: web.Request) -> web.StreamResponse:
     return web.Response(status=200)
 
 
+async def version(request: web.Request) -> web.StreamResponse:
+    # Always served (vllm/entrypoints/serve/instrumentator/basic.py).
+    return web.json_response({"version": request.app[ENGINE_KEY].config.vllm_version})
+
+
 def _label(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+_PROMETHEUS_CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+
 async def metrics(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
+    if not engine.config.log_stats:
+        # --disable-log-stats: no PrometheusStatLogger, so no vllm:* metric at all; the
+        # route still serves the process collectors.
+        text = (
+            "# HELP python_info Python platform information\n"
+            "# TYPE python_info gauge\n"
+            'python_info{implementation="CPython"} 1.0\n'
+        )
+        return web.Response(body=text.encode(), headers={"Content-Type": _PROMETHEUS_CONTENT_TYPE})
     model = _label(engine.config.primary_model_name)
     labels = f'engine="0",model_name="{model}"'
     level = engine.sleep_level
@@ -662,10 +724,10 @@ async def metrics(request: web.Request) -> web.StreamResponse:
     lines = [
         "# HELP vllm:num_requests_running Number of requests in model execution batches.",
         "# TYPE vllm:num_requests_running gauge",
-        f"vllm:num_requests_running{{{labels}}} {float(engine.num_running)}",
+        f"vllm:num_requests_running{{{labels}}} {float(engine.gauge_running)}",
         "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
         "# TYPE vllm:num_requests_waiting gauge",
-        f"vllm:num_requests_waiting{{{labels}}} {float(engine.num_waiting)}",
+        f"vllm:num_requests_waiting{{{labels}}} {float(engine.gauge_waiting)}",
         "# HELP vllm:engine_sleep_state Engine sleep state (1 for the current state).",
         "# TYPE vllm:engine_sleep_state gauge",
     ]
@@ -684,7 +746,7 @@ async def metrics(request: web.Request) -> web.StreamResponse:
         )
     return web.Response(
         body=("\n".join(lines) + "\n").encode(),
-        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        headers={"Content-Type": _PROMETHEUS_CONTENT_TYPE},
     )
 
 
@@ -712,12 +774,13 @@ def _query_mode(request: web.Request) -> SleepMode:
 async def sleep(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     level = _query_level(request)
-    mode = _query_mode(request)
+    # Before 0.17 there is no mode parameter: it is neither validated nor used.
+    mode: SleepMode = _query_mode(request) if engine.config.sleep_pauses else "abort"
     try:
         await engine.run_detached(engine.sleep(level, mode))
     except SimulatedFaultError as exc:
         raise _internal(str(exc)) from exc
-    if engine.config.legacy_empty_bodies:
+    if not engine.config.admin_json_bodies:
         return web.Response(status=200)
     return web.json_response({"status": "sleeping", "level": level})
 
@@ -729,7 +792,7 @@ async def wake_up(request: web.Request) -> web.StreamResponse:
         fully_awake = await engine.run_detached(engine.wake_up(tags))
     except SimulatedFaultError as exc:
         raise _internal(str(exc)) from exc
-    if engine.config.legacy_empty_bodies:
+    if not engine.config.admin_json_bodies:
         return web.Response(status=200)
     return web.json_response({"status": "awake" if fully_awake else "sleeping", "tags": tags})
 
@@ -738,7 +801,8 @@ async def is_sleeping(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     if engine.faults.is_sleeping_garbage:
         return web.json_response({"is_sleeping": "unknown"})
-    return web.json_response({"is_sleeping": engine.is_sleeping})
+    # Answered by the engine loop: no answer while a sleep or wake runs in it.
+    return web.json_response({"is_sleeping": await engine.is_sleeping_answer()})
 
 
 # -- control routes (the sim's own, never part of vLLM) ----------------------------------------
@@ -832,6 +896,7 @@ async def _close_engine(app: web.Application) -> None:
 
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    app[ENGINE_KEY].start_stepping()
     yield
     engine = app[ENGINE_KEY]
     engine.close()
@@ -841,7 +906,8 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
 def build_app(engine: Engine, *, control_only: bool = False) -> web.Application:
     """Assemble the aiohttp app around ``engine`` (``control_only``: just ``/_sim/*``)."""
     app = web.Application(
-        middlewares=[_error_middleware, _fault_middleware], client_max_size=_MAX_BODY_BYTES
+        middlewares=[_error_middleware, _fault_middleware, _auth_middleware],
+        client_max_size=_MAX_BODY_BYTES,
     )
     app[ENGINE_KEY] = engine
     app.on_shutdown.append(_close_engine)
@@ -858,6 +924,7 @@ def build_app(engine: Engine, *, control_only: bool = False) -> web.Application:
             _Route("GET", "/v1/models", models),
             _Route("GET", "/health", health),
             _Route("GET", "/metrics", metrics),
+            _Route("GET", "/version", version),
         ),
     )
     if engine.config.dev_mode:

@@ -67,6 +67,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--wake-latency-ms", type=float, default=20.0)
     parser.add_argument("--first-token-latency-ms", type=float, default=0.0)
     parser.add_argument("--token-latency-ms", type=float, default=2.0)
+    parser.add_argument("--tokenize-latency-ms", type=float, default=1.0)
+    parser.add_argument("--step-period-ms", type=float, default=2.0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--vllm-version", default="0.33.0", help="emulated vLLM release (default 0.33.0)"
+    )
+    parser.add_argument(
+        "--disable-log-stats", action="store_true", help="no vllm:* metrics, like vLLM's flag"
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="require this bearer token on /v1/* (like --api-key)"
+    )
+    parser.add_argument(
+        "--reasoning-field",
+        choices=("reasoning", "reasoning_content"),
+        default=None,
+        help="emulate --reasoning-parser; the message field that holds the reasoning",
+    )
+    parser.add_argument("--reasoning-tokens", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--embedding-dimensions", type=int, default=8)
     parser.add_argument("--request-log-size", type=int, default=64)
@@ -79,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--legacy-empty-bodies",
         action="store_true",
-        help="/sleep and /wake_up answer an empty 200 (vLLM <= 0.24)",
+        help="/sleep and /wake_up answer an empty 200 (vLLM <= 0.31 does anyway)",
     )
     parser.add_argument(
         "--log-level", default="WARNING", choices=("DEBUG", "INFO", "WARNING", "ERROR")
@@ -97,8 +116,16 @@ def _config(args: argparse.Namespace) -> VllmSimConfig:
         wake_latency_ms=args.wake_latency_ms,
         first_token_latency_ms=args.first_token_latency_ms,
         token_latency_ms=args.token_latency_ms,
+        tokenize_latency_ms=args.tokenize_latency_ms,
+        step_period_ms=args.step_period_ms,
+        max_num_seqs=args.max_num_seqs,
         start_asleep=args.start_asleep,
         legacy_empty_bodies=args.legacy_empty_bodies,
+        vllm_version=args.vllm_version,
+        log_stats=not args.disable_log_stats,
+        api_key=args.api_key,
+        reasoning_field=args.reasoning_field,
+        reasoning_tokens=args.reasoning_tokens,
         max_model_len=args.max_model_len,
         embedding_dimensions=args.embedding_dimensions,
         request_log_size=args.request_log_size,
