@@ -137,6 +137,49 @@ async def test_console_script_with_control_port_and_flags(
     assert sim.proc.returncode == 0
 
 
+async def test_fidelity_flags(processes: list[SimProcess], http: aiohttp.ClientSession) -> None:
+    sim = await spawn(
+        str(CONSOLE_SCRIPT),
+        "--port",
+        "0",
+        "--vllm-version",
+        "0.31.0",
+        "--api-key",
+        "k1",
+        "--disable-log-stats",
+        "--max-num-seqs",
+        "3",
+        "--reasoning-field",
+        "reasoning_content",
+        "--reasoning-tokens",
+        "5",
+    )
+    processes.append(sim)
+    host, port = await sim.read_until_listening()
+    url = f"http://{host}:{port}"
+    async with http.get(f"{url}/version") as resp:
+        assert await resp.json() == {"version": "0.31.0"}
+    async with http.get(f"{url}/v1/models") as resp:
+        assert resp.status == 401
+    async with http.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "a b"}], "max_tokens": 2},
+        headers={"Authorization": "Bearer k1"},
+    ) as resp:
+        message = (await resp.json())["choices"][0]["message"]
+    assert (message["content"], message["reasoning_content"]) == (None, "a b")
+    async with http.get(f"{url}/metrics") as resp:
+        assert "vllm:" not in await resp.text()
+    async with http.get(f"{url}/_sim/state") as resp:
+        assert (await resp.json())["max_num_seqs"] == 3
+    async with http.post(f"{url}/sleep?level=1&mode=wait") as resp:
+        assert (resp.status, await resp.read()) == (200, b"")
+    sim.proc.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(20):
+        await sim.proc.communicate()
+    assert sim.proc.returncode == 0
+
+
 async def test_dev_mode_off_and_bad_arguments(
     processes: list[SimProcess], http: aiohttp.ClientSession
 ) -> None:
