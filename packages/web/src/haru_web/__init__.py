@@ -37,20 +37,18 @@ from haru_web._middleware import (
     is_loopback_host,
 )
 from haru_web._serve import HardenedAppRunner, Listening, StopSignals, serving
+from haru_web._tokens import MIN_TOKEN_LENGTH, TokenConfigError, check_token, resolve_token
 
 __all__ = (
-    # Middlewares
     "BEARER_CHALLENGE",
     "CLIENT_CLOSED_STATUS",
-    # Serving
     "DEFAULT_BODY_IDLE_TIMEOUT_S",
     "DEFAULT_HEADER_TIMEOUT_S",
     "DEFAULT_KEEPALIVE_TIMEOUT_S",
     "DEFAULT_MAX_CONNECTIONS",
-    # Bodies and queries
     "JSON_MEDIA_TYPE",
+    "MIN_TOKEN_LENGTH",
     "VALIDATION_ERRORS_SHOWN",
-    # Errors and the envelope
     "ApiError",
     "HardenedAppRunner",
     "HardenedRequestHandler",
@@ -60,8 +58,10 @@ __all__ = (
     "RateLimitedLog",
     "ServerLimits",
     "StopSignals",
+    "TokenConfigError",
     "bearer_middleware",
     "browser_guard_middleware",
+    "check_token",
     "connection_cap",
     "describe_protocol_error",
     "describe_validation_error",
@@ -75,5 +75,6 @@ __all__ = (
     "read_body",
     "render_api_error",
     "require_json",
+    "resolve_token",
     "serving",
 )

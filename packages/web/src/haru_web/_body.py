@@ -34,25 +34,20 @@ def describe_validation_error(exc: ValidationError, *, prefix: str = "invalid re
 
 
 def require_json(request: web.Request) -> None:
-    """Refuse a body that is not declared ``application/json`` (415).
+    """Refuse a request whose declared ``Content-Type`` is not ``application/json`` (415).
 
-    A body-less request without a ``Content-Type`` passes (``POST .../reconcile`` needs none);
-    any declared type must be JSON, so a browser's "simple" ``text/plain`` or form POST never
-    reaches a control route.
+    :func:`parse_body` calls it for every non-empty body: a browser's "simple" ``text/plain``
+    or form POST never reaches a control route. An empty body carries nothing to interpret and
+    passes whatever its type (HTTP clients label an empty POST ``application/octet-stream``).
 
     Raises:
         ApiError: 415 ``unsupported_media_type``.
     """
-    declared = request.headers.get("Content-Type")
-    if declared is None:
-        if request.content_length in (None, 0) and not request.body_exists:
-            return
-    elif request.content_type == JSON_MEDIA_TYPE:
-        return
-    raise ApiError(
-        ErrorCode.UNSUPPORTED_MEDIA_TYPE,
-        "request bodies must be sent as Content-Type: application/json",
-    )
+    if request.content_type != JSON_MEDIA_TYPE:
+        raise ApiError(
+            ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+            "request bodies must be sent as Content-Type: application/json",
+        )
 
 
 async def read_body(request: web.Request, *, limit: int) -> bytes:
@@ -85,7 +80,7 @@ async def read_body(request: web.Request, *, limit: int) -> bytes:
 async def parse_body(
     request: web.Request, model: type[_M], *, limit: int, empty_ok: bool = False
 ) -> _M:
-    """Read and validate a strict JSON body (415 unless JSON; 400 ``invalid_request`` if bad).
+    """Read and validate a strict JSON body (415 unless declared JSON; 400 if invalid).
 
     Args:
         request: The request.
@@ -93,11 +88,12 @@ async def parse_body(
         limit: Byte cap (413 beyond it).
         empty_ok: Treat an empty body as ``{}`` (for routes whose every field is optional).
     """
-    require_json(request)
     raw = await read_body(request, limit=limit)
-    if not raw.strip():
-        if not empty_ok:
-            raise ApiError(ErrorCode.INVALID_REQUEST, "request body is empty; JSON expected")
+    if raw.strip():
+        require_json(request)
+    elif not empty_ok:
+        raise ApiError(ErrorCode.INVALID_REQUEST, "request body is empty; JSON expected")
+    else:
         raw = b"{}"
     try:
         return model.model_validate_json(raw)

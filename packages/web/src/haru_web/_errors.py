@@ -4,7 +4,8 @@ Hierarchy::
 
     HaruWebError
     ├── ApiError           a handler's answer in the ``{"error": {"code", "message"}}`` envelope
-    └── ListenError(OSError)  the listening socket could not be bound
+    ├── ListenError(OSError)  the listening socket could not be bound
+    └── TokenConfigError(ValueError)  a token variable or token file is unusable
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from haru_core import (
 from haru_protocol import ErrorCode, FleetSnapshot, UrlJoinError, join_url
 from yarl import URL
 
-from haru_server._http import ApiError
+from haru_web import ApiError
 
 logger = logging.getLogger(__name__)
 
