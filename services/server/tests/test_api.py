@@ -22,9 +22,10 @@ from haru_protocol import (
 )
 from haru_server._app import create_app
 from haru_server._clock import ManualClock
-from haru_web import error_middleware
 from haru_server._settings import Settings
 from haru_server.localfleet import LocalFleet
+from haru_web import error_middleware
+from pydantic import SecretStr
 from pytest_aiohttp import AiohttpClient, AiohttpServer
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -50,7 +51,7 @@ def domain_id(snapshot: FleetSnapshot, slug: str) -> UUID:
 async def api(
     store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
 ) -> TestClient[web.Request, web.Application]:
-    app = create_app(Settings(api_token=TOKEN), store=store, clock=clock)
+    app = create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
     return await aiohttp_client(app, headers=AUTH)
 
 
@@ -68,7 +69,7 @@ async def test_healthz_is_open_and_never_touches_the_database(
     aiohttp_client: AiohttpClient, clock: ManualClock
 ) -> None:
     broken = StateStore.open("postgresql://haru@127.0.0.1:1/haru")
-    app = create_app(Settings(api_token=TOKEN), store=broken, clock=clock)
+    app = create_app(Settings(api_token=SecretStr(TOKEN)), store=broken, clock=clock)
     client = await aiohttp_client(app)
     response = await client.get("/healthz")
     assert response.status == 200
@@ -106,7 +107,9 @@ async def test_healthz_answers_with_the_store_closed(
 async def test_v1_requires_the_bearer_token(
     store: StateStore, clock: ManualClock, headers: dict[str, str], aiohttp_client: AiohttpClient
 ) -> None:
-    client = await aiohttp_client(create_app(Settings(api_token=TOKEN), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
+    )
     for method, path in [
         ("GET", "/v1/fleets"),
         ("GET", "/v1/fleets/example"),
@@ -124,7 +127,9 @@ async def test_v1_requires_the_bearer_token(
 async def test_bearer_scheme_is_case_insensitive(
     store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
 ) -> None:
-    client = await aiohttp_client(create_app(Settings(api_token=TOKEN), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
+    )
     response = await client.get("/v1/fleets", headers={"Authorization": f"bEaReR {TOKEN}"})
     assert response.status == 200
 
@@ -412,7 +417,9 @@ async def test_control_bodies_over_16_kib_are_413(
 async def test_413_comes_after_the_bearer_check(
     store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
 ) -> None:
-    client = await aiohttp_client(create_app(Settings(api_token=TOKEN), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
+    )
     response = await client.post("/v1/fleets/example/promote", data=b"x" * 20_000)
     assert (await error_of(response))[:2] == (401, "unauthorized")
 
@@ -489,7 +496,9 @@ async def test_an_open_api_serves_loopback_clients(
 async def test_with_a_token_origin_and_host_are_not_checked(
     store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
 ) -> None:
-    client = await aiohttp_client(create_app(Settings(api_token=TOKEN), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
+    )
     headers = {**AUTH, "Host": "haru.internal:8700", "Origin": "https://console.internal"}
     assert (await client.get("/v1/fleets", headers=headers)).status == 200
     response = await client.get("/v1/fleets", headers={"Host": "haru.internal"})

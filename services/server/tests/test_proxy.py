@@ -34,11 +34,12 @@ from haru_protocol import (
     SlotKind,
 )
 from haru_server._app import create_app
-from haru_web import ApiError, render_api_error
 from haru_server._keys import clock_key, kick_fleet_key, settings_key, store_key
 from haru_server._proxy import ProxyTuning, _KickDebouncer, install_proxy
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
+from haru_web import ApiError, render_api_error
+from pydantic import SecretStr
 from pytest_aiohttp import AiohttpServer
 
 MODELS = ("chat-small", "chat-large", "embed-small")
@@ -958,7 +959,9 @@ async def test_proxy_inside_the_server_app_behind_the_bearer_check(
 ) -> None:
     env = await make_setup(sqlite_store, stack)
     settings = Settings(
-        api_token="server-token-0123456789", default_fleet="prod", chat_max_body_bytes=2048
+        api_token=SecretStr("server-token-0123456789"),
+        default_fleet="prod",
+        chat_max_body_bytes=2048,
     )
     runner = web.AppRunner(create_app(settings, store=sqlite_store))
     await runner.setup()

@@ -19,8 +19,10 @@ logger = logging.getLogger(__name__)
 
 @web.middleware
 async def store_error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """An unavailable store is 503 ``state_store_unavailable``; so is malformed stored state
-    (logged with its traceback, never served)."""
+    """Answer 503 ``state_store_unavailable`` for an unavailable store or malformed state.
+
+    Malformed stored state is logged with its traceback and never served.
+    """
     try:
         return await handler(request)
     except StateStoreUnavailableError as exc:

@@ -24,9 +24,9 @@ from uuid import UUID
 import aiohttp
 from aiohttp import hdrs, web
 from haru_protocol import ErrorCode, is_slug
+from haru_web import ApiError
 from yarl import URL
 
-from haru_web import ApiError
 from haru_server._keys import FleetKicker, clock_key, kick_fleet_key, settings_key, store_key
 from haru_server._proxy_routes import (
     CHAT_PATH,

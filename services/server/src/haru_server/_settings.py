@@ -221,9 +221,9 @@ def env_names(cls: type[BaseSettings]) -> dict[str, str]:
     for field_name, field in cls.model_fields.items():
         alias = field.validation_alias
         if isinstance(alias, AliasChoices):
-            names.update(
-                {field_name: c for c in alias.choices if isinstance(c, str) and c.isupper()}
-            )
+            for choice in alias.choices:
+                if isinstance(choice, str) and choice.isupper():
+                    names[field_name] = choice
     return names
 
 
