@@ -22,16 +22,18 @@ from haru_protocol import (
 )
 from haru_server._app import create_app
 from haru_server._clock import ManualClock
-from haru_server._middleware import error_middleware
 from haru_server._settings import Settings
 from haru_server.localfleet import LocalFleet
+from haru_web import error_middleware
+from pydantic import SecretStr
 from pytest_aiohttp import AiohttpClient, AiohttpServer
 from sqlalchemy.ext.asyncio import create_async_engine
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 
-TOKEN = "api-token-123"
+TOKEN = "api-token-123-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+JSON = {"Content-Type": "application/json"}
 
 
 async def example(store: StateStore, clock: ManualClock) -> FleetSnapshot:
@@ -49,7 +51,7 @@ def domain_id(snapshot: FleetSnapshot, slug: str) -> UUID:
 async def api(
     store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
 ) -> TestClient[web.Request, web.Application]:
-    app = create_app(Settings(api_token=TOKEN), store=store, clock=clock)
+    app = create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
     return await aiohttp_client(app, headers=AUTH)
 
 
@@ -67,7 +69,7 @@ async def test_healthz_is_open_and_never_touches_the_database(
     aiohttp_client: AiohttpClient, clock: ManualClock
 ) -> None:
     broken = StateStore.open("postgresql://haru@127.0.0.1:1/haru")
-    app = create_app(Settings(api_token=TOKEN), store=broken, clock=clock)
+    app = create_app(Settings(api_token=SecretStr(TOKEN)), store=broken, clock=clock)
     client = await aiohttp_client(app)
     response = await client.get("/healthz")
     assert response.status == 200
@@ -105,7 +107,9 @@ async def test_healthz_answers_with_the_store_closed(
 async def test_v1_requires_the_bearer_token(
     store: StateStore, clock: ManualClock, headers: dict[str, str], aiohttp_client: AiohttpClient
 ) -> None:
-    client = await aiohttp_client(create_app(Settings(api_token=TOKEN), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
+    )
     for method, path in [
         ("GET", "/v1/fleets"),
         ("GET", "/v1/fleets/example"),
@@ -123,7 +127,9 @@ async def test_v1_requires_the_bearer_token(
 async def test_bearer_scheme_is_case_insensitive(
     store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
 ) -> None:
-    client = await aiohttp_client(create_app(Settings(api_token=TOKEN), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
+    )
     response = await client.get("/v1/fleets", headers={"Authorization": f"bEaReR {TOKEN}"})
     assert response.status == 200
 
@@ -165,13 +171,13 @@ async def test_unexpected_fault_is_500_without_a_trace_and_logged_once(
 
     client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
     monkeypatch.setattr(store, "list_fleets", explode)
-    with caplog.at_level(logging.ERROR, logger="haru_server"):
+    with caplog.at_level(logging.ERROR):
         response = await client.get("/v1/fleets")
     status, code, message = await error_of(response)
     assert (status, code) == (500, "internal_error")
     assert "secret internals" not in message
     assert "Traceback" not in await response.text()
-    logged = [r for r in caplog.records if r.name == "haru_server._middleware"]
+    logged = [r for r in caplog.records if r.name == "haru_web"]
     assert len(logged) == 1
     assert logged[0].exc_info is not None
 
@@ -190,7 +196,7 @@ async def test_client_disconnect_is_logged_as_499(
     app = web.Application(middlewares=[error_middleware])
     app.router.add_get("/slow", slow)
     server = await aiohttp_server(app)
-    with caplog.at_level(logging.INFO, logger="haru_server"):
+    with caplog.at_level(logging.INFO, logger="haru_web"):
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
         await writer.drain()
@@ -397,23 +403,107 @@ async def test_control_bodies_over_16_kib_are_413(
 ) -> None:
     await example(store, clock)
     big = b'{"targetDomainId": "' + b"a" * (16 * 1024) + b'"}'
-    response = await api.post("/v1/fleets/example/promote", data=big)
+    response = await api.post("/v1/fleets/example/promote", data=big, headers=JSON)
     assert (await error_of(response))[:2] == (413, "payload_too_large")
 
     async def chunks() -> AsyncIterator[bytes]:
         for _ in range(20):
             yield b" " * 1024
 
-    response = await api.post("/v1/fleets/example/reconcile", data=chunks())
+    response = await api.post("/v1/fleets/example/reconcile", data=chunks(), headers=JSON)
     assert (await error_of(response))[:2] == (413, "payload_too_large")
 
 
 async def test_413_comes_after_the_bearer_check(
     store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
 ) -> None:
-    client = await aiohttp_client(create_app(Settings(api_token=TOKEN), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
+    )
     response = await client.post("/v1/fleets/example/promote", data=b"x" * 20_000)
     assert (await error_of(response))[:2] == (401, "unauthorized")
+
+
+# ---- browsers driving an open API ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["promote", "demote", "reconcile"])
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
+async def test_control_bodies_must_be_json(
+    store: StateStore,
+    clock: ManualClock,
+    aiohttp_client: AiohttpClient,
+    route: str,
+    content_type: str,
+) -> None:
+    snapshot = await example(store, clock)
+    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+    body = b'{"targetDomainId": "%s"}' % str(snapshot.active_domain_id).encode()
+    response = await client.post(
+        f"/v1/fleets/example/{route}", data=body, headers={"Content-Type": content_type}
+    )
+    assert (await error_of(response))[:2] == (415, "unsupported_media_type")
+    assert await store.get_in_flight_operation(snapshot.id) is None
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Origin": "http://evil.example", "Host": "127.0.0.1"},
+        {"Origin": "null"},
+        {"Origin": "http://localhost:3000", "Host": "localhost:8700"},
+        {"Host": "evil.example"},
+        {"Host": "rebind.evil.example:8700"},
+    ],
+)
+async def test_an_open_api_refuses_foreign_origins_and_hosts(
+    store: StateStore,
+    clock: ManualClock,
+    aiohttp_client: AiohttpClient,
+    headers: dict[str, str],
+) -> None:
+    snapshot = await example(store, clock)
+    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+    body = b'{"targetDomainId": "%s"}' % str(snapshot.domains[1].id).encode()
+    response = await client.post(
+        "/v1/fleets/example/promote", data=body, headers={**JSON, **headers}
+    )
+    assert (await error_of(response))[:2] == (403, "forbidden")
+    assert await store.get_in_flight_operation(snapshot.id) is None
+    response = await client.get("/v1/fleets", headers=headers)
+    assert (await error_of(response))[:2] == (403, "forbidden")
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Host": "127.0.0.1:8700", "Origin": "http://127.0.0.1:8700"},
+        {"Host": "localhost:8700"},
+        {"Host": "[::1]:8700"},
+        {"Host": "127.0.0.2"},
+    ],
+)
+async def test_an_open_api_serves_loopback_clients(
+    store: StateStore,
+    clock: ManualClock,
+    aiohttp_client: AiohttpClient,
+    headers: dict[str, str],
+) -> None:
+    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+    assert (await client.get("/v1/fleets", headers=headers)).status == 200
+
+
+async def test_with_a_token_origin_and_host_are_not_checked(
+    store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
+) -> None:
+    client = await aiohttp_client(
+        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
+    )
+    headers = {**AUTH, "Host": "haru.internal:8700", "Origin": "https://console.internal"}
+    assert (await client.get("/v1/fleets", headers=headers)).status == 200
+    response = await client.get("/v1/fleets", headers={"Host": "haru.internal"})
+    assert response.status == 401
+    assert response.headers["WWW-Authenticate"] == 'Bearer realm="haru"'
 
 
 # ---- reconcile, operations, events -----------------------------------------------------------
@@ -487,7 +577,10 @@ async def test_events_paginate_oldest_first(
     assert page["nextAfter"] == page["events"][-1]["id"]
     rest = await (await api.get(f"/v1/fleets/example/events?after={page['nextAfter']}")).json()
     assert [e["id"] for e in rest["events"]] == ids[2:]
-    for query in ("after=-1", "after=x", "limit=0", "limit=1001", "limit=1.5"):
+    bad = ("after=-1", "after=x", "limit=0", "limit=1001", "limit=1.5", "after=9" * 30)
+    # ASCII digits only: no sign, no digit separator, no other script's digits.
+    strict = ("after=%2B1", "after=1_0", "after=%D9%A1", "limit=%EF%BC%91", "after=%201")
+    for query in bad + strict:
         response = await api.get(f"/v1/fleets/example/events?{query}")
         assert (await error_of(response))[:2] == (400, "invalid_request")
 

@@ -89,7 +89,7 @@ async def served(tmp_path: Path, make_fleet: MakeFleet) -> AsyncIterator[tuple[s
             "PATH": "/usr/bin:/bin",
             "DATABASE_URL": url,
             "PORT": "0",
-            "HARU_API_TOKEN": "cli-token",
+            "HARU_API_TOKEN": "cli-token-0123456789",
             "HARU_RECONCILE_INTERVAL_MS": "100",
         },
         stdin=asyncio.subprocess.DEVNULL,
@@ -130,11 +130,11 @@ async def run_cli(*args: str) -> Result:
 
 async def test_remote_commands_against_a_running_server(served: tuple[str, LocalFleet]) -> None:
     base, _fleet = served
-    auth = ("--url", base, "--token", "cli-token")
+    auth = ("--url", base, "--token", "cli-token-0123456789")
     denied = await run_cli("fleets", "--url", base, "--token", "wrong")
     assert denied.exit_code == 1
     assert "401" in denied.output
-    assert "cli-token" not in denied.output
+    assert "cli-token-0123456789" not in denied.output
 
     listing = await run_cli("fleets", *auth)
     assert listing.exit_code == 0, listing.output

@@ -34,11 +34,12 @@ from haru_protocol import (
     SlotKind,
 )
 from haru_server._app import create_app
-from haru_server._http import ApiError, render_api_error
 from haru_server._keys import clock_key, kick_fleet_key, settings_key, store_key
 from haru_server._proxy import ProxyTuning, _KickDebouncer, install_proxy
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
+from haru_web import ApiError, render_api_error
+from pydantic import SecretStr
 from pytest_aiohttp import AiohttpServer
 
 MODELS = ("chat-small", "chat-large", "embed-small")
@@ -957,7 +958,11 @@ async def test_proxy_inside_the_server_app_behind_the_bearer_check(
     sqlite_store: StateStore, stack: contextlib.AsyncExitStack, http: aiohttp.ClientSession
 ) -> None:
     env = await make_setup(sqlite_store, stack)
-    settings = Settings(api_token="server-token", default_fleet="prod", chat_max_body_bytes=2048)
+    settings = Settings(
+        api_token=SecretStr("server-token-0123456789"),
+        default_fleet="prod",
+        chat_max_body_bytes=2048,
+    )
     runner = web.AppRunner(create_app(settings, store=sqlite_store))
     await runner.setup()
     stack.push_async_callback(runner.cleanup)
@@ -965,7 +970,7 @@ async def test_proxy_inside_the_server_app_behind_the_bearer_check(
     await site.start()
     host, port = runner.addresses[0][:2]
     url = f"http://{host}:{port}/v1/chat/completions"
-    bearer = {"Authorization": "Bearer server-token", "Content-Type": "application/json"}
+    bearer = {"Authorization": "Bearer server-token-0123456789", "Content-Type": "application/json"}
 
     async with http.post(url, data=b"x" * 10_000) as resp:
         assert resp.status == 401  # the bearer check comes before the body cap
@@ -980,4 +985,4 @@ async def test_proxy_inside_the_server_app_behind_the_bearer_check(
         assert resp.status == 200
         assert [m["id"] for m in (await resp.json())["data"]] == list(MODELS)
     recorded = env.alpha.recorded_requests[-1]
-    assert all("server-token" not in value for _, value in recorded.headers)
+    assert all("server-token-0123456789" not in value for _, value in recorded.headers)

@@ -33,11 +33,11 @@ from haru_protocol import (
     OperationStep,
     SlotKind,
 )
-from haru_server._http import ApiError, render_api_error
 from haru_server._keys import clock_key, kick_fleet_key, settings_key, store_key
 from haru_server._proxy import ProxyTuning, install_proxy
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
+from haru_web import ApiError, render_api_error
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 

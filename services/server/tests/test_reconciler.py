@@ -377,9 +377,9 @@ async def test_unauthorized_supervisor_fails_the_step(
     helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(supervisor_token="right-token")
+    fleet = await make_fleet(supervisor_token="right-token-0123456789")
     seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store, token="wrong-token")
+    reconciler = make_reconciler(store, token="wrong-token-0123456789")
     promote, _ = await store.create_operation(
         fleet_id=seeded.id,
         kind=OperationKind.PROMOTE,
@@ -393,7 +393,7 @@ async def test_unauthorized_supervisor_fails_the_step(
     assert failed.error is not None
     assert failed.error.code == OperationErrorCode.SUPERVISOR_UNAUTHORIZED
     assert failed.error.step is OperationStep.STOP_TRAINING
-    assert "wrong-token" not in failed.error.message
+    assert "wrong-token-0123456789" not in failed.error.message
     after = await snapshot_of(store)
     assert after.active_domain_id == seeded.active_domain_id
     # Heartbeats failed too (401 is no answer): ready domains went degraded.

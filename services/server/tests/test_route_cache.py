@@ -12,8 +12,8 @@ from uuid import UUID
 import pytest
 from haru_db import MalformedFleetStateError, StateStoreUnavailableError
 from haru_protocol import ErrorCode, FleetRoutePointer, FleetSnapshot, Policy
-from haru_server._http import ApiError
 from haru_server._route_cache import RouteCache, is_uuid_shaped, spelling_key
+from haru_web import ApiError
 
 Behaviour = Callable[[], object]
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from haru_server._settings import Settings, SettingsError
+from pydantic import ValidationError
 
 
 def test_defaults_when_nothing_is_set() -> None:
@@ -24,7 +27,7 @@ def test_blank_values_count_as_unset_and_tokens_are_trimmed() -> None:
         {
             "DATABASE_URL": "   ",
             "PORT": "",
-            "HARU_API_TOKEN": "  tok \n",
+            "HARU_API_TOKEN": "  tok-0123456789abcdef \n",
             "HARU_SUPERVISOR_TOKEN": "   ",
             "HARU_DEFAULT_FLEET": " ",
             "HARU_RECONCILE_INTERVAL_MS": "",
@@ -32,7 +35,7 @@ def test_blank_values_count_as_unset_and_tokens_are_trimmed() -> None:
     )
     assert settings.database_url is None
     assert settings.port == 8700
-    assert settings.api_token == "tok"
+    assert settings.api_token_value() == "tok-0123456789abcdef"
     assert settings.supervisor_token is None
     assert settings.default_fleet is None
     assert settings.reconcile_interval_ms is None
@@ -80,12 +83,78 @@ def test_bad_numbers_are_a_clear_boot_error(name: str, value: str) -> None:
 def test_repr_never_shows_tokens() -> None:
     settings = Settings.from_env(
         {
-            "HARU_API_TOKEN": "api-secret",
-            "HARU_SUPERVISOR_TOKEN": "sup-secret",
+            "HARU_API_TOKEN": "api-secret-0123456789",
+            "HARU_SUPERVISOR_TOKEN": "sup-secret-0123456789",
             "DATABASE_URL": "postgresql://u:pw@h/db",
         }
     )
-    text = repr(settings)
-    assert "api-secret" not in text
-    assert "sup-secret" not in text
-    assert "pw" not in text
+    for text in (repr(settings), str(settings), settings.model_dump_json()):
+        assert "api-secret-0123456789" not in text
+        assert "sup-secret-0123456789" not in text
+        assert "pw@" not in text
+
+
+def test_settings_are_frozen() -> None:
+    settings = Settings()
+    with pytest.raises(ValidationError, match="frozen"):
+        settings.port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("value", [",", " , ,", ",,,"])
+def test_a_fleet_list_naming_no_fleet_is_refused(value: str) -> None:
+    with pytest.raises(SettingsError, match="HARU_RECONCILE_FLEETS names no fleet"):
+        Settings.from_env({"HARU_RECONCILE_FLEETS": value, "HARU_DEFAULT_FLEET": "f"})
+
+
+@pytest.mark.parametrize("value", ["+1", "1_0", "\u0661\u0662", "1e3", " -5"])
+def test_numbers_are_ascii_digits_only(value: str) -> None:
+    with pytest.raises(SettingsError, match="HARU_RECONCILE_INTERVAL_MS must be a non-negative"):
+        Settings.from_env({"HARU_RECONCILE_INTERVAL_MS": value})
+
+
+@pytest.mark.parametrize("name", ["HARU_API_TOKEN", "HARU_SUPERVISOR_TOKEN"])
+def test_short_tokens_are_a_clear_boot_error(name: str) -> None:
+    with pytest.raises(SettingsError, match=f"{name} is 9 characters long; use at least 16") as err:
+        Settings.from_env({name: "short-tok"})
+    assert "short-tok" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["HARU_API_TOKEN", "HARU_SUPERVISOR_TOKEN"])
+def test_tokens_can_come_from_files(name: str, tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("from-a-file-0123456789\n")
+    settings = Settings.from_env({f"{name}_FILE": str(path)})
+    values = {
+        "HARU_API_TOKEN": settings.api_token_value(),
+        "HARU_SUPERVISOR_TOKEN": settings.supervisor_token_value(),
+    }
+    assert values[name] == "from-a-file-0123456789"
+
+
+def test_token_file_errors_are_clear_and_never_quote_the_content(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("tiny")
+    with pytest.raises(SettingsError, match=r"characters long") as err:
+        Settings.from_env({"HARU_API_TOKEN_FILE": str(path)})
+    assert "tiny" not in str(err.value)
+    with pytest.raises(SettingsError, match="HARU_API_TOKEN_FILE: cannot read"):
+        Settings.from_env({"HARU_API_TOKEN_FILE": str(tmp_path / "missing")})
+    with pytest.raises(SettingsError, match="either HARU_API_TOKEN or HARU_API_TOKEN_FILE"):
+        Settings.from_env(
+            {"HARU_API_TOKEN_FILE": str(path), "HARU_API_TOKEN": "inline-0123456789abc"}
+        )
+
+
+def test_http_bounds_are_settings() -> None:
+    limits = Settings.from_env(
+        {
+            "HARU_HTTP_HEADER_TIMEOUT_MS": "2000",
+            "HARU_HTTP_BODY_IDLE_TIMEOUT_MS": "3000",
+            "HARU_HTTP_KEEPALIVE_TIMEOUT_MS": "4000",
+            "HARU_HTTP_MAX_CONNECTIONS": "64",
+        }
+    ).http_limits
+    assert (limits.header_timeout_s, limits.body_idle_timeout_s) == (2.0, 3.0)
+    assert (limits.keepalive_timeout_s, limits.max_connections) == (4.0, 64)
+    defaults = Settings().http_limits
+    assert (defaults.header_timeout_s, defaults.body_idle_timeout_s) == (10.0, 30.0)

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestClient
 from haru_protocol import SupervisorConfig
 from haru_sim import VllmSim, VllmSimConfig
 from haru_supervisor import Settings, VllmTimeouts, create_app
+from pydantic import SecretStr
 
 TOKEN = "sup-test-token-7f3a9c"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -31,7 +32,8 @@ def data_dir() -> Path:
 
 @pytest.fixture
 def auth() -> dict[str, str]:
-    return dict(AUTH)
+    # Control bodies must be declared JSON (haru-web); every test body here is.
+    return {**AUTH, "Content-Type": "application/json"}
 
 
 @pytest.fixture
@@ -174,7 +176,7 @@ def supervisor(aiohttp_client: Any) -> SupervisorFactory:
         )
         settings = Settings(
             config=parsed,
-            token=token,
+            token=None if token is None else SecretStr(token),
             shutdown_grace_s=shutdown_grace_s,
             stop_grace_s=stop_grace_s,
             trainer_env=dict(os.environ) if environ is None else environ,

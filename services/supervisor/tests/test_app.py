@@ -97,7 +97,7 @@ async def test_every_v1_route_needs_the_token(
     client = await supervisor(fleet_config)
     response = await client.request(method, path, headers=headers)
     await _error(response, 401, "unauthorized")
-    assert response.headers["WWW-Authenticate"] == "Bearer"
+    assert response.headers["WWW-Authenticate"] == 'Bearer realm="haru"'
 
 
 async def test_the_scheme_is_case_insensitive(
@@ -577,3 +577,29 @@ async def test_probe_without_models_is_not_ok(
     client = await supervisor({"slots": [_training(0, sim_trainer(), tmp_path)]})
     body = await (await client.post("/v1/probe", headers=auth)).json()
     assert body == {"ok": False, "results": []}
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Content-Type": "text/plain"},
+        {"Content-Type": "application/json", "Origin": "http://evil.example"},
+        {"Content-Type": "application/json", "Host": "evil.example:8701"},
+    ],
+)
+async def test_an_open_supervisor_refuses_browser_requests(
+    supervisor: Any,
+    fleet: tuple[VllmSim, VllmSim, VllmSim],
+    fleet_config: dict[str, Any],
+    headers: dict[str, str],
+) -> None:
+    client = await supervisor(fleet_config, token=None)
+    response = await client.post("/v1/vllm/sleep", data=b"{}", headers=headers)
+    assert response.status in (403, 415)
+    body = await response.json()
+    assert body["error"]["code"] in ("forbidden", "unsupported_media_type")
+    assert not any(sim.sleeping for sim in fleet)
+    ok = await client.post(
+        "/v1/vllm/sleep", data=b"{}", headers={"Content-Type": "application/json"}
+    )
+    assert ok.status == 200

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from haru_supervisor import Settings, SettingsError, load_config, load_settings
+from pydantic import SecretStr, ValidationError
 
 CONFIG: dict[str, Any] = {
     "slots": [
@@ -43,11 +44,15 @@ def test_config_from_a_file(tmp_path: Path) -> None:
 
 def test_a_token_binds_every_interface_and_is_trimmed() -> None:
     settings = load_settings(
-        {"HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG), "HARU_SUPERVISOR_TOKEN": "  abc123  "}
+        {
+            "HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG),
+            "HARU_SUPERVISOR_TOKEN": "  abc123-0123456789  ",
+        }
     )
-    assert settings.token == "abc123"
+    assert settings.token_value() == "abc123-0123456789"
     assert settings.host == "0.0.0.0"
-    assert "abc123" not in repr(settings)
+    for text in (repr(settings), str(settings), settings.model_dump_json()):
+        assert "abc123" not in text
 
 
 def test_a_blank_token_counts_as_unset() -> None:
@@ -62,8 +67,8 @@ def test_the_trainer_environment_holds_no_secret() -> None:
     settings = load_settings(
         {
             "HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG),
-            "HARU_SUPERVISOR_TOKEN": "tok-42-secret",
-            "DB_URL": "postgres://u:tok-42-secret@h/db",
+            "HARU_SUPERVISOR_TOKEN": "tok-42-secret-0123456789",
+            "DB_URL": "postgres://u:tok-42-secret-0123456789@h/db",
             "HOME": "/root",
             "PATH": "/usr/bin",
         }
@@ -79,8 +84,8 @@ def test_the_trainer_environment_holds_no_secret() -> None:
 def test_settings_built_directly_also_strip_the_token() -> None:
     settings = Settings(
         config=load_config(json.dumps(CONFIG)),
-        token="t0k",
-        trainer_env={"HARU_SUPERVISOR_TOKEN": "t0k", "A": "b"},
+        token=SecretStr("t0k-0123456789abcdef"),
+        trainer_env={"HARU_SUPERVISOR_TOKEN": "t0k-0123456789abcdef", "A": "b"},
     )
     assert dict(settings.trainer_env) == {"A": "b"}
 
@@ -145,6 +150,11 @@ def test_optional_variables(env: dict[str, str], expected: tuple[str, object]) -
         ({"PORT": "-1"}, "PORT must be an integer"),
         ({"HARU_SUPERVISOR_GPU_SOURCE": "cuda"}, "HARU_SUPERVISOR_GPU_SOURCE must be one of"),
         ({"HARU_SUPERVISOR_SHUTDOWN_GRACE_MS": "soon"}, "non-negative integer"),
+        ({"HARU_SUPERVISOR_SHUTDOWN_GRACE_MS": "+5"}, "non-negative integer"),
+        ({"PORT": "\u0661"}, "PORT must be an integer"),
+        ({"HARU_SUPERVISOR_TOKEN": "short-tok"}, "HARU_SUPERVISOR_TOKEN is 9 characters long"),
+        ({"HARU_HTTP_HEADER_TIMEOUT_MS": "0"}, "HARU_HTTP_HEADER_TIMEOUT_MS"),
+        ({"HARU_HTTP_MAX_CONNECTIONS": "1_0"}, "HARU_HTTP_MAX_CONNECTIONS"),
     ],
 )
 def test_invalid_settings(env: dict[str, str], match: str) -> None:
@@ -156,3 +166,50 @@ def test_invalid_settings(env: dict[str, str], match: str) -> None:
 def test_an_unreadable_config_file(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="cannot read file"):
         load_config(str(tmp_path))  # a directory
+
+
+def test_the_token_can_come_from_a_file_kept_out_of_the_trainers(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("from-a-file-0123456789\n")
+    settings = load_settings(
+        {
+            "HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG),
+            "HARU_SUPERVISOR_TOKEN_FILE": str(path),
+            "HOME": "/root",
+        }
+    )
+    assert settings.token_value() == "from-a-file-0123456789"
+    assert settings.host == "0.0.0.0"
+    assert dict(settings.trainer_env) == {
+        "HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG),
+        "HOME": "/root",
+    }
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"HARU_SUPERVISOR_TOKEN": "inline-0123456789abc"}, "not both"),
+        ({}, "cannot read"),
+    ],
+)
+def test_token_file_errors(tmp_path: Path, extra: dict[str, str], match: str) -> None:
+    env = {
+        "HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG),
+        "HARU_SUPERVISOR_TOKEN_FILE": str(tmp_path / ("missing" if not extra else "t")),
+        **extra,
+    }
+    (tmp_path / "t").write_text("file-token-0123456789")
+    with pytest.raises(SettingsError, match=match) as err:
+        load_settings(env)
+    assert "0123456789" not in str(err.value)
+
+
+def test_settings_are_frozen_and_bounds_are_settings() -> None:
+    settings = load_settings(
+        {"HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG), "HARU_HTTP_HEADER_TIMEOUT_MS": "2500"}
+    )
+    assert settings.http_limits.header_timeout_s == 2.5
+    assert settings.http_limits.body_idle_timeout_s == 30.0
+    with pytest.raises(ValidationError, match="frozen"):
+        settings.port = 1  # type: ignore[misc]

@@ -41,6 +41,11 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     NOT_IMPLEMENTED = "not_implemented"
+    FORBIDDEN = "forbidden"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    REQUEST_TIMEOUT = "request_timeout"
+    OVERLOADED = "overloaded"
+    HTTP_VERSION_NOT_SUPPORTED = "http_version_not_supported"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -60,6 +65,11 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.NOT_IMPLEMENTED: 501,
+    ErrorCode.FORBIDDEN: 403,
+    ErrorCode.UNSUPPORTED_MEDIA_TYPE: 415,
+    ErrorCode.REQUEST_TIMEOUT: 408,
+    ErrorCode.OVERLOADED: 503,
+    ErrorCode.HTTP_VERSION_NOT_SUPPORTED: 505,
 }
 """The usual HTTP status of each code (a route may document a different one)."""
 

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 from haru_db import HaruDbError, StateStore
+from haru_web import bearer_middleware, browser_guard_middleware, error_middleware
 
 from haru_server._clock import Clock, utc_now
 from haru_server._keys import (
@@ -20,7 +21,7 @@ from haru_server._keys import (
     store_key,
 )
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
-from haru_server._middleware import auth_middleware, error_middleware
+from haru_server._middleware import store_error_middleware
 from haru_server._proxy import install_proxy
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._routes import routes
@@ -57,7 +58,14 @@ def create_app(
         reconciler_options: Tuning of the reconcile tick.
         busy_interval_s: Loop pause between ticks of a fleet with an operation in flight.
     """
-    app = web.Application(middlewares=[error_middleware, auth_middleware])
+    app = web.Application(
+        middlewares=[
+            error_middleware,
+            browser_guard_middleware(open_api=settings.api_token is None),
+            bearer_middleware(settings.api_token_value()),
+            store_error_middleware,
+        ]
+    )
     app[settings_key] = settings
     app[_owns_store_key] = store is None
     app[store_key] = store if store is not None else StateStore.open(settings.database_url)
@@ -85,7 +93,7 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[settings_key]
     connector = aiohttp.TCPConnector(limit=SUPERVISOR_CONNECTIONS)
     async with aiohttp.ClientSession(connector=connector) as session:
-        client = SupervisorClient(session, token=settings.supervisor_token)
+        client = SupervisorClient(session, token=settings.supervisor_token_value())
         app[reconciler_key] = Reconciler(
             app[store_key],
             client,

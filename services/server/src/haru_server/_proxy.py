@@ -24,9 +24,9 @@ from uuid import UUID
 import aiohttp
 from aiohttp import hdrs, web
 from haru_protocol import ErrorCode, is_slug
+from haru_web import ApiError
 from yarl import URL
 
-from haru_server._http import ApiError
 from haru_server._keys import FleetKicker, clock_key, kick_fleet_key, settings_key, store_key
 from haru_server._proxy_routes import (
     CHAT_PATH,
@@ -519,7 +519,7 @@ def install_proxy(app: web.Application, *, tuning: ProxyTuning | None = None) ->
 
     Call after ``app[settings_key]``, ``app[store_key]`` and ``app[clock_key]`` are set
     (``app[kick_fleet_key]`` is optional: without it no passive-failure kick is sent). The
-    bearer check and the rendering of :class:`~haru_server._http.ApiError` are the app's
+    bearer check and the rendering of :class:`haru_web.ApiError` are the app's
     middlewares' job. One pooled ``ClientSession`` and one route cache live from startup to
     cleanup.
 

@@ -13,9 +13,8 @@ from haru_core import (
     routable_models,
 )
 from haru_protocol import ErrorCode, FleetSnapshot, UrlJoinError, join_url
+from haru_web import ApiError
 from yarl import URL
-
-from haru_server._http import ApiError
 
 logger = logging.getLogger(__name__)
 

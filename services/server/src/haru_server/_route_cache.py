@@ -38,8 +38,7 @@ from uuid import UUID
 
 from haru_db import MalformedFleetStateError, StateStoreUnavailableError
 from haru_protocol import ErrorCode, FleetRoutePointer, FleetSnapshot
-
-from haru_server._http import ApiError
+from haru_web import ApiError
 
 logger = logging.getLogger(__name__)
 

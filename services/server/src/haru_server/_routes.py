@@ -30,9 +30,9 @@ from haru_protocol import (
     ReconcileResponse,
     WireModel,
 )
+from haru_web import ApiError, int_query, parse_body
 
 from haru_server._errors import FleetNotFoundError
-from haru_server._http import ApiError, parse_body
 from haru_server._keys import clock_key, kick_fleet_key, reconciler_key, store_key
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,8 @@ routes = web.RouteTableDef()
 
 EVENTS_DEFAULT_LIMIT = 100
 EVENTS_MAX_LIMIT = 1000
+CONTROL_BODY_LIMIT = 16 * 1024
+"""Largest body a control-API POST accepts (SPEC 7.2)."""
 
 
 class ReconcileRequest(WireModel):
@@ -71,23 +73,6 @@ async def _pointer(request: web.Request) -> FleetRoutePointer:
     return pointer
 
 
-def _int_query(request: web.Request, name: str, default: int, *, low: int, high: int) -> int:
-    raw = request.query.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        raise ApiError(
-            ErrorCode.INVALID_REQUEST, f"query parameter {name!r} must be an integer"
-        ) from None
-    if not low <= value <= high:
-        raise ApiError(
-            ErrorCode.INVALID_REQUEST, f"query parameter {name!r} must be between {low} and {high}"
-        )
-    return value
-
-
 @routes.get("/healthz")
 async def healthz(request: web.Request) -> web.Response:
     # Never touches the database: a red liveness probe during a store outage would restart
@@ -114,7 +99,7 @@ async def route_intent(request: web.Request) -> web.Response:
 
 @routes.post("/v1/fleets/{ref}/reconcile")
 async def reconcile(request: web.Request) -> web.Response:
-    await parse_body(request, ReconcileRequest, empty_ok=True)
+    await parse_body(request, ReconcileRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
     ref = request.match_info["ref"]
     try:
         result = await request.app[reconciler_key].tick(ref)
@@ -183,13 +168,13 @@ async def _request_operation(
 
 @routes.post("/v1/fleets/{ref}/promote")
 async def promote(request: web.Request) -> web.Response:
-    body = await parse_body(request, PromoteRequest)
+    body = await parse_body(request, PromoteRequest, limit=CONTROL_BODY_LIMIT)
     return await _request_operation(request, OperationKind.PROMOTE, body.target_domain_id)
 
 
 @routes.post("/v1/fleets/{ref}/demote")
 async def demote(request: web.Request) -> web.Response:
-    body = await parse_body(request, DemoteRequest)
+    body = await parse_body(request, DemoteRequest, limit=CONTROL_BODY_LIMIT)
     return await _request_operation(request, OperationKind.DEMOTE, body.target_domain_id)
 
 
@@ -209,8 +194,8 @@ async def get_operation(request: web.Request) -> web.Response:
 
 @routes.get("/v1/fleets/{ref}/events")
 async def list_events(request: web.Request) -> web.Response:
-    after = _int_query(request, "after", 0, low=0, high=2**63 - 1)
-    limit = _int_query(request, "limit", EVENTS_DEFAULT_LIMIT, low=1, high=EVENTS_MAX_LIMIT)
+    after = int_query(request, "after", 0, low=0, high=2**63 - 1)
+    limit = int_query(request, "limit", EVENTS_DEFAULT_LIMIT, low=1, high=EVENTS_MAX_LIMIT)
     pointer = await _pointer(request)
     events = await request.app[store_key].list_events(pointer.id, after=after, limit=limit)
     next_after = events[-1].id if len(events) == limit else None

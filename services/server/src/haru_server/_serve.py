@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 from collections.abc import Callable
 
-from aiohttp import web
 from haru_db import redact_database_url, resolve_database_url, upgrade
+from haru_web import StopSignals, serving
 
 from haru_server._app import create_app
 from haru_server._settings import Settings
@@ -34,7 +32,8 @@ def announce(settings: Settings) -> None:
     if settings.api_token is None:
         logger.warning(
             "!!! HARU_API_TOKEN is unset: the API is OPEN to anyone who can connect, so the "
-            "server listens on 127.0.0.1 only. Set HARU_API_TOKEN to listen on all interfaces."
+            "server listens on 127.0.0.1 only (browsers are refused: foreign Origin and "
+            "non-loopback Host get 403). Set HARU_API_TOKEN to listen on all interfaces."
         )
     if settings.supervisor_token is None:
         logger.warning("HARU_SUPERVISOR_TOKEN is unset: supervisors are called without a token")
@@ -61,34 +60,28 @@ async def run_server(
         settings: The parsed environment.
         on_listening: Called with the base URL once the socket is bound.
         stop: Set it to stop the server (signals do the same).
+
+    Raises:
+        haru_web.ListenError: The port could not be bound.
     """
     announce(settings)
     await migrate(settings)
     app = create_app(settings)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-    await runner.setup()
-    stopping = stop if stop is not None else asyncio.Event()
-    loop = asyncio.get_running_loop()
-    installed: list[signal.Signals] = []
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(signum, stopping.set)
-            installed.append(signum)
-    try:
-        site = web.TCPSite(runner, settings.host, settings.port)
-        await site.start()
-        url = _bound_url(site, settings)
-        logger.info("haru-server listening on %s:%d (%s)", settings.host, site.port, url)
-        if on_listening is not None:
-            on_listening(url)
-        await stopping.wait()
-        logger.info("stopping")
-    finally:
-        for signum in installed:
-            loop.remove_signal_handler(signum)
-        await runner.cleanup()
-
-
-def _bound_url(site: web.TCPSite, settings: Settings) -> str:
-    host = "127.0.0.1" if settings.host == "0.0.0.0" else settings.host
-    return f"http://{host}:{site.port}"
+    with StopSignals(stop) as signals:
+        async with serving(
+            app,
+            host=settings.host,
+            port=settings.port,
+            limits=settings.http_limits,
+            shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        ) as listening:
+            logger.info(
+                "haru-server listening on %s:%d (%s)",
+                listening.host,
+                listening.port,
+                listening.url,
+            )
+            if on_listening is not None:
+                on_listening(listening.url)
+            await signals.stop.wait()
+            logger.info("stopping")

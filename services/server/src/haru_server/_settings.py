@@ -1,102 +1,237 @@
-"""The server's environment (SPEC 7.1), parsed once at start-up into a frozen object."""
+"""The server's environment (SPEC 7.1), parsed once at start-up into a frozen object.
+
+:meth:`Settings.from_env` reads a mapping (``os.environ`` in production) through
+pydantic-settings; building :class:`Settings` directly (tests, embedding) reads nothing from
+the environment. Blank values count as unset, numbers are ASCII digits only, tokens are
+secrets (``SecretStr``: never in a repr, a log line or an error) of at least 16 characters.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from typing import Annotated, Any, Final
 
-from haru_protocol import MAX_DURATION_MS, normalize_token
+from haru_protocol import MAX_DURATION_MS
+from haru_web import ServerLimits, TokenConfigError, check_token, resolve_token
+from pydantic import (
+    AliasChoices,
+    BeforeValidator,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 from haru_server._errors import HaruServerError
+
+_DIGITS: Final = re.compile(r"[0-9]+")
+
+API_TOKEN_VAR: Final = "HARU_API_TOKEN"  # noqa: S105  (a variable name, not a secret)
+SUPERVISOR_TOKEN_VAR: Final = "HARU_SUPERVISOR_TOKEN"  # noqa: S105
 
 
 class SettingsError(HaruServerError, ValueError):
     """An environment variable holds a value the server cannot use (a boot error)."""
 
 
-@dataclass(frozen=True, slots=True, repr=False)
-class Settings:
-    """Everything the server reads from its environment."""
+def _ascii_int(value: object) -> object:
+    if isinstance(value, str):
+        text = value.strip()
+        if _DIGITS.fullmatch(text) is None or len(text) > 20:
+            raise ValueError("must be a non-negative integer in ASCII digits")
+        return int(text)
+    return value
 
-    database_url: str | None = None
-    """Raw ``DATABASE_URL``; None means the embedded SQLite default."""
-    port: int = 8700
-    """TCP port; 0 picks a free one (the bound port is logged)."""
-    api_token: str | None = None
-    supervisor_token: str | None = None
-    default_fleet: str | None = None
-    chat_header_timeout_ms: int = 30_000
-    snapshot_cache_ttl_ms: int = 2_000
-    chat_max_body_bytes: int = 33_554_432
-    reconcile_interval_ms: int | None = None
-    reconcile_fleets: tuple[str, ...] | None = None
-    """Fleets the loop reconciles; None means every fleet in the store."""
 
-    def __repr__(self) -> str:
-        # Tokens never reach a log line, even through a repr.
-        return (
-            f"Settings(database_url={'set' if self.database_url else 'unset'}, "
-            f"port={self.port}, api_token={'set' if self.api_token else 'unset'}, "
-            f"supervisor_token={'set' if self.supervisor_token else 'unset'}, "
-            f"default_fleet={self.default_fleet!r}, "
-            f"reconcile_interval_ms={self.reconcile_interval_ms!r}, "
-            f"reconcile_fleets={self.reconcile_fleets!r})"
-        )
+EnvInt = Annotated[int, BeforeValidator(_ascii_int)]
+DurationMs = Annotated[EnvInt, Field(ge=1, le=MAX_DURATION_MS)]
+
+
+def _env(name: str, field: str) -> AliasChoices:
+    return AliasChoices(field, name)
+
+
+class _MappingEnv(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping, blank values dropped."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = {k: v.strip() for k, v in environ.items() if v.strip()}
+        super().__init__(settings_cls, case_sensitive=True)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return dict(self._environ)
+
+
+class Settings(BaseSettings):
+    """Everything the server reads from its environment (README: "Configuration")."""
+
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        case_sensitive=True,
+        validate_by_name=True,
+        validate_by_alias=True,
+        hide_input_in_errors=True,
+    )
+
+    # Neither in a repr nor in a dump: a URL may carry a password.
+    database_url: str | None = Field(
+        None, validation_alias=_env("DATABASE_URL", "database_url"), repr=False, exclude=True
+    )
+    """``DATABASE_URL``: PostgreSQL or SQLite URL/path; None = the embedded SQLite default."""
+    port: Annotated[EnvInt, Field(ge=0, le=65535)] = Field(
+        8700, validation_alias=_env("PORT", "port")
+    )
+    """``PORT``: TCP port; 0 picks a free one (the bound port is logged)."""
+    api_token: SecretStr | None = Field(None, validation_alias=_env(API_TOKEN_VAR, "api_token"))
+    """``HARU_API_TOKEN`` (or ``HARU_API_TOKEN_FILE``): bearer token of ``/v1/*``; None =
+    open API, bound to 127.0.0.1 only, browsers kept out by the Origin/Host guard."""
+    supervisor_token: SecretStr | None = Field(
+        None, validation_alias=_env(SUPERVISOR_TOKEN_VAR, "supervisor_token")
+    )
+    """``HARU_SUPERVISOR_TOKEN`` (or ``HARU_SUPERVISOR_TOKEN_FILE``): presented to supervisors."""
+    default_fleet: str | None = Field(
+        None, validation_alias=_env("HARU_DEFAULT_FLEET", "default_fleet")
+    )
+    """``HARU_DEFAULT_FLEET``: fleet of inference requests without ``X-Haru-Fleet``."""
+    chat_header_timeout_ms: DurationMs = Field(
+        30_000, validation_alias=_env("HARU_CHAT_HEADER_TIMEOUT_MS", "chat_header_timeout_ms")
+    )
+    """``HARU_CHAT_HEADER_TIMEOUT_MS``: upstream time-to-first-byte bound."""
+    snapshot_cache_ttl_ms: DurationMs = Field(
+        2_000, validation_alias=_env("HARU_SNAPSHOT_CACHE_TTL_MS", "snapshot_cache_ttl_ms")
+    )
+    """``HARU_SNAPSHOT_CACHE_TTL_MS``: snapshot cache TTL on the inference hot path."""
+    chat_max_body_bytes: DurationMs = Field(
+        33_554_432, validation_alias=_env("HARU_CHAT_MAX_BODY_BYTES", "chat_max_body_bytes")
+    )
+    """``HARU_CHAT_MAX_BODY_BYTES``: largest inference request body (413 beyond)."""
+    reconcile_interval_ms: DurationMs | None = Field(
+        None, validation_alias=_env("HARU_RECONCILE_INTERVAL_MS", "reconcile_interval_ms")
+    )
+    """``HARU_RECONCILE_INTERVAL_MS``: enables the background reconcile loop."""
+    reconcile_fleets: Annotated[tuple[str, ...] | None, NoDecode] = Field(
+        None, validation_alias=_env("HARU_RECONCILE_FLEETS", "reconcile_fleets")
+    )
+    """``HARU_RECONCILE_FLEETS``: fleets the loop reconciles; None = every fleet. From the
+    environment: a comma-separated list, ``*`` for every fleet, unset = ``HARU_DEFAULT_FLEET``
+    when set; a list naming no fleet (``","``) is refused at boot."""
+    http_header_timeout_ms: DurationMs = Field(
+        10_000, validation_alias=_env("HARU_HTTP_HEADER_TIMEOUT_MS", "http_header_timeout_ms")
+    )
+    """``HARU_HTTP_HEADER_TIMEOUT_MS``: time a client gets to send a request head (408)."""
+    http_body_idle_timeout_ms: DurationMs = Field(
+        30_000,
+        validation_alias=_env("HARU_HTTP_BODY_IDLE_TIMEOUT_MS", "http_body_idle_timeout_ms"),
+    )
+    """``HARU_HTTP_BODY_IDLE_TIMEOUT_MS``: longest silence inside a request body."""
+    http_keepalive_timeout_ms: DurationMs = Field(
+        75_000,
+        validation_alias=_env("HARU_HTTP_KEEPALIVE_TIMEOUT_MS", "http_keepalive_timeout_ms"),
+    )
+    """``HARU_HTTP_KEEPALIVE_TIMEOUT_MS``: idle keep-alive connections are closed after it."""
+    http_max_connections: Annotated[EnvInt, Field(ge=1, le=1_000_000)] = Field(
+        512, validation_alias=_env("HARU_HTTP_MAX_CONNECTIONS", "http_max_connections")
+    )
+    """``HARU_HTTP_MAX_CONNECTIONS``: open client connections (lowered to fit the open-file
+    limit); at the cap the longest-idle one is closed, or the newcomer gets 503."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: Any, *_others: Any, **_kw: Any
+    ) -> tuple[Any, ...]:
+        # Only what is passed: from_env() passes the environment it was given.
+        return (init_settings,)
+
+    @field_validator("api_token", "supervisor_token", mode="before")
+    @classmethod
+    def _token(cls, value: object) -> object:
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if isinstance(value, str):
+            return check_token(value, name="the token")
+        return value
+
+    @field_validator("reconcile_fleets", mode="before")
+    @classmethod
+    def _fleets(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        if value.strip() == "*":
+            return None
+        fleets = tuple(f.strip() for f in value.split(",") if f.strip())
+        if not fleets:
+            raise ValueError("names no fleet; list fleets (a,b) or use * for every fleet")
+        return fleets
 
     @property
     def host(self) -> str:
         """Bind address: all interfaces only when a token guards the API."""
-        return "0.0.0.0" if self.api_token else "127.0.0.1"
+        return "0.0.0.0" if self.api_token is not None else "127.0.0.1"
+
+    @property
+    def http_limits(self) -> ServerLimits:
+        """The listener's slow-client and overload bounds."""
+        return ServerLimits(
+            header_timeout_s=self.http_header_timeout_ms / 1000,
+            body_idle_timeout_s=self.http_body_idle_timeout_ms / 1000,
+            keepalive_timeout_s=self.http_keepalive_timeout_ms / 1000,
+            max_connections=self.http_max_connections,
+        )
+
+    def api_token_value(self) -> str | None:
+        """The API token in clear (for the bearer check only)."""
+        return None if self.api_token is None else self.api_token.get_secret_value()
+
+    def supervisor_token_value(self) -> str | None:
+        """The supervisor token in clear (for the supervisor client only)."""
+        return None if self.supervisor_token is None else self.supervisor_token.get_secret_value()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
-        """Parse the environment; blank values count as unset.
+        """Parse the environment (SPEC 7.1); blank values count as unset.
 
         Raises:
-            SettingsError: a number is not an integer in its range.
+            SettingsError: A value is unusable; the message names the variable, never a token.
         """
+        environ = dict(env)
+        try:
+            for name in (API_TOKEN_VAR, SUPERVISOR_TOKEN_VAR):
+                token = resolve_token(environ, name)
+                environ.pop(name + "_FILE", None)
+                environ[name] = token or ""
+        except TokenConfigError as exc:
+            raise SettingsError(str(exc)) from None
+        if not environ.get("HARU_RECONCILE_FLEETS", "").strip():
+            environ["HARU_RECONCILE_FLEETS"] = environ.get("HARU_DEFAULT_FLEET", "")
+        names = env_names(cls)
+        known = set(names.values())
+        values = _MappingEnv(cls, {k: v for k, v in environ.items() if k in known})()
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise SettingsError(describe_settings_error(exc, names)) from None
 
-        def text(name: str) -> str | None:
-            value = env.get(name)
-            if value is None or not value.strip():
-                return None
-            return value.strip()
 
-        def number(
-            name: str, default: int, *, minimum: int = 1, maximum: int = MAX_DURATION_MS
-        ) -> int:
-            raw = text(name)
-            if raw is None:
-                return default
-            try:
-                value = int(raw, 10)
-            except ValueError:
-                raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
-            if not minimum <= value <= maximum:
-                raise SettingsError(f"{name} must be between {minimum} and {maximum}, got {value}")
-            return value
+def env_names(cls: type[BaseSettings]) -> dict[str, str]:
+    """Field name -> the environment variable it is read from."""
+    names: dict[str, str] = {}
+    for field_name, field in cls.model_fields.items():
+        alias = field.validation_alias
+        if isinstance(alias, AliasChoices):
+            for choice in alias.choices:
+                if isinstance(choice, str) and choice.isupper():
+                    names[field_name] = choice
+    return names
 
-        default_fleet = text("HARU_DEFAULT_FLEET")
-        interval_raw = text("HARU_RECONCILE_INTERVAL_MS")
-        fleets_raw = text("HARU_RECONCILE_FLEETS")
-        if fleets_raw is None or fleets_raw == "*":
-            fleets: tuple[str, ...] | None = (
-                (default_fleet,) if fleets_raw is None and default_fleet is not None else None
-            )
-        else:
-            fleets = tuple(f.strip() for f in fleets_raw.split(",") if f.strip()) or None
-        return cls(
-            database_url=text("DATABASE_URL"),
-            # PORT=0 binds a free port (logged at boot): tests and side-by-side servers use it.
-            port=number("PORT", 8700, minimum=0, maximum=65535),
-            api_token=normalize_token(env.get("HARU_API_TOKEN")),
-            supervisor_token=normalize_token(env.get("HARU_SUPERVISOR_TOKEN")),
-            default_fleet=default_fleet,
-            chat_header_timeout_ms=number("HARU_CHAT_HEADER_TIMEOUT_MS", 30_000),
-            snapshot_cache_ttl_ms=number("HARU_SNAPSHOT_CACHE_TTL_MS", 2_000),
-            chat_max_body_bytes=number("HARU_CHAT_MAX_BODY_BYTES", 33_554_432),
-            reconcile_interval_ms=(
-                None if interval_raw is None else number("HARU_RECONCILE_INTERVAL_MS", 0)
-            ),
-            reconcile_fleets=fleets,
-        )
+
+def describe_settings_error(exc: ValidationError, names: Mapping[str, str]) -> str:
+    """A boot error naming each bad variable, without its value."""
+    parts = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        field = ".".join(str(p) for p in error["loc"])
+        name = names.get(field, field)
+        parts.append(f"{name} {error['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)

@@ -39,6 +39,7 @@ from haru_protocol import (
 from haru_sim import VllmSim, VllmSimConfig
 from haru_supervisor import Settings as SupervisorSettings
 from haru_supervisor import create_app as create_supervisor_app
+from pydantic import SecretStr
 
 DEFAULT_MODELS: Mapping[int, tuple[str, ...]] = {
     0: ("example-chat-small", "example-chat-medium"),
@@ -231,7 +232,7 @@ class LocalFleet:
         settings = SupervisorSettings(
             config=SupervisorConfig(slots=tuple(slots)),
             port=0,
-            token=options.supervisor_token,
+            token=None if options.supervisor_token is None else SecretStr(options.supervisor_token),
             gpu_source="nvidia-smi",
             shutdown_grace_s=options.trainer_shutdown_grace_s,
             trainer_env=dict(os.environ),

@@ -10,9 +10,9 @@ from haru_supervisor._errors import (
     GpuMemoryError,
     GpuMemorySourceError,
     GpuMemoryUnavailable,
+    HaruSupervisorError,
     SettingsError,
     ShuttingDownError,
-    SupervisorError,
     TrainingStartError,
     VllmAdminError,
 )
@@ -47,20 +47,17 @@ from haru_supervisor._vllm import (
 )
 
 __all__ = (
-    # Application and settings
     "GPU_SOURCES",
-    # GPU memory
     "NVIDIA_SMI_ARGS",
-    # vLLM admin client
     "SLEEP_LEVEL",
     "SOURCE_HEADER",
-    # Errors
     "GpuMemoryError",
     "GpuMemoryReader",
     "GpuMemorySource",
     "GpuMemorySourceError",
     "GpuMemoryUnavailable",
     "GpuSource",
+    "HaruSupervisorError",
     "NvidiaSmiSource",
     "NvmlApi",
     "NvmlLoader",
@@ -69,7 +66,6 @@ __all__ = (
     "Settings",
     "SettingsError",
     "ShuttingDownError",
-    "SupervisorError",
     "TrainingRun",
     "TrainingRuns",
     "TrainingStartError",

@@ -11,11 +11,10 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
 from collections.abc import Sequence
 
-from aiohttp import web
+from haru_web import ListenError, StopSignals, serving
 
 from haru_supervisor._app import create_app
 from haru_supervisor._errors import SettingsError
@@ -31,8 +30,11 @@ EXIT_USAGE = 2
 _USAGE = (
     "usage: haru-supervisor\n"
     "Configured by the environment: PORT (default 8701), HARU_SUPERVISOR_TOKEN,\n"
+    "HARU_SUPERVISOR_TOKEN_FILE (a file holding the token instead),\n"
     "HARU_SUPERVISOR_CONFIG (required: inline JSON or a file path),\n"
-    "HARU_SUPERVISOR_GPU_SOURCE (auto|nvml|nvidia-smi), HARU_SUPERVISOR_SHUTDOWN_GRACE_MS.\n"
+    "HARU_SUPERVISOR_GPU_SOURCE (auto|nvml|nvidia-smi), HARU_SUPERVISOR_SHUTDOWN_GRACE_MS,\n"
+    "HARU_HTTP_HEADER_TIMEOUT_MS, HARU_HTTP_BODY_IDLE_TIMEOUT_MS, HARU_HTTP_KEEPALIVE_TIMEOUT_MS,\n"
+    "HARU_HTTP_MAX_CONNECTIONS.\n"
 )
 
 # Handlers are short (sleep/wake are bounded at about 120 s, but they are not worth waiting
@@ -45,61 +47,40 @@ async def serve(settings: Settings) -> int:
     if settings.token is None:
         logger.warning(
             "%s is not set: the supervisor API is OPEN (no authentication) and listens on "
-            "127.0.0.1 only; set a token to serve the control plane from another host",
+            "127.0.0.1 only (browsers are refused: foreign Origin and non-loopback Host get "
+            "403); set a token to serve the control plane from another host",
             TOKEN_VAR,
         )
     app = create_app(settings)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=_HTTP_SHUTDOWN_TIMEOUT_S)
-    await runner.setup()
     try:
-        site = web.TCPSite(runner, settings.host, settings.port)
-        bind_error: OSError | None = None
-        try:
-            await site.start()
-        except OSError as exc:
-            bind_error = exc
-        if bind_error is not None:
-            logger.error("cannot listen on %s:%d: %s", settings.host, settings.port, bind_error)
-            return EXIT_FAILED
-        host, port = runner.addresses[0][:2]
-        logger.info("haru-supervisor listening on http://%s:%d", host, port)
+        async with serving(
+            app,
+            host=settings.host,
+            port=settings.port,
+            limits=settings.http_limits,
+            shutdown_timeout=_HTTP_SHUTDOWN_TIMEOUT_S,
+        ) as listening:
+            logger.info("haru-supervisor listening on http://%s:%d", listening.host, listening.port)
+            with StopSignals() as signals:
+                await signals.stop.wait()
+                runs = app[runs_key]
+                runs.refuse_starts()
 
-        loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
-        force = asyncio.Event()
+                async def kill_on_second_signal() -> None:
+                    await signals.force.wait()
+                    logger.warning("killing the trainers now")
+                    await runs.stop_all(0.0)
 
-        def on_signal(sig: signal.Signals) -> None:
-            if stop.is_set():
-                logger.warning("%s again: killing the trainers now", sig.name)
-                force.set()
-            else:
-                logger.info("%s: shutting down", sig.name)
-                stop.set()
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, on_signal, sig)
-        try:
-            await stop.wait()
-            runs = app[runs_key]
-            runs.refuse_starts()
-
-            async def kill_on_second_signal() -> None:
-                await force.wait()
-                await runs.stop_all(0.0)
-
-            killer = asyncio.create_task(kill_on_second_signal(), name="second-signal")
-            ended = False
-            try:
-                ended = await runs.shutdown(settings.shutdown_grace_s)
-            finally:
-                killer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await killer
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-    finally:
-        await runner.cleanup()
+                killer = asyncio.create_task(kill_on_second_signal(), name="second-signal")
+                try:
+                    ended = await runs.shutdown(settings.shutdown_grace_s)
+                finally:
+                    killer.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await killer
+    except ListenError as exc:
+        logger.error("%s", exc)  # noqa: TRY400  (the message says it all; no traceback)
+        return EXIT_FAILED
     logger.info("haru-supervisor stopped")
     return EXIT_OK if ended else EXIT_FAILED
 

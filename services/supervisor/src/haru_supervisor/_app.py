@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 from haru_protocol import Exec, run_exec
+from haru_web import bearer_middleware, browser_guard_middleware, error_middleware
 
 from haru_supervisor._gpu import NvmlLoader, load_pynvml, open_gpu_reader
-from haru_supervisor._http import MAX_BODY_BYTES, auth_middleware, error_middleware
 from haru_supervisor._keys import gpu_key, runs_key, settings_key, vllm_key
-from haru_supervisor._routes import routes
+from haru_supervisor._routes import MAX_BODY_BYTES, routes
 from haru_supervisor._settings import Settings
 from haru_supervisor._training import DEFAULT_POLL_S, TrainingRuns
 from haru_supervisor._vllm import VllmAdminClient, VllmTimeouts
@@ -47,7 +47,12 @@ def create_app(
         ``settings.shutdown_grace_s``) before anything else is released.
     """
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware], client_max_size=MAX_BODY_BYTES
+        middlewares=[
+            error_middleware,
+            browser_guard_middleware(open_api=settings.token is None),
+            bearer_middleware(settings.token_value()),
+        ],
+        client_max_size=MAX_BODY_BYTES,
     )
     app[settings_key] = settings
     app[runs_key] = TrainingRuns(

@@ -2,7 +2,7 @@
 
 Hierarchy::
 
-    SupervisorError                root of every error this package raises
+    HaruSupervisorError            root of every error this package raises
     ├── SettingsError              the environment or the config document is invalid (exit 2)
     ├── VllmAdminError             one local vLLM server refused, failed or did not answer
     ├── TrainingStartError         a trainer could not be spawned (its run stays idle)
@@ -15,15 +15,15 @@ Hierarchy::
 from __future__ import annotations
 
 
-class SupervisorError(Exception):
+class HaruSupervisorError(Exception):
     """Root of every error raised by haru-supervisor."""
 
 
-class SettingsError(SupervisorError):
+class SettingsError(HaruSupervisorError):
     """The environment or the config document is invalid; the supervisor cannot start."""
 
 
-class VllmAdminError(SupervisorError):
+class VllmAdminError(HaruSupervisorError):
     """A call to one local vLLM server failed.
 
     Attributes:
@@ -37,7 +37,7 @@ class VllmAdminError(SupervisorError):
         self.reason = reason
 
 
-class TrainingStartError(SupervisorError):
+class TrainingStartError(HaruSupervisorError):
     """A training slot's command could not be spawned; its run is back to idle.
 
     Attributes:
@@ -51,11 +51,11 @@ class TrainingStartError(SupervisorError):
         self.reason = reason
 
 
-class ShuttingDownError(SupervisorError):
+class ShuttingDownError(HaruSupervisorError):
     """The supervisor is shutting down: no training run may start."""
 
 
-class GpuMemoryError(SupervisorError):
+class GpuMemoryError(HaruSupervisorError):
     """GPU memory could not be read."""
 
 

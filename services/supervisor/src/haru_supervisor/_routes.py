@@ -31,6 +31,7 @@ from haru_protocol import (
     WakeRequest,
     WireModel,
 )
+from haru_web import ApiError, parse_body
 
 from haru_supervisor._errors import (
     GpuMemorySourceError,
@@ -39,7 +40,6 @@ from haru_supervisor._errors import (
     VllmAdminError,
 )
 from haru_supervisor._gpu import SOURCE_HEADER
-from haru_supervisor._http import ApiError, read_body
 from haru_supervisor._keys import gpu_key, runs_key, settings_key, vllm_key
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,9 @@ DEFAULT_PROBE_TIMEOUT_S: Final = 30.0
 wake is several times slower than the next ones)."""
 
 _REASON_LIMIT: Final = 300
+
+MAX_BODY_BYTES: Final = 64 * 1024
+"""Every request body of this API is a few keys; anything larger is refused (413)."""
 
 routes = web.RouteTableDef()
 
@@ -163,7 +166,7 @@ async def ready(request: web.Request) -> web.Response:
 
 @routes.post("/v1/vllm/sleep")
 async def vllm_sleep(request: web.Request) -> web.Response:
-    body = await read_body(request, SleepRequest)
+    body = await parse_body(request, SleepRequest, limit=MAX_BODY_BYTES, empty_ok=True)
     models = _target_models(_config(request), body.gpu_index)
     client = request.app[vllm_key]
     drain_s = None if body.drain_timeout_ms is None else body.drain_timeout_ms / 1000
@@ -175,7 +178,7 @@ async def vllm_sleep(request: web.Request) -> web.Response:
 
 @routes.post("/v1/vllm/wake")
 async def vllm_wake(request: web.Request) -> web.Response:
-    body = await read_body(request, WakeRequest)
+    body = await parse_body(request, WakeRequest, limit=MAX_BODY_BYTES, empty_ok=True)
     models = _target_models(_config(request), body.gpu_index)
     client = request.app[vllm_key]
     await _attempt_all("wake", [(model, client.wake(model)) for model in models])
@@ -184,7 +187,7 @@ async def vllm_wake(request: web.Request) -> web.Response:
 
 @routes.post("/v1/training/start")
 async def training_start(request: web.Request) -> web.Response:
-    await read_body(request, _NoParameters)
+    await parse_body(request, _NoParameters, limit=MAX_BODY_BYTES, empty_ok=True)
     try:
         failures = await request.app[runs_key].start_all()
     except ShuttingDownError as exc:
@@ -199,7 +202,7 @@ async def training_start(request: web.Request) -> web.Response:
 
 @routes.post("/v1/training/stop")
 async def training_stop(request: web.Request) -> web.Response:
-    body = await read_body(request, TrainingStopRequest)
+    body = await parse_body(request, TrainingStopRequest, limit=MAX_BODY_BYTES, empty_ok=True)
     settings = request.app[settings_key]
     grace_s = settings.stop_grace_s if body.grace_ms is None else body.grace_ms / 1000
     await request.app[runs_key].stop_all(grace_s)
@@ -227,7 +230,7 @@ async def gpu_memory(request: web.Request) -> web.Response:
 
 @routes.post("/v1/probe")
 async def probe(request: web.Request) -> web.Response:
-    body = await read_body(request, ProbeRequest)
+    body = await parse_body(request, ProbeRequest, limit=MAX_BODY_BYTES, empty_ok=True)
     timeout_s = DEFAULT_PROBE_TIMEOUT_S if body.timeout_ms is None else body.timeout_ms / 1000
     client = request.app[vllm_key]
     models = [model for slot in _config(request).inference_slots for model in slot.models]

@@ -7,14 +7,24 @@ Nothing else in the package reads ``os.environ``; ``__main__`` passes it to
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Final, Literal, get_args
+from typing import Annotated, Any, Final, Literal, get_args
 
 from haru_protocol import SupervisorConfig, normalize_token
-from pydantic import ValidationError
+from haru_web import ServerLimits, TokenConfigError, check_token, resolve_token
+from pydantic import (
+    AliasChoices,
+    BeforeValidator,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from haru_supervisor._errors import SettingsError
 
@@ -28,6 +38,11 @@ DEFAULT_SHUTDOWN_GRACE_S: Final = 30.0
 DEFAULT_STOP_GRACE_S: Final = 30.0
 
 TOKEN_VAR: Final = "HARU_SUPERVISOR_TOKEN"  # noqa: S105  (a variable name, not a secret)
+TOKEN_FILE_VAR: Final = "HARU_SUPERVISOR_TOKEN_FILE"  # noqa: S105
+HEADER_TIMEOUT_VAR: Final = "HARU_HTTP_HEADER_TIMEOUT_MS"
+BODY_IDLE_VAR: Final = "HARU_HTTP_BODY_IDLE_TIMEOUT_MS"
+KEEPALIVE_VAR: Final = "HARU_HTTP_KEEPALIVE_TIMEOUT_MS"
+MAX_CONNECTIONS_VAR: Final = "HARU_HTTP_MAX_CONNECTIONS"
 CONFIG_VAR: Final = "HARU_SUPERVISOR_CONFIG"
 GPU_SOURCE_VAR: Final = "HARU_SUPERVISOR_GPU_SOURCE"
 SHUTDOWN_GRACE_VAR: Final = "HARU_SUPERVISOR_SHUTDOWN_GRACE_MS"
@@ -42,50 +57,131 @@ def _empty_env() -> Mapping[str, str]:
     return MappingProxyType({})
 
 
-@dataclass(frozen=True, kw_only=True)
-class Settings:
-    """Everything the supervisor needs to start.
+class _MappingEnv(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping, blank values dropped."""
 
-    Attributes:
-        config: The parsed ``HARU_SUPERVISOR_CONFIG`` document.
-        port: TCP port to listen on (``PORT``; 0 picks a free one and logs it).
-        token: The bearer token every ``/v1/*`` route requires, or None for an open API
-            bound to 127.0.0.1 only.
-        gpu_source: Which GPU memory source to use (``HARU_SUPERVISOR_GPU_SOURCE``).
-        shutdown_grace_s: Grace between SIGTERM and SIGKILL for trainers when the supervisor
-            itself shuts down (``HARU_SUPERVISOR_SHUTDOWN_GRACE_MS``).
-        stop_grace_s: Grace of ``POST /v1/training/stop`` when the body names none.
-        trainer_env: The environment every trainer inherits, secrets already removed;
-            ``HARU_CHECKPOINT_DIR`` and ``HARU_GPU_INDEX`` are added per slot.
-        search_path: ``PATH`` on which ``nvidia-smi`` is looked up (None: the process's).
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        self._environ = {k: v.strip() for k, v in environ.items() if v.strip()}
+        super().__init__(settings_cls, case_sensitive=True)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return dict(self._environ)
+
+
+def _ascii_int(value: object) -> object:
+    if isinstance(value, str):
+        text = value.strip()
+        if re.fullmatch(r"[0-9]{1,20}", text) is None:
+            raise ValueError("must be a non-negative integer in ASCII digits")
+        return int(text)
+    return value
+
+
+_EnvInt = Annotated[int, BeforeValidator(_ascii_int)]
+_DurationMs = Annotated[_EnvInt, Field(ge=1, le=2_147_483_647)]
+
+
+class Settings(BaseSettings):
+    """Everything the supervisor needs to start (README: "Configuration").
+
+    :func:`load_settings` reads an environment mapping through pydantic-settings; building
+    :class:`Settings` directly reads nothing from the environment. Frozen; the token is a
+    ``SecretStr`` of at least 16 characters and never appears in a repr or a dump.
     """
 
-    config: SupervisorConfig
-    port: int = DEFAULT_PORT
-    token: str | None = None
-    gpu_source: GpuSource = "auto"
-    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
-    stop_grace_s: float = DEFAULT_STOP_GRACE_S
-    trainer_env: Mapping[str, str] = field(default_factory=_empty_env)
-    search_path: str | None = None
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        case_sensitive=True,
+        validate_by_name=True,
+        validate_by_alias=True,
+        hide_input_in_errors=True,
+        arbitrary_types_allowed=True,
+    )
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "token", normalize_token(self.token))
+    config: SupervisorConfig
+    """The parsed ``HARU_SUPERVISOR_CONFIG`` document."""
+    port: Annotated[_EnvInt, Field(ge=0, le=65535)] = Field(
+        DEFAULT_PORT, validation_alias=AliasChoices("port", "PORT")
+    )
+    """``PORT``: TCP port to listen on (0 picks a free one and logs it)."""
+    token: SecretStr | None = Field(None, validation_alias=AliasChoices("token", TOKEN_VAR))
+    """``HARU_SUPERVISOR_TOKEN`` (or ``HARU_SUPERVISOR_TOKEN_FILE``): the bearer token of every
+    ``/v1/*`` route; None = open API on 127.0.0.1 only, browsers kept out."""
+    gpu_source: GpuSource = "auto"
+    """``HARU_SUPERVISOR_GPU_SOURCE``: NVML, ``nvidia-smi``, or NVML with a fallback."""
+    shutdown_grace_s: float = Field(DEFAULT_SHUTDOWN_GRACE_S, ge=0)
+    """``HARU_SUPERVISOR_SHUTDOWN_GRACE_MS`` (in seconds here): SIGTERM-to-SIGKILL grace of
+    trainers when the supervisor itself shuts down."""
+    stop_grace_s: float = Field(DEFAULT_STOP_GRACE_S, ge=0)
+    """Grace of ``POST /v1/training/stop`` when the body names none."""
+    trainer_env: Mapping[str, str] = Field(default_factory=_empty_env, repr=False, exclude=True)
+    """The environment every trainer inherits, secrets already removed; ``HARU_CHECKPOINT_DIR``
+    and ``HARU_GPU_INDEX`` are added per slot."""
+    search_path: str | None = None
+    """``PATH`` on which ``nvidia-smi`` is looked up (None: the process's)."""
+    http_header_timeout_ms: _DurationMs = Field(
+        10_000, validation_alias=AliasChoices("http_header_timeout_ms", HEADER_TIMEOUT_VAR)
+    )
+    """``HARU_HTTP_HEADER_TIMEOUT_MS``: time a client gets to send a request head (408)."""
+    http_body_idle_timeout_ms: _DurationMs = Field(
+        30_000, validation_alias=AliasChoices("http_body_idle_timeout_ms", BODY_IDLE_VAR)
+    )
+    """``HARU_HTTP_BODY_IDLE_TIMEOUT_MS``: longest silence inside a request body."""
+    http_keepalive_timeout_ms: _DurationMs = Field(
+        75_000, validation_alias=AliasChoices("http_keepalive_timeout_ms", KEEPALIVE_VAR)
+    )
+    """``HARU_HTTP_KEEPALIVE_TIMEOUT_MS``: idle keep-alive connections are closed after it."""
+    http_max_connections: Annotated[_EnvInt, Field(ge=1, le=1_000_000)] = Field(
+        512, validation_alias=AliasChoices("http_max_connections", MAX_CONNECTIONS_VAR)
+    )
+    """``HARU_HTTP_MAX_CONNECTIONS``: open client connections (see haru-web)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: Any, *_others: Any, **_kw: Any
+    ) -> tuple[Any, ...]:
+        # Only what is passed: load_settings() passes the environment it was given.
+        return (init_settings,)
+
+    @field_validator("token", mode="before")
+    @classmethod
+    def _token(cls, value: object) -> object:
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        if isinstance(value, str):
+            try:
+                return check_token(value, name=TOKEN_VAR)
+            except TokenConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _strip_trainer_env(self) -> Settings:
         object.__setattr__(
-            self, "trainer_env", MappingProxyType(trainer_base_env(self.trainer_env, self.token))
+            self,
+            "trainer_env",
+            MappingProxyType(trainer_base_env(self.trainer_env, self.token_value())),
         )
+        return self
+
+    def token_value(self) -> str | None:
+        """The token in clear (for the bearer check only)."""
+        return None if self.token is None else self.token.get_secret_value()
 
     @property
     def host(self) -> str:
         """All interfaces with a token; loopback only without one (SPEC 6.2)."""
         return "0.0.0.0" if self.token is not None else "127.0.0.1"
 
-    def __repr__(self) -> str:
-        # The token never reaches a log line, even through a repr.
-        token = "set" if self.token is not None else "unset"
-        return (
-            f"Settings(port={self.port}, token={token}, gpu_source={self.gpu_source!r}, "
-            f"slots={len(self.config.slots)})"
+    @property
+    def http_limits(self) -> ServerLimits:
+        """The listener's slow-client and overload bounds."""
+        return ServerLimits(
+            header_timeout_s=self.http_header_timeout_ms / 1000,
+            body_idle_timeout_s=self.http_body_idle_timeout_ms / 1000,
+            keepalive_timeout_s=self.http_keepalive_timeout_ms / 1000,
+            max_connections=self.http_max_connections,
         )
 
 
@@ -97,7 +193,7 @@ def trainer_base_env(environ: Mapping[str, str], token: str | None) -> dict[str,
     dropped too: the caller sets them.
     """
     secret = normalize_token(token)
-    dropped = {TOKEN_VAR, CHECKPOINT_DIR_VAR, GPU_INDEX_VAR}
+    dropped = {TOKEN_VAR, TOKEN_FILE_VAR, CHECKPOINT_DIR_VAR, GPU_INDEX_VAR}
     return {
         name: value
         for name, value in environ.items()
@@ -136,15 +232,6 @@ def load_config(value: str) -> SupervisorConfig:
         raise SettingsError(f"{CONFIG_VAR}: {source} is invalid: {_quote(str(exc))}") from exc
 
 
-def _parse_port(raw: str | None) -> int:
-    if raw is None or not raw.strip():
-        return DEFAULT_PORT
-    text = raw.strip()
-    if not text.isdigit() or not 0 <= int(text) <= 65535:
-        raise SettingsError(f"PORT must be an integer from 0 to 65535, got {_quote(text)!r}")
-    return int(text)
-
-
 def _parse_gpu_source(raw: str | None) -> GpuSource:
     text = (raw or "").strip().lower()
     if not text:
@@ -161,7 +248,7 @@ def _parse_grace(raw: str | None) -> float:
     if raw is None or not raw.strip():
         return DEFAULT_SHUTDOWN_GRACE_S
     text = raw.strip()
-    if not text.isdigit() or int(text) > 2_147_483_647:
+    if re.fullmatch(r"[0-9]{1,10}", text) is None or int(text) > 2_147_483_647:
         raise SettingsError(
             f"{SHUTDOWN_GRACE_VAR} must be a non-negative integer (milliseconds), "
             f"got {_quote(text)!r}"
@@ -169,19 +256,53 @@ def _parse_grace(raw: str | None) -> float:
     return int(text) / 1000
 
 
+_ENV_VARS: Final = {
+    "PORT": "PORT",
+    TOKEN_VAR: TOKEN_VAR,
+    HEADER_TIMEOUT_VAR: HEADER_TIMEOUT_VAR,
+    BODY_IDLE_VAR: BODY_IDLE_VAR,
+    KEEPALIVE_VAR: KEEPALIVE_VAR,
+    MAX_CONNECTIONS_VAR: MAX_CONNECTIONS_VAR,
+}
+_FIELD_VARS: Final = {
+    "port": "PORT",
+    "token": TOKEN_VAR,
+    "http_header_timeout_ms": HEADER_TIMEOUT_VAR,
+    "http_body_idle_timeout_ms": BODY_IDLE_VAR,
+    "http_keepalive_timeout_ms": KEEPALIVE_VAR,
+    "http_max_connections": MAX_CONNECTIONS_VAR,
+}
+
+
 def load_settings(environ: Mapping[str, str]) -> Settings:
     """Build :class:`Settings` from an environment mapping (``os.environ`` in production).
 
     Raises:
-        SettingsError: A variable is missing or invalid.
+        SettingsError: A variable is missing or invalid (named; a token is never quoted).
     """
     config = load_config(environ.get(CONFIG_VAR, ""))
-    return Settings(
-        config=config,
-        port=_parse_port(environ.get("PORT")),
-        token=environ.get(TOKEN_VAR),
-        gpu_source=_parse_gpu_source(environ.get(GPU_SOURCE_VAR)),
-        shutdown_grace_s=_parse_grace(environ.get(SHUTDOWN_GRACE_VAR)),
-        trainer_env=environ,
-        search_path=environ.get("PATH"),
-    )
+    env = dict(environ)
+    try:
+        env[TOKEN_VAR] = resolve_token(env, TOKEN_VAR) or ""
+    except TokenConfigError as exc:
+        raise SettingsError(str(exc)) from None
+    values = _MappingEnv(Settings, {k: v for k, v in env.items() if k in _ENV_VARS})()
+    try:
+        return Settings(
+            config=config,
+            gpu_source=_parse_gpu_source(environ.get(GPU_SOURCE_VAR)),
+            shutdown_grace_s=_parse_grace(environ.get(SHUTDOWN_GRACE_VAR)),
+            trainer_env=environ,
+            search_path=environ.get("PATH"),
+            **values,
+        )
+    except ValidationError as exc:
+        parts = []
+        for error in exc.errors(include_url=False, include_input=False, include_context=False):
+            field = ".".join(str(p) for p in error["loc"])
+            name = _FIELD_VARS.get(field, field)
+            message = error["msg"].removeprefix("Value error, ")
+            if name == "PORT":
+                message = "must be an integer from 0 to 65535"
+            parts.append(message if message.startswith(name) else f"{name} {message}")
+        raise SettingsError("; ".join(parts)) from None

@@ -1,0 +1,136 @@
+"""Listening with the hardened handler, and stopping on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from aiohttp import web
+
+from haru_web._errors import ListenError
+from haru_web._handler import ConnectionRegistry, harden
+from haru_web._limits import RateLimitedLog, ServerLimits, connection_cap
+
+logger = logging.getLogger("haru_web")
+
+
+class HardenedAppRunner(web.AppRunner):
+    """An :class:`aiohttp.web.AppRunner` whose connections honour :class:`ServerLimits`."""
+
+    def __init__(self, app: web.Application, *, limits: ServerLimits, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        cap = connection_cap(limits.max_connections)
+        if cap < limits.max_connections:
+            logger.warning(
+                "connection cap lowered from %d to %d to stay under the open-file limit",
+                limits.max_connections,
+                cap,
+            )
+            limits = ServerLimits(
+                header_timeout_s=limits.header_timeout_s,
+                body_idle_timeout_s=limits.body_idle_timeout_s,
+                keepalive_timeout_s=limits.keepalive_timeout_s,
+                max_connections=cap,
+            )
+        self.registry = ConnectionRegistry(
+            limits, RateLimitedLog(logging.getLogger("haru_web.protocol"))
+        )
+
+    async def _make_server(self) -> web.Server:
+        return harden(await super()._make_server(), self.registry)
+
+
+@dataclass(frozen=True, slots=True)
+class Listening:
+    """Where a service listens.
+
+    Attributes:
+        host: The bound address (``0.0.0.0`` or ``127.0.0.1``).
+        port: The bound port (the real one when 0 was asked).
+        url: A base URL a local client can use (loopback for ``0.0.0.0``).
+    """
+
+    host: str
+    port: int
+    url: str
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    app: web.Application,
+    *,
+    host: str,
+    port: int,
+    limits: ServerLimits,
+    shutdown_timeout: float,
+) -> AsyncIterator[Listening]:
+    """Start ``app`` on ``host:port`` with the hardened handler; clean up on exit.
+
+    Raises:
+        ListenError: The address could not be bound.
+    """
+    runner = HardenedAppRunner(
+        app, limits=limits, handle_signals=False, shutdown_timeout=shutdown_timeout
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise ListenError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+        bound = runner.addresses[0][1]
+        local = "127.0.0.1" if host == "0.0.0.0" else host
+        yield Listening(host=host, port=bound, url=f"http://{local}:{bound}")
+    finally:
+        await runner.cleanup()
+
+
+class StopSignals:
+    """SIGINT/SIGTERM handlers for the duration of a ``with`` block.
+
+    The first signal sets :attr:`stop`; a second one sets :attr:`force` (for a service that
+    stops gracefully and lets an impatient operator cut it short).
+
+    Args:
+        stop: The event the first signal sets (a caller may set it too); a new one if None.
+    """
+
+    def __init__(self, stop: asyncio.Event | None = None) -> None:
+        self.stop = stop if stop is not None else asyncio.Event()
+        self.force = asyncio.Event()
+        self._installed: list[signal.Signals] = []
+
+    def _on_signal(self, signum: signal.Signals) -> None:
+        if self.stop.is_set():
+            logger.warning("%s again: stopping now", signum.name)
+            self.force.set()
+        else:
+            logger.info("%s: shutting down", signum.name)
+            self.stop.set()
+
+    def __enter__(self) -> StopSignals:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            # Not the main thread (an embedding test harness): the caller's stop event rules.
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(signum, self._on_signal, signum)
+                self._installed.append(signum)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        for signum in self._installed:
+            loop.remove_signal_handler(signum)
+        self._installed.clear()
