@@ -92,16 +92,17 @@ class Settings:
 def trainer_base_env(environ: Mapping[str, str], token: str | None) -> dict[str, str]:
     """The parent environment a trainer inherits: the supervisor's secrets removed.
 
-    ``HARU_SUPERVISOR_TOKEN`` goes, and so does any variable whose value contains the token
-    (the same secret exported under another name, or inside a URL). The per-slot variables are
-    dropped too: the caller sets them.
+    ``HARU_SUPERVISOR_TOKEN`` goes, and so does any variable whose value IS the token (the
+    same secret exported under another name). Only exact matches: a substring test would drop
+    ``PATH`` for a token such as ``bin``. The per-slot variables are dropped too: the caller
+    sets them.
     """
     secret = normalize_token(token)
     dropped = {TOKEN_VAR, CHECKPOINT_DIR_VAR, GPU_INDEX_VAR}
     return {
         name: value
         for name, value in environ.items()
-        if name not in dropped and (secret is None or secret not in value)
+        if name not in dropped and (secret is None or value.strip() != secret)
     }
 
 
