@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +18,7 @@ import pytest
 from haru_protocol import SupervisorTrainingSlot, TrainingRunState
 from haru_sim import read_trainer_checkpoint
 from haru_supervisor import (
+    SettingsError,
     ShuttingDownError,
     TrainingRun,
     TrainingRuns,
@@ -376,3 +380,72 @@ def test_a_short_token_does_not_strip_variables_that_contain_it() -> None:
     parent = {"PATH": "/usr/local/bin:/usr/bin:/bin", "SHELL": "/bin/sh", "ALIAS": "bin"}
     env = trainer_base_env({**parent, "HARU_SUPERVISOR_TOKEN": "bin"}, "bin")
     assert env == {"PATH": parent["PATH"], "SHELL": "/bin/sh"}
+
+
+# A trainer that tries to read the supervisor's environment (where HARU_SUPERVISOR_TOKEN may
+# sit) and records who it runs as and what it got.
+_SNOOP = (
+    'cd "$HARU_CHECKPOINT_DIR" && id -u > uid.tmp && mv uid.tmp uid; '
+    'cat "/proc/$1/environ" > environ 2>/dev/null; echo $? > rc.tmp && mv rc.tmp rc; '
+    "exec sleep 60"
+)
+
+
+def _snooping_slot(directory: Path, run_as: str | None) -> SupervisorTrainingSlot:
+    return SupervisorTrainingSlot(
+        gpu_index=1,
+        command=("/bin/sh", "-c", _SNOOP, "snoop", str(os.getpid())),
+        checkpoint_dir=str(directory),
+        run_as=run_as,
+    )
+
+
+def _shared_directory() -> Path:
+    # World-writable: the runAs user must write there, and pytest's base directory is 0700.
+    directory = Path(tempfile.mkdtemp(prefix="haru-runas-"))
+    directory.chmod(0o777)
+    return directory
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runAs needs a root supervisor (tests not root)")
+async def test_a_trainer_run_as_another_user_cannot_read_the_supervisor_environment(
+    wait_for: Any, alive: Callable[[int], bool]
+) -> None:
+    results = {}
+    for run_as in (None, "nobody"):
+        directory = _shared_directory()
+        run = TrainingRun(
+            _snooping_slot(directory, run_as), base_env={"PATH": "/usr/bin:/bin"}, poll_s=0.02
+        )
+        try:
+            await run.start()
+            await wait_for(lambda d=directory: (d / "rc").exists())
+            pids = await run.pids()
+            assert pids
+            results[run_as] = (
+                int((directory / "uid").read_text()),
+                int((directory / "rc").read_text()),
+                (directory / "environ").read_bytes(),
+                {os.stat(f"/proc/{pid}").st_uid for pid in pids},
+            )
+        finally:
+            await run.stop(0.0)
+            await run.wait_idle()
+            shutil.rmtree(directory)
+        assert not any(alive(pid) for pid in pids)
+    # The control: as the supervisor's own user, the trainer reads its environment (where
+    # HARU_SUPERVISOR_TOKEN would be).
+    uid, rc, environ, owners = results[None]
+    assert (uid, rc, owners) == (0, 0, {0})
+    assert b"PATH=" in environ
+    # As nobody, with the supervisor as root: the kernel refuses, nothing leaks.
+    nobody = pwd.getpwnam("nobody").pw_uid
+    uid, rc, environ, owners = results["nobody"]
+    assert (uid, owners) == (nobody, {nobody})
+    assert rc != 0
+    assert environ == b""
+
+
+def test_run_as_a_missing_user_is_refused_when_the_run_is_built(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="no such user"):
+        TrainingRun(_snooping_slot(tmp_path, "no-such-user-haru"), base_env={})

@@ -41,6 +41,10 @@ class SupervisorTrainingSlot(WireModel):
     gpu_index: GpuIndex
     command: tuple[NonEmptyStr, ...] = Field(min_length=1)
     checkpoint_dir: NonEmptyStr
+    run_as: NonEmptyStr | None = None
+    """Run the trainer as this user (a name or a numeric uid) with its primary group and no
+    supplementary group, so it cannot read the supervisor's environment or token file. Needs
+    a supervisor running as root; the user must exist when the config is loaded."""
 
 
 SupervisorSlot = Annotated[

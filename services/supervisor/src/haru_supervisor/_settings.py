@@ -17,6 +17,7 @@ from haru_protocol import SupervisorConfig, normalize_token
 from pydantic import ValidationError
 
 from haru_supervisor._errors import SettingsError
+from haru_supervisor._users import check_run_as
 
 GpuSource = Literal["auto", "nvml", "nvidia-smi"]
 """Where ``GET /v1/gpu/memory`` reads from: NVML, ``nvidia-smi``, or NVML with a fallback."""
@@ -132,9 +133,14 @@ def load_config(value: str) -> SupervisorConfig:
     except ValueError as exc:
         raise SettingsError(f"{CONFIG_VAR}: {source} is not valid JSON: {exc}") from exc
     try:
-        return SupervisorConfig.model_validate_json(text)
+        config = SupervisorConfig.model_validate_json(text)
     except ValidationError as exc:
         raise SettingsError(f"{CONFIG_VAR}: {source} is invalid: {_quote(str(exc))}") from exc
+    try:
+        check_run_as(config)
+    except SettingsError as exc:
+        raise SettingsError(f"{CONFIG_VAR}: {source}: {exc}") from exc
+    return config
 
 
 def _parse_port(raw: str | None) -> int:

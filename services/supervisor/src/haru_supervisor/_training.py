@@ -41,6 +41,7 @@ from haru_protocol import SupervisorTrainingSlot, TrainingRunState, TrainingSlot
 
 from haru_supervisor._errors import ShuttingDownError, TrainingStartError
 from haru_supervisor._settings import CHECKPOINT_DIR_VAR, GPU_INDEX_VAR
+from haru_supervisor._users import RunAs, resolve_run_as
 
 logger = logging.getLogger(__name__)
 
@@ -270,10 +271,24 @@ class TrainingRun:
             clock: Monotonic seconds, for the kill deadline.
             poll_s: How often to check for surviving processes while stopping.
             track_s: How often to look for new descendants while running.
+
+        Raises:
+            SettingsError: The slot's ``runAs`` cannot be honoured (not root, no such user).
         """
         self._slot = slot
+        self._run_as: RunAs | None = resolve_run_as(slot)
+        login = (
+            {}
+            if self._run_as is None
+            else {
+                "HOME": self._run_as.home,
+                "USER": self._run_as.name,
+                "LOGNAME": self._run_as.name,
+            }
+        )
         self._env = {
             **base_env,
+            **login,
             CHECKPOINT_DIR_VAR: slot.checkpoint_dir,
             GPU_INDEX_VAR: str(slot.gpu_index),
         }
@@ -340,12 +355,18 @@ class TrainingRun:
             if self._state is not TrainingRunState.IDLE:
                 return False
             command = self._slot.command
+            run_as = self._run_as
             try:
+                # With runAs: that user, its primary group and NO supplementary group (the
+                # supervisor's, root's included, would otherwise stay).
                 process = await asyncio.create_subprocess_exec(
                     *command,
                     stdin=asyncio.subprocess.DEVNULL,
                     env=self._env,
                     start_new_session=True,
+                    user=None if run_as is None else run_as.uid,
+                    group=None if run_as is None else run_as.gid,
+                    extra_groups=None if run_as is None else [],
                 )
             except (OSError, ValueError) as exc:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
