@@ -266,10 +266,12 @@ async def training_status(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/gpu/memory")
+@routes.get("/v1/gpu/processes")
 async def gpu_memory(request: web.Request) -> web.Response:
     reader = request.app[gpu_key]
+    with_processes = request.path.endswith("/processes")
     try:
-        gpus = await reader.read()
+        gpus = await (reader.read_with_processes() if with_processes else reader.read())
     except GpuMemoryUnavailable as exc:
         raise ApiError(ErrorCode.NOT_IMPLEMENTED, str(exc)) from exc
     except GpuMemorySourceError as exc:
