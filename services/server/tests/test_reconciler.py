@@ -8,6 +8,7 @@ signals. Budgets run on an injected clock.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 from uuid import UUID
@@ -32,6 +33,7 @@ from haru_server._reconciler import Reconciler
 from haru_server._supervisor import SupervisorClient
 from haru_server.localfleet import LocalFleet
 from haru_sim import read_trainer_checkpoint
+from haru_supervisor import process_name
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 MakeReconciler = Callable[..., Reconciler]
@@ -740,6 +742,53 @@ async def test_verify_gpu_waits_for_released_memory_then_times_out(
     # Nothing was woken: no restore demote is queued.
     assert await store.get_in_flight_operation(seeded.id) is None
     assert all(sim.sleeping for sim in fleet.domain("beta").sims.values())
+
+
+async def test_verify_gpu_names_the_processes_holding_the_gpu_when_it_fails(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    # Training stopped, but a process it left (or anything else) still holds GPU 1; this test
+    # process stands for it, so the supervisor can read its name.
+    beta = fleet.domain("beta")
+    beta.gpu_used_mib[1] = 0.4 * 81_920
+    beta.gpu_processes[1] = [(os.getpid(), 32_000.0)]
+    reconciler = make_reconciler(store)
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.current_step is OperationStep.VERIFY_GPU
+    # The last tick of the budget: its polling reaches the deadline.
+    clock.advance(ms=seeded.policy.verify_gpu_timeout_ms - 200)
+    await reconciler.tick("local")
+    failed = await store.get_operation(promote.id)
+    assert failed is not None
+    assert failed.error is not None
+    assert (failed.error.step, failed.error.code) == (
+        OperationStep.VERIFY_GPU,
+        OperationErrorCode.STEP_TIMEOUT,
+    )
+    name = process_name(os.getpid())
+    assert name
+    holder = f"GPU 1: pid {os.getpid()} {name} 32000 MiB"
+    assert holder in failed.error.message
+    (event,) = [
+        e
+        for e in await store.list_events(seeded.id, limit=1000)
+        if e.type == EventType.OPERATION_FAILED
+    ]
+    assert holder in str(event.payload["message"])
 
 
 async def test_switch_active_over_budget_counts_as_done_when_routing_committed(

@@ -14,7 +14,7 @@ import pytest
 from haru_protocol import SupervisorConfig, SupervisorStatus
 from haru_sim import VllmSim, read_trainer_checkpoint
 from haru_supervisor import Settings, VllmTimeouts, create_app
-from haru_supervisor._keys import runs_key
+from haru_supervisor._keys import actions_key, runs_key
 from haru_supervisor._settings import TOKEN_VAR
 
 Command = Callable[..., tuple[str, ...]]
@@ -603,3 +603,110 @@ async def test_an_open_supervisor_refuses_browser_requests(
         "/v1/vllm/sleep", data=b"{}", headers={"Content-Type": "application/json"}
     )
     assert ok.status == 200
+
+
+# -- admin actions: one at a time per GPU ------------------------------------------------------
+
+
+async def test_twenty_concurrent_sleep_and_wake_calls_run_one_at_a_time_and_join(
+    supervisor: Any, sims: Any, auth: dict[str, str], wait_for: Any
+) -> None:
+    sim = await sims("m-a")
+    client = await supervisor({"slots": [_inference(0, sim)]})
+    actions = client.app[actions_key]
+    # The first sleep hangs inside vLLM: everything that arrives meanwhile must wait for it.
+    await sim.set_faults(hang=True)
+    first = asyncio.create_task(client.post("/v1/vllm/sleep", json={}, headers=auth))
+    await wait_for(lambda: actions.callers == 1)
+    others = [
+        asyncio.create_task(
+            client.post(f"/v1/vllm/{'wake' if i % 2 else 'sleep'}", json={}, headers=auth)
+        )
+        for i in range(1, 20)
+    ]
+    # 9 sleeps joined the running one; the 10 wakes queued behind it as ONE wake.
+    await wait_for(lambda: actions.callers == 20)
+    assert actions.actions == 2
+    await sim.set_faults(hang=False)
+    responses = await asyncio.gather(first, *others)
+    assert [r.status for r in responses] == [200] * 20
+    assert [await r.json() for r in responses] == [{"status": "ok"}] * 20
+    # One sleep, then one wake: never interleaved, never repeated.
+    assert (sim.sleeps, sim.wakes) == (1, 1)
+    assert sim.sleeping is False
+    assert (actions.callers, actions.actions) == (0, 0)
+
+
+async def test_a_wake_is_refused_while_training_holds_the_gpu(
+    supervisor: Any,
+    sims: Any,
+    auth: dict[str, str],
+    sim_trainer: Command,
+    tmp_path: Path,
+    wait_for: Any,
+) -> None:
+    sim = await sims("m-a")
+    other = await sims("m-b")
+    client = await supervisor(
+        {
+            "slots": [
+                _inference(0, other),
+                _inference(1, sim),
+                _training(1, sim_trainer(), tmp_path),
+            ]
+        }
+    )
+    assert (await client.post("/v1/vllm/sleep", json={}, headers=auth)).status == 200
+    assert (await client.post("/v1/training/start", json={}, headers=auth)).status == 200
+    response = await client.post("/v1/vllm/wake", json={"gpuIndex": 1}, headers=auth)
+    assert response.status == 409
+    error = (await response.json())["error"]
+    assert error["code"] == "operation_conflict"
+    assert "GPU 1 (running)" in error["message"]
+    # A wake of every slot touches GPU 1 too: refused as a whole, nothing woken.
+    assert (await client.post("/v1/vllm/wake", json={}, headers=auth)).status == 409
+    assert (sim.sleeping, other.sleeping) == (True, True)
+    # GPU 0 holds no training slot: its wake goes through.
+    assert (await client.post("/v1/vllm/wake", json={"gpuIndex": 0}, headers=auth)).status == 200
+    assert other.sleeping is False
+    stop = await client.post("/v1/training/stop", json={"graceMs": 5000}, headers=auth)
+    assert stop.status == 202
+
+    async def idle() -> bool:
+        body = await (await client.get("/v1/training/status", headers=auth)).json()
+        return bool(body["slots"][0]["state"] == "idle")
+
+    await wait_for(idle)
+    assert (await client.post("/v1/vllm/wake", json={"gpuIndex": 1}, headers=auth)).status == 200
+    assert sim.sleeping is False
+
+
+async def test_stop_leaves_no_process_of_a_trainer_whose_grandchild_escaped(
+    supervisor: Any,
+    auth: dict[str, str],
+    fake_trainer: Command,
+    tmp_path: Path,
+    wait_for: Any,
+    alive: Callable[[int], bool],
+) -> None:
+    client = await supervisor(
+        {"slots": [_training(0, fake_trainer("--escaped-grandchild"), tmp_path)]}
+    )
+    assert (await client.post("/v1/training/start", json={}, headers=auth)).status == 200
+    await wait_for(lambda: (tmp_path / "ready.json").exists())
+    pids = json.loads((tmp_path / "ready.json").read_text())
+
+    async def reported() -> bool:
+        body = await (await client.get("/v1/training/status", headers=auth)).json()
+        return set(body["slots"][0]["pids"]) == set(pids)
+
+    await wait_for(reported)
+    stop = await client.post("/v1/training/stop", json={"graceMs": 300}, headers=auth)
+    assert stop.status == 202
+
+    async def idle() -> bool:
+        body = await (await client.get("/v1/training/status", headers=auth)).json()
+        return bool(body["slots"][0] == {"gpuIndex": 0, "state": "idle", "pids": []})
+
+    await wait_for(idle)
+    assert not any(alive(pid) for pid in pids)

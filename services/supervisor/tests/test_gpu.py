@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -9,16 +10,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from haru_protocol import ExecResult, ExecSpawnError, ExecTimeoutError, GpuMemory
+from haru_protocol import ExecResult, ExecSpawnError, ExecTimeoutError, GpuMemory, GpuProcess
 from haru_supervisor import (
+    NVIDIA_SMI_APPS_ARGS,
     NVIDIA_SMI_ARGS,
+    NVIDIA_SMI_UUID_ARGS,
     SOURCE_HEADER,
     GpuMemorySourceError,
     GpuMemoryUnavailable,
     NvidiaSmiSource,
     NvmlSource,
     open_gpu_reader,
+    parse_nvidia_smi_apps,
     parse_nvidia_smi_memory,
+    parse_nvidia_smi_uuids,
+    process_name,
 )
 
 MIB = 1024 * 1024
@@ -370,3 +376,130 @@ async def test_route_uses_an_injected_exec(
     assert response.status == 200
     assert [gpu["usedMiB"] for gpu in (await response.json())["gpus"]] == [10, 20]
     assert fake.calls[0][0] == (str(smi), *NVIDIA_SMI_ARGS)
+
+
+# -- compute processes: who holds the memory -------------------------------------------------
+
+UUID_H200 = "GPU-811a34c2-3b4b-7d57-9ef5-adf2f887d9ae"
+
+
+def test_parses_the_real_apps_capture_of_a_process_holding_20_gib(data_dir: Path) -> None:
+    uuids = parse_nvidia_smi_uuids((data_dir / "smi-index-uuid.csv").read_text())
+    assert uuids == {UUID_H200: 0}
+    apps = parse_nvidia_smi_apps((data_dir / "smi-apps-holding-20gib.csv").read_text(), uuids)
+    assert apps == {0: (GpuProcess(pid=431, name=process_name(431), used_mib=21090.0),)}
+
+
+def test_the_real_idle_apps_capture_is_empty(data_dir: Path) -> None:
+    assert (data_dir / "smi-apps-idle.csv").read_text() == ""
+    assert parse_nvidia_smi_apps("", {UUID_H200: 0}) == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("431, GPU-other, 21090\n", "unknown GPU"),
+        ("431, 21090\n", "is not 'pid, gpu_uuid, used_memory'"),
+        ("x, GPU-811a34c2-3b4b-7d57-9ef5-adf2f887d9ae, 1\n", "is not 'pid"),
+    ],
+)
+def test_malformed_apps_output_is_an_error(text: str, match: str) -> None:
+    with pytest.raises(GpuMemorySourceError, match=match):
+        parse_nvidia_smi_apps(text, {UUID_H200: 0})
+
+
+@dataclass
+class ArgvExec:
+    """Answers each nvidia-smi query from its own text."""
+
+    answers: dict[str, str]
+    calls: list[tuple[str, ...]] = field(default_factory=list)
+
+    async def __call__(
+        self, argv: Sequence[str], *, timeout: float, env: Mapping[str, str] | None = None
+    ) -> ExecResult:
+        self.calls.append(tuple(argv))
+        return ExecResult(argv=tuple(argv), returncode=0, stdout=self.answers[argv[1]], stderr="")
+
+
+async def test_the_processes_route_names_who_holds_each_gpu(
+    supervisor: Any, auth: dict[str, str], tmp_path: Path, data_dir: Path
+) -> None:
+    smi = _fake_smi(tmp_path / "bin", None)
+    # The real capture, with this test's own pid so that its name can be read.
+    holding = (data_dir / "smi-apps-holding-20gib.csv").read_text().replace("431", str(os.getpid()))
+    fake = ArgvExec(
+        {
+            NVIDIA_SMI_ARGS[0]: (data_dir / "smi-mem-holding-20gib.csv").read_text(),
+            NVIDIA_SMI_APPS_ARGS[0]: holding,
+            NVIDIA_SMI_UUID_ARGS[0]: (data_dir / "smi-index-uuid.csv").read_text(),
+        }
+    )
+    client = await supervisor(
+        INFERENCE_ONLY, search_path=str(smi.parent), exec_=fake, gpu_source="nvidia-smi"
+    )
+    response = await client.get("/v1/gpu/processes", headers=auth)
+    assert response.status == 200
+    (gpu,) = (await response.json())["gpus"]
+    name = process_name(os.getpid())
+    assert name
+    assert gpu["processes"] == [{"pid": os.getpid(), "name": name, "usedMiB": 21090.0}]
+    # The uuid map is asked once, then reused.
+    await client.get("/v1/gpu/processes", headers=auth)
+    assert sum(call[1] == NVIDIA_SMI_UUID_ARGS[0] for call in fake.calls) == 1
+    # The memory route is unchanged: one query, no process list.
+    fake.calls.clear()
+    memory = await (await client.get("/v1/gpu/memory", headers=auth)).json()
+    assert "processes" not in memory["gpus"][0]
+    assert [call[1] for call in fake.calls] == [NVIDIA_SMI_ARGS[0]]
+
+
+async def test_the_processes_route_answers_502_when_the_listing_fails(
+    supervisor: Any, auth: dict[str, str], tmp_path: Path, data_dir: Path
+) -> None:
+    smi = _fake_smi(tmp_path / "bin", None)
+    fake = ArgvExec(
+        {
+            NVIDIA_SMI_ARGS[0]: (data_dir / "smi-mem.csv").read_text(),
+            NVIDIA_SMI_APPS_ARGS[0]: "431, GPU-unknown, 5\n",
+            NVIDIA_SMI_UUID_ARGS[0]: (data_dir / "smi-index-uuid.csv").read_text(),
+        }
+    )
+    client = await supervisor(
+        INFERENCE_ONLY, search_path=str(smi.parent), exec_=fake, gpu_source="nvidia-smi"
+    )
+    response = await client.get("/v1/gpu/processes", headers=auth)
+    assert response.status == 502
+    assert "unknown GPU" in (await response.json())["error"]["message"]
+
+
+@dataclass
+class NvmlProcess:
+    pid: int
+    usedGpuMemory: int | None  # noqa: N815  (NVML's name)
+
+
+@dataclass
+class FakeNvmlWithProcesses(FakeNvml):
+    running: dict[int, list[NvmlProcess]] = field(default_factory=dict)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: object) -> list[NvmlProcess]:  # noqa: N802
+        assert isinstance(handle, int)
+        return self.running.get(handle, [])
+
+
+async def test_nvml_lists_the_compute_processes() -> None:
+    fake = FakeNvmlWithProcesses(
+        gpus=[(0, 616 * MIB, 143771 * MIB), (21714 * MIB, 616 * MIB, 143771 * MIB)],
+        running={1: [NvmlProcess(os.getpid(), 21090 * MIB), NvmlProcess(2**22 + 7, None)]},
+    )
+    source = NvmlSource.open(fake)
+    assert await source.processes() == {
+        1: (
+            GpuProcess(pid=os.getpid(), name=process_name(os.getpid()), used_mib=21090.0),
+            GpuProcess(pid=2**22 + 7, name=None, used_mib=None),
+        )
+    }
+    # An NVML without the call cannot list them: an error, never an empty list.
+    with pytest.raises(GpuMemorySourceError, match="cannot list"):
+        await NvmlSource.open(FakeNvml()).processes()

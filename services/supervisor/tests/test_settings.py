@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+from haru_protocol import SupervisorConfig
 from haru_supervisor import Settings, SettingsError, load_config, load_settings
+from haru_supervisor._users import check_run_as
 from pydantic import SecretStr, ValidationError
 
 CONFIG: dict[str, Any] = {
@@ -68,13 +71,16 @@ def test_the_trainer_environment_holds_no_secret() -> None:
         {
             "HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG),
             "HARU_SUPERVISOR_TOKEN": "tok-42-secret-0123456789",
+            "SAME_TOKEN": "tok-42-secret-0123456789",
             "DB_URL": "postgres://u:tok-42-secret-0123456789@h/db",
             "HOME": "/root",
             "PATH": "/usr/bin",
         }
     )
+    # The token variable and exact copies go; a value merely containing the token stays.
     assert dict(settings.trainer_env) == {
         "HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG),
+        "DB_URL": "postgres://u:tok-42-secret-0123456789@h/db",
         "HOME": "/root",
         "PATH": "/usr/bin",
     }
@@ -213,3 +219,40 @@ def test_settings_are_frozen_and_bounds_are_settings() -> None:
     assert settings.http_limits.body_idle_timeout_s == 30.0
     with pytest.raises(ValidationError, match="frozen"):
         settings.port = 1  # type: ignore[misc]
+
+
+def _with_run_as(user: str) -> str:
+    slots = [*CONFIG["slots"]]
+    return json.dumps(
+        {
+            "slots": [
+                *slots,
+                {
+                    "kind": "training",
+                    "gpuIndex": 7,
+                    "command": ["/bin/true"],
+                    "checkpointDir": "/var/lib/haru/ck7",
+                    "runAs": user,
+                },
+            ]
+        }
+    )
+
+
+def test_run_as_an_unknown_user_is_refused_at_load() -> None:
+    with pytest.raises(SettingsError, match=r"runAs 'no-such-user-haru'.*no such user"):
+        load_config(_with_run_as("no-such-user-haru"))
+
+
+def test_run_as_needs_a_root_supervisor() -> None:
+    config = SupervisorConfig.model_validate_json(_with_run_as("nobody"))
+    with pytest.raises(SettingsError, match="needs the supervisor to run as root"):
+        check_run_as(config, euid=lambda: 1000)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="runAs needs a root supervisor; tests run as non-root"
+)
+def test_run_as_an_existing_user_loads_as_root() -> None:
+    config = load_config(_with_run_as("nobody"))
+    assert config.training_slots[-1].run_as == "nobody"

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +18,7 @@ import pytest
 from haru_protocol import SupervisorTrainingSlot, TrainingRunState
 from haru_sim import read_trainer_checkpoint
 from haru_supervisor import (
+    SettingsError,
     ShuttingDownError,
     TrainingRun,
     TrainingRuns,
@@ -123,6 +127,50 @@ async def test_the_whole_process_group_dies(
     assert await run.pids() == ()
 
 
+async def test_a_grandchild_that_left_the_session_is_stopped_too(
+    tmp_path: Path, fake_trainer: Command, wait_for: Any, alive: Callable[[int], bool]
+) -> None:
+    # The grandchild calls setsid() (a process group of its own, out of reach of killpg on
+    # the trainer's group) and ignores SIGTERM: stop must still leave no process.
+    run = _run(fake_trainer("--escaped-grandchild"), tmp_path)
+    await run.start()
+    await wait_for(lambda: _ready_pids(tmp_path) is not None)
+    pids = _ready_pids(tmp_path)
+    assert pids is not None
+    trainer, grandchild = pids
+    assert os.getpgid(grandchild) == grandchild != trainer
+    await wait_for(lambda: _pids_reported(run, pids))
+    await run.stop(0.3)
+    await run.wait_idle()
+    assert not alive(trainer)
+    assert not alive(grandchild)
+    assert _state(run) is TrainingRunState.IDLE
+    assert await run.pids() == ()
+
+
+async def test_an_escaped_grandchild_of_a_finished_trainer_is_found_and_killed(
+    tmp_path: Path,
+    fake_trainer: Command,
+    alive: Callable[[int], bool],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The trainer exits right away: its setsid() grandchild is orphaned before any poll saw
+    # it. The supervisor adopts it (child subreaper) and recognises it by the slot's marks.
+    caplog.set_level(logging.INFO, logger="haru_supervisor")
+    run = TrainingRun(
+        _slot(fake_trainer("--escaped-grandchild", "--exit-after-ms", "0"), tmp_path),
+        base_env=dict(os.environ),
+        poll_s=0.02,
+        track_s=60.0,
+    )
+    await run.start()
+    await run.wait_idle()
+    pids = _ready_pids(tmp_path)
+    assert pids is not None
+    assert not any(alive(pid) for pid in pids)
+    assert "left processes" in caplog.text
+
+
 async def _pids_reported(run: TrainingRun, pids: list[int]) -> bool:
     return set(await run.pids()) == set(pids)
 
@@ -173,7 +221,8 @@ async def test_the_environment_has_no_secret_and_exactly_two_additions(
         "LC_ALL": "C.UTF-8",
         "KEEP_ME": "yes",
         "HARU_SUPERVISOR_TOKEN": token,
-        "SAME_SECRET_ELSEWHERE": f"https://user:{token}@example.invalid/",
+        "SAME_SECRET_ELSEWHERE": token,
+        "MENTIONS_IT": f"https://user:{token}@example.invalid/",
         "HARU_CHECKPOINT_DIR": "/stale",
         "HARU_GPU_INDEX": "7",
     }
@@ -191,10 +240,11 @@ async def test_the_environment_has_no_secret_and_exactly_two_additions(
         "PATH": parent["PATH"],
         "LC_ALL": "C.UTF-8",
         "KEEP_ME": "yes",
+        # Only exact matches go: a value that merely contains the token is the operator's.
+        "MENTIONS_IT": parent["MENTIONS_IT"],
         "HARU_CHECKPOINT_DIR": str(tmp_path),
         "HARU_GPU_INDEX": "3",
     }
-    assert token not in json.dumps(env)
 
 
 async def test_a_second_stop_only_tightens_the_deadline(
@@ -273,7 +323,7 @@ async def test_processes_left_behind_by_a_finished_trainer_are_killed(
     pids = _ready_pids(tmp_path)
     assert pids is not None
     assert not any(alive(pid) for pid in pids)
-    assert "left processes in its group" in caplog.text
+    assert "left processes" in caplog.text
 
 
 async def test_runs_refuse_starts_once_shutdown_began(
@@ -324,3 +374,78 @@ def test_the_trainer_environment_helper_drops_per_slot_variables() -> None:
     env = trainer_base_env({"A": "1", "HARU_GPU_INDEX": "0", "HARU_CHECKPOINT_DIR": "/x"}, None)
     assert env == {"A": "1"}
     assert sys.executable  # the interpreter the trainers run on
+
+
+def test_a_short_token_does_not_strip_variables_that_contain_it() -> None:
+    parent = {"PATH": "/usr/local/bin:/usr/bin:/bin", "SHELL": "/bin/sh", "ALIAS": "bin"}
+    env = trainer_base_env({**parent, "HARU_SUPERVISOR_TOKEN": "bin"}, "bin")
+    assert env == {"PATH": parent["PATH"], "SHELL": "/bin/sh"}
+
+
+# A trainer that tries to read the supervisor's environment (where HARU_SUPERVISOR_TOKEN may
+# sit) and records who it runs as and what it got.
+_SNOOP = (
+    'cd "$HARU_CHECKPOINT_DIR" && id -u > uid.tmp && mv uid.tmp uid; '
+    'cat "/proc/$1/environ" > environ 2>/dev/null; echo $? > rc.tmp && mv rc.tmp rc; '
+    "exec sleep 60"
+)
+
+
+def _snooping_slot(directory: Path, run_as: str | None) -> SupervisorTrainingSlot:
+    return SupervisorTrainingSlot(
+        gpu_index=1,
+        command=("/bin/sh", "-c", _SNOOP, "snoop", str(os.getpid())),
+        checkpoint_dir=str(directory),
+        run_as=run_as,
+    )
+
+
+def _shared_directory() -> Path:
+    # World-writable: the runAs user must write there, and pytest's base directory is 0700.
+    directory = Path(tempfile.mkdtemp(prefix="haru-runas-"))
+    directory.chmod(0o777)
+    return directory
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runAs needs a root supervisor (tests not root)")
+async def test_a_trainer_run_as_another_user_cannot_read_the_supervisor_environment(
+    wait_for: Any, alive: Callable[[int], bool]
+) -> None:
+    results = {}
+    for run_as in (None, "nobody"):
+        directory = _shared_directory()
+        run = TrainingRun(
+            _snooping_slot(directory, run_as), base_env={"PATH": "/usr/bin:/bin"}, poll_s=0.02
+        )
+        try:
+            await run.start()
+            await wait_for(lambda d=directory: (d / "rc").exists())
+            pids = await run.pids()
+            assert pids
+            results[run_as] = (
+                int((directory / "uid").read_text()),
+                int((directory / "rc").read_text()),
+                (directory / "environ").read_bytes(),
+                {os.stat(f"/proc/{pid}").st_uid for pid in pids},
+            )
+        finally:
+            await run.stop(0.0)
+            await run.wait_idle()
+            shutil.rmtree(directory)
+        assert not any(alive(pid) for pid in pids)
+    # The control: as the supervisor's own user, the trainer reads its environment (where
+    # HARU_SUPERVISOR_TOKEN would be).
+    uid, rc, environ, owners = results[None]
+    assert (uid, rc, owners) == (0, 0, {0})
+    assert b"PATH=" in environ
+    # As nobody, with the supervisor as root: the kernel refuses, nothing leaks.
+    nobody = pwd.getpwnam("nobody").pw_uid
+    uid, rc, environ, owners = results["nobody"]
+    assert (uid, owners) == (nobody, {nobody})
+    assert rc != 0
+    assert environ == b""
+
+
+def test_run_as_a_missing_user_is_refused_when_the_run_is_built(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="no such user"):
+        TrainingRun(_snooping_slot(tmp_path, "no-such-user-haru"), base_env={})

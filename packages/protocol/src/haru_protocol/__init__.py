@@ -99,6 +99,7 @@ from haru_protocol._resources import (
 from haru_protocol._supervisor import (
     GpuMemory,
     GpuMemoryResponse,
+    GpuProcess,
     ModelStatus,
     OkResponse,
     ProbeRequest,
@@ -160,6 +161,7 @@ __all__ = (
     # Supervisor config and API (SPEC 6)
     "GpuMemory",
     "GpuMemoryResponse",
+    "GpuProcess",
     "HaruProtocolError",
     "Health",
     "HttpUrl",

@@ -41,6 +41,10 @@ class SupervisorTrainingSlot(WireModel):
     gpu_index: GpuIndex
     command: tuple[NonEmptyStr, ...] = Field(min_length=1)
     checkpoint_dir: NonEmptyStr
+    run_as: NonEmptyStr | None = None
+    """Run the trainer as this user (a name or a numeric uid) with its primary group and no
+    supplementary group, so it cannot read the supervisor's environment or token file. Needs
+    a supervisor running as root; the user must exist when the config is loaded."""
 
 
 SupervisorSlot = Annotated[
@@ -165,12 +169,28 @@ class TrainingStatusResponse(PeerModel):
     slots: tuple[TrainingSlotStatus, ...]
 
 
+class GpuProcess(PeerModel):
+    """A compute process holding memory on a GPU (NVML or ``nvidia-smi``)."""
+
+    pid: int
+    """As the GPU driver reports it (the host's pid namespace)."""
+    name: str | None = None
+    """The process's command name, when the supervisor can see the process."""
+    used_mib: float | None = Field(default=None, alias="usedMiB")
+    """Its GPU memory; null when the driver does not say (some containers)."""
+
+
 class GpuMemory(PeerModel):
     """Memory of one GPU, in MiB, with ``used`` excluding driver-reserved memory."""
 
     index: int
     used_mib: float = Field(alias="usedMiB")
     total_mib: float = Field(alias="totalMiB")
+    processes: tuple[GpuProcess, ...] | None = Field(
+        default=None, exclude_if=lambda value: value is None
+    )
+    """In ``GET /v1/gpu/processes``: the compute processes holding its memory (empty: none).
+    Absent from ``GET /v1/gpu/memory``."""
 
 
 class GpuMemoryResponse(PeerModel):

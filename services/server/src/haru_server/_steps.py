@@ -292,6 +292,31 @@ async def _stop_training(ctx: StepContext) -> StepResult:
     return Done({"trainingSlotsIdle": moved})
 
 
+HOLDERS_TIMEOUT_S = 2.0
+"""Bound of the call naming the processes on held GPUs (diagnostic: it may overrun the budget)."""
+
+
+async def _gpu_holders(ctx: StepContext, url: str, held: Sequence[object]) -> str:
+    """``; held by ...`` naming the compute processes on ``held`` GPUs, or "" when unknown."""
+    try:
+        answer = await ctx.client.gpu_processes(url, timeout_s=HOLDERS_TIMEOUT_S)
+    except SupervisorError as exc:  # an older supervisor (404) or a failed listing
+        logger.debug("cannot list the processes holding GPU(s) %s: %s", held, exc)
+        return ""
+    parts: list[str] = []
+    for gpu in answer.gpus:
+        if gpu.index not in held or gpu.processes is None:
+            continue
+        names = [
+            f"pid {p.pid}"
+            + (f" {p.name}" if p.name else "")
+            + (f" {p.used_mib:.0f} MiB" if p.used_mib is not None else "")
+            for p in gpu.processes
+        ]
+        parts.append(f"GPU {gpu.index}: " + (", ".join(names) or "no compute process listed"))
+    return f"; held by {'; '.join(parts)}" if parts else ""
+
+
 async def _verify_gpu(ctx: StepContext) -> StepResult:
     target = ctx.target
     if not training_slots(target):
@@ -304,11 +329,21 @@ async def _verify_gpu(ctx: StepContext) -> StepResult:
         last[:] = [memory]
         return memory
 
+    # This tick's polling reaches the end of the budget: fail now, naming who holds the GPU,
+    # rather than leave the reconciler a bare step_timeout.
+    last_tick = time.monotonic() + ctx.tuning.settle_s >= ctx.deadline
     held = await _poll_until(
         ctx, fetch, lambda memory: gpus_not_released(target, memory), target_side=True
     )
     if held:
-        return Pending(f"GPU(s) {held} still hold more than {GPU_RELEASED_RATIO:.0%} of memory")
+        reason = f"GPU(s) {held} still hold more than {GPU_RELEASED_RATIO:.0%} of memory"
+        reason += await _gpu_holders(ctx, url, held)
+        if last_tick:
+            return Failed(
+                OperationErrorCode.STEP_TIMEOUT,
+                f"step {_S.VERIFY_GPU.value} did not finish within its budget: {reason}",
+            )
+        return Pending(reason)
     gpus = [
         {"index": g.index, "usedMiB": g.used_mib, "totalMiB": g.total_mib} for g in last[0].gpus
     ]

@@ -77,6 +77,10 @@ class SupervisorClient:
         """``GET /v1/gpu/memory``: used and total memory of every GPU."""
         return await self._call("GET", base_url, "/v1/gpu/memory", GpuMemoryResponse, timeout_s)
 
+    async def gpu_processes(self, base_url: str, *, timeout_s: float) -> GpuMemoryResponse:
+        """``GET /v1/gpu/processes``: memory and the compute processes holding each GPU."""
+        return await self._call("GET", base_url, "/v1/gpu/processes", GpuMemoryResponse, timeout_s)
+
     async def wake(self, base_url: str, *, timeout_s: float) -> None:
         """``POST /v1/vllm/wake`` for every inference slot."""
         await self._call(

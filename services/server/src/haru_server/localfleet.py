@@ -89,6 +89,8 @@ class LocalDomain:
     checkpoint_dirs: dict[int, Path]
     gpu_used_mib: dict[int, float]
     """What the emulated ``nvidia-smi`` reports as used, per GPU (tests change it)."""
+    gpu_processes: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    """``(pid, MiB)`` of the compute processes the emulated ``nvidia-smi`` lists, per GPU."""
     supervisor_url: str = ""
     runner: web.AppRunner | None = None
 
@@ -134,6 +136,14 @@ class LocalDomain:
         lines = [
             f"{gpu}, {self.gpu_used_mib.get(gpu, 0.0):.0f}, {GPU_TOTAL_MIB:.0f}" for gpu in gpus
         ]
+        if any(arg.startswith("--query-compute-apps=") for arg in argv):
+            lines = [
+                f"{pid}, GPU-local-{gpu}, {mib:.0f}"
+                for gpu, held in sorted(self.gpu_processes.items())
+                for pid, mib in held
+            ]
+        elif "--query-gpu=index,uuid" in argv:
+            lines = [f"{gpu}, GPU-local-{gpu}" for gpu in gpus]
         return ExecResult(argv=tuple(argv), returncode=0, stdout="\n".join(lines) + "\n", stderr="")
 
 

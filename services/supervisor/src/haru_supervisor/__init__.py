@@ -17,7 +17,9 @@ from haru_supervisor._errors import (
     VllmAdminError,
 )
 from haru_supervisor._gpu import (
+    NVIDIA_SMI_APPS_ARGS,
     NVIDIA_SMI_ARGS,
+    NVIDIA_SMI_UUID_ARGS,
     SOURCE_HEADER,
     GpuMemoryReader,
     GpuMemorySource,
@@ -28,7 +30,10 @@ from haru_supervisor._gpu import (
     NvmlSource,
     load_pynvml,
     open_gpu_reader,
+    parse_nvidia_smi_apps,
     parse_nvidia_smi_memory,
+    parse_nvidia_smi_uuids,
+    process_name,
 )
 from haru_supervisor._settings import (
     GPU_SOURCES,
@@ -48,7 +53,9 @@ from haru_supervisor._vllm import (
 
 __all__ = (
     "GPU_SOURCES",
+    "NVIDIA_SMI_APPS_ARGS",
     "NVIDIA_SMI_ARGS",
+    "NVIDIA_SMI_UUID_ARGS",
     "SLEEP_LEVEL",
     "SOURCE_HEADER",
     "GpuMemoryError",
@@ -77,7 +84,10 @@ __all__ = (
     "load_pynvml",
     "load_settings",
     "open_gpu_reader",
+    "parse_nvidia_smi_apps",
     "parse_nvidia_smi_memory",
+    "parse_nvidia_smi_uuids",
+    "process_name",
     "sum_metrics",
     "trainer_base_env",
 )

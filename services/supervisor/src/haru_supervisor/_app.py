@@ -10,8 +10,9 @@ from aiohttp import web
 from haru_protocol import Exec, run_exec
 from haru_web import bearer_middleware, browser_guard_middleware, error_middleware
 
+from haru_supervisor._actions import AdminActions
 from haru_supervisor._gpu import NvmlLoader, load_pynvml, open_gpu_reader
-from haru_supervisor._keys import gpu_key, runs_key, settings_key, vllm_key
+from haru_supervisor._keys import actions_key, gpu_key, runs_key, settings_key, vllm_key
 from haru_supervisor._routes import MAX_BODY_BYTES, routes
 from haru_supervisor._settings import Settings
 from haru_supervisor._training import DEFAULT_POLL_S, TrainingRuns
@@ -55,6 +56,7 @@ def create_app(
         client_max_size=MAX_BODY_BYTES,
     )
     app[settings_key] = settings
+    app[actions_key] = AdminActions()
     app[runs_key] = TrainingRuns(
         settings.config.training_slots,
         base_env=settings.trainer_env,
@@ -93,6 +95,7 @@ def create_app(
 
     async def training_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
+        await app[actions_key].close()
         # Last line of defence (the entry point already did this before it stopped
         # listening): no trainer outlives the application.
         await app[runs_key].shutdown(settings.shutdown_grace_s)

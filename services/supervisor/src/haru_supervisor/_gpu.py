@@ -15,13 +15,16 @@ import asyncio
 import logging
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Final, Protocol
 
 from haru_protocol import (
     Exec,
     ExecError,
+    ExecResult,
     GpuMemory,
+    GpuProcess,
     format_exec_failure,
     run_exec,
 )
@@ -36,6 +39,12 @@ NVIDIA_SMI_ARGS: Final = (
     "--query-gpu=index,memory.used,memory.total",
     "--format=csv,noheader,nounits",
 )
+NVIDIA_SMI_UUID_ARGS: Final = ("--query-gpu=index,uuid", "--format=csv,noheader,nounits")
+NVIDIA_SMI_APPS_ARGS: Final = (
+    "--query-compute-apps=pid,gpu_uuid,used_memory",
+    "--format=csv,noheader,nounits",
+)
+"""The compute processes; GPUs are named by uuid there, hence the index/uuid query."""
 NVIDIA_SMI_TIMEOUT_S: Final = 5.0
 """One exec takes about 25 ms on an H200 host; a hung driver must not hang the API."""
 
@@ -94,6 +103,70 @@ def parse_nvidia_smi_memory(text: str) -> tuple[GpuMemory, ...]:
     return tuple(gpus)
 
 
+def parse_nvidia_smi_uuids(text: str) -> dict[str, int]:
+    """Parse ``nvidia-smi --query-gpu=index,uuid`` CSV (no header): uuid to index.
+
+    Raises:
+        GpuMemorySourceError: A line is not ``index, uuid`` or there is no line.
+    """
+    uuids: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        columns = [column.strip() for column in line.split(",")]
+        if len(columns) != 2 or not _INDEX_RE.match(columns[0]) or not columns[1]:
+            raise GpuMemorySourceError(
+                f"nvidia-smi uuid line {number} is not 'index, uuid': {_quote_line(line)}"
+            )
+        uuids[columns[1]] = int(columns[0])
+    if not uuids:
+        raise GpuMemorySourceError("nvidia-smi reported no GPU uuid")
+    return uuids
+
+
+def parse_nvidia_smi_apps(text: str, uuids: Mapping[str, int]) -> dict[int, tuple[GpuProcess, ...]]:
+    """Parse ``--query-compute-apps=pid,gpu_uuid,used_memory`` CSV: processes per GPU index.
+
+    Empty output (exit 0) means no process holds any GPU. ``used_memory`` may be ``[N/A]``
+    (some containers): the process is kept, its memory unknown.
+
+    Raises:
+        GpuMemorySourceError: A line is malformed or names a GPU missing from ``uuids``.
+    """
+    found: dict[int, list[GpuProcess]] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        columns = [column.strip() for column in line.split(",")]
+        if len(columns) != 3 or not _INDEX_RE.match(columns[0]):
+            raise GpuMemorySourceError(
+                f"nvidia-smi process line {number} is not 'pid, gpu_uuid, used_memory': "
+                f"{_quote_line(line)}"
+            )
+        pid_text, uuid, used = columns
+        if uuid not in uuids:
+            raise GpuMemorySourceError(
+                f"nvidia-smi process line {number} names an unknown GPU {uuid[:80]!r}"
+            )
+        pid = int(pid_text)
+        used_mib = float(used) if _NUMBER_RE.match(used) else None
+        found.setdefault(uuids[uuid], []).append(
+            GpuProcess(pid=pid, name=process_name(pid), used_mib=used_mib)
+        )
+    return {index: tuple(processes) for index, processes in found.items()}
+
+
+def process_name(pid: int) -> str | None:
+    """The command name of ``pid`` (``/proc/<pid>/comm``), when this host shows it."""
+    try:
+        name = Path(f"/proc/{pid}/comm").read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        return None
+    return name[:_LINE_QUOTE] or None
+
+
 class GpuMemorySource(Protocol):
     """A way to read every GPU's memory."""
 
@@ -106,6 +179,13 @@ class GpuMemorySource(Protocol):
 
         Raises:
             GpuMemorySourceError: The source failed or printed nonsense.
+        """
+
+    async def processes(self) -> dict[int, tuple[GpuProcess, ...]]:
+        """The compute processes holding memory, per GPU index (GPUs without any absent).
+
+        Raises:
+            GpuMemorySourceError: The source cannot list them.
         """
 
     def close(self) -> None:
@@ -124,8 +204,10 @@ class NvidiaSmiSource:
     ) -> None:
         """Use ``executable`` (a resolved path to ``nvidia-smi``)."""
         self._argv = (executable, *NVIDIA_SMI_ARGS)
+        self._executable = executable
         self._exec = exec_
         self._timeout_s = timeout_s
+        self._uuids: dict[str, int] | None = None
 
     @property
     def name(self) -> str:
@@ -136,14 +218,33 @@ class NvidiaSmiSource:
         """The exact command run on each read."""
         return self._argv
 
-    async def read(self) -> tuple[GpuMemory, ...]:
+    async def _run(self, argv: tuple[str, ...]) -> ExecResult:
         try:
-            result = await self._exec(self._argv, timeout=self._timeout_s)
+            result = await self._exec(argv, timeout=self._timeout_s)
         except ExecError as exc:
             raise GpuMemorySourceError(str(exc)) from exc
         if not result.ok:
             raise GpuMemorySourceError(format_exec_failure(result, limit=400))
-        return parse_nvidia_smi_memory(result.stdout)
+        return result
+
+    async def read(self) -> tuple[GpuMemory, ...]:
+        return parse_nvidia_smi_memory((await self._run(self._argv)).stdout)
+
+    async def processes(self) -> dict[int, tuple[GpuProcess, ...]]:
+        apps = await self._run((self._executable, *NVIDIA_SMI_APPS_ARGS))
+        if not apps.stdout.strip():
+            return {}
+        # A GPU's uuid never changes while the host runs: asked once, again only when a
+        # process names a GPU not seen yet.
+        uuids = self._uuids
+        if uuids is None or any(
+            line.split(",")[1].strip() not in uuids
+            for line in apps.stdout.splitlines()
+            if line.count(",") == 2
+        ):
+            result = await self._run((self._executable, *NVIDIA_SMI_UUID_ARGS))
+            uuids = self._uuids = parse_nvidia_smi_uuids(result.stdout)
+        return await asyncio.to_thread(parse_nvidia_smi_apps, apps.stdout, uuids)
 
     def close(self) -> None:
         return None
@@ -264,6 +365,38 @@ class NvmlSource:
             )
         return tuple(gpus)
 
+    def _processes_sync(self) -> dict[int, tuple[GpuProcess, ...]]:
+        listing = getattr(self._api, "nvmlDeviceGetComputeRunningProcesses", None)
+        if listing is None:
+            raise GpuMemorySourceError("this NVML cannot list the compute processes")
+        found: dict[int, tuple[GpuProcess, ...]] = {}
+        for index in range(self._count):
+            running = listing(self._api.nvmlDeviceGetHandleByIndex(index))
+            processes = tuple(
+                GpuProcess(
+                    pid=int(process.pid),
+                    name=process_name(int(process.pid)),
+                    used_mib=(
+                        None
+                        if getattr(process, "usedGpuMemory", None) is None
+                        else round(process.usedGpuMemory / _MIB, 2)
+                    ),
+                )
+                for process in running
+            )
+            if processes:
+                found[index] = processes
+        return found
+
+    async def processes(self) -> dict[int, tuple[GpuProcess, ...]]:
+        try:
+            async with asyncio.timeout(NVML_TIMEOUT_S):
+                return await asyncio.to_thread(self._processes_sync)
+        except TimeoutError as exc:
+            raise GpuMemorySourceError(f"NVML did not answer within {NVML_TIMEOUT_S:g} s") from exc
+        except self._api.NVMLError as exc:
+            raise GpuMemorySourceError(f"NVML failed: {exc}") from exc
+
     async def read(self) -> tuple[GpuMemory, ...]:
         try:
             async with asyncio.timeout(NVML_TIMEOUT_S):
@@ -305,6 +438,20 @@ class GpuMemoryReader:
         if self._source is None:
             raise GpuMemoryUnavailable(self._unavailable)
         return await self._source.read()
+
+    async def read_with_processes(self) -> tuple[GpuMemory, ...]:
+        """Every GPU's memory and the compute processes holding it.
+
+        Raises:
+            GpuMemoryUnavailable: No source is usable on this host.
+            GpuMemorySourceError: The source failed or cannot list processes.
+        """
+        if self._source is None:
+            raise GpuMemoryUnavailable(self._unavailable)
+        gpus, processes = await asyncio.gather(self._source.read(), self._source.processes())
+        return tuple(
+            gpu.model_copy(update={"processes": processes.get(gpu.index, ())}) for gpu in gpus
+        )
 
     def close(self) -> None:
         """Release the source."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from haru_supervisor._actions import AdminActions
 from haru_supervisor._gpu import GpuMemoryReader
 from haru_supervisor._settings import Settings
 from haru_supervisor._training import TrainingRuns
@@ -13,3 +14,4 @@ settings_key = web.AppKey("settings", Settings)
 vllm_key = web.AppKey("vllm", VllmAdminClient)
 runs_key = web.AppKey("runs", TrainingRuns)
 gpu_key = web.AppKey("gpu", GpuMemoryReader)
+actions_key = web.AppKey("actions", AdminActions)

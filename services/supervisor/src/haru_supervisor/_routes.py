@@ -25,6 +25,7 @@ from haru_protocol import (
     SupervisorConfig,
     SupervisorInferenceSlot,
     SupervisorModel,
+    TrainingRunState,
     TrainingStatus,
     TrainingStatusResponse,
     TrainingStopRequest,
@@ -40,7 +41,7 @@ from haru_supervisor._errors import (
     VllmAdminError,
 )
 from haru_supervisor._gpu import SOURCE_HEADER
-from haru_supervisor._keys import gpu_key, runs_key, settings_key, vllm_key
+from haru_supervisor._keys import actions_key, gpu_key, runs_key, settings_key, vllm_key
 
 logger = logging.getLogger(__name__)
 
@@ -164,32 +165,79 @@ async def ready(request: web.Request) -> web.Response:
     return _json(ReadyResponse(ready=_ready(await _model_statuses(request))))
 
 
+def _inference_gpus(config: SupervisorConfig, gpu_index: int | None) -> tuple[int, ...]:
+    return tuple(
+        slot.gpu_index
+        for slot in config.inference_slots
+        if gpu_index is None or slot.gpu_index == gpu_index
+    )
+
+
+def _training_gpus(config: SupervisorConfig) -> tuple[int, ...]:
+    return tuple(slot.gpu_index for slot in config.training_slots)
+
+
+# Every admin action below runs through `actions_key`: one at a time per GPU it touches, and a
+# request identical to one already queued or running joins it (same answer for all).
+
+
 @routes.post("/v1/vllm/sleep")
 async def vllm_sleep(request: web.Request) -> web.Response:
     body = await parse_body(request, SleepRequest, limit=MAX_BODY_BYTES, empty_ok=True)
-    models = _target_models(_config(request), body.gpu_index)
+    config = _config(request)
+    models = _target_models(config, body.gpu_index)
     client = request.app[vllm_key]
     drain_s = None if body.drain_timeout_ms is None else body.drain_timeout_ms / 1000
-    await _attempt_all(
-        "sleep", [(model, client.sleep(model, drain_timeout_s=drain_s)) for model in models]
-    )
+
+    async def sleep() -> None:
+        await _attempt_all(
+            "sleep", [(model, client.sleep(model, drain_timeout_s=drain_s)) for model in models]
+        )
+
+    key = ("sleep", body.gpu_index, body.drain_timeout_ms)
+    await request.app[actions_key].run(key, _inference_gpus(config, body.gpu_index), sleep)
     return _json(OkResponse())
 
 
 @routes.post("/v1/vllm/wake")
 async def vllm_wake(request: web.Request) -> web.Response:
     body = await parse_body(request, WakeRequest, limit=MAX_BODY_BYTES, empty_ok=True)
-    models = _target_models(_config(request), body.gpu_index)
+    config = _config(request)
+    models = _target_models(config, body.gpu_index)
     client = request.app[vllm_key]
-    await _attempt_all("wake", [(model, client.wake(model)) for model in models])
+    runs = request.app[runs_key]
+    gpus = _inference_gpus(config, body.gpu_index)
+
+    async def wake() -> None:
+        # Checked under the GPUs' locks: a training start queued before this wake has run.
+        busy = [
+            f"GPU {run.gpu_index} ({run.state.value})"
+            for gpu in gpus
+            if (run := runs.by_gpu(gpu)) is not None and run.state is not TrainingRunState.IDLE
+        ]
+        if busy:
+            raise ApiError(
+                ErrorCode.OPERATION_CONFLICT,
+                "refusing to wake vLLM: training is not idle on "
+                + ", ".join(busy)
+                + "; stop training and wait for it to be idle first",
+                status=409,
+            )
+        await _attempt_all("wake", [(model, client.wake(model)) for model in models])
+
+    await request.app[actions_key].run(("wake", body.gpu_index), gpus, wake)
     return _json(OkResponse())
 
 
 @routes.post("/v1/training/start")
 async def training_start(request: web.Request) -> web.Response:
     await parse_body(request, _NoParameters, limit=MAX_BODY_BYTES, empty_ok=True)
+    runs = request.app[runs_key]
+    actions = request.app[actions_key]
     try:
-        failures = await request.app[runs_key].start_all()
+        failures = await actions.run(
+            ("training.start",), _training_gpus(_config(request)), runs.start_all
+        )
     except ShuttingDownError as exc:
         raise ApiError(ErrorCode.SHUTTING_DOWN, str(exc)) from exc
     if failures:
@@ -205,7 +253,13 @@ async def training_stop(request: web.Request) -> web.Response:
     body = await parse_body(request, TrainingStopRequest, limit=MAX_BODY_BYTES, empty_ok=True)
     settings = request.app[settings_key]
     grace_s = settings.stop_grace_s if body.grace_ms is None else body.grace_ms / 1000
-    await request.app[runs_key].stop_all(grace_s)
+    runs = request.app[runs_key]
+
+    async def stop() -> None:
+        await runs.stop_all(grace_s)
+
+    key = ("training.stop", body.grace_ms)
+    await request.app[actions_key].run(key, _training_gpus(_config(request)), stop)
     return _json(OkResponse(), status=202)
 
 
@@ -215,10 +269,12 @@ async def training_status(request: web.Request) -> web.Response:
 
 
 @routes.get("/v1/gpu/memory")
+@routes.get("/v1/gpu/processes")
 async def gpu_memory(request: web.Request) -> web.Response:
     reader = request.app[gpu_key]
+    with_processes = request.path.endswith("/processes")
     try:
-        gpus = await reader.read()
+        gpus = await (reader.read_with_processes() if with_processes else reader.read())
     except GpuMemoryUnavailable as exc:
         raise ApiError(ErrorCode.NOT_IMPLEMENTED, str(exc)) from exc
     except GpuMemorySourceError as exc:

@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from haru_supervisor._errors import SettingsError
+from haru_supervisor._users import check_run_as
 
 GpuSource = Literal["auto", "nvml", "nvidia-smi"]
 """Where ``GET /v1/gpu/memory`` reads from: NVML, ``nvidia-smi``, or NVML with a fallback."""
@@ -188,16 +189,17 @@ class Settings(BaseSettings):
 def trainer_base_env(environ: Mapping[str, str], token: str | None) -> dict[str, str]:
     """The parent environment a trainer inherits: the supervisor's secrets removed.
 
-    ``HARU_SUPERVISOR_TOKEN`` goes, and so does any variable whose value contains the token
-    (the same secret exported under another name, or inside a URL). The per-slot variables are
-    dropped too: the caller sets them.
+    ``HARU_SUPERVISOR_TOKEN`` goes, and so does any variable whose value IS the token (the
+    same secret exported under another name). Only exact matches: a substring test would drop
+    ``PATH`` for a token such as ``bin``. The per-slot variables are dropped too: the caller
+    sets them.
     """
     secret = normalize_token(token)
     dropped = {TOKEN_VAR, TOKEN_FILE_VAR, CHECKPOINT_DIR_VAR, GPU_INDEX_VAR}
     return {
         name: value
         for name, value in environ.items()
-        if name not in dropped and (secret is None or secret not in value)
+        if name not in dropped and (secret is None or value.strip() != secret)
     }
 
 
@@ -227,9 +229,14 @@ def load_config(value: str) -> SupervisorConfig:
     except ValueError as exc:
         raise SettingsError(f"{CONFIG_VAR}: {source} is not valid JSON: {exc}") from exc
     try:
-        return SupervisorConfig.model_validate_json(text)
+        config = SupervisorConfig.model_validate_json(text)
     except ValidationError as exc:
         raise SettingsError(f"{CONFIG_VAR}: {source} is invalid: {_quote(str(exc))}") from exc
+    try:
+        check_run_as(config)
+    except SettingsError as exc:
+        raise SettingsError(f"{CONFIG_VAR}: {source}: {exc}") from exc
+    return config
 
 
 def _parse_gpu_source(raw: str | None) -> GpuSource:

@@ -1,21 +1,39 @@
-"""Training runs: one trainer process group per training slot (SPEC 6.5).
+"""Training runs: one trainer and all its descendants per training slot (SPEC 6.5).
 
-A run is ``idle``, ``running`` or ``stopping``. Its trainer runs in its own session, so its
-process group holds the trainer and everything it spawned; every signal goes to the whole
-group, and a run is idle again only once no process of that group is alive. That is what lets
-a promotion trust that the training VRAM is released.
+A run is ``idle``, ``running`` or ``stopping``. Its trainer runs in its own session and
+process group, but a descendant may leave both (``setsid``, a daemonizing double fork), so
+the group alone does not hold "everything the trainer spawned". Each run therefore TRACKS
+its descendants:
+
+- The supervisor is a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``): an orphaned
+  descendant is reparented to the supervisor, never to init, so it stays findable.
+- Every poll walks ``/proc``: a process is the run's when its parent is one of the run's
+  processes, when it is in the trainer's process group, or when it is an orphan adopted by
+  the supervisor whose environment carries the slot's ``HARU_GPU_INDEX`` and
+  ``HARU_CHECKPOINT_DIR`` (it escaped between two polls). A process is remembered by pid AND
+  start time, so a recycled pid is never mistaken for it, and signals go through a pidfd.
+- Every signal goes to the group and to each tracked process; a run is idle again only once
+  none of them is alive. That is what lets a promotion trust that the training VRAM is
+  released.
+
+A cgroup per run would contain descendants without polling, but the supervisor usually runs
+where it may not create one (a container, a systemd unit without delegation); the subreaper
+and ``/proc`` need no privilege. Off Linux, only the process group is tracked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
-import math
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -23,6 +41,7 @@ from haru_protocol import SupervisorTrainingSlot, TrainingRunState, TrainingSlot
 
 from haru_supervisor._errors import ShuttingDownError, TrainingStartError
 from haru_supervisor._settings import CHECKPOINT_DIR_VAR, GPU_INDEX_VAR
+from haru_supervisor._users import RunAs, resolve_run_as
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +49,10 @@ Clock = Callable[[], float]
 """Monotonic seconds; injected so tests control deadlines."""
 
 DEFAULT_POLL_S: Final = 0.05
-"""How often a run checks whether the rest of its process group is gone."""
+"""How often a stopping run (or one whose trainer exited) checks for surviving processes."""
+
+DEFAULT_TRACK_S: Final = 0.5
+"""How often a running run walks ``/proc`` to learn its new descendants."""
 
 KILL_WAIT_S: Final = 10.0
 """After SIGKILL, how long a process may linger (uninterruptible I/O) before it is logged."""
@@ -38,44 +60,190 @@ KILL_WAIT_S: Final = 10.0
 _PROC: Final = Path("/proc")
 
 
-def _group_members(pgid: int) -> tuple[int, ...]:
-    """Live (non-zombie) processes of process group ``pgid``, sorted.
+@dataclass(frozen=True, slots=True)
+class _Proc:
+    """One line of ``/proc/<pid>/stat``: what tracking needs."""
 
-    Linux lists them from ``/proc``; elsewhere the group's id stands for the group while any
-    member exists. Zombies are left out: they hold no memory, and when the supervisor runs as
-    PID 1 of a container nothing may ever reap them.
-    """
+    ppid: int
+    pgid: int
+    start: int
+    """Start time in clock ticks since boot: with the pid, it names one process for good."""
+    zombie: bool
+
+
+def _read_stat(pid: int | str) -> _Proc | None:
+    try:
+        stat = (_PROC / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None  # exited while we looked
+    # "pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime
+    # stime cutime cstime priority nice threads itrealvalue starttime ...": comm may hold
+    # spaces and parentheses, so split after its last ")".
+    fields = stat.rpartition(b")")[2].split()
+    if len(fields) < 20:
+        return None
+    try:
+        return _Proc(
+            ppid=int(fields[1]),
+            pgid=int(fields[2]),
+            start=int(fields[19]),
+            zombie=fields[0] in (b"Z", b"X"),
+        )
+    except ValueError:
+        return None
+
+
+def _scan() -> dict[int, _Proc]:
+    """Every process of the host (of this pid namespace), from ``/proc``."""
+    procs: dict[int, _Proc] = {}
+    with contextlib.suppress(OSError), os.scandir(_PROC) as entries:
+        for entry in entries:
+            if entry.name.isdigit():
+                proc = _read_stat(entry.name)
+                if proc is not None:
+                    procs[int(entry.name)] = proc
+    return procs
+
+
+def _environ_has(pid: int, marks: frozenset[bytes]) -> bool:
+    """Whether ``pid``'s initial environment holds every ``NAME=value`` of ``marks``."""
+    try:
+        environ = (_PROC / str(pid) / "environ").read_bytes()
+    except OSError:
+        return False
+    return marks.issubset(environ.split(b"\0"))
+
+
+def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
-        return ()
+        return False
     except PermissionError:
         pass  # the group exists (a member changed its credentials)
-    if not (_PROC / "self" / "stat").exists():
-        return (pgid,)
-    members: list[int] = []
-    with contextlib.suppress(OSError), os.scandir(_PROC) as entries:
-        for entry in entries:
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = Path(entry.path, "stat").read_bytes()
-            except OSError:
-                continue  # exited while we looked
-            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-            fields = stat.rpartition(b")")[2].split()
-            if (
-                len(fields) >= 3
-                and fields[2] == str(pgid).encode()
-                and fields[0] not in (b"Z", b"X")
-            ):
-                members.append(int(entry.name))
-    return tuple(sorted(members))
+    return True
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)
+
+
+def _signal_process(pid: int, start: int, sig: signal.Signals) -> None:
+    """Signal ``pid`` only if it is still the process that started at ``start``.
+
+    Through a pidfd where the platform has one: once it is open, the pid cannot be recycled
+    under it, so a signal never reaches an unrelated process that reused the number.
+    """
+    pidfd_open = getattr(os, "pidfd_open", None)
+    send = getattr(signal, "pidfd_send_signal", None)
+    if pidfd_open is None or send is None:
+        proc = _read_stat(pid)
+        if proc is not None and proc.start == start:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return
+    try:
+        fd = pidfd_open(pid)
+    except OSError:
+        return  # gone
+    try:
+        proc = _read_stat(pid)
+        if proc is not None and proc.start == start:
+            with contextlib.suppress(ProcessLookupError):
+                send(fd, sig)
+    finally:
+        os.close(fd)
+
+
+def _reap(pid: int) -> None:
+    """Collect an adopted orphan's exit status so it does not linger as a zombie."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+_PR_SET_CHILD_SUBREAPER: Final = 36
+_subreaper: bool | None = None
+
+
+def become_subreaper() -> bool:
+    """Make this process the child subreaper of its descendants (Linux ``prctl``; once).
+
+    A trainer's child whose parent exits is then reparented to the supervisor instead of
+    init, so a process that left the trainer's session (``setsid``) before the supervisor saw
+    it is still found among the supervisor's own children and can be stopped.
+
+    Returns:
+        Whether the supervisor is a subreaper (False off Linux or when prctl failed).
+    """
+    global _subreaper  # one process-wide attribute, set once
+    if _subreaper is not None:
+        return _subreaper
+    _subreaper = False
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0:
+                _subreaper = True
+            else:
+                logger.warning(
+                    "prctl(PR_SET_CHILD_SUBREAPER) failed: %s", os.strerror(ctypes.get_errno())
+                )
+        except (OSError, AttributeError) as exc:
+            logger.warning("prctl(PR_SET_CHILD_SUBREAPER) unavailable: %s", exc)
+    return _subreaper
+
+
+class _Tracker:
+    """The processes of one run: the trainer and every descendant seen so far."""
+
+    def __init__(self, leader: int, *, marks: frozenset[bytes]) -> None:
+        self._leader = leader
+        self._marks = marks
+        self._self_pid = os.getpid()
+        self._lock = threading.Lock()
+        self._linux = (_PROC / "self" / "stat").exists()
+        proc = _read_stat(leader) if self._linux else None
+        self._members: dict[int, int] = {} if proc is None else {leader: proc.start}
+
+    def refresh(self) -> tuple[int, ...]:
+        """Walk ``/proc`` (blocking: run it in a thread); the run's live processes, sorted."""
+        if not self._linux:
+            return (self._leader,) if _group_alive(self._leader) else ()
+        procs = _scan()
+        with self._lock:
+            members = self._members
+            for pid, start in list(members.items()):
+                proc = procs.get(pid)
+                if proc is None or proc.start != start:
+                    del members[pid]
+                elif proc.zombie:
+                    del members[pid]
+                    # The trainer is reaped by asyncio; an adopted orphan only by us.
+                    if pid != self._leader and proc.ppid == self._self_pid:
+                        _reap(pid)
+            grew = True
+            while grew:
+                grew = False
+                for pid, proc in procs.items():
+                    if pid in members or proc.zombie:
+                        continue
+                    if (
+                        proc.ppid in members
+                        or proc.pgid == self._leader
+                        or (proc.ppid == self._self_pid and _environ_has(pid, self._marks))
+                    ):
+                        members[pid] = proc.start
+                        grew = True
+            return tuple(sorted(members))
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the trainer's group and to every tracked process."""
+        _signal_group(self._leader, sig)
+        with self._lock:
+            members = list(self._members.items())
+        for pid, start in members:
+            _signal_process(pid, start, sig)
 
 
 class TrainingRun:
@@ -93,6 +261,7 @@ class TrainingRun:
         base_env: Mapping[str, str],
         clock: Clock = time.monotonic,
         poll_s: float = DEFAULT_POLL_S,
+        track_s: float = DEFAULT_TRACK_S,
     ) -> None:
         """Create an idle run.
 
@@ -100,19 +269,40 @@ class TrainingRun:
             slot: The training slot (command, GPU, checkpoint directory).
             base_env: The environment the trainer inherits, secrets already removed.
             clock: Monotonic seconds, for the kill deadline.
-            poll_s: How often to check for surviving group members.
+            poll_s: How often to check for surviving processes while stopping.
+            track_s: How often to look for new descendants while running.
+
+        Raises:
+            SettingsError: The slot's ``runAs`` cannot be honoured (not root, no such user).
         """
         self._slot = slot
+        self._run_as: RunAs | None = resolve_run_as(slot)
+        login = (
+            {}
+            if self._run_as is None
+            else {
+                "HOME": self._run_as.home,
+                "USER": self._run_as.name,
+                "LOGNAME": self._run_as.name,
+            }
+        )
         self._env = {
             **base_env,
+            **login,
             CHECKPOINT_DIR_VAR: slot.checkpoint_dir,
             GPU_INDEX_VAR: str(slot.gpu_index),
         }
+        self._marks = frozenset(
+            f"{name}={self._env[name]}".encode() for name in (CHECKPOINT_DIR_VAR, GPU_INDEX_VAR)
+        )
         self._clock = clock
         self._poll_s = poll_s
+        self._track_s = track_s
         self._lock = asyncio.Lock()
         self._state = TrainingRunState.IDLE
         self._pgid: int | None = None
+        self._tracker: _Tracker | None = None
+        become_subreaper()
         self._kill_deadline: float | None = None
         self._changed = asyncio.Event()
         self._idle = asyncio.Event()
@@ -140,11 +330,11 @@ class TrainingRun:
         return dict(self._env)
 
     async def pids(self) -> tuple[int, ...]:
-        """The live processes of the run's group; empty unless one is alive."""
-        pgid = self._pgid
-        if pgid is None:
+        """The run's live processes (trainer and descendants); empty unless one is alive."""
+        tracker = self._tracker
+        if tracker is None:
             return ()
-        return await asyncio.to_thread(_group_members, pgid)
+        return await asyncio.to_thread(tracker.refresh)
 
     async def status(self) -> TrainingSlotStatus:
         """The run as ``GET /v1/training/status`` reports it."""
@@ -165,12 +355,18 @@ class TrainingRun:
             if self._state is not TrainingRunState.IDLE:
                 return False
             command = self._slot.command
+            run_as = self._run_as
             try:
+                # With runAs: that user, its primary group and NO supplementary group (the
+                # supervisor's, root's included, would otherwise stay).
                 process = await asyncio.create_subprocess_exec(
                     *command,
                     stdin=asyncio.subprocess.DEVNULL,
                     env=self._env,
                     start_new_session=True,
+                    user=None if run_as is None else run_as.uid,
+                    group=None if run_as is None else run_as.gid,
+                    extra_groups=None if run_as is None else [],
                 )
             except (OSError, ValueError) as exc:
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -179,6 +375,7 @@ class TrainingRun:
                 ) from exc
             self._state = TrainingRunState.RUNNING
             self._pgid = process.pid
+            self._tracker = _Tracker(process.pid, marks=self._marks)
             self._kill_deadline = None
             self._idle.clear()
             self._changed.clear()
@@ -189,31 +386,37 @@ class TrainingRun:
             return True
 
     async def stop(self, grace_s: float) -> None:
-        """SIGTERM the group now (when running) and SIGKILL it ``grace_s`` from now.
+        """SIGTERM the run's processes now (when running) and SIGKILL them ``grace_s`` from now.
 
         While already stopping, only a closer deadline is taken; no second SIGTERM is sent.
         Stopping an idle run does nothing.
         """
         async with self._lock:
-            if self._state is TrainingRunState.IDLE or self._pgid is None:
+            tracker = self._tracker
+            if self._state is TrainingRunState.IDLE or tracker is None:
                 return
-            deadline = self._clock() + max(0.0, grace_s)
             if self._state is TrainingRunState.RUNNING:
+                # The latest descendants first: one spawned since the last poll gets SIGTERM too.
+                pids = await asyncio.to_thread(tracker.refresh)
+                deadline = self._clock() + max(0.0, grace_s)
                 self._state = TrainingRunState.STOPPING
                 self._kill_deadline = deadline
                 logger.info(
-                    "training on GPU %d: SIGTERM to group %d, SIGKILL in %.1f s",
+                    "training on GPU %d: SIGTERM to group %d and %d process(es), SIGKILL in %.1f s",
                     self.gpu_index,
                     self._pgid,
+                    len(pids),
                     grace_s,
                 )
-                _signal_group(self._pgid, signal.SIGTERM)
-            elif self._kill_deadline is None or deadline < self._kill_deadline:
-                self._kill_deadline = deadline
+                tracker.signal(signal.SIGTERM)
+            else:
+                deadline = self._clock() + max(0.0, grace_s)
+                if self._kill_deadline is None or deadline < self._kill_deadline:
+                    self._kill_deadline = deadline
             self._changed.set()
 
     async def wait_idle(self) -> None:
-        """Return once the run is idle (no process of its group alive)."""
+        """Return once the run is idle (none of its processes alive)."""
         await self._idle.wait()
 
     async def close(self) -> None:
@@ -226,6 +429,8 @@ class TrainingRun:
 
     async def _watch(self, process: asyncio.subprocess.Process) -> None:
         pgid = process.pid
+        tracker = self._tracker
+        assert tracker is not None  # noqa: S101  (set with the process, before this task)
         leader = asyncio.create_task(process.wait(), name=f"training-gpu{self.gpu_index}-wait")
         killed_at: float | None = None
         lingering_logged = False
@@ -235,17 +440,19 @@ class TrainingRun:
                 # below is seen by the next wait instead of lost.
                 self._changed.clear()
                 leader_done = leader.done()
-                if leader_done and not await asyncio.to_thread(_group_members, pgid):
+                live = await asyncio.to_thread(tracker.refresh)
+                if leader_done and not live:
                     break
                 now = self._clock()
                 if leader_done and self._state is TrainingRunState.RUNNING:
-                    # The trainer exited by itself but left processes in its group: nothing
-                    # would ever stop them, and they may hold the GPU.
+                    # The trainer exited by itself but left processes behind: nothing would
+                    # ever stop them, and they may hold the GPU.
                     logger.warning(
                         "training on GPU %d: trainer exited with status %s but left processes "
-                        "in its group; killing them",
+                        "%s; killing them",
                         self.gpu_index,
                         process.returncode,
+                        list(live),
                     )
                     self._state = TrainingRunState.STOPPING
                     self._kill_deadline = now
@@ -257,21 +464,23 @@ class TrainingRun:
                 ):
                     # Repeated while anything survives: a process forked during the
                     # first kill can miss it.
-                    _signal_group(pgid, signal.SIGKILL)
+                    tracker.signal(signal.SIGKILL)
                     if killed_at is None:
                         killed_at = now
                         logger.warning(
-                            "training on GPU %d: grace expired, SIGKILL to group %d",
+                            "training on GPU %d: grace expired, SIGKILL to group %d and "
+                            "process(es) %s",
                             self.gpu_index,
                             pgid,
+                            list(live),
                         )
                     elif not lingering_logged and now - killed_at > KILL_WAIT_S:
                         lingering_logged = True
                         logger.error(
-                            "training on GPU %d: processes of group %d survive SIGKILL "
+                            "training on GPU %d: process(es) %s survive SIGKILL "
                             "(uninterruptible?); still waiting",
                             self.gpu_index,
-                            pgid,
+                            list(live),
                         )
                 await self._wait_for_change(leader, now=now)
             self._log_exit(process.returncode)
@@ -283,12 +492,13 @@ class TrainingRun:
             self._state = TrainingRunState.IDLE
             self._kill_deadline = None
             self._pgid = None
+            self._tracker = None
             self._idle.set()
 
     async def _wait_for_change(self, leader: asyncio.Task[int], *, now: float) -> None:
         """Sleep until the leader exits, a stop changes the deadline, or a poll is due."""
-        timeout = math.inf
-        if leader.done():
+        timeout = self._track_s
+        if leader.done() or self._state is TrainingRunState.STOPPING:
             timeout = self._poll_s
         deadline = self._kill_deadline
         if self._state is TrainingRunState.STOPPING and deadline is not None:
@@ -297,7 +507,7 @@ class TrainingRun:
         try:
             await asyncio.wait(
                 {leader, changed} if not leader.done() else {changed},
-                timeout=None if math.isinf(timeout) else timeout,
+                timeout=timeout,
                 return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
@@ -328,11 +538,14 @@ class TrainingRuns:
         base_env: Mapping[str, str],
         clock: Clock = time.monotonic,
         poll_s: float = DEFAULT_POLL_S,
+        track_s: float = DEFAULT_TRACK_S,
     ) -> None:
         """Create idle runs, one per slot, in config order."""
         self._runs = tuple(
-            TrainingRun(slot, base_env=base_env, clock=clock, poll_s=poll_s) for slot in slots
+            TrainingRun(slot, base_env=base_env, clock=clock, poll_s=poll_s, track_s=track_s)
+            for slot in slots
         )
+
         self._refusing = False
 
     @property

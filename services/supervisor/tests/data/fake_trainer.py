@@ -1,8 +1,9 @@
 """A trainer for the supervisor's tests, run as a real subprocess (stdlib only).
 
 It records its environment in ``$HARU_CHECKPOINT_DIR/env.json``, installs its SIGTERM
-disposition, optionally spawns a grandchild that ignores SIGTERM, then writes the pids of
-its process group members to ``ready.json`` (atomically) and waits.
+disposition, optionally spawns a grandchild that ignores SIGTERM (and, with
+``--escaped-grandchild``, leaves the trainer's session with ``setsid()``), then writes its own
+pid and the grandchild's to ``ready.json`` (atomically) and waits.
 """
 
 import argparse
@@ -19,6 +20,9 @@ GRANDCHILD = (
     "open(sys.argv[1], 'w').close(); threading.Event().wait()"
 )
 
+# Leaves the trainer's session and process group first, as a daemonizing helper does.
+ESCAPED = "import os; os.setsid(); " + GRANDCHILD
+
 
 def write_atomically(path: Path, text: str) -> None:
     tmp = path.with_suffix(".tmp")
@@ -30,6 +34,11 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ignore-term", action="store_true")
     parser.add_argument("--grandchild", action="store_true")
+    parser.add_argument(
+        "--escaped-grandchild",
+        action="store_true",
+        help="the grandchild calls setsid() (its own session and group) and ignores SIGTERM",
+    )
     parser.add_argument("--exit-after-ms", type=int, default=None)
     parser.add_argument("--exit-code", type=int, default=0)
     args = parser.parse_args()
@@ -42,9 +51,10 @@ def main() -> int:
     else:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
     pids = [os.getpid()]
-    if args.grandchild:
+    if args.grandchild or args.escaped_grandchild:
         ready = directory / "grandchild-ready"
-        child = subprocess.Popen([sys.executable, "-c", GRANDCHILD, str(ready)])
+        source = ESCAPED if args.escaped_grandchild else GRANDCHILD
+        child = subprocess.Popen([sys.executable, "-c", source, str(ready)])
         while not ready.exists():
             stop.wait(0.01)
         pids.append(child.pid)
