@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
 from haru_db import StateStore
+from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
     DomainState,
     EventType,
@@ -24,7 +25,6 @@ from haru_server._app import create_app
 from haru_server._clock import ManualClock
 from haru_server._middleware import error_middleware
 from haru_server._settings import Settings
-from haru_server.localfleet import LocalFleet
 from pytest_aiohttp import AiohttpClient, AiohttpServer
 from sqlalchemy.ext.asyncio import create_async_engine
 

@@ -14,6 +14,7 @@ from uuid import UUID
 
 import aiohttp
 from haru_db import StateStore
+from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
     DomainState,
     EventType,
@@ -30,7 +31,6 @@ from haru_protocol import (
 from haru_server._clock import ManualClock
 from haru_server._reconciler import Reconciler
 from haru_server._supervisor import SupervisorClient
-from haru_server.localfleet import LocalFleet
 from haru_sim import read_trainer_checkpoint
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
