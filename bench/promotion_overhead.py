@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 from haru_db import StateStore, upgrade
+from haru_demo.localfleet import LocalFleet, LocalFleetOptions
 from haru_protocol import (
     OperationKind,
     OperationState,
@@ -44,7 +45,6 @@ from haru_protocol import (
 from haru_server._loop import LoopOptions, ReconcileLoop
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._supervisor import SupervisorClient
-from haru_server.localfleet import LocalFleet, LocalFleetOptions
 from haru_sim import read_trainer_checkpoint
 
 INTERVALS_S = (0.25, 1.0, 5.0)

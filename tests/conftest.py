@@ -1,6 +1,6 @@
 """Fixtures of the repository-level tests: whole local fleets as real processes.
 
-``launch`` starts a :class:`haru_server._demo.DemoTopology` (the launcher ``haru demo`` uses)
+``launch`` starts a :class:`haru_demo.DemoTopology` (the launcher ``haru demo`` uses)
 in the test's temporary folder and stops every process at teardown; when the test failed, the
 end of each process's log is printed. ``launcher`` is the same as an async context manager,
 for fixtures that must stop the topology before their own teardown.
@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from haru_demo import DemoTimings, DemoTopology, TopologyOptions, log_tail
 from haru_protocol import PolicyPatch
-from haru_server._demo import DemoTimings, DemoTopology, TopologyOptions
-from haru_server._demo_procs import log_tail
 
 E2E_POLICY = PolicyPatch(
     auto_failover=True,

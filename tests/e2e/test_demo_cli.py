@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from haru_server._demo_procs import find_stray_trainers
+from haru_demo import find_stray_trainers
 
 pytestmark = pytest.mark.slow
 

@@ -19,9 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from haru_server._control_client import ControlApiError
-from haru_server._demo import DemoTimings, DemoTopology, active_slug
-from haru_server._demo_traffic import ChatTraffic
+from haru_demo import ChatTraffic, DemoTimings, DemoTopology, active_slug
+from haru_server.control_client import ControlApiError
 from sqlalchemy.engine import make_url
 
 Launch = Callable[..., Awaitable[DemoTopology]]

@@ -12,9 +12,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from haru_demo import DemoTimings, DemoTopology, active_slug, fetch_events, is_standby_posture
 from haru_protocol import OperationKind, OperationState, OperationStep
-from haru_server._demo import DemoTimings, DemoTopology, active_slug, is_standby_posture
-from haru_server._demo_scenario import fetch_events
 
 Launch = Callable[..., Awaitable[DemoTopology]]
 Eventually = Callable[..., Awaitable[Any]]

@@ -12,10 +12,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from haru_demo import (
+    ChatTraffic,
+    DemoTopology,
+    active_slug,
+    fetch_events,
+    is_standby_posture,
+    promote_budget_s,
+)
 from haru_protocol import InferenceSlotState, OperationKind, OperationState, TrainingRunState
-from haru_server._demo import DemoTopology, active_slug, is_standby_posture
-from haru_server._demo_scenario import fetch_events, promote_budget_s
-from haru_server._demo_traffic import ChatTraffic
 from haru_sim import read_trainer_checkpoint
 
 Launch = Callable[..., Awaitable[DemoTopology]]

@@ -8,8 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from haru_server._demo import DemoTimings, DemoTopology, TopologyOptions
-from haru_server._demo_procs import DemoError, find_stray_trainers
+from haru_demo import DemoError, DemoTimings, DemoTopology, TopologyOptions, find_stray_trainers
 
 pytestmark = pytest.mark.slow
 

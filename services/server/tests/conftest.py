@@ -15,12 +15,12 @@ from typing import Any
 import aiohttp
 import pytest
 from haru_db import StateStore
+from haru_demo.localfleet import LocalFleet, LocalFleetOptions
 from haru_protocol import FleetSnapshot, Operation, OperationState, PolicyPatch
 from haru_server._clock import ManualClock
 from haru_server._reconciler import Reconciler, ReconcilerOptions, TickResult
 from haru_server._steps import StepTuning
 from haru_server._supervisor import SupervisorClient
-from haru_server.localfleet import LocalFleet, LocalFleetOptions
 
 START = datetime(2030, 1, 1, tzinfo=UTC)
 

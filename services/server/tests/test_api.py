@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
 from haru_db import StateStore
+from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
     DomainState,
     EventType,
@@ -23,7 +24,6 @@ from haru_protocol import (
 from haru_server._app import create_app
 from haru_server._clock import ManualClock
 from haru_server._settings import Settings
-from haru_server.localfleet import LocalFleet
 from haru_web import error_middleware
 from pydantic import SecretStr
 from pytest_aiohttp import AiohttpClient, AiohttpServer

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 from haru_db import StateStore
+from haru_demo.localfleet import LocalFleet
 from haru_protocol import example_layout_json
 from haru_server.cli import app
-from haru_server.localfleet import LocalFleet
 from typer.testing import CliRunner, Result
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]

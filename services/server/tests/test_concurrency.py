@@ -9,12 +9,12 @@ from typing import Any
 
 import aiohttp
 from haru_db import StateStore
+from haru_demo.localfleet import LocalFleet
 from haru_protocol import EventType, OperationKind, OperationState, OperationStep
 from haru_server._clock import ManualClock
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._steps import StepTuning
 from haru_server._supervisor import SupervisorClient
-from haru_server.localfleet import LocalFleet
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 UrlFactory = Callable[[], Awaitable[str]]

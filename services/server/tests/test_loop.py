@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from haru_db import StateStore
+from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
     FleetLayout,
     OperationKind,
@@ -25,7 +26,6 @@ from haru_server._keys import kick_fleet_key, loop_key
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
 from haru_server._reconciler import Reconciler, TickResult
 from haru_server._settings import Settings
-from haru_server.localfleet import LocalFleet
 from pytest_aiohttp import AiohttpClient, AiohttpServer
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]

@@ -19,9 +19,9 @@ from uuid import UUID
 import aiohttp
 import pytest
 from haru_db import StateStore
+from haru_demo.localfleet import LocalFleet
 from haru_protocol import EventType, OperationState
 from haru_server._clock import ManualClock
-from haru_server.localfleet import LocalFleet
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 UrlFactory = Callable[[], Awaitable[str]]

@@ -15,6 +15,7 @@ from uuid import UUID
 
 import aiohttp
 from haru_db import StateStore
+from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
     DomainState,
     EventType,
@@ -31,7 +32,6 @@ from haru_protocol import (
 from haru_server._clock import ManualClock
 from haru_server._reconciler import Reconciler
 from haru_server._supervisor import SupervisorClient
-from haru_server.localfleet import LocalFleet
 from haru_sim import read_trainer_checkpoint
 from haru_supervisor import process_name
 

@@ -5,28 +5,36 @@ proxy of 7.5, the reconcile loop of 7.3); :func:`run_server` boots it the way ``
 does (announce, migrate, listen, stop on a signal). :class:`Reconciler` runs reconcile ticks
 against a :class:`haru_db.StateStore` and the domains' supervisors (through
 :class:`SupervisorClient`, the only code that calls them); :class:`ReconcileLoop` runs them in
-the background. ``haru_server.localfleet`` (the ``demo`` extra) starts a whole fleet of
-emulated vLLM servers and real supervisors on one machine.
+the background. :mod:`haru_server.control_client` is the control API's HTTP client.
+
+The names below are imported on first use (:pep:`562`), so ``haru --help`` and the CLI's HTTP
+commands start without the state store (SQLAlchemy, Alembic) or the aiohttp server.
 """
 
-from haru_server._app import create_app
-from haru_server._clock import Clock, utc_now
-from haru_server._errors import (
-    FleetNotFoundError,
-    HaruServerError,
-    SupervisorBadResponseError,
-    SupervisorError,
-    SupervisorRejectedError,
-    SupervisorTimeoutError,
-    SupervisorUnauthorizedError,
-    SupervisorUnreachableError,
-)
-from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
-from haru_server._reconciler import Reconciler, ReconcilerOptions, TickResult
-from haru_server._serve import run_server
-from haru_server._settings import Settings, SettingsError
-from haru_server._steps import StepTuning
-from haru_server._supervisor import SupervisorClient
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from haru_server._app import create_app
+    from haru_server._clock import Clock, utc_now
+    from haru_server._errors import (
+        FleetNotFoundError,
+        HaruServerError,
+        SupervisorBadResponseError,
+        SupervisorError,
+        SupervisorRejectedError,
+        SupervisorTimeoutError,
+        SupervisorUnauthorizedError,
+        SupervisorUnreachableError,
+    )
+    from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
+    from haru_server._reconciler import Reconciler, ReconcilerOptions, TickResult
+    from haru_server._serve import run_server
+    from haru_server._settings import Settings, SettingsError
+    from haru_server._steps import StepTuning
+    from haru_server._supervisor import SupervisorClient
 
 __all__ = (  # noqa: RUF022 -- grouped by topic
     # Application
@@ -55,3 +63,42 @@ __all__ = (  # noqa: RUF022 -- grouped by topic
     "SupervisorRejectedError",
     "SupervisorBadResponseError",
 )
+
+
+_HOMES = {
+    "create_app": "_app",
+    "Clock": "_clock",
+    "utc_now": "_clock",
+    "FleetNotFoundError": "_errors",
+    "HaruServerError": "_errors",
+    "SupervisorBadResponseError": "_errors",
+    "SupervisorError": "_errors",
+    "SupervisorRejectedError": "_errors",
+    "SupervisorTimeoutError": "_errors",
+    "SupervisorUnauthorizedError": "_errors",
+    "SupervisorUnreachableError": "_errors",
+    "FleetKickers": "_loop",
+    "LoopOptions": "_loop",
+    "ReconcileLoop": "_loop",
+    "Reconciler": "_reconciler",
+    "ReconcilerOptions": "_reconciler",
+    "TickResult": "_reconciler",
+    "run_server": "_serve",
+    "Settings": "_settings",
+    "SettingsError": "_settings",
+    "StepTuning": "_steps",
+    "SupervisorClient": "_supervisor",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,51 +1,71 @@
 """The ``haru`` command line: run the server, prepare the store, and drive fleets over HTTP.
 
 Every command that talks to a fleet does so through a running server's control API (``--url``
-/ ``HARU_URL``, ``--token`` / ``HARU_API_TOKEN``); only ``haru db upgrade`` and ``haru seed``
-open the state store directly (``DATABASE_URL``). Adding a command is one registration in
-:func:`_register` (``haru demo`` will live in its own module).
+/ ``HARU_URL``, ``--token`` / ``HARU_API_TOKEN``); only ``haru serve``, ``haru db upgrade`` and
+``haru seed`` open the state store (``DATABASE_URL``). Adding a command is one registration in
+:func:`_register`; installed packages add commands under the ``haru.commands`` entry-point group
+(haru-demo registers ``demo``).
+
+Cold start: building the CLI (``haru --help``) imports neither the state store (SQLAlchemy,
+Alembic), nor aiohttp, nor the wire models: every command imports what it needs in its body,
+and a registered command's module is imported only when that command runs.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-import os
 import sys
-import time
-from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from functools import cache, cached_property
+from importlib import metadata
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Final, TypeVar
 
 import typer
-from haru_core import is_active, plan_for
-from haru_protocol import (
-    AlreadyActiveResponse,
-    DomainSnapshot,
-    Event,
-    FleetLayout,
-    FleetSnapshot,
-    Operation,
-    OperationKind,
-    OperationState,
-    load_example_layout,
-)
-from pydantic import ValidationError
-from rich.console import Console
-from rich.table import Table
+from typer.core import TyperCommand, TyperGroup
 
-from haru_server._control_client import ControlApiError, ControlClient
-from haru_server._demo import demo as demo_command
-from haru_server._settings import Settings, SettingsError
+if TYPE_CHECKING:
+    from datetime import datetime
+
+    from haru_protocol import (
+        DomainSnapshot,
+        Event,
+        FleetLayout,
+        FleetSnapshot,
+        Operation,
+        OperationKind,
+    )
+    from rich.console import Console
+    from rich.table import Table
+
+    from haru_server.control_client import ControlClient
 
 _T = TypeVar("_T")
 
 DEFAULT_URL = "http://127.0.0.1:8700"
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+COMMAND_GROUP: Final = "haru.commands"
+"""Entry-point group whose entries ``haru`` mounts as commands (name: the command's name;
+object: a ``typer.Typer`` with one command, or a function typer turns into one)."""
+
+OPTIONAL_COMMANDS: Final[Mapping[str, tuple[str, str]]] = {
+    "demo": ("haru-demo", "Run a whole local fleet (no GPU needed)."),
+}
+"""Commands that come with another distribution: name -> (distribution, what it does)."""
+
+
+@cache
+def _console() -> Console:
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+@cache
+def _err_console() -> Console:
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
 
 UrlOption = Annotated[
     str,
@@ -93,6 +113,10 @@ class CliFailure(Exception):  # noqa: N818  # a message for the operator, not a 
 
 
 def _run(coro: Awaitable[_T]) -> _T:
+    import asyncio
+
+    from haru_server.control_client import ControlApiError
+
     async def main() -> _T:
         return await coro
 
@@ -114,7 +138,7 @@ def _run_db(coro: Awaitable[_T]) -> _T:
 
 
 def _fail(exc: CliFailure) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/] {exc}")
+    _err_console().print(f"[bold red]error:[/] {exc}")
     return typer.Exit(exc.code)
 
 
@@ -130,6 +154,15 @@ def _guard(func: Callable[[], None]) -> None:
 
 def serve() -> None:
     """Run the control server (configured by the environment, see the README)."""
+    import asyncio
+    import logging
+    import os
+
+    from haru_db import HaruDbError
+
+    from haru_server._serve import run_server
+    from haru_server._settings import Settings, SettingsError
+
     logging.basicConfig(
         level=logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -139,10 +172,6 @@ def serve() -> None:
         settings = Settings.from_env(os.environ)
     except SettingsError as exc:
         raise _fail(CliFailure(f"invalid environment: {exc}", code=2)) from None
-    from haru_db import HaruDbError
-
-    from haru_server._serve import run_server
-
     try:
         asyncio.run(run_server(settings))
     except HaruDbError as exc:
@@ -165,12 +194,15 @@ def db_upgrade(database_url: DatabaseOption = None) -> None:
     def body() -> None:
         revision = _run_db(go())
         where = redact_database_url(resolve_database_url(database_url))
-        console.print(f"{where}: schema at revision [bold]{revision}[/]")
+        _console().print(f"{where}: schema at revision [bold]{revision}[/]")
 
     _guard(body)
 
 
 def _load_layout(path: Path | None) -> FleetLayout:
+    from haru_protocol import FleetLayout, load_example_layout
+    from pydantic import ValidationError
+
     if path is None:
         return load_example_layout()
     try:
@@ -199,6 +231,8 @@ def seed(
     database_url: DatabaseOption = None,
 ) -> None:
     """Apply a fleet layout to the state store (idempotent, additive; migrates first)."""
+    from datetime import UTC, datetime
+
     from haru_db import StateStore, upgrade
 
     async def go(document: FleetLayout) -> str:
@@ -217,7 +251,7 @@ def seed(
 
     def body() -> None:
         document = _load_layout(layout)
-        console.print(_run_db(go(document)))
+        _console().print(_run_db(go(document)))
 
     _guard(body)
 
@@ -226,11 +260,14 @@ def seed(
 
 
 def _client(url: str, token: str | None) -> ControlClient:
+    from haru_server.control_client import ControlClient
+
     return ControlClient(url, token=token)
 
 
 def fleets(url: UrlOption = DEFAULT_URL, token: TokenOption = None) -> None:
     """List the fleets of the server."""
+    from rich.table import Table
 
     async def go() -> None:
         async with _client(url, token) as client:
@@ -243,20 +280,25 @@ def fleets(url: UrlOption = DEFAULT_URL, token: TokenOption = None) -> None:
                 "-" if fleet.active_domain_id is None else str(fleet.active_domain_id),
                 str(fleet.route_revision),
             )
-        console.print(table)
+        _console().print(table)
 
     _guard(lambda: _run(go()))
 
 
 def _ago(at: datetime | None) -> str:
+    import datetime as dt
+
     if at is None:
         return "never"
-    seconds = (datetime.now(UTC) - at).total_seconds()
+    seconds = (dt.datetime.now(dt.UTC) - at).total_seconds()
     return f"{seconds:.1f}s ago" if seconds < 120 else at.isoformat(timespec="seconds")
 
 
 def render_fleet(fleet: FleetSnapshot) -> list[Table]:
     """The fleet as two tables: its domains, then their slots."""
+    from haru_core import is_active
+    from rich.table import Table
+
     domains = Table(
         "domain",
         "role",
@@ -305,7 +347,7 @@ def fleet_show(
         async with _client(url, token) as client:
             fleet = await client.fleet(ref)
         for table in render_fleet(fleet):
-            console.print(table)
+            _console().print(table)
 
     _guard(lambda: _run(go()))
 
@@ -330,6 +372,13 @@ async def _follow_operation(
     drive: bool,
     timeout_s: float,
 ) -> Operation:
+    import asyncio
+    import time
+
+    from haru_core import plan_for
+    from haru_protocol import OperationState
+
+    console = _console()
     plan = plan_for(operation.kind)
     shown = 0
     deadline = time.monotonic() + timeout_s
@@ -367,6 +416,10 @@ def _request(
     drive: bool,
     timeout_s: float,
 ) -> None:
+    from haru_protocol import AlreadyActiveResponse, OperationState
+
+    console = _console()
+
     async def go() -> Operation | None:
         async with _client(url, token) as client:
             fleet = await client.fleet(ref)
@@ -415,6 +468,8 @@ def promote(
     token: TokenOption = None,
 ) -> None:
     """Promote a standby domain to active."""
+    from haru_protocol import OperationKind
+
     _request(
         OperationKind.PROMOTE,
         ref,
@@ -437,6 +492,8 @@ def demote(
     token: TokenOption = None,
 ) -> None:
     """Put a standby domain to sleep and start its training."""
+    from haru_protocol import OperationKind
+
     _request(
         OperationKind.DEMOTE,
         ref,
@@ -454,6 +511,9 @@ def demote(
 
 def format_event(event: Event) -> str:
     """One event as one line."""
+    import json
+    from datetime import UTC
+
     payload = json.dumps(event.payload, separators=(",", ":"), sort_keys=True)
     stamp = event.created_at.astimezone(UTC).isoformat(timespec="milliseconds")
     return f"{event.id:>6}  {stamp}  {event.type:<36} {payload}"
@@ -472,6 +532,7 @@ def events(
     token: TokenOption = None,
 ) -> None:
     """Print a fleet's audit trail, oldest first."""
+    import asyncio
 
     async def go() -> None:
         cursor = after
@@ -479,7 +540,7 @@ def events(
             while True:
                 page = await client.events(ref, after=cursor, limit=500)
                 for event in page.events:
-                    console.print(format_event(event), markup=False)
+                    _console().print(format_event(event), markup=False)
                     cursor = event.id
                 if page.next_after is not None:
                     continue
@@ -493,20 +554,167 @@ def events(
         raise typer.Exit(0) from None
 
 
+# ---- commands of other distributions ---------------------------------------------------------
+
+
+def discover_commands() -> list[metadata.EntryPoint]:
+    """The entry points of :data:`COMMAND_GROUP` in the installed distributions."""
+    return list(metadata.entry_points(group=COMMAND_GROUP))
+
+
+def _load_command(entry: metadata.EntryPoint) -> TyperCommand | TyperGroup:
+    try:
+        target = entry.load()
+    except Exception as exc:  # any failure while importing a plugin is reported
+        raise _fail(
+            CliFailure(f"cannot load command {entry.name!r} ({entry.value}): {exc!r}")
+        ) from exc
+    if not isinstance(target, typer.Typer):
+        if not callable(target):
+            raise _fail(
+                CliFailure(f"command {entry.name!r} ({entry.value}) is not a Typer app or function")
+            )
+        function = target
+        target = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+        target.command(entry.name)(function)
+    command = typer.main.get_command(target)
+    assert isinstance(command, TyperCommand | TyperGroup)  # noqa: S101 -- typer's own classes
+    return command
+
+
+def _summary(entry: metadata.EntryPoint) -> str:
+    dist = entry.dist
+    # Parentheses, not brackets: the help is rich markup.
+    if dist is None:
+        return f"({entry.value})"
+    summary = dist.metadata["Summary"]
+    return f"{summary} ({dist.name})" if summary else f"({dist.name})"
+
+
+class _Listed(TyperCommand):
+    """A registered command as ``haru --help`` lists it, without importing its module."""
+
+    def __init__(self, entry: metadata.EntryPoint) -> None:
+        super().__init__(entry.name, help=_summary(entry))
+        self.entry = entry
+
+
+def _missing_command(name: str, distribution: str, what: str) -> TyperCommand:
+    def explain() -> None:
+        _err_console().print(
+            f"[bold red]error:[/] haru {name} comes with the {distribution} package, which is "
+            "not installed.\n"
+            f"  {what}\n"
+            f"  Install it with:  pip install {distribution}\n"
+            f"  In a checkout of the Haru repository:  pip install uv && uv run haru {name}",
+            soft_wrap=True,
+        )
+        raise typer.Exit(2)
+
+    return TyperCommand(
+        name,
+        callback=explain,
+        help=f"{what} (not installed: pip install {distribution})",
+        # Whatever follows (options of the real command, --help) gets the same explanation.
+        context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+        add_help_option=False,
+    )
+
+
+def _group_class(
+    provide: Callable[[], Sequence[metadata.EntryPoint]],
+) -> type[TyperGroup]:
+    class HaruGroup(TyperGroup):
+        """The ``haru`` group: built-in commands, then the registered and the missing ones."""
+
+        @cached_property
+        def _registered(self) -> dict[str, metadata.EntryPoint]:
+            # A package cannot replace a built-in command; the first entry of a name wins.
+            found: dict[str, metadata.EntryPoint] = {}
+            for entry in provide():
+                if entry.name not in self.commands:
+                    found.setdefault(entry.name, entry)
+            return found
+
+        def _missing(self) -> list[str]:
+            return [
+                name
+                for name in OPTIONAL_COMMANDS
+                if name not in self._registered and name not in self.commands
+            ]
+
+        # ``ctx`` is typer's (or click's) Context; ``Any`` keeps these overrides independent of
+        # which click typer is built on.
+        def list_commands(self, ctx: Any) -> list[str]:
+            extra = sorted({*self._registered, *self._missing()})
+            return [*super().list_commands(ctx), *extra]
+
+        def get_command(self, ctx: Any, cmd_name: str) -> Any:
+            found = super().get_command(ctx, cmd_name)
+            if found is not None:
+                return found
+            if cmd_name in self._registered:
+                return _Listed(self._registered[cmd_name])
+            if cmd_name in self._missing():
+                distribution, what = OPTIONAL_COMMANDS[cmd_name]
+                return _missing_command(cmd_name, distribution, what)
+            return None
+
+        def resolve_command(self, ctx: Any, args: list[str]) -> tuple[str | None, Any, list[str]]:
+            name, command, rest = super().resolve_command(ctx, args)
+            if isinstance(command, _Listed):
+                command = _load_command(command.entry)
+            return name, command, rest
+
+    return HaruGroup
+
+
 # ---- registration ----------------------------------------------------------------------------
 
-app = typer.Typer(
-    name="haru",
-    help="Haru: hot Active/Standby failover for self-hosted LLM inference.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-db_app = typer.Typer(help="State store maintenance (uses DATABASE_URL).", no_args_is_help=True)
-fleet_app = typer.Typer(help="Inspect one fleet.", no_args_is_help=True)
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"haru (haru-server) {metadata.version('haru-server')}")
+        raise typer.Exit
 
 
-def _register() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_version,
+            is_eager=True,
+            help="Print the installed haru-server version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """Haru: hot Active/Standby failover for self-hosted LLM inference."""
+
+
+def build_app(entries: Sequence[metadata.EntryPoint] | None = None) -> typer.Typer:
+    """The ``haru`` application.
+
+    Args:
+        entries: The registered commands to mount; default: :func:`discover_commands`, read
+            when the app runs (and only for a name that is not a built-in command).
+    """
+    app = typer.Typer(
+        name="haru",
+        help="Haru: hot Active/Standby failover for self-hosted LLM inference.",
+        no_args_is_help=True,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        cls=_group_class(discover_commands if entries is None else lambda: entries),
+    )
+    app.callback()(_root)
+    _register(app)
+    return app
+
+
+def _register(app: typer.Typer) -> None:
+    db_app = typer.Typer(help="State store maintenance (uses DATABASE_URL).", no_args_is_help=True)
+    fleet_app = typer.Typer(help="Inspect one fleet.", no_args_is_help=True)
     app.command("serve")(serve)
     app.add_typer(db_app, name="db")
     db_app.command("upgrade")(db_upgrade)
@@ -517,10 +725,10 @@ def _register() -> None:
     app.command("promote")(promote)
     app.command("demote")(demote)
     app.command("events")(events)
-    app.command("demo")(demo_command)
 
 
-_register()
+app = build_app()
+"""The ``haru`` application with the installed distributions' commands."""
 
 
 def main() -> None:

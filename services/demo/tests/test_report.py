@@ -6,16 +6,15 @@ from datetime import UTC, datetime
 from uuid import uuid4
 
 import pytest
-from haru_protocol import Operation, OperationKind, OperationState, Policy
-from haru_server import _demo
-from haru_server._demo_scenario import (
+from haru_demo._scenario import (
     ScenarioReport,
     SwitchoverResult,
     operation_budget_s,
     promote_budget_s,
     snippets,
 )
-from haru_server._demo_traffic import RequestRecord, TrafficSummary
+from haru_demo._traffic import RequestRecord, TrafficSummary
+from haru_protocol import Operation, OperationKind, OperationState, Policy
 from haru_server.cli import app
 from typer.testing import CliRunner
 
@@ -143,20 +142,6 @@ def test_haru_demo_is_registered_with_its_options() -> None:
     assert result.exit_code == 0
     for option in ("--scenario-only", "--duration", "--workdir", "--keep", "--port"):
         assert option in result.output
-
-
-def test_haru_demo_without_the_extra_says_how_to_install_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(_demo, "demo_extra_missing", lambda: ["openai"])
-    result = CliRunner().invoke(app, ["demo", "--scenario-only"])
-    assert result.exit_code == 2
-    assert "missing: openai" in result.output
-    assert "pip install 'haru-server[demo]'" in result.output
-
-
-def test_the_extra_is_installed_in_the_workspace() -> None:
-    assert _demo.demo_extra_missing() == []
 
 
 def test_contradictory_flags_are_refused() -> None:

@@ -25,8 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from haru_server._demo_gpu import trainer_processes
-from haru_server._errors import HaruServerError
+from haru_demo._gpu import trainer_processes
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +33,11 @@ _LOG_TAIL_BYTES = 4000
 _POLL_S = 0.025
 
 
-class DemoError(HaruServerError):
-    """The demo's local fleet could not be started, driven or stopped as asked."""
+class DemoError(Exception):
+    """The demo's local fleet could not be started, driven or stopped as asked.
+
+    The root of haru-demo's own exceptions.
+    """
 
 
 # Process groups started by this process and not yet reaped: the atexit hook's work list.

@@ -1,4 +1,4 @@
-"""``haru demo``: a whole local fleet as real processes on 127.0.0.1, no GPU, no database server.
+"""A whole local fleet as real processes on 127.0.0.1, no GPU, no database server.
 
 :class:`DemoTopology` is the launcher both ``haru demo`` and the end-to-end tests use. It starts,
 each as its own process in its own session:
@@ -8,7 +8,7 @@ each as its own process in its own session:
   ``example-chat-large`` on GPU 1); the standby's start asleep (``--start-asleep``);
 - one real supervisor (``python -m haru_supervisor``) per domain, whose training slots run the
   emulated trainer and whose GPU memory comes from an emulated ``nvidia-smi``
-  (:mod:`haru_server._demo_gpu`) first on its ``PATH``;
+  (:mod:`haru_demo._gpu`) first on its ``PATH``;
 - the real server (``python -m haru_server serve``) on the embedded SQLite default (a
   ``haru.db`` in the workdir, migrated and seeded with the example layout rewritten with the
   real ports, URLs and checkpoint directories) or on a given ``DATABASE_URL``, with its
@@ -19,8 +19,8 @@ Then it does what an operator would: waits for the first heartbeats and demotes 
 training running) through the real system. Every file it writes (database, configs, logs,
 checkpoints) lives in the workdir. Leaving the context stops every process it started.
 
-The sim, the supervisor and the OpenAI SDK are the ``demo`` extra of haru-server: nothing here
-imports them, and ``haru demo`` checks they are installed before it starts anything.
+The sim and the supervisor run as child processes (haru-demo depends on both): nothing here
+imports them.
 """
 
 from __future__ import annotations
@@ -28,26 +28,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import importlib.util
 import logging
 import os
 import re
 import shlex
-import shutil
 import socket
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Annotated, Final, Self
+from typing import Final, Self
 from uuid import UUID
 
 import aiohttp
-import typer
 from haru_db import StateStore, upgrade
 from haru_protocol import (
     AcceptedResponse,
@@ -72,11 +68,11 @@ from haru_protocol import (
     bearer_header,
     load_example_layout,
 )
+from haru_server.control_client import ControlApiError, ControlClient
 
-from haru_server import _demo_gpu
-from haru_server._control_client import ControlApiError, ControlClient
-from haru_server._demo_gpu import GPU_TOTAL_MIB, EmulatedGpu, GpuModel, dump_gpus
-from haru_server._demo_procs import (
+from haru_demo import _gpu
+from haru_demo._gpu import GPU_TOTAL_MIB, EmulatedGpu, GpuModel, dump_gpus
+from haru_demo._procs import (
     ChildProcess,
     DemoError,
     kill_stray_trainers,
@@ -88,9 +84,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_DEMO_PORT: Final = 8700
 """Where ``haru demo`` serves when the port is free (the server's default ``PORT``)."""
-
-DEMO_EXTRA: Final = ("haru_sim", "haru_supervisor", "openai")
-"""Modules of haru-server's ``demo`` extra."""
 
 DEMO_POLICY: Final = PolicyPatch(
     auto_failover=True,
@@ -107,7 +100,7 @@ DEMO_POLICY: Final = PolicyPatch(
 )
 """Short budgets: emulated engines sleep and wake in milliseconds, not tens of seconds."""
 
-GPU_SCRIPT: Final = Path(_demo_gpu.__file__)
+GPU_SCRIPT: Final = Path(_gpu.__file__)
 """The emulated ``nvidia-smi``, run as a script."""
 
 VLLM_GPU_SHARE: Final = 0.9
@@ -212,11 +205,6 @@ class DemoDomain:
     def models(self) -> tuple[str, ...]:
         """Model names, in layout order."""
         return tuple(m.name for s in self.shape.inference_slots for m in s.models)
-
-
-def demo_extra_missing() -> list[str]:
-    """Modules of the ``demo`` extra that are not installed."""
-    return [name for name in DEMO_EXTRA if importlib.util.find_spec(name) is None]
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -536,7 +524,7 @@ class DemoTopology:
         gpu_path.write_text(dump_gpus([gpus[i] for i in sorted(gpus)]), encoding="utf-8")
         smi = bin_dir / "nvidia-smi"
         # The module runs as a plain script in isolated mode without site-packages: it needs
-        # only the standard library, and importing the haru_server package would cost a second
+        # only the standard library, and importing the haru_demo package would cost a second
         # per GPU query.
         smi.write_text(
             "#!/bin/sh\n"
@@ -816,78 +804,3 @@ def is_standby_posture(fleet: FleetSnapshot, slug: str) -> bool:
 def active_slug(fleet: FleetSnapshot) -> str | None:
     """Slug of the fleet's active domain."""
     return next((d.slug for d in fleet.domains if d.id == fleet.active_domain_id), None)
-
-
-# ---- the command -----------------------------------------------------------------------------
-
-
-def demo(
-    scenario_only: Annotated[
-        bool,
-        typer.Option(
-            "--scenario-only",
-            help="Exit after the scenario with a summary (status 0 on success).",
-        ),
-    ] = False,
-    duration: Annotated[
-        float | None,
-        typer.Option(
-            "--duration",
-            min=1.0,
-            help="After the scenario, serve this many seconds and stop (default: until Ctrl-C).",
-            show_default=False,
-        ),
-    ] = None,
-    workdir: Annotated[
-        Path | None,
-        typer.Option(
-            "--workdir",
-            help="Folder for the database, configs, logs and checkpoints (default: a temp dir).",
-            show_default=False,
-        ),
-    ] = None,
-    keep: Annotated[
-        bool, typer.Option("--keep", help="Keep the workdir (a given --workdir is always kept).")
-    ] = False,
-    port: Annotated[
-        int,
-        typer.Option(
-            "--port", min=0, max=65535, help="Server port; taken = a free one (0: any free one)."
-        ),
-    ] = DEFAULT_DEMO_PORT,
-    no_scenario: Annotated[
-        bool,
-        typer.Option("--no-scenario", help="Start the fleet and serve, without the scenario."),
-    ] = False,
-) -> None:
-    """Run a whole local fleet (no GPU needed): a scenario, then serve until Ctrl-C."""
-    missing = demo_extra_missing()
-    if missing:
-        sys.stderr.write(
-            "haru demo needs haru-server's 'demo' extra (emulated vLLM, the supervisor and the "
-            f"OpenAI SDK); missing: {', '.join(missing)}.\n"
-            "Install it with:  pip install 'haru-server[demo]'   (in the repository: uv sync)\n"
-        )
-        raise typer.Exit(2)
-    if scenario_only and no_scenario:
-        sys.stderr.write("--scenario-only and --no-scenario exclude each other\n")
-        raise typer.Exit(2)
-    from haru_server._demo_scenario import DemoRun, run_demo  # needs the extra
-
-    owned = workdir is None
-    folder = Path(tempfile.mkdtemp(prefix="haru-demo-")) if workdir is None else workdir
-    run = DemoRun(
-        workdir=folder,
-        port=port,
-        scenario=not no_scenario,
-        scenario_only=scenario_only,
-        duration_s=duration,
-    )
-    try:
-        status = run_demo(run)
-    finally:
-        if owned and not keep:
-            shutil.rmtree(folder, ignore_errors=True)
-        else:
-            sys.stderr.write(f"workdir kept: {folder}\n")
-    raise typer.Exit(status)

@@ -1,7 +1,7 @@
 """An emulated ``nvidia-smi`` memory query for the demo's supervisors (no GPU needed).
 
 The demo puts a small ``nvidia-smi`` wrapper first on each supervisor's ``PATH``; it runs this
-file as a script, ``python -I -S _demo_gpu.py GPU_JSON <nvidia-smi arguments>`` (standard
+file as a script, ``python -I -S _gpu.py GPU_JSON <nvidia-smi arguments>`` (standard
 library only, so it starts in milliseconds). The supervisor then reads
 GPU memory through its real ``nvidia-smi`` path (SPEC 6.6), and the numbers follow what really
 runs on that emulated GPU, so ``verify_gpu`` proves something:

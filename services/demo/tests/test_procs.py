@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from haru_server._demo_procs import (
+from haru_demo._procs import (
     DemoError,
     find_stray_trainers,
     kill_stray_trainers,
@@ -168,7 +168,7 @@ def test_children_die_with_a_demo_process_that_exits_without_cleaning_up(tmp_pat
         f"""
         import asyncio, os, sys
         from pathlib import Path
-        from haru_server._demo_procs import spawn
+        from haru_demo._procs import spawn
 
         async def main():
             child = await spawn(

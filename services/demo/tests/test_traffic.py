@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from haru_server._demo_traffic import ChatTraffic, RequestRecord, TrafficSummary
+from haru_demo._traffic import ChatTraffic, RequestRecord, TrafficSummary
 from haru_sim import VllmSim, VllmSimConfig
 
 ServerFactory = Callable[[web.Application], Awaitable[TestServer]]

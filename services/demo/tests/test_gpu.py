@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from haru_server._demo import GPU_SCRIPT
-from haru_server._demo_gpu import (
+from haru_demo._gpu import (
     CONTEXT_MIB,
     GPU_TOTAL_MIB,
     TRAINER_MIB,
@@ -22,6 +21,7 @@ from haru_server._demo_gpu import (
     render,
     trainer_processes,
 )
+from haru_demo._topology import GPU_SCRIPT
 from haru_sim import VllmSim, VllmSimConfig
 from haru_supervisor import NVIDIA_SMI_ARGS, parse_nvidia_smi_memory
 

@@ -4,8 +4,7 @@ A few concurrent clients share one ``AsyncOpenAI`` (base URL: the server's ``/v1
 alternating streaming and non-streaming chat completions over the fleet's models. The SDK's
 own retries are off, so every failed attempt counts. A request is good only when it ends with
 content and ``finish_reason`` ``stop`` or ``length`` (an aborted generation is a failure even
-with a 200). Needs the ``openai`` package (haru-server's ``demo`` extra); it is imported when
-traffic starts.
+with a 200). The ``openai`` package (a dependency of haru-demo) is imported when traffic starts.
 """
 
 from __future__ import annotations
@@ -77,7 +76,7 @@ class TrafficSummary:
 
 
 def _describe_error(exc: BaseException) -> str:
-    import openai  # the demo extra, present once traffic runs
+    import openai  # imported when traffic runs, not at import
 
     if isinstance(exc, openai.APIStatusError):
         code = None
@@ -167,7 +166,7 @@ class ChatTraffic:
         """Start the clients (idempotent)."""
         if self._tasks:
             return
-        from openai import AsyncOpenAI  # the demo extra
+        from openai import AsyncOpenAI  # imported when traffic starts
 
         headers = {FLEET_HEADER: self.fleet} if self.fleet else {}
         self._client = AsyncOpenAI(

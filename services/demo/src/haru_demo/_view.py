@@ -29,13 +29,13 @@ from haru_protocol import (
     SlotSnapshot,
     TrainingSlotState,
 )
+from haru_server.control_client import ControlApiError, ControlClient
 from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from haru_server._control_client import ControlApiError, ControlClient
-from haru_server._demo_traffic import ChatTraffic, TrafficSummary
+from haru_demo._traffic import ChatTraffic, TrafficSummary
 
 EVENT_ROWS: Final = 6
 _SIM_STATE_TIMEOUT_S: Final = 0.5

@@ -37,11 +37,12 @@ from haru_protocol import (
     OperationState,
     Policy,
 )
+from haru_server.control_client import ControlApiError, ControlClient
 from rich.console import Console
 from rich.live import Live
 
-from haru_server._control_client import ControlApiError, ControlClient
-from haru_server._demo import (
+from haru_demo._procs import DemoError
+from haru_demo._topology import (
     DEFAULT_DEMO_PORT,
     DemoTimings,
     DemoTopology,
@@ -50,9 +51,8 @@ from haru_server._demo import (
     is_standby_posture,
     port_is_free,
 )
-from haru_server._demo_procs import DemoError
-from haru_server._demo_traffic import ChatTraffic, RequestRecord, TrafficSummary
-from haru_server._demo_view import FleetWatcher, ViewState, render_view, step_durations
+from haru_demo._traffic import ChatTraffic, RequestRecord, TrafficSummary
+from haru_demo._view import FleetWatcher, ViewState, render_view, step_durations
 
 WARMUP_S: Final = 2.0
 """Steady traffic before the first switchover."""

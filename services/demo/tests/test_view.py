@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+from haru_demo._topology import active_slug, is_standby_posture
+from haru_demo._traffic import TrafficSummary
+from haru_demo._view import ViewState, event_detail, render_view, step_durations
 from haru_protocol import Event, EventList, FleetSnapshot, Operation
-from haru_server._demo import active_slug, is_standby_posture
-from haru_server._demo_traffic import TrafficSummary
-from haru_server._demo_view import ViewState, event_detail, render_view, step_durations
 from rich.console import Console
 
 DATA = Path(__file__).parent / "data"

@@ -4,8 +4,7 @@ Every model gets its own :class:`haru_sim.VllmSim` on a real 127.0.0.1 port, eve
 real supervisor (``haru_supervisor.create_app``) on another, whose trainers are real
 ``haru-sim-trainer`` processes. GPU memory is reported through the supervisor's
 ``nvidia-smi`` path with an injected exec that answers from :attr:`LocalDomain.gpu_used_mib`.
-Used by the tests, the promotion benchmark and ``haru demo``. Needs the ``demo`` extra
-(``haru-sim``, ``haru-supervisor``).
+Used by haru-server's tests, the end-to-end tests and the promotion benchmark.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from haru_server._control_client import ControlClient
-from haru_server._demo_view import FleetWatcher, ViewState
+from haru_demo._view import FleetWatcher, ViewState
+from haru_server.control_client import ControlClient
 from haru_sim import VllmSim, VllmSimConfig
 
 DATA = Path(__file__).parent / "data"
