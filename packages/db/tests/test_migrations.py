@@ -32,7 +32,11 @@ from haru_protocol import FleetLayout, OperationKind
 from sqlalchemy.engine import Connection
 
 TABLES = {"fleets", "domains", "slots", "operations", "events"}
-SQLITE_TRIGGERS = {"trg_operations_promote_failed_cleanup", "trg_fleets_switch_commits_routing"}
+SQLITE_TRIGGERS = {
+    "trg_operations_promote_failed_cleanup",
+    "trg_fleets_switch_commits_routing",
+    "trg_operations_append_pending_events",
+}
 
 
 async def _inspect(url: str, fn: Any) -> Any:
@@ -206,5 +210,6 @@ def test_the_wheel_ships_the_migrations_and_the_pytest_plugin(tmp_path: Path) ->
         "haru_db/migrations/env.py",
         "haru_db/migrations/script.py.mako",
         "haru_db/migrations/versions/v0001_initial.py",
+        "haru_db/migrations/versions/v0002_operation_events.py",
         "haru_db/py.typed",
     } <= names
