@@ -49,7 +49,7 @@ from haru_sim import read_trainer_checkpoint
 
 INTERVALS_S = (0.25, 1.0, 5.0)
 BUSY_INTERVAL_S = 0.15
-TARGET_OVERHEAD_MS = 50.0
+TARGET_OVERHEAD_MS = 25.0
 
 
 @dataclass

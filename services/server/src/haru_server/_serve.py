@@ -9,7 +9,7 @@ import signal
 from collections.abc import Callable
 
 from aiohttp import web
-from haru_db import redact_database_url, resolve_database_url, upgrade
+from haru_db import check_writable, redact_database_url, resolve_database_url, upgrade
 
 from haru_server._app import create_app
 from haru_server._settings import Settings
@@ -45,8 +45,10 @@ async def migrate(settings: Settings) -> None:
 
     Raises:
         haru_db.SchemaTooNewError: The database was migrated by a newer Haru.
+        haru_db.StateStoreReadOnlyError: The database would refuse writes (refuse to start).
     """
     await upgrade(settings.database_url)
+    await check_writable(settings.database_url)
 
 
 async def run_server(
