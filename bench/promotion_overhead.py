@@ -11,11 +11,14 @@ also measured directly on a separate supervisor (medians printed above the table
 
 Everything is real except the GPUs: emulated vLLM servers and real supervisors on 127.0.0.1
 sockets, real ``haru-sim-trainer`` processes stopped with SIGTERM, a SQLite state store (or
-PostgreSQL with ``--database-url``), the real reconciler and background loop. "Without
+PostgreSQL with ``--database-url``: a server URL whose user may create databases; each
+configuration runs in a fresh database, dropped afterwards), the real reconciler and background
+loop. "Without
 chaining" is the plain design: one step per tick, no quick re-tick while an operation is in
 flight, no kick on acceptance.
 
 Run:  uv run python bench/promotion_overhead.py [--runs 5] [--unchained-runs 2]
+      [--intervals 1 5] [--database-url postgresql://postgres@127.0.0.1:5432/postgres]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import asyncio
 import statistics
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psycopg
 from haru_db import StateStore, upgrade
 from haru_demo.localfleet import LocalFleet, LocalFleetOptions
 from haru_protocol import (
@@ -46,10 +51,11 @@ from haru_server._loop import LoopOptions, ReconcileLoop
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._supervisor import SupervisorClient
 from haru_sim import read_trainer_checkpoint
+from sqlalchemy.engine import make_url
 
 INTERVALS_S = (0.25, 1.0, 5.0)
 BUSY_INTERVAL_S = 0.15
-TARGET_OVERHEAD_MS = 50.0
+TARGET_OVERHEAD_MS = 25.0
 
 
 @dataclass
@@ -245,7 +251,11 @@ async def measure_config(
     verbose: bool,
 ) -> Row:
     await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
-    url = database_url or f"sqlite:///{workdir / 'bench.db'}"
+    if database_url is None:
+        url = f"sqlite:///{workdir / 'bench.db'}"
+        dropped = None
+    else:
+        url, dropped = await asyncio.to_thread(_fresh_postgres_database, database_url)
     await upgrade(url)
     store = StateStore.open(url)
     slug = f"bench-{int(interval_s * 1000)}-{'c' if chaining else 'n'}"
@@ -333,7 +343,28 @@ async def measure_config(
                 await loop.stop()
     finally:
         await store.close()
+        if dropped is not None:
+            await asyncio.to_thread(dropped)
     return row
+
+
+def _fresh_postgres_database(admin_url: str) -> tuple[str, Callable[[], None]]:
+    """A new empty database on the server of ``admin_url`` (and how to drop it).
+
+    Each configuration gets its own: a fleet left by an earlier run (same slug, supervisor
+    URLs of dead ports) would otherwise be reused and skew every number.
+    """
+    parsed = make_url(admin_url)
+    libpq = parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+    name = f"haru_bench_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(libpq, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+
+    def drop() -> None:
+        with psycopg.connect(libpq, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return parsed.set(database=name).render_as_string(hide_password=False), drop
 
 
 def _fmt(values: list[float]) -> str:

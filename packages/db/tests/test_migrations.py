@@ -32,7 +32,11 @@ from haru_protocol import FleetLayout, OperationKind
 from sqlalchemy.engine import Connection
 
 TABLES = {"fleets", "domains", "slots", "operations", "events"}
-SQLITE_TRIGGERS = {"trg_operations_promote_failed_cleanup", "trg_fleets_switch_commits_routing"}
+SQLITE_TRIGGERS = {
+    "trg_operations_promote_failed_cleanup",
+    "trg_fleets_switch_commits_routing",
+    "trg_operations_append_pending_events",
+}
 
 
 async def _inspect(url: str, fn: Any) -> Any:
@@ -200,11 +204,13 @@ def test_the_wheel_ships_the_migrations_and_the_pytest_plugin(tmp_path: Path) ->
     (wheel,) = tmp_path.glob("haru_db-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-        entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-        assert "haru_db = haru_db.testing" in archive.read(entry_points).decode()
+        # The pytest plugin is opt-in (pytest_plugins = ["haru_db.testing"]), not an entry point.
+        entry_points = [n for n in names if n.endswith("entry_points.txt")]
+        assert all(b"pytest11" not in archive.read(n) for n in entry_points)
     assert {
         "haru_db/migrations/env.py",
         "haru_db/migrations/script.py.mako",
         "haru_db/migrations/versions/v0001_initial.py",
+        "haru_db/migrations/versions/v0002_operation_events.py",
         "haru_db/py.typed",
     } <= names

@@ -9,7 +9,8 @@ from uuid import UUID, uuid4
 
 import pytest
 import sqlalchemy as sa
-from haru_db import ConstraintViolationError, HaruDbError, StateStore
+from haru_db import ConstraintViolationError, HaruDbError, StateStore, _operations
+from haru_db._exec import Executor
 from haru_db._tables import operations, slots
 from haru_protocol import (
     FleetLayout,
@@ -172,16 +173,16 @@ async def test_create_retries_when_the_in_flight_operation_finishes_in_between(
     store: StateStore, fleet: FleetSnapshot, now: datetime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     blocker = await _promote(store, fleet, now)
-    real = store.get_in_flight_operation
+    real = _operations.get_in_flight_operation
     calls: list[UUID] = []
 
-    async def finishing_in_between(fleet_id: UUID) -> Operation | None:
+    async def finishing_in_between(ex: Executor, fleet_id: UUID) -> Operation | None:
         # The conflicting operation finishes between the insert and this read.
         calls.append(fleet_id)
         assert await store.fail_operation(blocker.id, error=PROBE_FAILED, at=now)
-        return await real(fleet_id)
+        return await real(ex, fleet_id)
 
-    monkeypatch.setattr(store, "get_in_flight_operation", finishing_in_between)
+    monkeypatch.setattr(_operations, "get_in_flight_operation", finishing_in_between)
     operation, created = await store.create_operation(
         fleet_id=fleet.id, kind=OperationKind.DEMOTE, target_domain_id=fleet.domains[1].id, at=now
     )
@@ -196,11 +197,11 @@ async def test_create_gives_up_after_a_few_attempts(
     await _promote(store, fleet, now)
     calls: list[UUID] = []
 
-    async def always_gone(fleet_id: UUID) -> Operation | None:
+    async def always_gone(_ex: Executor, fleet_id: UUID) -> Operation | None:
         calls.append(fleet_id)
         return None
 
-    monkeypatch.setattr(store, "get_in_flight_operation", always_gone)
+    monkeypatch.setattr(_operations, "get_in_flight_operation", always_gone)
     with pytest.raises(HaruDbError, match="attempts"):
         await store.create_operation(
             fleet_id=fleet.id,

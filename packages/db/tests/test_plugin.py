@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from pathlib import Path
 
@@ -87,8 +88,10 @@ def test_a_throwaway_cluster_starts_and_stops(tmp_path: Path) -> None:
 def test_the_plugin_in_a_fresh_session(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # The entry point loads the plugin by itself; with no PostgreSQL and HARU_REQUIRE_POSTGRES
-    # the sqlite lane passes and the postgres lane errors with the reason.
+    # A project asks for the plugin in its root conftest (nothing loads it by itself); with no
+    # PostgreSQL and HARU_REQUIRE_POSTGRES the sqlite lane passes and the postgres lane errors
+    # with the reason.
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["haru_db.testing"]\n')
     (tmp_path / "test_inner.py").write_text(
         "async def test_store(store):\n"
         "    await store.ping()\n"
@@ -120,3 +123,32 @@ def test_the_plugin_in_a_fresh_session(
     assert "PASSED test_inner.py::test_store[sqlite]" in output
     assert "ERROR test_inner.py::test_store[postgres]" in output
     assert "HARU_REQUIRE_POSTGRES is set but the PostgreSQL lane is unavailable" in output
+
+
+def test_the_plugin_is_not_loaded_unless_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Installing haru-db registers no pytest11 entry point: a project that does not ask for
+    # the plugin never imports it.
+    (tmp_path / "test_unasked.py").write_text("def test_store(store):\n    pass\n")
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    code = pytest.main(
+        [
+            str(tmp_path),
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "asyncio_default_fixture_loop_scope=function",
+            "--rootdir",
+            str(tmp_path),
+            "-rA",
+            "-q",
+        ]
+    )
+    output = "".join(capsys.readouterr())
+    assert code == pytest.ExitCode.TESTS_FAILED, output
+    assert "fixture 'store' not found" in output
+    assert not any(
+        ep.value.startswith("haru_db") for ep in importlib.metadata.entry_points(group="pytest11")
+    )

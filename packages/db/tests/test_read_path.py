@@ -26,7 +26,7 @@ READ_BOUND_S = 2.0
 @contextmanager
 def _statements(store: StateStore) -> Iterator[list[str]]:
     seen: list[str] = []
-    target = store._engine.sync_engine  # the store's own engine
+    target = store._ex.engine.sync_engine  # the store's own engine
 
     def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
         words = statement.split()

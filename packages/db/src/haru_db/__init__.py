@@ -13,15 +13,20 @@ from haru_db._errors import (
     MalformedFleetStateError,
     SchemaOutdatedError,
     SchemaTooNewError,
+    StateStoreReadOnlyError,
     StateStoreUnavailableError,
 )
+from haru_db._events import OperationEvent
+from haru_db._exec import DEFAULT_CALL_TIMEOUT_S
+from haru_db._layout import LayoutApplyResult
 from haru_db._migrate import check_schema, current_revision, downgrade, head_revision, upgrade
 from haru_db._operator import load_layout_file, seed_layout_file
-from haru_db._store import LayoutApplyResult, StateStore
+from haru_db._store import StateStore, check_writable
 from haru_db._urls import DEFAULT_DATABASE_FILE, redact_database_url, resolve_database_url
 
 __all__ = (
-    # URLs
+    # URLs and settings
+    "DEFAULT_CALL_TIMEOUT_S",
     "DEFAULT_DATABASE_FILE",
     # Errors
     "ConstraintViolationError",
@@ -30,12 +35,15 @@ __all__ = (
     "LayoutApplyResult",
     "LayoutFileError",
     "MalformedFleetStateError",
+    "OperationEvent",
     "SchemaOutdatedError",
     "SchemaTooNewError",
     "StateStore",
+    "StateStoreReadOnlyError",
     "StateStoreUnavailableError",
     # Migrations
     "check_schema",
+    "check_writable",
     "current_revision",
     "downgrade",
     "head_revision",

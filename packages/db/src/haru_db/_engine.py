@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,27 +24,52 @@ SQLITE_BUSY_TIMEOUT_MS = 5000
 """How long a SQLite statement waits for another writer's lock before failing."""
 
 POSTGRES_CONNECT_TIMEOUT_S = 10
-"""libpq connect timeout: an unreachable server fails fast instead of hanging a request."""
+"""libpq connect timeout when no call deadline is given (migrations, CLI tools)."""
+
+POSTGRES_KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+}
+"""TCP keepalives: a peer that vanished (no FIN, no RST) is detected in about 11 s."""
 
 _WRITE_OPTION = "haru_write"
 _READ_OPTION = "haru_read"
 
 
-def create_engine(url: str, *, statement_timeout_ms: int | None = None) -> AsyncEngine:
+def create_engine(
+    url: str,
+    *,
+    statement_timeout_ms: int | None = None,
+    call_timeout_s: float | None = None,
+) -> AsyncEngine:
     """An async engine for a resolved URL (see :func:`haru_db.resolve_database_url`).
 
     SQLite connections get ``foreign_keys=ON`` (SQLite leaves keys off by default), WAL (readers
     never block the writer), ``synchronous=NORMAL`` (durable enough under WAL, far fewer fsyncs)
     and a busy timeout; transactions begin DEFERRED, or IMMEDIATE on :func:`writer` engines.
-    PostgreSQL connections use psycopg 3 and, when given, a ``statement_timeout``; every
-    checkout except a :func:`reader`'s pings the connection first (a server restart or a
-    scaled-to-zero Neon endpoint drops pooled connections).
+    PostgreSQL connections use psycopg 3 with TCP keepalives, a connect timeout (the call
+    deadline rounded up, at least libpq's 2 s; else 10 s) and, when given (or when a call
+    deadline is), a ``statement_timeout`` and ``idle_in_transaction_session_timeout``
+    (default: the call deadline); every checkout except a :func:`reader`'s pings the
+    connection first (a server restart or a scaled-to-zero Neon endpoint drops pooled
+    connections).
     """
     if statement_timeout_ms is not None and statement_timeout_ms <= 0:
         raise ValueError("statement_timeout_ms must be positive")
+    if call_timeout_s is not None and not call_timeout_s > 0:
+        raise ValueError("call_timeout_s must be positive")
     if dialect_of(url) == "sqlite":
         return _sqlite_engine(url, busy_timeout_ms=statement_timeout_ms or SQLITE_BUSY_TIMEOUT_MS)
-    return _postgres_engine(url, statement_timeout_ms=statement_timeout_ms)
+    if statement_timeout_ms is None and call_timeout_s is not None:
+        statement_timeout_ms = math.ceil(call_timeout_s * 1000)
+    connect_timeout_s = (
+        POSTGRES_CONNECT_TIMEOUT_S if call_timeout_s is None else max(2, math.ceil(call_timeout_s))
+    )
+    return _postgres_engine(
+        url, statement_timeout_ms=statement_timeout_ms, connect_timeout_s=connect_timeout_s
+    )
 
 
 def writer(engine: AsyncEngine) -> AsyncEngine:
@@ -132,13 +158,19 @@ def _sqlite_in_transaction(dbapi_connection: Any) -> bool:
         return True
 
 
-def _postgres_engine(url: str, *, statement_timeout_ms: int | None) -> AsyncEngine:
+def _postgres_engine(
+    url: str, *, statement_timeout_ms: int | None, connect_timeout_s: int
+) -> AsyncEngine:
     # No pool-wide pre-ping: it would cost the per-request pointer read a second round trip.
     # Writers (and migrations, and anything else but a reader) ping on connect below; readers
     # retry once on a dropped connection instead (see reader()).
     engine = create_async_engine(
         url,
-        connect_args={"connect_timeout": POSTGRES_CONNECT_TIMEOUT_S, "application_name": "haru"},
+        connect_args={
+            "connect_timeout": connect_timeout_s,
+            "application_name": "haru",
+            **POSTGRES_KEEPALIVES,
+        },
     )
 
     @event.listens_for(engine.sync_engine, "engine_connect")
@@ -162,14 +194,18 @@ def _postgres_engine(url: str, *, statement_timeout_ms: int | None) -> AsyncEngi
 
     if statement_timeout_ms is not None:
         # A SET on connect rather than a startup "options" parameter: connection poolers
-        # (PgBouncer, Neon's pooled endpoints) reject startup options.
+        # (PgBouncer, Neon's pooled endpoints) reject startup options. One round trip: a
+        # session stuck inside a transaction (its client stalled) is ended by the server too.
         timeout = int(statement_timeout_ms)
 
         @event.listens_for(engine.sync_engine, "connect")
         def _on_connect(dbapi_connection: Any, _record: Any) -> None:
             cursor = dbapi_connection.cursor()
             try:
-                cursor.execute(f"SET statement_timeout = {timeout}")
+                cursor.execute(
+                    f"SET statement_timeout = {timeout}; "
+                    f"SET idle_in_transaction_session_timeout = {timeout}"
+                )
             finally:
                 cursor.close()
             dbapi_connection.commit()

@@ -4,6 +4,7 @@ Hierarchy::
 
     HaruDbError
     ├── StateStoreUnavailableError   (driver, connection or timeout failure of a statement)
+    ├── StateStoreReadOnlyError      (the database would refuse writes: checked at start-up)
     ├── MalformedFleetStateError     (a stored row or JSON document fails validation)
     ├── ConstraintViolationError     (a write broke a schema constraint, e.g. an unknown id)
     ├── SchemaTooNewError            (the database is migrated past what this code knows)
@@ -26,6 +27,14 @@ class StateStoreUnavailableError(HaruDbError):
 
     The message names the redacted database URL and the driver's error class; it never
     carries credentials. The original exception is chained as ``__cause__``.
+    """
+
+
+class StateStoreReadOnlyError(HaruDbError):
+    """The database would refuse every write; raised by the start-up writability check.
+
+    A read-only SQLite file or directory, or a read-only PostgreSQL session; the message
+    says which.
     """
 
 

@@ -31,7 +31,7 @@ from haru_core import (
     step_budget_ms,
     step_remaining_ms,
 )
-from haru_db import StateStore
+from haru_db import OperationEvent, StateStore
 from haru_protocol import (
     DomainSnapshot,
     DomainState,
@@ -361,15 +361,15 @@ class Reconciler:
     async def _claim(self, fleet: FleetSnapshot, operation: Operation) -> Operation | None:
         now = self._clock()
         step = first_step(operation.kind)
-        if not await self._store.claim_operation(operation.id, first_step=step, at=now):
-            return None
-        await self._event(
-            fleet,
-            operation,
-            EventType.OPERATION_STARTED,
+        # The started event lands in the claim's own statement (one write, not two).
+        started = OperationEvent(
+            EventType.OPERATION_STARTED.value,
             {"kind": operation.kind.value, "targetDomainId": str(operation.target_domain_id)},
-            now,
         )
+        if not await self._store.claim_operation(
+            operation.id, first_step=step, at=now, events=(started,)
+        ):
+            return None
         return operation.model_copy(
             update={"state": OperationState.RUNNING, "current_step": step, "step_started_at": now}
         )
@@ -456,23 +456,36 @@ class Reconciler:
     ) -> tuple[Operation, bool, bool]:
         now = self._clock()
         following = None if result.complete else next_step(operation.kind, step)
+        step_done = OperationEvent(
+            EventType.OPERATION_STEP_DONE.value, {"step": step.value, **result.detail}
+        )
+        succeeded = OperationEvent(
+            EventType.OPERATION_SUCCEEDED.value,
+            {"kind": operation.kind.value, "targetDomainId": str(operation.target_domain_id)},
+        )
+        # The step's events land in its CAS statement, except after a best-effort timeout,
+        # whose source-degrade event must come first.
+        inline = not result.degrade_source
         if following is None:
-            landed = await self._store.complete_operation(operation.id, from_step=step, at=now)
+            landed = await self._store.complete_operation(
+                operation.id,
+                from_step=step,
+                at=now,
+                events=(step_done, succeeded) if inline else (),
+            )
         else:
             landed = await self._store.advance_step(
-                operation.id, from_step=step, to_step=following, at=now
+                operation.id,
+                from_step=step,
+                to_step=following,
+                at=now,
+                events=(step_done,) if inline else (),
             )
         if not landed:
             return await self._reread(operation), False, False
-        if result.degrade_source:
+        if not inline:
             await self._degrade_source(fleet, operation, step, now)
-        await self._event(
-            fleet,
-            operation,
-            EventType.OPERATION_STEP_DONE,
-            {"step": step.value, **result.detail},
-            now,
-        )
+            await self._event(fleet, operation, EventType(step_done.type), step_done.payload, now)
         if following is not None:
             logger.info("operation %s: %s done, next %s", operation.id, step.value, following.value)
             return (
@@ -481,13 +494,8 @@ class Reconciler:
                 False,
             )
         logger.info("operation %s (%s) succeeded", operation.id, operation.kind.value)
-        await self._event(
-            fleet,
-            operation,
-            EventType.OPERATION_SUCCEEDED,
-            {"kind": operation.kind.value, "targetDomainId": str(operation.target_domain_id)},
-            now,
-        )
+        if not inline:
+            await self._event(fleet, operation, EventType(succeeded.type), succeeded.payload, now)
         return await self._reread(operation), True, False
 
     async def _degrade_source(

@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from haru_db import redact_database_url, resolve_database_url, upgrade
+from haru_db import check_writable, redact_database_url, resolve_database_url, upgrade
 from haru_web import StopSignals, serving
 
 from haru_server._app import create_app
@@ -44,8 +44,10 @@ async def migrate(settings: Settings) -> None:
 
     Raises:
         haru_db.SchemaTooNewError: The database was migrated by a newer Haru.
+        haru_db.StateStoreReadOnlyError: The database would refuse writes (refuse to start).
     """
     await upgrade(settings.database_url)
+    await check_writable(settings.database_url)
 
 
 async def run_server(

@@ -1,0 +1,244 @@
+"""The operation lifecycle: create (or join), claim, advance, complete, fail, switch_active.
+
+Each write is one statement. Two writes touch another table in that same statement:
+``fail_operation`` on a promote applies :data:`~haru_db._cleanup.PROMOTE_FAIL_CLEANUP` to its
+target's slots, and ``switch_active`` moves the pointer and marks its operation
+``routing_committed``; claim, advance and complete may append events (an
+:class:`~haru_db._events.OperationEvent` list) only when their CAS lands. PostgreSQL runs these
+as data-modifying CTEs (:mod:`haru_db._postgres`); SQLite fires triggers created by the
+migrations, and ``BEGIN IMMEDIATE`` serialises its writers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+from uuid import UUID, uuid4
+
+import sqlalchemy as sa
+from haru_protocol import Operation, OperationError, OperationKind, OperationState, OperationStep
+
+from haru_db import _postgres
+from haru_db._cleanup import PROMOTE_FAIL_CLEANUP
+from haru_db._errors import HaruDbError
+from haru_db._events import OperationEvent
+from haru_db._exec import Executor, aware
+from haru_db._rows import operation_from_row
+from haru_db._tables import IN_FLIGHT_STATES, fleets, operations
+
+CREATE_OPERATION_ATTEMPTS = 5
+
+_RUNNING = OperationState.RUNNING.value
+_PENDING = OperationState.PENDING.value
+
+
+async def create_operation(
+    ex: Executor,
+    *,
+    fleet_id: UUID,
+    kind: OperationKind,
+    target_domain_id: UUID,
+    at: datetime,
+) -> tuple[Operation, bool]:
+    at = aware(at)
+    source = sa.select(fleets.c.active_domain_id).where(fleets.c.id == fleet_id)
+    for _ in range(CREATE_OPERATION_ATTEMPTS):
+        stmt = (
+            ex.insert(operations)
+            .values(
+                id=uuid4(),
+                fleet_id=fleet_id,
+                kind=str(kind),
+                state=_PENDING,
+                target_domain_id=target_domain_id,
+                source_domain_id=source.scalar_subquery(),
+                routing_committed=False,
+                created_at=at,
+                updated_at=at,
+            )
+            # Only the one-in-flight index can conflict (the id is fresh).
+            .on_conflict_do_nothing()
+            .returning(*operations.c)
+        )
+        rows = await ex.write(stmt)
+        if rows:
+            return operation_from_row(rows[0]), True
+        existing = await get_in_flight_operation(ex, fleet_id)
+        if existing is not None:
+            return existing, False
+        # The in-flight operation finished between the two statements: try again.
+    raise HaruDbError(
+        f"could not create an operation for fleet {fleet_id}: in-flight operations kept "
+        f"finishing in between ({CREATE_OPERATION_ATTEMPTS} attempts)"
+    )
+
+
+async def get_in_flight_operation(ex: Executor, fleet_id: UUID) -> Operation | None:
+    stmt = sa.select(operations).where(
+        operations.c.fleet_id == fleet_id, operations.c.state.in_(IN_FLIGHT_STATES)
+    )
+    rows = await ex.read(stmt)
+    return operation_from_row(rows[0]) if rows else None
+
+
+async def _cas(
+    ex: Executor,
+    update: sa.Update,
+    events: Sequence[OperationEvent],
+    *,
+    at: datetime,
+) -> bool:
+    """Run an operation CAS, appending ``events`` in the same statement when it lands."""
+    if not events:
+        return bool(await ex.write(update.returning(operations.c.id)))
+    documents = [event.document() for event in events]
+    if ex.dialect == "postgresql":
+        return bool(await ex.write(_postgres.update_with_events(update, documents, at=at)))
+    # trg_operations_append_pending_events appends them (and clears the column).
+    return bool(await ex.write(update.values(pending_events=documents).returning(operations.c.id)))
+
+
+async def claim_operation(
+    ex: Executor,
+    operation_id: UUID,
+    *,
+    first_step: OperationStep,
+    at: datetime,
+    events: Sequence[OperationEvent],
+) -> bool:
+    at = aware(at)
+    stmt = (
+        sa.update(operations)
+        .where(operations.c.id == operation_id, operations.c.state == _PENDING)
+        .values(
+            state=_RUNNING,
+            current_step=str(first_step),
+            step_started_at=at,
+            updated_at=at,
+        )
+    )
+    return await _cas(ex, stmt, events, at=at)
+
+
+async def advance_step(
+    ex: Executor,
+    operation_id: UUID,
+    *,
+    from_step: OperationStep,
+    to_step: OperationStep,
+    at: datetime,
+    events: Sequence[OperationEvent],
+) -> bool:
+    at = aware(at)
+    stmt = (
+        sa.update(operations)
+        .where(
+            operations.c.id == operation_id,
+            operations.c.state == _RUNNING,
+            operations.c.current_step == str(from_step),
+        )
+        .values(current_step=str(to_step), step_started_at=at, updated_at=at)
+    )
+    return await _cas(ex, stmt, events, at=at)
+
+
+async def complete_operation(
+    ex: Executor,
+    operation_id: UUID,
+    *,
+    from_step: OperationStep,
+    at: datetime,
+    events: Sequence[OperationEvent],
+) -> bool:
+    at = aware(at)
+    stmt = (
+        sa.update(operations)
+        .where(
+            operations.c.id == operation_id,
+            operations.c.state == _RUNNING,
+            operations.c.current_step == str(from_step),
+        )
+        .values(state=OperationState.SUCCEEDED.value, finished_at=at, updated_at=at)
+    )
+    return await _cas(ex, stmt, events, at=at)
+
+
+async def fail_operation(
+    ex: Executor,
+    operation_id: UUID,
+    *,
+    error: OperationError,
+    at: datetime,
+    expected_step: OperationStep | None,
+    target_not_routed: bool,
+) -> bool:
+    PROMOTE_FAIL_CLEANUP.check()
+    at = aware(at)
+    conditions: list[sa.ColumnElement[bool]] = [
+        operations.c.id == operation_id,
+        operations.c.state.in_(IN_FLIGHT_STATES),
+    ]
+    if expected_step is not None:
+        conditions.append(operations.c.current_step == str(expected_step))
+    if target_not_routed:
+        conditions.append(operations.c.routing_committed.is_(sa.false()))
+    fail = (
+        sa.update(operations)
+        .where(*conditions)
+        .values(
+            state=OperationState.FAILED.value,
+            error=error.model_dump(mode="json"),
+            finished_at=at,
+            updated_at=at,
+        )
+    )
+    if ex.dialect == "sqlite":
+        # trg_operations_promote_failed_cleanup does the slots' half in this statement.
+        return bool(await ex.write(fail.returning(operations.c.id)))
+    return bool(await ex.write(_postgres.fail_with_cleanup(fail, at=at)))
+
+
+async def switch_active(
+    ex: Executor,
+    *,
+    fleet_id: UUID,
+    expected_active_domain_id: UUID | None,
+    target_domain_id: UUID,
+    operation_id: UUID,
+    at: datetime,
+) -> bool:
+    at = aware(at)
+    pointer_matches = (
+        fleets.c.active_domain_id.is_(None)
+        if expected_active_domain_id is None
+        else fleets.c.active_domain_id == expected_active_domain_id
+    )
+    running = sa.and_(
+        operations.c.id == operation_id,
+        operations.c.fleet_id == fleet_id,
+        operations.c.state == _RUNNING,
+    )
+    move: dict[str, Any] = {
+        "active_domain_id": target_domain_id,
+        "route_revision": fleets.c.route_revision + 1,
+        "last_switch_operation_id": operation_id,
+        "updated_at": at,
+    }
+    if ex.dialect == "sqlite":
+        # trg_fleets_switch_commits_routing marks the operation in this statement.
+        stmt = (
+            sa.update(fleets)
+            .where(
+                fleets.c.id == fleet_id,
+                pointer_matches,
+                sa.exists(sa.select(operations.c.id).where(running)),
+            )
+            .values(**move)
+            .returning(fleets.c.id)
+        )
+        return bool(await ex.write(stmt))
+    stmt_pg = _postgres.switch_active(
+        fleet_id=fleet_id, pointer_matches=pointer_matches, running=running, move=move, at=at
+    )
+    return bool(await ex.write(stmt_pg))

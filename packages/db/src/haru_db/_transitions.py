@@ -1,0 +1,154 @@
+"""State compare-and-swaps on domains and slots (one guarded UPDATE each)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from datetime import datetime, timedelta
+from uuid import UUID
+
+import sqlalchemy as sa
+from haru_core import assert_transition, machine_for
+from haru_protocol import DomainState, InferenceSlotState, SlotKind
+
+from haru_db._exec import Executor, aware, checked_froms
+from haru_db._tables import IN_FLIGHT_STATES, domains, fleets, operations, slots
+
+
+async def transition_domain(
+    ex: Executor,
+    domain_id: UUID,
+    *,
+    from_states: Collection[DomainState],
+    to: DomainState,
+    at: datetime,
+) -> bool:
+    froms = checked_froms("domain", from_states, to)
+    at = aware(at)
+    if not froms:
+        return False
+    stmt = (
+        sa.update(domains)
+        .where(domains.c.id == domain_id, domains.c.state.in_(froms))
+        .values(state=str(to), state_updated_at=at, updated_at=at)
+        .returning(domains.c.id)
+    )
+    return bool(await ex.write(stmt))
+
+
+async def transition_slot(
+    ex: Executor,
+    slot_id: UUID,
+    *,
+    kind: SlotKind,
+    from_states: Collection[str],
+    to: str,
+    at: datetime,
+) -> bool:
+    froms = checked_froms(machine_for(kind), from_states, to)
+    at = aware(at)
+    if not froms:
+        return False
+    stmt = (
+        sa.update(slots)
+        .where(slots.c.id == slot_id, slots.c.kind == str(kind), slots.c.state.in_(froms))
+        .values(state=str(to), state_updated_at=at, updated_at=at)
+        .returning(slots.c.id)
+    )
+    return bool(await ex.write(stmt))
+
+
+async def transition_domain_slots(
+    ex: Executor,
+    domain_id: UUID,
+    *,
+    kind: SlotKind,
+    from_states: Collection[str],
+    to: str,
+    at: datetime,
+) -> int:
+    froms = checked_froms(machine_for(kind), from_states, to)
+    at = aware(at)
+    if not froms:
+        return 0
+    stmt = (
+        sa.update(slots)
+        .where(
+            slots.c.domain_id == domain_id,
+            slots.c.kind == str(kind),
+            slots.c.state.in_(froms),
+        )
+        .values(state=str(to), state_updated_at=at, updated_at=at)
+        .returning(slots.c.id)
+    )
+    return len(await ex.write(stmt))
+
+
+async def mark_domain_seen(ex: Executor, domain_id: UUID, *, at: datetime) -> bool:
+    at = aware(at)
+    stmt = (
+        sa.update(domains)
+        .where(
+            domains.c.id == domain_id,
+            sa.or_(domains.c.last_seen_at.is_(None), domains.c.last_seen_at <= at),
+        )
+        .values(last_seen_at=at, updated_at=at)
+        .returning(domains.c.id)
+    )
+    return bool(await ex.write(stmt))
+
+
+async def escalate_domain_if_fleet_idle(
+    ex: Executor,
+    *,
+    domain_id: UUID,
+    fleet_id: UUID,
+    at: datetime,
+    heartbeat_stale_ms: int,
+) -> bool:
+    assert_transition("domain", DomainState.DEGRADED.value, DomainState.FAILED.value)
+    at = aware(at)
+    if heartbeat_stale_ms < 0:
+        raise ValueError("heartbeat_stale_ms must not be negative")
+    fresh_since = at - timedelta(milliseconds=heartbeat_stale_ms)
+    standby = domains.alias("standby")
+    inference_slot = sa.and_(
+        slots.c.domain_id == standby.c.id, slots.c.kind == SlotKind.INFERENCE.value
+    )
+    viable_standby = sa.exists(
+        sa.select(standby.c.id).where(
+            standby.c.fleet_id == fleet_id,
+            standby.c.id != domain_id,
+            standby.c.state == DomainState.READY.value,
+            standby.c.supervisor_url.is_not(None),
+            standby.c.last_seen_at >= fresh_since,
+            sa.exists(sa.select(slots.c.id).where(inference_slot)),
+            ~sa.exists(
+                sa.select(slots.c.id).where(
+                    inference_slot, slots.c.state == InferenceSlotState.FAILED.value
+                )
+            ),
+        )
+    )
+    stmt = (
+        sa.update(domains)
+        .where(
+            domains.c.id == domain_id,
+            domains.c.fleet_id == fleet_id,
+            domains.c.state == DomainState.DEGRADED.value,
+            sa.exists(
+                sa.select(fleets.c.id).where(
+                    fleets.c.id == fleet_id, fleets.c.active_domain_id == domain_id
+                )
+            ),
+            ~sa.exists(
+                sa.select(operations.c.id).where(
+                    operations.c.fleet_id == fleet_id,
+                    operations.c.state.in_(IN_FLIGHT_STATES),
+                )
+            ),
+            viable_standby,
+        )
+        .values(state=DomainState.FAILED.value, state_updated_at=at, updated_at=at)
+        .returning(domains.c.id)
+    )
+    return bool(await ex.write(stmt))
