@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from haru_protocol import ExecResult, ExecSpawnError, ExecTimeoutError, GpuMemory
+from haru_exec import ExecResult, ExecSpawnError, ExecTimeoutError
+from haru_protocol import GpuMemory
 from haru_supervisor import (
     NVIDIA_SMI_ARGS,
     SOURCE_HEADER,

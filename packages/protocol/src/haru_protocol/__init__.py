@@ -44,16 +44,6 @@ from haru_protocol._errors import (
     HaruProtocolError,
     error_body,
 )
-from haru_protocol._exec import (
-    STDERR_LIMIT,
-    Exec,
-    ExecError,
-    ExecResult,
-    ExecSpawnError,
-    ExecTimeoutError,
-    format_exec_failure,
-    run_exec,
-)
 from haru_protocol._fleet import (
     AcceptedResponse,
     AlreadyActiveResponse,
@@ -129,7 +119,6 @@ __all__ = (
     # Bases and scalar types
     "MAX_DURATION_MS",
     # Helpers
-    "STDERR_LIMIT",
     # Server read models and control API (SPEC 3.6, 7.2, 7.4)
     "AcceptedResponse",
     "AlreadyActiveResponse",
@@ -146,11 +135,6 @@ __all__ = (
     "Event",
     "EventList",
     "EventType",
-    "Exec",
-    "ExecError",
-    "ExecResult",
-    "ExecSpawnError",
-    "ExecTimeoutError",
     "Flag",
     "FleetLayout",
     "FleetList",
@@ -222,7 +206,6 @@ __all__ = (
     "bearer_matches",
     "error_body",
     "example_layout_json",
-    "format_exec_failure",
     "is_slug",
     "join_url",
     "json_schemas",
@@ -230,5 +213,4 @@ __all__ = (
     "normalize_token",
     "render_json_schemas",
     "resolve_policy",
-    "run_exec",
 )

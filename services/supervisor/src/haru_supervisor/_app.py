@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
-from haru_protocol import Exec, run_exec
+from haru_exec import Exec, run_exec
 
 from haru_supervisor._gpu import NvmlLoader, load_pynvml, open_gpu_reader
 from haru_supervisor._http import MAX_BODY_BYTES, auth_middleware, error_middleware

@@ -18,13 +18,8 @@ import shutil
 from collections.abc import Callable
 from typing import Final, Protocol
 
-from haru_protocol import (
-    Exec,
-    ExecError,
-    GpuMemory,
-    format_exec_failure,
-    run_exec,
-)
+from haru_exec import Exec, ExecError, format_exec_failure, run_exec
+from haru_protocol import GpuMemory
 
 from haru_supervisor._errors import GpuMemorySourceError, GpuMemoryUnavailable
 from haru_supervisor._settings import GpuSource
