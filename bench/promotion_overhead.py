@@ -43,9 +43,9 @@ from haru_protocol import (
 )
 from haru_server._loop import LoopOptions, ReconcileLoop
 from haru_server._reconciler import Reconciler, ReconcilerOptions
-from haru_server._supervisor import SupervisorClient
 from haru_server.localfleet import LocalFleet, LocalFleetOptions
 from haru_sim import read_trainer_checkpoint
+from haru_supervisor.client import SupervisorClient
 
 INTERVALS_S = (0.25, 1.0, 5.0)
 BUSY_INTERVAL_S = 0.15
@@ -128,7 +128,6 @@ class TimedClient(SupervisorClient):
         timeout_s: float,
         prompt: str,
         max_tokens: int,
-        timeout_ms: int,
     ) -> ProbeResponse:
         started = time.monotonic()
         try:
@@ -137,7 +136,6 @@ class TimedClient(SupervisorClient):
                 timeout_s=timeout_s,
                 prompt=prompt,
                 max_tokens=max_tokens,
-                timeout_ms=timeout_ms,
             )
         finally:
             if base_url == self.target_url:
@@ -201,9 +199,7 @@ async def measure_baseline(workdir: Path, http: aiohttp.ClientSession, samples: 
             await client.wake(url, timeout_s=30)
             wakes.append(_ms(time.monotonic() - started))
             started = time.monotonic()
-            result = await client.probe(
-                url, timeout_s=30, prompt="ping", max_tokens=4, timeout_ms=30_000
-            )
+            result = await client.probe(url, timeout_s=30, prompt="ping", max_tokens=4)
             probes.append(_ms(time.monotonic() - started))
             assert result.ok, result
     return Baseline(

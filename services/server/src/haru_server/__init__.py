@@ -4,29 +4,19 @@
 proxy of 7.5, the reconcile loop of 7.3); :func:`run_server` boots it the way ``haru serve``
 does (announce, migrate, listen, stop on a signal). :class:`Reconciler` runs reconcile ticks
 against a :class:`haru_db.StateStore` and the domains' supervisors (through
-:class:`SupervisorClient`, the only code that calls them); :class:`ReconcileLoop` runs them in
-the background. ``haru_server.localfleet`` (the ``demo`` extra) starts a whole fleet of
-emulated vLLM servers and real supervisors on one machine.
+:class:`haru_supervisor.client.SupervisorClient`, the only code that calls them);
+:class:`ReconcileLoop` runs them in the background. ``haru_server.localfleet`` (the ``demo``
+extra) starts a whole fleet of emulated vLLM servers and real supervisors on one machine.
 """
 
 from haru_server._app import create_app
 from haru_server._clock import Clock, utc_now
-from haru_server._errors import (
-    FleetNotFoundError,
-    HaruServerError,
-    SupervisorBadResponseError,
-    SupervisorError,
-    SupervisorRejectedError,
-    SupervisorTimeoutError,
-    SupervisorUnauthorizedError,
-    SupervisorUnreachableError,
-)
+from haru_server._errors import FleetNotFoundError, HaruServerError
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
 from haru_server._reconciler import Reconciler, ReconcilerOptions, TickResult
 from haru_server._serve import run_server
 from haru_server._settings import Settings, SettingsError
 from haru_server._steps import StepTuning
-from haru_server._supervisor import SupervisorClient
 
 __all__ = (  # noqa: RUF022 -- grouped by topic
     # Application
@@ -43,15 +33,8 @@ __all__ = (  # noqa: RUF022 -- grouped by topic
     "ReconcileLoop",
     "LoopOptions",
     "FleetKickers",
-    "SupervisorClient",
     # Errors
     "HaruServerError",
     "SettingsError",
     "FleetNotFoundError",
-    "SupervisorError",
-    "SupervisorUnauthorizedError",
-    "SupervisorUnreachableError",
-    "SupervisorTimeoutError",
-    "SupervisorRejectedError",
-    "SupervisorBadResponseError",
 )
