@@ -49,8 +49,8 @@ from haru_protocol import (
 )
 from haru_server._loop import LoopOptions, ReconcileLoop
 from haru_server._reconciler import Reconciler, ReconcilerOptions
-from haru_server._supervisor import SupervisorClient
 from haru_sim import read_trainer_checkpoint
+from haru_supervisor.client import SupervisorClient
 from sqlalchemy.engine import make_url
 
 INTERVALS_S = (0.25, 1.0, 5.0)
@@ -134,7 +134,6 @@ class TimedClient(SupervisorClient):
         timeout_s: float,
         prompt: str,
         max_tokens: int,
-        timeout_ms: int,
     ) -> ProbeResponse:
         started = time.monotonic()
         try:
@@ -143,7 +142,6 @@ class TimedClient(SupervisorClient):
                 timeout_s=timeout_s,
                 prompt=prompt,
                 max_tokens=max_tokens,
-                timeout_ms=timeout_ms,
             )
         finally:
             if base_url == self.target_url:
@@ -207,9 +205,7 @@ async def measure_baseline(workdir: Path, http: aiohttp.ClientSession, samples: 
             await client.wake(url, timeout_s=30)
             wakes.append(_ms(time.monotonic() - started))
             started = time.monotonic()
-            result = await client.probe(
-                url, timeout_s=30, prompt="ping", max_tokens=4, timeout_ms=30_000
-            )
+            result = await client.probe(url, timeout_s=30, prompt="ping", max_tokens=4)
             probes.append(_ms(time.monotonic() - started))
             assert result.ok, result
     return Baseline(

@@ -18,7 +18,7 @@ from haru_driver_skypilot import (
     strip_ansi,
     temporary_yaml,
 )
-from haru_protocol import STDERR_LIMIT, ExecError, ExecResult, ExecSpawnError, ExecTimeoutError
+from haru_exec import STDERR_LIMIT, ExecError, ExecResult, ExecSpawnError, ExecTimeoutError
 
 # What `sky` printed on a cold local API server (REFERENCE-FACTS SkyPilot section 3).
 COLD_STDOUT = (

@@ -24,7 +24,8 @@ from haru_driver_skyserve import (
     SkyServeDriver,
     render_service_yaml,
 )
-from haru_protocol import ExecTimeoutError, Placement
+from haru_exec import ExecTimeoutError
+from haru_protocol import Placement
 
 SPEC = ServiceSpec(
     task=TaskSpec(

@@ -20,7 +20,7 @@ from haru_protocol import FleetSnapshot, Operation, OperationState, PolicyPatch
 from haru_server._clock import ManualClock
 from haru_server._reconciler import Reconciler, ReconcilerOptions, TickResult
 from haru_server._steps import StepTuning
-from haru_server._supervisor import SupervisorClient
+from haru_supervisor.client import SupervisorClient
 
 START = datetime(2030, 1, 1, tzinfo=UTC)
 

@@ -85,7 +85,7 @@ def recording(
     store: StateStore, clock: ManualClock, http: aiohttp.ClientSession, **options: Any
 ) -> Recording:
     from haru_server._reconciler import ReconcilerOptions
-    from haru_server._supervisor import SupervisorClient
+    from haru_supervisor.client import SupervisorClient
 
     return Recording(
         store, SupervisorClient(http, token=None), clock=clock, options=ReconcilerOptions(**options)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 from uuid import UUID
@@ -31,9 +32,9 @@ from haru_protocol import (
 )
 from haru_server._clock import ManualClock
 from haru_server._reconciler import Reconciler
-from haru_server._supervisor import SupervisorClient
 from haru_sim import read_trainer_checkpoint
 from haru_supervisor import process_name
+from haru_supervisor.client import SupervisorClient
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 MakeReconciler = Callable[..., Reconciler]
@@ -265,6 +266,53 @@ async def test_full_demotion(
     client = SupervisorClient(http, token=None)
     await wait_training(client, fleet.domain("beta").supervisor_url, TrainingRunState.RUNNING)
     assert all(sim.sleeping for sim in fleet.domain("beta").sims.values())
+
+
+async def test_a_slow_model_fails_the_probe_by_name_not_by_step_timeout(
+    store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    # Issue 12 item 3: when the supervisor got the whole remaining budget as its per-model
+    # bound, the server's HTTP call (bounded by the same budget) gave up first, so the step
+    # only ever saw a call timeout and the operation ended as step_timeout naming no model.
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock, policy=PolicyPatch(probe_timeout_ms=3000))
+    reconciler = make_reconciler(store)
+    slow = "example-chat-medium"
+    await fleet.domain("beta").sims[slow].set_faults(slow_first_token_ms=600_000)
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    for _ in range(10):
+        started = time.monotonic()
+        await reconciler.tick("local")
+        # The manual clock follows real time, so the probe step's budget runs out for real.
+        clock.advance(seconds=time.monotonic() - started)
+        current = await store.get_operation(promote.id)
+        assert current is not None
+        if helpers.finished(current):
+            break
+    failed = await store.get_operation(promote.id)
+    assert failed is not None
+    assert failed.state is OperationState.FAILED
+    assert failed.error is not None
+    assert failed.error.step is OperationStep.PROBE
+    assert failed.error.code == OperationErrorCode.PROBE_FAILED
+    assert slow in failed.error.message
+    assert "example-chat-small" not in failed.error.message
+    events = await store.list_events(seeded.id, limit=1000)
+    [event] = [
+        e for e in events if e.type == EventType.OPERATION_FAILED and e.operation_id == promote.id
+    ]
+    assert event.payload["code"] == OperationErrorCode.PROBE_FAILED
+    assert [m["model"] for m in event.payload["failedModels"]] == [slow]
+    assert event.payload["failedModels"][0]["error"]
 
 
 async def test_probe_failure_leaves_routing_and_restores_the_standby(

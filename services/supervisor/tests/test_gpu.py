@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from haru_protocol import ExecResult, ExecSpawnError, ExecTimeoutError, GpuMemory, GpuProcess
+from haru_exec import ExecResult, ExecSpawnError, ExecTimeoutError
+from haru_protocol import GpuMemory, GpuProcess
 from haru_supervisor import (
     NVIDIA_SMI_APPS_ARGS,
     NVIDIA_SMI_ARGS,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from haru_protocol import STDERR_LIMIT, ExecResult, format_exec_failure
+from haru_exec import STDERR_LIMIT, ExecResult, format_exec_failure
 
 _EXCERPT_LIMIT = 512
 

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass
 from pathlib import Path
 
-from haru_protocol import (
+from haru_exec import (
     Exec,
     ExecError,
     ExecResult,

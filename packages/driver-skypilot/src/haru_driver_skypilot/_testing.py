@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from haru_protocol import ExecResult
+from haru_exec import ExecResult
 
 
 @dataclass(frozen=True, slots=True)

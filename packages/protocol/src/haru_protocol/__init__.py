@@ -44,16 +44,6 @@ from haru_protocol._errors import (
     HaruProtocolError,
     error_body,
 )
-from haru_protocol._exec import (
-    STDERR_LIMIT,
-    Exec,
-    ExecError,
-    ExecResult,
-    ExecSpawnError,
-    ExecTimeoutError,
-    format_exec_failure,
-    run_exec,
-)
 from haru_protocol._fleet import (
     AcceptedResponse,
     AlreadyActiveResponse,
@@ -130,7 +120,6 @@ __all__ = (
     # Bases and scalar types
     "MAX_DURATION_MS",
     # Helpers
-    "STDERR_LIMIT",
     # Server read models and control API (SPEC 3.6, 7.2, 7.4)
     "AcceptedResponse",
     "AlreadyActiveResponse",
@@ -147,11 +136,6 @@ __all__ = (
     "Event",
     "EventList",
     "EventType",
-    "Exec",
-    "ExecError",
-    "ExecResult",
-    "ExecSpawnError",
-    "ExecTimeoutError",
     "Flag",
     "FleetLayout",
     "FleetList",
@@ -224,7 +208,6 @@ __all__ = (
     "bearer_matches",
     "error_body",
     "example_layout_json",
-    "format_exec_failure",
     "is_slug",
     "join_url",
     "json_schemas",
@@ -232,5 +215,4 @@ __all__ = (
     "normalize_token",
     "render_json_schemas",
     "resolve_policy",
-    "run_exec",
 )

@@ -2,11 +2,8 @@
 
 Exception hierarchy of haru-protocol::
 
-    HaruProtocolError
-    └── ExecError             (_exec: a command could not run or did not finish)
-        ├── ExecSpawnError    (missing binary, no permission)
-        └── ExecTimeoutError  (killed after its time bound)
-    UrlJoinError(ValueError)  (_urls: a join that would change origin or escape the base)
+    HaruProtocolError             (root of the errors haru-protocol's helpers raise)
+    └── UrlJoinError(ValueError)  (_urls: a join that would change origin or escape the base)
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ from types import TracebackType
 from typing import Self
 
 from aiohttp import web
+from haru_exec import ExecResult
 from haru_protocol import (
     Cloud,
     DomainLayout,
-    ExecResult,
     FleetLayout,
     InferenceSlotSpec,
     ModelBinding,

@@ -4,8 +4,9 @@
 proxy of 7.5, the reconcile loop of 7.3); :func:`run_server` boots it the way ``haru serve``
 does (announce, migrate, listen, stop on a signal). :class:`Reconciler` runs reconcile ticks
 against a :class:`haru_db.StateStore` and the domains' supervisors (through
-:class:`SupervisorClient`, the only code that calls them); :class:`ReconcileLoop` runs them in
-the background. :mod:`haru_server.control_client` is the control API's HTTP client.
+:class:`haru_supervisor.client.SupervisorClient`, the only code that calls them);
+:class:`ReconcileLoop` runs them in the background. :mod:`haru_server.control_client` is the
+control API's HTTP client.
 
 The names below are imported on first use (:pep:`562`), so ``haru --help`` and the CLI's HTTP
 commands start without the state store (SQLAlchemy, Alembic) or the aiohttp server.
@@ -19,22 +20,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from haru_server._app import create_app
     from haru_server._clock import Clock, utc_now
-    from haru_server._errors import (
-        FleetNotFoundError,
-        HaruServerError,
-        SupervisorBadResponseError,
-        SupervisorError,
-        SupervisorRejectedError,
-        SupervisorTimeoutError,
-        SupervisorUnauthorizedError,
-        SupervisorUnreachableError,
-    )
+    from haru_server._errors import FleetNotFoundError, HaruServerError
     from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
     from haru_server._reconciler import Reconciler, ReconcilerOptions, TickResult
     from haru_server._serve import run_server
     from haru_server._settings import Settings, SettingsError
     from haru_server._steps import StepTuning
-    from haru_server._supervisor import SupervisorClient
 
 __all__ = (  # noqa: RUF022 -- grouped by topic
     # Application
@@ -51,17 +42,10 @@ __all__ = (  # noqa: RUF022 -- grouped by topic
     "ReconcileLoop",
     "LoopOptions",
     "FleetKickers",
-    "SupervisorClient",
     # Errors
     "HaruServerError",
     "SettingsError",
     "FleetNotFoundError",
-    "SupervisorError",
-    "SupervisorUnauthorizedError",
-    "SupervisorUnreachableError",
-    "SupervisorTimeoutError",
-    "SupervisorRejectedError",
-    "SupervisorBadResponseError",
 )
 
 
@@ -71,12 +55,6 @@ _HOMES = {
     "utc_now": "_clock",
     "FleetNotFoundError": "_errors",
     "HaruServerError": "_errors",
-    "SupervisorBadResponseError": "_errors",
-    "SupervisorError": "_errors",
-    "SupervisorRejectedError": "_errors",
-    "SupervisorTimeoutError": "_errors",
-    "SupervisorUnauthorizedError": "_errors",
-    "SupervisorUnreachableError": "_errors",
     "FleetKickers": "_loop",
     "LoopOptions": "_loop",
     "ReconcileLoop": "_loop",
@@ -87,7 +65,6 @@ _HOMES = {
     "Settings": "_settings",
     "SettingsError": "_settings",
     "StepTuning": "_steps",
-    "SupervisorClient": "_supervisor",
 }
 
 

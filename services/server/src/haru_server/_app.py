@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 from haru_db import HaruDbError, StateStore
+from haru_supervisor.client import SupervisorClient
 from haru_web import bearer_middleware, browser_guard_middleware, error_middleware
 
 from haru_server._clock import Clock, utc_now
@@ -26,7 +27,6 @@ from haru_server._proxy import install_proxy
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._routes import routes
 from haru_server._settings import Settings
-from haru_server._supervisor import SupervisorClient
 
 logger = logging.getLogger(__name__)
 

@@ -45,9 +45,10 @@ from haru_protocol import (
     OperationStep,
     SupervisorStatus,
 )
+from haru_supervisor.client import HEARTBEAT_TIMEOUT_S, SupervisorCallError, SupervisorClient
 
 from haru_server._clock import Clock
-from haru_server._errors import FleetNotFoundError, SupervisorError
+from haru_server._errors import FleetNotFoundError
 from haru_server._steps import (
     Done,
     Failed,
@@ -57,7 +58,6 @@ from haru_server._steps import (
     StepTuning,
     run_step,
 )
-from haru_server._supervisor import HEARTBEAT_TIMEOUT_S, SupervisorClient
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class Reconciler:
     async def _poll(self, domain: DomainSnapshot, url: str) -> SupervisorStatus | None:
         try:
             status = await self._client.status(url, timeout_s=self._options.heartbeat_timeout_s)
-        except SupervisorError as exc:
+        except SupervisorCallError as exc:
             message = str(exc)
             if self._heartbeat_errors.get(domain.id) != message:
                 self._heartbeat_errors[domain.id] = message
@@ -556,7 +556,12 @@ class Reconciler:
             fleet,
             operation,
             EventType.OPERATION_FAILED,
-            {"step": step.value, "code": result.code.value, "message": result.message},
+            {
+                "step": step.value,
+                "code": result.code.value,
+                "message": result.message,
+                **result.detail,
+            },
             now,
         )
         queued = False

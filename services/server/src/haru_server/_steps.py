@@ -38,9 +38,12 @@ from haru_protocol import (
     TrainingRunState,
     TrainingSlotState,
 )
-
-from haru_server._errors import SupervisorError, SupervisorUnauthorizedError
-from haru_server._supervisor import HEARTBEAT_TIMEOUT_S, SupervisorClient
+from haru_supervisor.client import (
+    HEARTBEAT_TIMEOUT_S,
+    SupervisorCallError,
+    SupervisorClient,
+    SupervisorUnauthorizedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +90,15 @@ class Pending:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The step failed for good; the operation fails with this code."""
+    """The step failed for good; the operation fails with this code.
+
+    Attributes:
+        detail: JSON-ready facts added to the ``operation.failed`` event (camelCase keys).
+    """
 
     code: OperationErrorCode
     message: str
+    detail: Mapping[str, object] = field(default_factory=dict)
 
 
 StepResult = Done | Pending | Failed
@@ -221,7 +229,7 @@ async def _call(ctx: StepContext, call: Awaitable[_T], *, target_side: bool) -> 
         if target_side:
             raise _Outcome(Failed(OperationErrorCode.SUPERVISOR_UNAUTHORIZED, str(exc))) from exc
         raise _Outcome(Pending(str(exc))) from exc
-    except SupervisorError as exc:
+    except SupervisorCallError as exc:
         raise _Outcome(Pending(str(exc))) from exc
 
 
@@ -300,7 +308,7 @@ async def _gpu_holders(ctx: StepContext, url: str, held: Sequence[object]) -> st
     """``; held by ...`` naming the compute processes on ``held`` GPUs, or "" when unknown."""
     try:
         answer = await ctx.client.gpu_processes(url, timeout_s=HOLDERS_TIMEOUT_S)
-    except SupervisorError as exc:  # an older supervisor (404) or a failed listing
+    except SupervisorCallError as exc:  # an older supervisor (404) or a failed listing
         logger.debug("cannot list the processes holding GPU(s) %s: %s", held, exc)
         return ""
     parts: list[str] = []
@@ -378,31 +386,33 @@ async def _probe(ctx: StepContext) -> StepResult:
     target = ctx.target
     url = _supervisor_url(target)
     probe = ctx.fleet.policy.probe
-    remaining = max(1, ctx.remaining_now_ms())
     response = await _call(
         ctx,
+        # The client gives each model a bound comfortably inside this one, so a slow model
+        # comes back as a failed result naming it.
         ctx.client.probe(
-            url,
-            timeout_s=ctx.bound(),
-            prompt=probe.prompt,
-            max_tokens=probe.max_tokens,
-            timeout_ms=remaining,
+            url, timeout_s=ctx.bound(), prompt=probe.prompt, max_tokens=probe.max_tokens
         ),
         target_side=True,
     )
     results = {r.model: r for r in response.results}
-    problems: list[str] = []
+    failed: list[dict[str, str]] = []
     latencies: dict[str, float] = {}
     for binding in inference_bindings(target):
         result = results.get(binding.name)
         if result is None:
-            problems.append(f"{binding.name} (never probed)")
+            failed.append({"model": binding.name, "error": "never probed"})
         elif not result.ok:
-            problems.append(f"{binding.name} ({result.error or 'failed'})")
+            failed.append({"model": binding.name, "error": result.error or "failed"})
         else:
             latencies[binding.name] = result.latency_ms
-    if problems:
-        return Failed(OperationErrorCode.PROBE_FAILED, "probe failed: " + ", ".join(problems))
+    if failed:
+        problems = ", ".join(f"{f['model']} ({f['error']})" for f in failed)
+        return Failed(
+            OperationErrorCode.PROBE_FAILED,
+            "probe failed: " + problems,
+            {"failedModels": failed},
+        )
     await _mirror(ctx, target, SlotKind.INFERENCE, (_I.PROBING,), _I.SERVING)
     return Done({"latencyMs": latencies})
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from aiohttp import web
-from haru_protocol import Exec, run_exec
+from haru_exec import Exec, run_exec
 from haru_web import bearer_middleware, browser_guard_middleware, error_middleware
 
 from haru_supervisor._actions import AdminActions

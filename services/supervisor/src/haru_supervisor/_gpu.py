@@ -19,15 +19,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Final, Protocol
 
-from haru_protocol import (
-    Exec,
-    ExecError,
-    ExecResult,
-    GpuMemory,
-    GpuProcess,
-    format_exec_failure,
-    run_exec,
-)
+from haru_exec import Exec, ExecError, ExecResult, format_exec_failure, run_exec
+from haru_protocol import GpuMemory, GpuProcess
 
 from haru_supervisor._errors import GpuMemorySourceError, GpuMemoryUnavailable
 from haru_supervisor._settings import GpuSource

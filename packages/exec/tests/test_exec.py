@@ -6,20 +6,22 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from haru_protocol import (
+from haru_exec import (
     STDERR_LIMIT,
     Exec,
     ExecError,
+    ExecOutputLimitError,
     ExecResult,
     ExecSpawnError,
     ExecTimeoutError,
-    HaruProtocolError,
     format_exec_failure,
+    kill_process_group,
     run_exec,
 )
 
@@ -32,6 +34,16 @@ import pathlib, subprocess, sys, time
 grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 pathlib.Path(sys.argv[1]).write_text(str(grandchild.pid))
 time.sleep(600)
+"""
+# The child starts the same grandchild, then prints without end: only a kill stops it.
+PRINT_FOREVER = """
+import pathlib, subprocess, sys
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+pathlib.Path(sys.argv[1]).write_text(str(grandchild.pid))
+line = b"x" * 1023 + b"\\n"
+while True:
+    sys.stdout.buffer.write(line)
+    sys.stdout.flush()
 """
 # Generous outer bound: a run_exec that fails to kill would otherwise hang on the open pipes.
 OUTER_BOUND_S = 30
@@ -152,6 +164,59 @@ async def test_cancellation_kills_the_process_group(tmp_path: Path) -> None:
         assert await wait_dead(int(pid_file.read_text()))
 
 
+async def test_output_past_the_bound_kills_the_process_group(tmp_path: Path) -> None:
+    # Were stdout buffered to the end, this child would never finish: the run would end in
+    # ExecTimeoutError after 60 s instead of ExecOutputLimitError as soon as 64 KiB are passed.
+    pid_file = tmp_path / "grandchild.pid"
+    with reap_on_failure(pid_file):
+        argv = [PY, "-c", PRINT_FOREVER, str(pid_file)]
+        with pytest.raises(ExecOutputLimitError) as info:
+            await asyncio.wait_for(
+                run_exec(argv, timeout=OUTER_BOUND_S * 2, stdout_limit=64 * 1024), OUTER_BOUND_S
+            )
+        assert info.value.limit == 64 * 1024
+        assert info.value.argv == tuple(argv)
+        assert "65536 bytes" in str(info.value)
+        assert isinstance(info.value, ExecError)
+        assert pid_file.exists(), "the child never started its grandchild"
+        assert await wait_dead(int(pid_file.read_text()))
+
+
+async def test_output_at_the_bound_is_kept() -> None:
+    script = "import sys; sys.stdout.write('y' * 5000)"
+    result = await run_exec([PY, "-c", script], timeout=10, stdout_limit=5000)
+    assert result.stdout == "y" * 5000
+    with pytest.raises(ExecOutputLimitError):
+        await run_exec([PY, "-c", script], timeout=10, stdout_limit=4999)
+
+
+async def test_negative_stdout_limit_rejected() -> None:
+    with pytest.raises(ValueError, match="stdout_limit"):
+        await run_exec([PY, "-c", "pass"], timeout=5, stdout_limit=-1)
+
+
+def test_kill_process_group_of_a_missing_group() -> None:
+    # Reap a real child first so its pid (and group id) is known to be free.
+    child = subprocess.Popen([PY, "-c", "pass"], start_new_session=True)
+    child.wait()
+    assert kill_process_group(child.pid) is False
+
+
+async def test_kill_process_group_signals_every_member(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    with reap_on_failure(pid_file):
+        proc = await asyncio.create_subprocess_exec(
+            PY, "-c", SPAWN_GRANDCHILD, str(pid_file), start_new_session=True
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while not (pid_file.exists() and pid_file.read_text()) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        assert kill_process_group(proc.pid, signal.SIGTERM) is True
+        assert await asyncio.wait_for(proc.wait(), OUTER_BOUND_S) == -signal.SIGTERM
+        assert await wait_dead(int(pid_file.read_text()))
+
+
 async def test_missing_binary_raises_spawn_error(tmp_path: Path) -> None:
     missing = str(tmp_path / "no-such-binary")
     with pytest.raises(ExecSpawnError) as info:
@@ -159,7 +224,6 @@ async def test_missing_binary_raises_spawn_error(tmp_path: Path) -> None:
     assert info.value.argv == (missing, "--help")
     assert "no-such-binary" in str(info.value)
     assert isinstance(info.value, ExecError)
-    assert isinstance(info.value, HaruProtocolError)
 
 
 async def test_non_executable_file_raises_spawn_error(tmp_path: Path) -> None:

@@ -1,10 +1,23 @@
-"""The one client the server uses to talk to domain supervisors (SPEC 6.4).
+"""The client that drives supervisors: typed, bounded calls to the supervisor API (SPEC 6.4).
+
+The control server uses it, and so can a custom orchestrator built on haru-core: importing this
+module needs only haru-protocol, aiohttp and pydantic, never the supervisor's own server side
+(its web application, settings or trainers).
 
 Every call has an explicit time bound (the caller passes what remains of its budget), presents
-the server's bearer token, never follows a redirect (the token must not travel to another
-host) and maps every failure onto one typed :class:`~haru_server._errors.SupervisorError`:
-a malformed answer is a supervisor failure like any other, never an exception that escapes
-a reconcile tick.
+the bearer token, never follows a redirect (the token must not travel to another host) and maps
+every failure onto one typed :class:`SupervisorCallError`: a malformed answer is a supervisor
+failure like any other, never an unexpected exception.
+
+Hierarchy::
+
+    SupervisorCallError              one call to a supervisor failed (.url)
+    ├── SupervisorUnauthorizedError  401/403: the token is missing or wrong (.status)
+    ├── SupervisorUnreachableError   connect failure, reset, refused, unusable URL
+    ├── SupervisorTimeoutError       no complete answer within the call's bound
+    ├── SupervisorRejectedError      another non-2xx answer, e.g. 502 from a failed sleep
+    │                                (.status, .code)
+    └── SupervisorBadResponseError   2xx, but not the documented body
 """
 
 from __future__ import annotations
@@ -32,13 +45,67 @@ from haru_protocol import (
 )
 from pydantic import ValidationError
 
-from haru_server._errors import (
-    SupervisorBadResponseError,
-    SupervisorRejectedError,
-    SupervisorTimeoutError,
-    SupervisorUnauthorizedError,
-    SupervisorUnreachableError,
+__all__ = (
+    "HEARTBEAT_TIMEOUT_S",
+    "MAX_RESPONSE_BYTES",
+    "MIN_CALL_TIMEOUT_S",
+    "PROBE_REPLY_MARGIN_S",
+    "SupervisorBadResponseError",
+    "SupervisorCallError",
+    "SupervisorClient",
+    "SupervisorRejectedError",
+    "SupervisorTimeoutError",
+    "SupervisorUnauthorizedError",
+    "SupervisorUnreachableError",
+    "probe_timeout_ms",
 )
+
+
+class SupervisorCallError(Exception):
+    """One call to a supervisor failed.
+
+    Attributes:
+        url: The URL that was called (never carries a credential).
+    """
+
+    def __init__(self, message: str, *, url: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class SupervisorUnauthorizedError(SupervisorCallError):
+    """The supervisor answered 401 or 403: the caller's token is missing or wrong."""
+
+    def __init__(self, message: str, *, url: str, status: int) -> None:
+        super().__init__(message, url=url)
+        self.status = status
+
+
+class SupervisorUnreachableError(SupervisorCallError):
+    """The supervisor could not be reached (refused, reset, DNS, TLS, unusable URL)."""
+
+
+class SupervisorTimeoutError(SupervisorCallError):
+    """The supervisor did not answer within the call's bound."""
+
+
+class SupervisorRejectedError(SupervisorCallError):
+    """The supervisor answered a non-2xx status other than 401/403.
+
+    Attributes:
+        status: The HTTP status.
+        code: The envelope's error code, when the body carried one.
+    """
+
+    def __init__(self, message: str, *, url: str, status: int, code: str | None) -> None:
+        super().__init__(message, url=url)
+        self.status = status
+        self.code = code
+
+
+class SupervisorBadResponseError(SupervisorCallError):
+    """The supervisor answered 2xx with a body that is not the documented one."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +120,23 @@ MIN_CALL_TIMEOUT_S = 0.001
 HEARTBEAT_TIMEOUT_S = 5.0
 """Bound of one heartbeat poll (SPEC 7.3: about 5 s)."""
 
+PROBE_REPLY_MARGIN_S = 2.0
+"""Time the supervisor keeps, inside the HTTP bound of a probe call, to report its verdicts.
+
+The supervisor bounds each model's completion by :func:`probe_timeout_ms` of the call's bound,
+so a model that is too slow comes back as a failed result naming it, not as a call timeout."""
+
+
+def probe_timeout_ms(call_timeout_s: float) -> int:
+    """Per-model probe bound sent to the supervisor for a probe call bounded by ``call_timeout_s``.
+
+    The HTTP bound minus :data:`PROBE_REPLY_MARGIN_S`; for a bound under twice that margin,
+    half the bound. Never less than 1 ms.
+    """
+    margin = min(PROBE_REPLY_MARGIN_S, call_timeout_s / 2)
+    return max(1, int((call_timeout_s - margin) * 1000))
+
+
 _NO_SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None)
 # Every call is bounded by asyncio.timeout instead (one bound covering connect, headers and body).
 
@@ -62,7 +146,8 @@ class SupervisorClient:
 
     Args:
         session: The application's client session (the client never closes it).
-        token: Bearer token presented to every supervisor (``HARU_SUPERVISOR_TOKEN``).
+        token: Bearer token presented to every supervisor (the server's
+            ``HARU_SUPERVISOR_TOKEN``); ``None`` presents none.
     """
 
     def __init__(self, session: aiohttp.ClientSession, *, token: str | None) -> None:
@@ -104,16 +189,17 @@ class SupervisorClient:
         await self._request("POST", base_url, "/v1/training/stop", timeout_s, body=body)
 
     async def probe(
-        self,
-        base_url: str,
-        *,
-        timeout_s: float,
-        prompt: str,
-        max_tokens: int,
-        timeout_ms: int,
+        self, base_url: str, *, timeout_s: float, prompt: str, max_tokens: int
     ) -> ProbeResponse:
-        """``POST /v1/probe``: one small chat completion per configured model."""
-        body = ProbeRequest(prompt=prompt, max_tokens=max_tokens, timeout_ms=timeout_ms)
+        """``POST /v1/probe``: one small chat completion per configured model.
+
+        ``timeout_s`` bounds the whole call; each model's completion is bounded by
+        :func:`probe_timeout_ms` of it, comfortably inside, so a slow model is reported as a
+        failed result (``ok`` false, ``error`` set) rather than lost in a call timeout.
+        """
+        body = ProbeRequest(
+            prompt=prompt, max_tokens=max_tokens, timeout_ms=probe_timeout_ms(timeout_s)
+        )
         return await self._call("POST", base_url, "/v1/probe", ProbeResponse, timeout_s, body=body)
 
     async def _call(

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
 from aiohttp import web
-from haru_server._errors import (
+from haru_supervisor.client import (
+    MAX_RESPONSE_BYTES,
+    PROBE_REPLY_MARGIN_S,
     SupervisorBadResponseError,
+    SupervisorCallError,
+    SupervisorClient,
     SupervisorRejectedError,
     SupervisorTimeoutError,
     SupervisorUnauthorizedError,
     SupervisorUnreachableError,
+    probe_timeout_ms,
 )
-from haru_server._supervisor import MAX_RESPONSE_BYTES, SupervisorClient
 from pytest_aiohttp import AiohttpServer
 
 STATUS = {
@@ -218,14 +224,67 @@ async def test_bodies_are_camel_case_and_keep_path_prefix(
     base = str(server.make_url("/prefix"))
     client = SupervisorClient(session, token=None)
     await client.stop_training(base, timeout_s=2, grace_ms=1500)
-    result = await client.probe(base, timeout_s=2, prompt="hi", max_tokens=3, timeout_ms=900)
+    result = await client.probe(base, timeout_s=10, prompt="hi", max_tokens=3)
     assert result.ok
     assert seen == [
         ("/prefix/v1/training/stop", {"graceMs": 1500}),
-        ("/prefix/v1/probe", {"prompt": "hi", "maxTokens": 3, "timeoutMs": 900}),
+        # The per-model bound sent is the call's bound minus PROBE_REPLY_MARGIN_S.
+        ("/prefix/v1/probe", {"prompt": "hi", "maxTokens": 3, "timeoutMs": 8000}),
     ]
+
+
+@pytest.mark.parametrize(
+    ("call_timeout_s", "expected_ms"),
+    [(60.0, 58_000), (10.0, 8_000), (4.0, 2_000), (3.0, 1_500), (0.5, 250), (0.0, 1)],
+)
+def test_the_probe_bound_sits_inside_the_call_bound(
+    call_timeout_s: float, expected_ms: int
+) -> None:
+    assert probe_timeout_ms(call_timeout_s) == expected_ms
+    assert PROBE_REPLY_MARGIN_S == 2.0
 
 
 async def test_unusable_base_url_is_unreachable(session: aiohttp.ClientSession) -> None:
     with pytest.raises(SupervisorUnreachableError):
         await SupervisorClient(session, token=None).status("ftp://host/", timeout_s=1)
+
+
+def test_importing_the_client_leaves_the_supervisor_server_side_alone() -> None:
+    # A fresh interpreter: this test process has long imported everything.
+    script = (
+        "import sys, haru_supervisor.client as c\n"
+        "assert c.SupervisorClient and c.SupervisorCallError\n"
+        "server_side = ('aiohttp.web', 'haru_supervisor._app', 'haru_supervisor._settings',\n"
+        "               'haru_supervisor._training', 'haru_supervisor._routes', 'haru_exec',\n"
+        "               'sqlalchemy', 'haru_db', 'haru_server')\n"
+        "print(sorted(m for m in server_side if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_package_still_exports_the_server_side_lazily() -> None:
+    import haru_supervisor
+
+    assert haru_supervisor.create_app.__module__ == "haru_supervisor._app"
+    assert set(haru_supervisor.__all__) <= set(dir(haru_supervisor))
+    for name in haru_supervisor.__all__:
+        assert getattr(haru_supervisor, name) is not None
+    with pytest.raises(AttributeError, match="no_such_name"):
+        _ = haru_supervisor.no_such_name
+
+
+def test_call_errors_are_distinct_from_the_supervisor_service_errors() -> None:
+    from haru_supervisor import HaruSupervisorError
+
+    assert not issubclass(SupervisorCallError, HaruSupervisorError)
+    for error in (
+        SupervisorBadResponseError,
+        SupervisorRejectedError,
+        SupervisorTimeoutError,
+        SupervisorUnauthorizedError,
+        SupervisorUnreachableError,
+    ):
+        assert issubclass(error, SupervisorCallError)
