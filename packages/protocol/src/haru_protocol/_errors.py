@@ -41,6 +41,7 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     NOT_IMPLEMENTED = "not_implemented"
+    FLEET_NOT_RECONCILED = "fleet_not_reconciled"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -60,6 +61,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.NOT_IMPLEMENTED: 501,
+    ErrorCode.FLEET_NOT_RECONCILED: 409,
 }
 """The usual HTTP status of each code (a route may document a different one)."""
 
