@@ -905,6 +905,16 @@ class StateStore:
         rows = await self._read(stmt)
         return operation_from_row(rows[0]) if rows else None
 
+    async def list_recent_operations(self, fleet_id: UUID, *, limit: int = 64) -> list[Operation]:
+        """The fleet's newest ``limit`` operations (newest first): input of promotion backoff."""
+        stmt = (
+            sa.select(operations)
+            .where(operations.c.fleet_id == fleet_id)
+            .order_by(operations.c.created_at.desc())
+            .limit(limit)
+        )
+        return [operation_from_row(row) for row in await self._read(stmt)]
+
     async def get_operation(
         self, operation_id: UUID, *, fleet_id: UUID | None = None
     ) -> Operation | None:
