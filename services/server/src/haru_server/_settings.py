@@ -79,10 +79,10 @@ class Settings:
         default_fleet = text("HARU_DEFAULT_FLEET")
         interval_raw = text("HARU_RECONCILE_INTERVAL_MS")
         fleets_raw = text("HARU_RECONCILE_FLEETS")
+        # Unset = every fleet in the store (not just HARU_DEFAULT_FLEET): a fleet no loop drives
+        # never fails over and its accepted operations would never run.
         if fleets_raw is None or fleets_raw == "*":
-            fleets: tuple[str, ...] | None = (
-                (default_fleet,) if fleets_raw is None and default_fleet is not None else None
-            )
+            fleets: tuple[str, ...] | None = None
         else:
             fleets = tuple(f.strip() for f in fleets_raw.split(",") if f.strip()) or None
         return cls(
