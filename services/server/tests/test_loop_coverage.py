@@ -7,6 +7,7 @@ from uuid import UUID
 
 import pytest
 from haru_db import StateStore
+from haru_db.testing import confirm_domains
 from haru_protocol import FleetSnapshot, PolicyPatch, load_example_layout
 from haru_server._app import create_app
 from haru_server._clock import ManualClock
@@ -22,6 +23,8 @@ async def seed_two_fleets(store: StateStore, clock: ManualClock) -> tuple[UUID, 
     await store.apply_fleet_layout(layout, at=clock())
     second = layout.model_copy(update={"slug": "second", "policy": PolicyPatch(auto_failover=True)})
     await store.apply_fleet_layout(second, at=clock())
+    for ref in ("example", "second"):
+        await confirm_domains(store, ref, at=clock())
     ids = []
     for ref in ("example", "second"):
         snapshot = await store.get_fleet_snapshot(ref)

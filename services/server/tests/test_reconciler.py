@@ -14,6 +14,7 @@ from uuid import UUID
 
 import aiohttp
 from haru_db import StateStore
+from haru_db.testing import confirm_domains
 from haru_protocol import (
     DomainState,
     EventType,
@@ -396,9 +397,9 @@ async def test_unauthorized_supervisor_fails_the_step(
     assert "wrong-token" not in failed.error.message
     after = await snapshot_of(store)
     assert after.active_domain_id == seeded.active_domain_id
-    # Heartbeats were refused too: a configuration error, never evidence that a domain is
-    # down, so no domain was degraded.
-    assert {d.state for d in after.domains} == {DomainState.READY}
+    # Heartbeats were refused too: a configuration error, never evidence either way, so no
+    # domain was judged (new domains stay provisioning, unroutable, until one answers).
+    assert {d.state for d in after.domains} == {DomainState.PROVISIONING}
 
 
 async def test_supervisor_unreachable_mid_step_is_pending_until_the_budget_ends(
@@ -468,6 +469,7 @@ async def test_config_drift_is_judged_against_the_layout(
     await store.apply_fleet_layout(
         layout.model_copy(update={"domains": tuple(domains)}), at=clock()
     )
+    await confirm_domains(store, "local", at=clock())  # a fleet that was healthy before
     seeded = await snapshot_of(store)
     reconciler = make_reconciler(store)
     await reconciler.tick("local")

@@ -45,7 +45,6 @@ from haru_protocol import (
     OperationKind,
     OperationState,
     OperationStep,
-    Provider,
     SlotKind,
     TrainingSlotState,
     is_slug,
@@ -661,8 +660,9 @@ class StateStore:
         """Create what the layout declares and the store lacks (idempotent and additive).
 
         Insert-if-absent for the fleet (by slug), its domains (by slug) and their slots (by
-        GPU index and kind); existing rows are left untouched, the stored policy included. New
-        static domains start ``ready``, others ``provisioning``. A new inference slot's state
+        GPU index and kind); existing rows are left untouched, the stored policy included. Every
+        new domain starts ``provisioning`` (not routable, not promotable) until a heartbeat
+        confirms it. A new inference slot's state
         is decided inside its insert against the live pointer: ``serving`` on the active
         domain (or on the declared active while the pointer is unset), else ``sleeping``;
         training slots start ``idle``. When the pointer is unset and the declared active's
@@ -739,11 +739,9 @@ class StateStore:
                 "id": uuid4(),
                 "fleet_id": fleet_id,
                 "slug": d.slug,
-                "state": (
-                    DomainState.READY.value
-                    if d.provider is Provider.STATIC
-                    else DomainState.PROVISIONING.value
-                ),
+                # Every new domain, static included, waits for its first good heartbeat:
+                # nothing routes to endpoints no supervisor has confirmed.
+                "state": DomainState.PROVISIONING.value,
                 "provider": d.provider.value,
                 "placement": d.placement.model_dump(mode="json"),
                 "supervisor_url": d.supervisor_url,
