@@ -406,3 +406,76 @@ def test_escalation_custom_grace(make: FleetFactory) -> None:
     policy = Policy(auto_failover=True, degraded_grace_ms=1_000)
     fleet = escalation_fleet(make, degraded_for_ms=1_001, policy=policy)
     assert detect_degraded_escalation(fleet, now=make.now) == make.domain_id("alpha")
+
+
+# ---- supervisor auth failures and promotion backoff ----
+
+
+def test_auth_failing_active_is_never_stale(make: FleetFactory) -> None:
+    # A rotated token made the active's heartbeats 401: no evidence it is down.
+    alpha = make.domain("alpha", last_seen_at=ago(make, STALE_MS * 10))
+    alpha = alpha.model_copy(update={"auth_failing": True})
+    fleet = make.fleet(alpha, make.domain("beta"), active="alpha", policy=AUTO)
+    assert detect_failover(fleet, now=make.now) is None
+
+
+def test_auth_failing_active_still_fails_over_when_failed(make: FleetFactory) -> None:
+    # Failed is a verdict other evidence reached (e.g. before the token broke).
+    alpha = make.domain("alpha", state=DomainState.FAILED).model_copy(update={"auth_failing": True})
+    fleet = make.fleet(alpha, make.domain("beta"), active="alpha", policy=AUTO)
+    decision = detect_failover(fleet, now=make.now)
+    assert decision is not None
+    assert decision.reason == "active_failed"
+
+
+def test_auth_failing_standby_is_no_target(make: FleetFactory) -> None:
+    beta = make.domain("beta").model_copy(update={"auth_failing": True})
+    assert not is_viable_standby(
+        make.fleet(make.domain("alpha"), beta, active="alpha"), beta, now=make.now
+    )
+    fleet = make.fleet(
+        make.domain("alpha", state=DomainState.FAILED), beta, active="alpha", policy=AUTO
+    )
+    assert detect_failover(fleet, now=make.now) is None
+
+
+def test_auth_failing_active_is_never_escalated(make: FleetFactory) -> None:
+    fleet = escalation_fleet(make, degraded_for_ms=600_000)
+    alpha = fleet.domains[0].model_copy(update={"auth_failing": True})
+    fleet = fleet.model_copy(update={"domains": (alpha, fleet.domains[1])})
+    assert detect_degraded_escalation(fleet, now=make.now) is None
+
+
+@pytest.mark.parametrize(
+    ("until_ms", "skipped"), [(1, True), (60_000, True), (0, False), (-1, False)]
+)
+def test_failover_skips_a_standby_in_backoff(
+    make: FleetFactory, until_ms: int, skipped: bool
+) -> None:
+    beta = make.domain("beta").model_copy(
+        update={"promotion_backoff_until": make.now + timedelta(milliseconds=until_ms)}
+    )
+    gamma = make.domain("gamma", last_seen_at=ago(make, 1_000))
+    fleet = make.fleet(
+        make.domain("alpha", state=DomainState.FAILED), beta, gamma, active="alpha", policy=AUTO
+    )
+    decision = detect_failover(fleet, now=make.now)
+    assert decision is not None
+    assert decision.target_domain_id == make.domain_id("gamma" if skipped else "beta")
+
+
+def test_no_failover_while_every_standby_backs_off(make: FleetFactory) -> None:
+    beta = make.domain("beta").model_copy(
+        update={"promotion_backoff_until": make.now + timedelta(seconds=30)}
+    )
+    fleet = make.fleet(
+        make.domain("alpha", state=DomainState.FAILED), beta, active="alpha", policy=AUTO
+    )
+    assert detect_failover(fleet, now=make.now) is None
+    # ... and a degraded active is not escalated to failed for a standby that cannot take over.
+    degraded = escalation_fleet(make, degraded_for_ms=600_000)
+    standby = degraded.domains[1].model_copy(
+        update={"promotion_backoff_until": make.now + timedelta(seconds=30)}
+    )
+    degraded = degraded.model_copy(update={"domains": (degraded.domains[0], standby)})
+    assert detect_degraded_escalation(degraded, now=make.now) is None

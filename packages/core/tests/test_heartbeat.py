@@ -183,6 +183,22 @@ ACTIVE_CASES = [
     (I.FAILED, {"a": False, "b": False}, I.SERVING),
     (I.FAILED, {"a": False, "b": None}, None),
     (I.FAILED, {"a": True, "b": True}, None),
+    (I.STOPPED, {"a": False, "b": False}, None),
+    (I.STOPPED, {"a": True, "b": None}, None),
+    # No operation drives the domain: every other state is reconciled with the report.
+    (I.STARTING, {"a": False, "b": False}, I.SERVING),
+    (I.STARTING, {"a": True, "b": None}, None),  # still loading: unproven either way
+    (I.PROBING, {"a": False, "b": False}, I.SERVING),
+    (I.PROBING, {"a": True, "b": None}, I.FAILED),
+    (I.SLEEPING, {"a": False, "b": False}, I.FAILED),  # no direct edge; failed heals next
+    (I.SLEEPING, {"a": True, "b": True}, I.FAILED),
+    (I.WAKING, {"a": False, "b": False}, I.FAILED),
+    (I.WAKING, {"a": True, "b": None}, I.FAILED),
+]
+
+BUSY_ACTIVE_CASES = [
+    # An in-flight operation drives the domain: only its posture and failed are mirrored.
+    *[(s, m, e) for s, m, e in ACTIVE_CASES if s in (I.SERVING, I.FAILED)],
     *[
         (s, m, None)
         for s in (I.STARTING, I.SLEEPING, I.WAKING, I.PROBING, I.STOPPED)
@@ -191,16 +207,20 @@ ACTIVE_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("state", "reported", "expected"), ACTIVE_CASES)
+@pytest.mark.parametrize(
+    ("busy", "state", "reported", "expected"),
+    [(False, *c) for c in ACTIVE_CASES] + [(True, *c) for c in BUSY_ACTIVE_CASES],
+)
 def test_active_inference_mirroring(
     make: FleetFactory,
+    busy: bool,
     state: InferenceSlotState,
     reported: dict[str, bool | None],
     expected: InferenceSlotState | None,
 ) -> None:
     alpha = make.domain("alpha", slots=[make.inference(0, "a", "b", state=state)])
     fleet = make.fleet(alpha, make.domain("beta"), active="alpha")
-    changes = slot_health_changes(fleet, alpha, make.status(models=reported))
+    changes = slot_health_changes(fleet, alpha, make.status(models=reported), busy=busy)
     if expected is None:
         assert changes == ()
     else:
@@ -219,6 +239,22 @@ STANDBY_CASES = [
     (I.FAILED, {"a": True, "b": True}, I.SLEEPING),
     (I.FAILED, {"a": True, "b": None}, None),
     (I.FAILED, {"a": False, "b": False}, None),
+    (I.STOPPED, {"a": True, "b": True}, None),
+    (I.STOPPED, {"a": False, "b": None}, None),
+    # No operation drives the domain: a crash mid-demote left the old active "serving"
+    # while its supervisor says asleep; the heartbeat restores the recorded posture.
+    (I.SERVING, {"a": True, "b": True}, I.SLEEPING),
+    (I.SERVING, {"a": False, "b": None}, I.FAILED),
+    (I.STARTING, {"a": True, "b": True}, I.SLEEPING),
+    (I.STARTING, {"a": False, "b": None}, None),
+    (I.WAKING, {"a": True, "b": True}, I.SLEEPING),
+    (I.WAKING, {"a": False, "b": False}, I.FAILED),
+    (I.PROBING, {"a": True, "b": True}, I.SLEEPING),
+    (I.PROBING, {"a": False, "b": None}, I.FAILED),
+]
+
+BUSY_STANDBY_CASES = [
+    *[(s, m, e) for s, m, e in STANDBY_CASES if s in (I.SLEEPING, I.FAILED)],
     *[
         (s, m, None)
         for s in (I.STARTING, I.SERVING, I.WAKING, I.PROBING, I.STOPPED)
@@ -227,16 +263,20 @@ STANDBY_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("state", "reported", "expected"), STANDBY_CASES)
+@pytest.mark.parametrize(
+    ("busy", "state", "reported", "expected"),
+    [(False, *c) for c in STANDBY_CASES] + [(True, *c) for c in BUSY_STANDBY_CASES],
+)
 def test_standby_inference_mirroring(
     make: FleetFactory,
+    busy: bool,
     state: InferenceSlotState,
     reported: dict[str, bool | None],
     expected: InferenceSlotState | None,
 ) -> None:
     beta = make.domain("beta", slots=[make.inference(0, "a", "b", state=state)])
     fleet = make.fleet(make.domain("alpha"), beta, active="alpha")
-    changes = slot_health_changes(fleet, beta, make.status(models=reported))
+    changes = slot_health_changes(fleet, beta, make.status(models=reported), busy=busy)
     if expected is None:
         assert changes == ()
     else:
@@ -405,6 +445,17 @@ def test_domain_change_on_heartbeat(
     assert can_transition("domain", change.from_state, change.to_state)
     assert change.detail["role"] == role
     assert change.detail["reachable"] is (status is not None)
+
+
+@pytest.mark.parametrize("role", ["active", "standby"])
+@pytest.mark.parametrize("state", list(DomainState))
+def test_unauthorized_heartbeat_never_changes_a_domain(
+    make: FleetFactory, role: str, state: DomainState
+) -> None:
+    # A 401/403 is a configuration error, never evidence that the domain is down.
+    beta = make.domain("beta", state=state, slots=[make.inference(0, "m")])
+    fleet = make.fleet(make.domain("alpha"), beta, active="beta" if role == "active" else "alpha")
+    assert domain_change_on_heartbeat(fleet, beta, None, unauthorized=True) is None
 
 
 def test_not_ready_detail_carries_both_verdicts(make: FleetFactory) -> None:

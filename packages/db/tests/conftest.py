@@ -10,7 +10,7 @@ import pytest
 import pytest_asyncio
 from haru_db import StateStore
 from haru_db._engine import create_engine
-from haru_protocol import FleetLayout, FleetSnapshot
+from haru_protocol import DomainState, FleetLayout, FleetSnapshot
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 LayoutFactory = Callable[..., FleetLayout]
@@ -114,8 +114,15 @@ def fleet_layout(make_layout: LayoutFactory) -> FleetLayout:
 
 @pytest_asyncio.fixture
 async def fleet(store: StateStore, make_layout: LayoutFactory, now: datetime) -> FleetSnapshot:
-    """A two-domain fleet (alpha active and serving, beta standby asleep), as applied."""
+    """A two-domain fleet (alpha active and serving, beta standby asleep), applied and then
+    confirmed ready (what the first good heartbeat of each domain does)."""
     await store.apply_fleet_layout(make_layout(), at=now)
+    applied = await store.get_fleet_snapshot("fleet")
+    assert applied is not None
+    for domain in applied.domains:
+        assert await store.transition_domain(
+            domain.id, from_states=[DomainState.PROVISIONING], to=DomainState.READY, at=now
+        )
     snapshot = await store.get_fleet_snapshot("fleet")
     assert snapshot is not None
     return snapshot

@@ -62,8 +62,9 @@ async def test_a_new_fleet(
     assert snapshot.route_revision == 2
     assert snapshot.active_domain_id == snapshot.domains[0].id
     assert [(d.slug, d.state, d.provider) for d in snapshot.domains] == [
-        ("alpha", DomainState.READY, Provider.STATIC),
-        ("beta", DomainState.READY, Provider.STATIC),
+        # Static ones too: not routable until a heartbeat has confirmed them.
+        ("alpha", DomainState.PROVISIONING, Provider.STATIC),
+        ("beta", DomainState.PROVISIONING, Provider.STATIC),
         ("gamma", DomainState.PROVISIONING, Provider.SKYPILOT),
     ]
     declared = {d.slug: d for d in layout.domains}

@@ -301,6 +301,8 @@ DURATION_KEYS = [
     "switchActiveTimeoutMs",
     "sleepTimeoutMs",
     "startTrainingTimeoutMs",
+    "promotionBackoffBaseMs",
+    "promotionBackoffMaxMs",
 ]
 
 
@@ -406,6 +408,8 @@ def test_policy_defaults_match_spec() -> None:
         "switchActiveTimeoutMs": 10_000,
         "sleepTimeoutMs": 60_000,
         "startTrainingTimeoutMs": 30_000,
+        "promotionBackoffBaseMs": 30_000,
+        "promotionBackoffMaxMs": 900_000,
         "probe": {"prompt": "ping", "maxTokens": 4},
     }
 

@@ -254,6 +254,8 @@ def test_fleet_snapshot_keys() -> None:
         "routeRevision",
         "policy",
         "domains",
+        "reconciled",
+        "warnings",
     ]
     assert keys(fleet.domains[0]) == [
         "id",
@@ -267,6 +269,9 @@ def test_fleet_snapshot_keys() -> None:
         "lastSeenAt",
         "stateUpdatedAt",
         "slots",
+        "authFailing",
+        "lastSupervisorError",
+        "promotionBackoffUntil",
     ]
     assert keys(fleet.domains[0].slots[0]) == [
         "id",

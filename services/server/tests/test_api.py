@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
 from haru_db import StateStore
+from haru_db.testing import confirm_domains
 from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
     DomainState,
@@ -38,6 +39,7 @@ JSON = {"Content-Type": "application/json"}
 
 async def example(store: StateStore, clock: ManualClock) -> FleetSnapshot:
     await store.apply_fleet_layout(load_example_layout(), at=clock())
+    await confirm_domains(store, "example", at=clock())
     snapshot = await store.get_fleet_snapshot("example")
     assert snapshot is not None
     return snapshot

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from haru_db import StateStore
+from haru_db.testing import confirm_domains
 from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
     FleetLayout,
@@ -217,7 +218,11 @@ async def test_promote_through_the_api_is_driven_by_the_kicked_loop(
     aiohttp_client: AiohttpClient,
 ) -> None:
     fleet = await make_fleet(training_gpus=())
-    snapshot = await helpers.seed(store, fleet, clock)
+    await helpers.seed(store, fleet, clock)
+    # Confirmed as the first heartbeat would (the loop's first tick may come after the POST).
+    await confirm_domains(store, "local", at=clock())
+    snapshot = await store.get_fleet_snapshot("local")
+    assert snapshot is not None
     # An interval far longer than the test: only the kick and the quick re-ticks can finish it.
     settings = Settings(reconcile_interval_ms=600_000)
     app = create_app(settings, store=store, clock=clock, busy_interval_s=0.02)

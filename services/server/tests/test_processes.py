@@ -188,6 +188,16 @@ async def test_two_server_processes_drive_one_promotion(
                 ) as response:
                     return response.status, await response.json()
 
+            # New domains are promotable only once a heartbeat confirmed them.
+            async def confirmed() -> bool:
+                async with http.get(f"{first.url}/v1/fleets/local") as response:
+                    body = await response.json()
+                return all(d["state"] == "ready" for d in body["domains"])
+
+            for _ in range(200):
+                if await confirmed():
+                    break
+                await asyncio.sleep(0.05)
             answers = await asyncio.gather(promote(first), promote(second))
             assert [status for status, _ in answers] == [202, 202]
             ids = {body["operation"]["id"] for _, body in answers}

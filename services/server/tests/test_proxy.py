@@ -25,6 +25,7 @@ import pytest
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from haru_db import StateStore
+from haru_db.testing import confirm_domains
 from haru_protocol import (
     DomainState,
     FleetLayout,
@@ -163,6 +164,7 @@ class Fleet:
 
 async def apply(store: StateStore, fleet_layout: FleetLayout) -> Fleet:
     result = await store.apply_fleet_layout(fleet_layout, at=now())
+    await confirm_domains(store, str(result.fleet_id), at=now())
     snapshot = await store.get_fleet_snapshot(str(result.fleet_id))
     assert snapshot is not None
     assert snapshot.active_domain_id is not None

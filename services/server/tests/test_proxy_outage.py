@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from haru_db import StateStore, StateStoreUnavailableError
+from haru_db.testing import confirm_domains
 from haru_protocol import (
     FleetLayout,
     FleetRoutePointer,
@@ -264,6 +265,7 @@ async def fleet(store: StateStore) -> AsyncIterator[Fleet]:
             }
         )
         result = await store.apply_fleet_layout(fleet_layout, at=now())
+        await confirm_domains(store, "prod", at=now())
         snapshot = await store.get_fleet_snapshot("prod")
         assert snapshot is not None
         ids = {d.slug: d.id for d in snapshot.domains}
@@ -457,6 +459,7 @@ async def test_a_hung_database_turns_into_stale_serving_quickly(
             }
         )
         await postgres_store.apply_fleet_layout(layout, at=now())
+        await confirm_domains(postgres_store, layout.slug, at=now())
         proxy_url = await make_proxy(proxied, tuning=ProxyTuning(pointer_timeout_ms=100))
         assert (await chat(http, proxy_url))[0] == 200
         forwarder.hang()

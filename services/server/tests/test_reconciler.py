@@ -16,6 +16,7 @@ from uuid import UUID
 
 import aiohttp
 from haru_db import StateStore
+from haru_db.testing import confirm_domains
 from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
     DomainState,
@@ -446,8 +447,9 @@ async def test_unauthorized_supervisor_fails_the_step(
     assert "wrong-token-0123456789" not in failed.error.message
     after = await snapshot_of(store)
     assert after.active_domain_id == seeded.active_domain_id
-    # Heartbeats failed too (401 is no answer): ready domains went degraded.
-    assert {d.state for d in after.domains} == {DomainState.DEGRADED}
+    # Heartbeats were refused too: a configuration error, never evidence either way, so no
+    # domain was judged (new domains stay provisioning, unroutable, until one answers).
+    assert {d.state for d in after.domains} == {DomainState.PROVISIONING}
 
 
 async def test_supervisor_unreachable_mid_step_is_pending_until_the_budget_ends(
@@ -517,6 +519,7 @@ async def test_config_drift_is_judged_against_the_layout(
     await store.apply_fleet_layout(
         layout.model_copy(update={"domains": tuple(domains)}), at=clock()
     )
+    await confirm_domains(store, "local", at=clock())  # a fleet that was healthy before
     seeded = await snapshot_of(store)
     reconciler = make_reconciler(store)
     await reconciler.tick("local")
@@ -787,8 +790,19 @@ async def test_verify_gpu_waits_for_released_memory_then_times_out(
         OperationStep.VERIFY_GPU,
         OperationErrorCode.STEP_TIMEOUT,
     )
-    # Nothing was woken: no restore demote is queued.
-    assert await store.get_in_flight_operation(seeded.id) is None
+    # Training was stopped: a restore demote returns beta to standby posture (its trainers
+    # run again) without ever waking its vLLM.
+    restore = await store.get_in_flight_operation(seeded.id)
+    assert restore is not None
+    assert (restore.kind, restore.target_domain_id) == (
+        OperationKind.DEMOTE,
+        domain_id(seeded, "beta"),
+    )
+    await helpers.tick_until_settled(reconciler, "local")
+    done = await store.get_operation(restore.id)
+    assert done is not None
+    assert done.state is OperationState.SUCCEEDED, done.error
+    assert states(await snapshot_of(store), "beta")[2] == ["training", "training"]
     assert all(sim.sleeping for sim in fleet.domain("beta").sims.values())
 
 

@@ -57,8 +57,10 @@ def test_numbers_and_fleets_parse() -> None:
     assert settings.chat_max_body_bytes == 1024
 
 
-def test_reconcile_fleets_fall_back_to_default_fleet_and_star_means_all() -> None:
-    assert Settings.from_env({"HARU_DEFAULT_FLEET": "f"}).reconcile_fleets == ("f",)
+def test_reconcile_fleets_default_to_every_fleet_and_star_means_all() -> None:
+    # HARU_DEFAULT_FLEET only picks the fleet of chat requests; it never narrows the loop (a
+    # second fleet would otherwise never be reconciled).
+    assert Settings.from_env({"HARU_DEFAULT_FLEET": "f"}).reconcile_fleets is None
     star = {"HARU_DEFAULT_FLEET": "f", "HARU_RECONCILE_FLEETS": "*"}
     assert Settings.from_env(star).reconcile_fleets is None
 

@@ -5,6 +5,7 @@ Everything here takes snapshots from :mod:`haru_protocol` and returns values or 
 repository layer and the reconciler apply with compare-and-swap writes.
 """
 
+from haru_core._backoff import PromotionBackoff, backoff_delay_ms, in_backoff, promotion_backoff
 from haru_core._bindings import (
     has_inference_bindings,
     inference_bindings,
@@ -112,6 +113,11 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "rank_standbys",
     "detect_failover",
     "detect_degraded_escalation",
+    # Promotion backoff
+    "PromotionBackoff",
+    "backoff_delay_ms",
+    "promotion_backoff",
+    "in_backoff",
     # Heartbeat verdicts (SPEC 7.3 step 1)
     "SlotChange",
     "DomainChange",

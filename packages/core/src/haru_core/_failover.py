@@ -9,6 +9,7 @@ from uuid import UUID
 
 from haru_protocol import DomainSnapshot, DomainState, FleetSnapshot, InferenceSlotState
 
+from haru_core._backoff import in_backoff
 from haru_core._bindings import has_inference_bindings, inference_slots, is_active
 from haru_core._states import PROMOTABLE_DOMAIN_STATES
 from haru_core._time import require_aware
@@ -43,14 +44,16 @@ def is_stale(domain: DomainSnapshot, *, now: datetime, heartbeat_stale_ms: int) 
 def is_viable_standby(fleet: FleetSnapshot, domain: DomainSnapshot, *, now: datetime) -> bool:
     """Whether ``domain`` is a standby known to be healthy enough to take over right now.
 
-    Viable: not the active, state ready, a supervisor URL, seen within the policy's
-    ``heartbeatStaleMs``, at least one inference slot, and no inference slot failed.
+    Viable: not the active, state ready, a supervisor URL that accepts the server's token,
+    seen within the policy's ``heartbeatStaleMs``, at least one inference slot, and no
+    inference slot failed.
     """
     require_aware("now", now)
     slots = inference_slots(domain)
     return (
         not is_active(fleet, domain)
         and domain.state is DomainState.READY
+        and not domain.auth_failing
         and domain.supervisor_url is not None
         and domain.last_seen_at is not None
         and not is_stale(domain, now=now, heartbeat_stale_ms=fleet.policy.heartbeat_stale_ms)
@@ -89,6 +92,7 @@ def rank_standbys(fleet: FleetSnapshot) -> tuple[DomainSnapshot, ...]:
 def _is_fallback_candidate(domain: DomainSnapshot) -> bool:
     return (
         domain.state in PROMOTABLE_DOMAIN_STATES
+        and not domain.auth_failing
         and domain.supervisor_url is not None
         and has_inference_bindings(domain)
     )
@@ -97,10 +101,13 @@ def _is_fallback_candidate(domain: DomainSnapshot) -> bool:
 def detect_failover(fleet: FleetSnapshot, *, now: datetime) -> FailoverDecision | None:
     """Decide an automatic failover (SPEC 7.3 step 2).
 
-    Needs ``autoFailover`` on and an active domain that is failed or stale. The target is the
-    first viable standby of :func:`rank_standbys`, else the first ranked standby that is ready
-    or degraded, has a supervisor URL and has inference bindings. The caller checks that no
-    operation is in flight.
+    Needs ``autoFailover`` on and an active domain that is failed or stale. An active whose
+    supervisor refuses the server's token (``authFailing``) is never stale: a configuration
+    error is no evidence that it is down. The target is the first viable standby of
+    :func:`rank_standbys`, else the first ranked standby that is ready or degraded, has a
+    supervisor URL that accepts the token and has inference bindings; a standby whose
+    promotions are backing off (``promotionBackoffUntil`` after ``now``) is skipped. The caller
+    checks that no operation is in flight.
 
     Returns:
         The decision, or None when no failover is due or no standby could take over.
@@ -114,11 +121,15 @@ def detect_failover(fleet: FleetSnapshot, *, now: datetime) -> FailoverDecision 
     reason: Literal["active_failed", "active_stale"]
     if active.state is DomainState.FAILED:
         reason = "active_failed"
-    elif is_stale(active, now=now, heartbeat_stale_ms=fleet.policy.heartbeat_stale_ms):
+    elif not active.auth_failing and is_stale(
+        active, now=now, heartbeat_stale_ms=fleet.policy.heartbeat_stale_ms
+    ):
         reason = "active_stale"
     else:
         return None
-    ranked = rank_standbys(fleet)
+    ranked = tuple(
+        d for d in rank_standbys(fleet) if not in_backoff(d.promotion_backoff_until, now=now)
+    )
     target = next((d for d in ranked if is_viable_standby(fleet, d, now=now)), None)
     if target is None:
         target = next((d for d in ranked if _is_fallback_candidate(d)), None)
@@ -132,16 +143,21 @@ def detect_degraded_escalation(fleet: FleetSnapshot, *, now: datetime) -> UUID |
 
     Escalation (degraded to failed) needs ``autoFailover`` on, the active degraded for strictly
     longer than the grace since its ``stateUpdatedAt``, and a viable standby to fail over to:
-    without one, failing the active would only stop the traffic it still serves.
+    without one (a standby backing off does not count), failing the active would only stop the
+    traffic it still serves. An active
+    whose supervisor refuses the server's token is never escalated: nothing can be judged.
     """
     require_aware("now", now)
     if not fleet.policy.auto_failover:
         return None
     active = fleet.active_domain
-    if active is None or active.state is not DomainState.DEGRADED:
+    if active is None or active.state is not DomainState.DEGRADED or active.auth_failing:
         return None
     if now - active.state_updated_at <= timedelta(milliseconds=fleet.policy.degraded_grace_ms):
         return None
-    if not any(is_viable_standby(fleet, d, now=now) for d in fleet.domains):
+    if not any(
+        is_viable_standby(fleet, d, now=now) and not in_backoff(d.promotion_backoff_until, now=now)
+        for d in fleet.domains
+    ):
         return None
     return active.id

@@ -29,7 +29,7 @@ from haru_protocol import (
 )
 
 from haru_core._bindings import has_inference_bindings, inference_bindings, is_active, slot_bindings
-from haru_core._states import assert_transition, machine_for
+from haru_core._states import assert_transition, can_transition, machine_for
 
 _I = InferenceSlotState
 _T = TrainingSlotState
@@ -102,22 +102,41 @@ def _training_target(slot: SlotSnapshot, status: SupervisorStatus) -> TrainingSl
     return None
 
 
+_IN_BETWEEN = frozenset({_I.STARTING, _I.SERVING, _I.SLEEPING, _I.WAKING, _I.PROBING})
+"""Inference states a heartbeat reconciles towards the role's posture when no operation
+drives the domain (a crash mid-operation can leave any of them behind)."""
+
+
 def _inference_target(
-    slot: SlotSnapshot, sleeping: Mapping[str, bool | None], *, active: bool
+    slot: SlotSnapshot, sleeping: Mapping[str, bool | None], *, active: bool, busy: bool
 ) -> InferenceSlotState | None:
     names = tuple(b.name for b in slot_bindings(slot))
     # The active must be awake; a standby must be asleep. Anything else is a failed slot.
     healthy_state = _I.SERVING if active else _I.SLEEPING
     healthy = _all_report(names, sleeping, asleep=not active)
-    if slot.state is healthy_state and not healthy:
-        return _I.FAILED
-    if slot.state is _I.FAILED and healthy:
+    if slot.state is healthy_state:
+        return None if healthy else _I.FAILED
+    if slot.state is _I.FAILED:
+        return healthy_state if healthy else None
+    if busy or slot.state not in _IN_BETWEEN:
+        # An in-flight operation owns the states of the domains it drives.
+        return None
+    if healthy and can_transition("inference", slot.state, healthy_state):
         return healthy_state
-    return None
+    if slot.state is _I.STARTING:
+        # Still loading: not proven either way, and never routable while starting.
+        return None
+    # Recorded in a posture the supervisor contradicts (serving on a standby whose vLLM
+    # sleeps, sleeping on the active, ...): failed, so the next proof restores the posture.
+    return _I.FAILED
 
 
 def slot_health_changes(
-    fleet: FleetSnapshot, domain: DomainSnapshot, status: SupervisorStatus
+    fleet: FleetSnapshot,
+    domain: DomainSnapshot,
+    status: SupervisorStatus,
+    *,
+    busy: bool = False,
 ) -> tuple[SlotChange, ...]:
     """The slot changes a supervisor's answer calls for, one per slot that must move.
 
@@ -130,6 +149,12 @@ def slot_health_changes(
     - standby domain, inference slot: ``sleeping`` to ``failed`` unless every layout-bound
       model reports asleep (unreachable, omitted and awake all count as not asleep);
       ``failed`` to ``sleeping`` when they all do.
+    - either role, an inference slot in any other state (``starting``, ``waking``,
+      ``probing``, or the other role's posture) while no operation drives the domain
+      (``busy`` False): to the role's posture when the supervisor proves it and the state
+      table allows the edge, else ``failed`` (a later proof repairs it); a ``starting`` slot
+      that is not proven yet stays ``starting``. So a standby recorded ``serving`` whose
+      supervisor says asleep goes back to ``sleeping``, in every direction.
 
     Models the supervisor reports but the layout does not bind are ignored.
     """
@@ -142,7 +167,7 @@ def slot_health_changes(
             case SlotKind.TRAINING:
                 target = _training_target(slot, status)
             case SlotKind.INFERENCE:
-                target = _inference_target(slot, sleeping, active=active)
+                target = _inference_target(slot, sleeping, active=active, busy=busy)
             case _:
                 assert_never(slot.kind)
         if target is not None:
@@ -181,9 +206,17 @@ def _answered_target(state: DomainState, *, active: bool, ready: bool) -> Domain
 
 
 def domain_change_on_heartbeat(
-    fleet: FleetSnapshot, domain: DomainSnapshot, status: SupervisorStatus | None
+    fleet: FleetSnapshot,
+    domain: DomainSnapshot,
+    status: SupervisorStatus | None,
+    *,
+    unauthorized: bool = False,
 ) -> DomainChange | None:
     """The domain change one heartbeat calls for (``status`` None: the supervisor did not answer).
+
+    ``unauthorized``: the supervisor refused the server's token (401/403). That is a
+    configuration error, never evidence about the domain's health: no change at all (the
+    caller reports it loudly instead).
 
     Unanswered: ``ready`` goes to ``degraded`` (event ``domain.heartbeat.failed``). Answered,
     with ``active_ready`` judged against the layout: ``provisioning`` goes to ``degraded`` (the
@@ -193,6 +226,8 @@ def domain_change_on_heartbeat(
     that answered, or an active-ready active).
     """
     role = "active" if is_active(fleet, domain) else "standby"
+    if unauthorized:
+        return None
     if status is None:
         if domain.state is not _D.READY:
             return None

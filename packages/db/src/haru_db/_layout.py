@@ -19,7 +19,6 @@ from haru_protocol import (
     FleetLayout,
     InferenceSlotSpec,
     InferenceSlotState,
-    Provider,
     SlotKind,
     TrainingSlotState,
 )
@@ -133,11 +132,9 @@ async def ensure_domains(ex: Executor, fleet_id: UUID, layout: FleetLayout, *, a
             "id": uuid4(),
             "fleet_id": fleet_id,
             "slug": d.slug,
-            "state": (
-                DomainState.READY.value
-                if d.provider is Provider.STATIC
-                else DomainState.PROVISIONING.value
-            ),
+            # Every new domain, static included, waits for its first good heartbeat:
+            # nothing routes to endpoints no supervisor has confirmed.
+            "state": DomainState.PROVISIONING.value,
             "provider": d.provider.value,
             "placement": d.placement.model_dump(mode="json"),
             "supervisor_url": d.supervisor_url,

@@ -82,6 +82,16 @@ async def get_in_flight_operation(ex: Executor, fleet_id: UUID) -> Operation | N
     return operation_from_row(rows[0]) if rows else None
 
 
+async def list_recent_operations(ex: Executor, fleet_id: UUID, *, limit: int) -> list[Operation]:
+    stmt = (
+        sa.select(operations)
+        .where(operations.c.fleet_id == fleet_id)
+        .order_by(operations.c.created_at.desc())
+        .limit(limit)
+    )
+    return [operation_from_row(row) for row in await ex.read(stmt)]
+
+
 async def _cas(
     ex: Executor,
     update: sa.Update,

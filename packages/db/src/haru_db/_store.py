@@ -416,8 +416,9 @@ class StateStore:
         """Create what the layout declares and the store lacks (idempotent and additive).
 
         Insert-if-absent for the fleet (by slug), its domains (by slug) and their slots (by
-        GPU index and kind); existing rows are left untouched, the stored policy included. New
-        static domains start ``ready``, others ``provisioning``. A new inference slot's state
+        GPU index and kind); existing rows are left untouched, the stored policy included. Every
+        new domain starts ``provisioning`` (not routable, not promotable) until a heartbeat
+        confirms it. A new inference slot's state
         is decided inside its insert against the live pointer: ``serving`` on the active
         domain (or on the declared active while the pointer is unset), else ``sleeping``;
         training slots start ``idle``. When the pointer is unset and the declared active's
@@ -455,6 +456,11 @@ class StateStore:
     async def get_in_flight_operation(self, fleet_id: UUID) -> Operation | None:
         """The fleet's pending or running operation, if any."""
         return await _operations.get_in_flight_operation(self._ex, fleet_id)
+
+    @_bounded
+    async def list_recent_operations(self, fleet_id: UUID, *, limit: int = 64) -> list[Operation]:
+        """The fleet's newest ``limit`` operations (newest first): input of promotion backoff."""
+        return await _operations.list_recent_operations(self._ex, fleet_id, limit=limit)
 
     @_bounded
     async def get_operation(

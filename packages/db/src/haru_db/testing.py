@@ -39,11 +39,13 @@ import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar, cast
 
 import psycopg
 import pytest
+from haru_protocol import DomainState
 from psycopg import sql
 from sqlalchemy.engine import make_url
 
@@ -466,3 +468,18 @@ async def postgres_store(postgres_url_factory: DatabaseUrlFactory) -> AsyncItera
     """A :class:`~haru_db.StateStore` on a fresh migrated PostgreSQL database."""
     async with _open_store(postgres_url_factory) as opened:
         yield opened
+
+
+async def confirm_domains(store: StateStore, fleet_ref: str, *, at: datetime) -> None:
+    """Move every ``provisioning`` domain of the fleet to ``ready``.
+
+    What the first good heartbeat of each domain does; for tests that route or promote right
+    after applying a layout without running supervisors.
+    """
+    snapshot = await store.get_fleet_snapshot(fleet_ref)
+    if snapshot is None:
+        raise LookupError(f"fleet {fleet_ref!r} not found")
+    for domain in snapshot.domains:
+        await store.transition_domain(
+            domain.id, from_states=[DomainState.PROVISIONING], to=DomainState.READY, at=at
+        )

@@ -152,5 +152,8 @@ class EventType(StrEnum):
     DOMAIN_NOT_READY = "domain.not_ready"
     DOMAIN_HEARTBEAT_FAILED = "domain.heartbeat.failed"
     DOMAIN_DEGRADED_ESCALATED = "domain.degraded.escalated"
+    DOMAIN_SUPERVISOR_UNAUTHORIZED = "domain.supervisor.unauthorized"
+    DOMAIN_SUPERVISOR_AUTHORIZED = "domain.supervisor.authorized"
+    OPERATION_PROMOTION_BACKOFF = "operation.promotion_backoff"
     SLOT_STATE_CHANGED = "slot.state.changed"
     FLEET_LAYOUT_APPLIED = "fleet.layout.applied"

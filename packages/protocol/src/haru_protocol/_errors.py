@@ -43,6 +43,7 @@ class ErrorCode(StrEnum):
     REQUEST_TIMEOUT = "request_timeout"
     OVERLOADED = "overloaded"
     HTTP_VERSION_NOT_SUPPORTED = "http_version_not_supported"
+    FLEET_NOT_RECONCILED = "fleet_not_reconciled"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -67,6 +68,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.OVERLOADED: 503,
     ErrorCode.HTTP_VERSION_NOT_SUPPORTED: 505,
+    ErrorCode.FLEET_NOT_RECONCILED: 409,
 }
 """The usual HTTP status of each code (a route may document a different one)."""
 

@@ -91,6 +91,13 @@ class DomainSnapshot(PeerModel):
     last_seen_at: AwareDatetime | None
     state_updated_at: AwareDatetime
     slots: tuple[SlotSnapshot, ...]
+    auth_failing: bool = False
+    """The domain's supervisor refuses the server's token (401/403): a configuration error,
+    never evidence that the domain is down. Known to the server process that polled it."""
+    last_supervisor_error: str | None = None
+    """The last failure of a heartbeat poll of this domain's supervisor (null: it answers)."""
+    promotion_backoff_until: AwareDatetime | None = None
+    """Automatic promotions of this domain wait until then: its recent promotions failed."""
 
 
 class FleetSnapshot(PeerModel):
@@ -103,6 +110,10 @@ class FleetSnapshot(PeerModel):
     route_revision: RouteRevision
     policy: Policy
     domains: tuple[DomainSnapshot, ...]
+    reconciled: bool | None = None
+    """Whether this server's background loop drives the fleet (null: it runs no loop)."""
+    warnings: tuple[str, ...] = ()
+    """Configuration problems an operator must fix (e.g. autoFailover without a loop)."""
 
     def domain(self, domain_id: UUID) -> DomainSnapshot | None:
         """The domain with this id, if it belongs to the fleet."""

@@ -102,6 +102,11 @@ class Policy(WireModel):
     """Budget of demote_old_sleep and sleep_vllm."""
     start_training_timeout_ms: DurationMs = 30_000
     """Budget of demote_old_train and start_training."""
+    promotion_backoff_base_ms: DurationMs = 30_000
+    """Pause before an automatic promotion retries a target whose last promotion failed; it
+    doubles with every further consecutive failure of that target."""
+    promotion_backoff_max_ms: DurationMs = 900_000
+    """Upper bound of that pause."""
     probe: ProbeSettings = ProbeSettings()
 
 
@@ -126,6 +131,8 @@ class PolicyPatch(WireModel):
     switch_active_timeout_ms: DurationMs | None = None
     sleep_timeout_ms: DurationMs | None = None
     start_training_timeout_ms: DurationMs | None = None
+    promotion_backoff_base_ms: DurationMs | None = None
+    promotion_backoff_max_ms: DurationMs | None = None
     probe: ProbePatch | None = None
 
     def stored(self) -> dict[str, Any]:

@@ -124,6 +124,7 @@ async def _loop_ctx(app: web.Application) -> AsyncIterator[None]:
     app[_kickers_key].attach(loop)
     fleets = "every fleet" if settings.reconcile_fleets is None else settings.reconcile_fleets
     logger.info("reconcile loop every %d ms for %s", interval_ms, fleets)
+    await _warn_auto_failover_outside_loop(app[store_key], loop)
     loop.start()
     try:
         yield
@@ -149,4 +150,26 @@ async def _warn_auto_failover_without_loop(store: StateStore) -> None:
             "no reconcile loop runs, so NOTHING will fail over automatically. Set "
             "HARU_RECONCILE_INTERVAL_MS (e.g. 1000) or drive POST /v1/fleets/{ref}/reconcile.",
             ", ".join(armed),
+        )
+
+
+async def _warn_auto_failover_outside_loop(store: StateStore, loop: ReconcileLoop) -> None:
+    if loop.fleet_refs is None:
+        return
+    try:
+        uncovered = []
+        for pointer in await store.list_fleets():
+            fleet = await store.get_fleet_snapshot(str(pointer.id))
+            if fleet is not None and fleet.policy.auto_failover and not await loop.covers(fleet.id):
+                uncovered.append(fleet.slug)
+    except HaruDbError as exc:
+        logger.warning("could not check fleets for autoFailover at boot: %s", exc)
+        return
+    if uncovered:
+        logger.warning(
+            "!!! autoFailover is ON for fleet(s) %s but HARU_RECONCILE_FLEETS (%s) does not name "
+            "them: NOTHING will fail over there, and promote/demote are refused (409 "
+            "fleet_not_reconciled). Add them, or unset HARU_RECONCILE_FLEETS (every fleet).",
+            ", ".join(uncovered),
+            ",".join(loop.fleet_refs),
         )

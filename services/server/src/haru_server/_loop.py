@@ -76,6 +76,26 @@ class ReconcileLoop:
         """Fleets that currently have a worker."""
         return frozenset(self._workers)
 
+    @property
+    def fleet_refs(self) -> tuple[str, ...] | None:
+        """The configured fleet references (``HARU_RECONCILE_FLEETS``); None = every fleet."""
+        return self._options.fleets
+
+    async def covers(self, fleet_id: UUID) -> bool:
+        """Whether this loop drives ``fleet_id`` (resolving the configured references now).
+
+        Raises:
+            haru_db.StateStoreUnavailableError: The store failed while resolving them.
+        """
+        refs = self._options.fleets
+        if refs is None or fleet_id in self._workers:
+            return True
+        for ref in refs:
+            pointer = await self._store.get_fleet_route_pointer(ref)
+            if pointer is not None and pointer.id == fleet_id:
+                return True
+        return False
+
     def start(self) -> None:
         """Start the discovery task (idempotent)."""
         if self._task is None:

@@ -17,7 +17,6 @@ from datetime import datetime
 from uuid import UUID
 
 from haru_core import (
-    PROMOTE_STEPS,
     CreateOperation,
     decide_demotion,
     detect_degraded_escalation,
@@ -27,6 +26,7 @@ from haru_core import (
     is_best_effort,
     is_step_overdue,
     next_step,
+    promotion_backoff,
     slot_health_changes,
     step_budget_ms,
     step_remaining_ms,
@@ -45,7 +45,12 @@ from haru_protocol import (
     OperationStep,
     SupervisorStatus,
 )
-from haru_supervisor.client import HEARTBEAT_TIMEOUT_S, SupervisorCallError, SupervisorClient
+from haru_supervisor.client import (
+    HEARTBEAT_TIMEOUT_S,
+    SupervisorCallError,
+    SupervisorClient,
+    SupervisorUnauthorizedError,
+)
 
 from haru_server._clock import Clock
 from haru_server._errors import FleetNotFoundError
@@ -61,7 +66,18 @@ from haru_server._steps import (
 
 logger = logging.getLogger(__name__)
 
-_WAKE_INDEX = PROMOTE_STEPS.index(OperationStep.WAKE_VLLM)
+AUTH_LOG_INTERVAL_S = 60.0
+"""While a supervisor keeps refusing the server's token, repeat the ERROR line this often."""
+
+RECENT_OPERATIONS = 64
+"""How many of a fleet's newest operations promotion backoff looks at."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    """A heartbeat the supervisor answered 401/403: the token is wrong, the domain unjudged."""
+
+    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +137,8 @@ class Reconciler:
         self._options = options or ReconcilerOptions()
         self._locks: dict[UUID, asyncio.Lock] = {}
         self._heartbeat_errors: dict[UUID, str] = {}
+        self._auth_failing: dict[UUID, str] = {}
+        self._auth_logged_at: dict[UUID, float] = {}
 
     @property
     def options(self) -> ReconcilerOptions:
@@ -145,9 +163,11 @@ class Reconciler:
     # ---- the tick ----------------------------------------------------------------------------
 
     async def _tick(self, fleet: FleetSnapshot) -> TickResult:
-        fleet = await self._heartbeats(fleet)
+        driving = await self._store.get_in_flight_operation(fleet.id)
+        fleet = await self._heartbeats(fleet, driving)
         operation = await self._store.get_in_flight_operation(fleet.id)
         if operation is None:
+            fleet = await self.annotate(fleet)
             fleet = await self._escalate(fleet)
             operation = await self._failover(fleet)
         if operation is None:
@@ -162,11 +182,36 @@ class Reconciler:
             raise FleetNotFoundError(ref)
         return fleet
 
+    async def annotate(self, fleet: FleetSnapshot) -> FleetSnapshot:
+        """``fleet`` with what this process knows beyond the store, per domain.
+
+        ``authFailing`` and ``lastSupervisorError`` come from this process's last heartbeat
+        of each domain; ``promotionBackoffUntil`` from the fleet's recent operations. The
+        failover decisions read them from the snapshot.
+        """
+        recent = await self._store.list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
+        domains = []
+        for domain in fleet.domains:
+            backoff = promotion_backoff(fleet.policy, domain.id, recent)
+            domains.append(
+                domain.model_copy(
+                    update={
+                        "auth_failing": domain.id in self._auth_failing,
+                        "last_supervisor_error": self._heartbeat_errors.get(domain.id),
+                        "promotion_backoff_until": None if backoff is None else backoff.until,
+                    }
+                )
+            )
+        return fleet.model_copy(update={"domains": tuple(domains)})
+
     # ---- step 1: heartbeats ------------------------------------------------------------------
 
-    async def _poll(self, domain: DomainSnapshot, url: str) -> SupervisorStatus | None:
+    async def _poll(self, domain: DomainSnapshot, url: str) -> SupervisorStatus | _Refused | None:
         try:
             status = await self._client.status(url, timeout_s=self._options.heartbeat_timeout_s)
+        except SupervisorUnauthorizedError as exc:
+            self._heartbeat_errors[domain.id] = str(exc)
+            return _Refused(str(exc))
         except SupervisorCallError as exc:
             message = str(exc)
             if self._heartbeat_errors.get(domain.id) != message:
@@ -177,25 +222,78 @@ class Reconciler:
             logger.info("heartbeat of domain %s answers again", domain.slug)
         return status
 
-    async def _heartbeats(self, fleet: FleetSnapshot) -> FleetSnapshot:
+    async def _auth_verdict(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, refused: _Refused | None, now: datetime
+    ) -> None:
+        """Report a supervisor refusing the token loudly, and its recovery once."""
+        if refused is None:
+            if self._auth_failing.pop(domain.id, None) is None:
+                return
+            self._auth_logged_at.pop(domain.id, None)
+            logger.warning("supervisor of domain %s accepts the server's token again", domain.slug)
+            await self._store.append_event(
+                fleet_id=fleet.id,
+                type=EventType.DOMAIN_SUPERVISOR_AUTHORIZED,
+                payload={},
+                at=now,
+                domain_id=domain.id,
+            )
+            return
+        first = domain.id not in self._auth_failing
+        self._auth_failing[domain.id] = refused.message
+        mono = time.monotonic()
+        last = self._auth_logged_at.get(domain.id)
+        if first or last is None or mono - last >= AUTH_LOG_INTERVAL_S:
+            self._auth_logged_at[domain.id] = mono
+            logger.error(
+                "supervisor of domain %s (fleet %s) refuses the server's token: %s. This is a "
+                "configuration error (HARU_SUPERVISOR_TOKEN differs from the supervisor's); "
+                "the domain is NOT judged down and nothing fails over because of it",
+                domain.slug,
+                fleet.slug,
+                refused.message,
+            )
+        if first:
+            await self._store.append_event(
+                fleet_id=fleet.id,
+                type=EventType.DOMAIN_SUPERVISOR_UNAUTHORIZED,
+                payload={"message": refused.message, "role": _role(fleet, domain)},
+                at=now,
+                domain_id=domain.id,
+            )
+
+    async def _heartbeats(self, fleet: FleetSnapshot, in_flight: Operation | None) -> FleetSnapshot:
         # A domain without a supervisor URL has nothing to poll (nothing could drive it).
         polled = [(d, d.supervisor_url) for d in fleet.domains if d.supervisor_url is not None]
         if not polled:
             return fleet
-        statuses = await asyncio.gather(*(self._poll(d, url) for d, url in polled))
+        # The domains an in-flight operation drives: their in-between slot states are its own.
+        busy = (
+            set()
+            if in_flight is None
+            else {in_flight.target_domain_id, in_flight.source_domain_id} - {None}
+        )
+        answers = await asyncio.gather(*(self._poll(d, url) for d, url in polled))
         now = self._clock()
         landed = False
         seen: set[UUID] = set()
-        for (domain, _), status in zip(polled, statuses, strict=True):
+        for (domain, _), answer in zip(polled, answers, strict=True):
+            refused = answer if isinstance(answer, _Refused) else None
+            await self._auth_verdict(fleet, domain, refused, now)
+            status = answer if isinstance(answer, SupervisorStatus) else None
             if status is not None:
-                landed |= await self._mirror_slots(fleet, domain, status, now)
+                landed |= await self._mirror_slots(
+                    fleet, domain, status, now, busy=domain.id in busy
+                )
                 if await self._store.mark_domain_seen(domain.id, at=now):
                     seen.add(domain.id)
                 else:
                     # A newer heartbeat (another process, a clock ahead) is stored: judging
                     # staleness from this snapshot's older value would be wrong. Re-read.
                     landed = True
-            landed |= await self._judge_domain(fleet, domain, status, now)
+            landed |= await self._judge_domain(
+                fleet, domain, status, now, unauthorized=refused is not None
+            )
         if landed:
             return await self._load(str(fleet.id))
         if not seen:
@@ -211,10 +309,12 @@ class Reconciler:
         domain: DomainSnapshot,
         status: SupervisorStatus,
         now: datetime,
+        *,
+        busy: bool,
     ) -> bool:
         landed = False
         # One CAS per slot: one dead GPU must not drag its siblings.
-        for change in slot_health_changes(fleet, domain, status):
+        for change in slot_health_changes(fleet, domain, status, busy=busy):
             moved = await self._store.transition_slot(
                 change.slot_id,
                 kind=change.kind,
@@ -245,8 +345,10 @@ class Reconciler:
         domain: DomainSnapshot,
         status: SupervisorStatus | None,
         now: datetime,
+        *,
+        unauthorized: bool,
     ) -> bool:
-        change = domain_change_on_heartbeat(fleet, domain, status)
+        change = domain_change_on_heartbeat(fleet, domain, status, unauthorized=unauthorized)
         if change is None:
             return False
         moved = await self._store.transition_domain(
@@ -296,7 +398,7 @@ class Reconciler:
             at=now,
             domain_id=domain_id,
         )
-        return await self._load(str(fleet.id))
+        return await self.annotate(await self._load(str(fleet.id)))
 
     async def _failover(self, fleet: FleetSnapshot) -> Operation | None:
         now = self._clock()
@@ -496,7 +598,16 @@ class Reconciler:
         logger.info("operation %s (%s) succeeded", operation.id, operation.kind.value)
         if not inline:
             await self._event(fleet, operation, EventType(succeeded.type), succeeded.payload, now)
-        return await self._reread(operation), True, False
+        queued = False
+        source = operation.source_domain_id
+        if result.degrade_source and source is not None and source != operation.target_domain_id:
+            # A best-effort demote step ran out of budget (e.g. across a server restart): the
+            # old active may be half demoted. A demote finishes the job from what it observes:
+            # vLLM proven asleep, then training restarted.
+            queued = await self._restore(
+                fleet, source, operation, now, reason=f"{step.value} timed out"
+            )
+        return await self._reread(operation), True, queued
 
     async def _degrade_source(
         self, fleet: FleetSnapshot, operation: Operation, step: OperationStep, now: datetime
@@ -565,18 +676,66 @@ class Reconciler:
             now,
         )
         queued = False
-        if promote and PROMOTE_STEPS.index(step) >= _WAKE_INDEX:
-            queued = await self._restore(fleet, operation, now)
+        if promote:
+            await self._backoff_event(fleet, operation, now)
+            if result.code is OperationErrorCode.SUPERVISOR_UNAUTHORIZED:
+                # A demote would be refused the same way; the auth failure is reported loudly.
+                logger.error(
+                    "operation %s: target's supervisor refuses the server's token; its standby "
+                    "posture is restored once the token is fixed (demote it then)",
+                    operation.id,
+                )
+            else:
+                # Whatever step failed (training stopped, vLLM woken, probe), a demote returns
+                # the target to standby posture: vLLM asleep, training restarted.
+                queued = await self._restore(
+                    fleet, operation.target_domain_id, operation, now, reason=result.code.value
+                )
         return await self._reread(operation), True, queued
 
-    async def _restore(self, fleet: FleetSnapshot, failed: Operation, now: datetime) -> bool:
-        """Queue a demote of a promote's target that failed after being woken."""
+    async def _backoff_event(self, fleet: FleetSnapshot, failed: Operation, now: datetime) -> None:
+        recent = await self._store.list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
+        backoff = promotion_backoff(fleet.policy, failed.target_domain_id, recent)
+        if backoff is None:  # pragma: no cover - the failed promote itself is among them
+            return
+        logger.warning(
+            "fleet %s: %d consecutive failed promotion(s) of domain %s; automatic promotions "
+            "of it wait %d ms (until %s)",
+            fleet.slug,
+            backoff.consecutive_failures,
+            failed.target_domain_id,
+            backoff.delay_ms,
+            backoff.until.isoformat(),
+        )
+        await self._event(
+            fleet,
+            failed,
+            EventType.OPERATION_PROMOTION_BACKOFF,
+            {
+                "targetDomainId": str(failed.target_domain_id),
+                "consecutiveFailures": backoff.consecutive_failures,
+                "delayMs": backoff.delay_ms,
+                "until": backoff.until.isoformat(),
+            },
+            now,
+        )
+
+    async def _restore(
+        self,
+        fleet: FleetSnapshot,
+        domain_id: UUID,
+        cause: Operation,
+        now: datetime,
+        *,
+        reason: str,
+    ) -> bool:
+        """Queue a demote that returns ``domain_id`` to standby posture after ``cause``."""
         fresh = await self._load(str(fleet.id))
-        decision = decide_demotion(fresh, failed.target_domain_id)
+        decision = decide_demotion(fresh, domain_id)
         if not isinstance(decision, CreateOperation):
             logger.warning(
-                "operation %s: target cannot be returned to standby: %s",
-                failed.id,
+                "operation %s: domain cannot be returned to standby: %s",
+                cause.id,
                 decision.message,
             )
             return False
@@ -588,12 +747,18 @@ class Reconciler:
         )
         if not created:
             return operation.state in (OperationState.PENDING, OperationState.RUNNING)
-        logger.info("operation %s: demote %s queued to restore standby", failed.id, operation.id)
+        logger.info(
+            "operation %s: demote %s queued to restore standby (%s)", cause.id, operation.id, reason
+        )
         await self._event(
             fleet,
             operation,
             EventType.OPERATION_RESTORE_DEMOTE,
-            {"failedOperationId": str(failed.id), "targetDomainId": str(failed.target_domain_id)},
+            {
+                "causeOperationId": str(cause.id),
+                "targetDomainId": str(domain_id),
+                "reason": reason,
+            },
             now,
         )
         return True
@@ -616,3 +781,7 @@ class Reconciler:
             domain_id=domain_id if domain_id is not None else operation.target_domain_id,
             operation_id=operation.id,
         )
+
+
+def _role(fleet: FleetSnapshot, domain: DomainSnapshot) -> str:
+    return "active" if fleet.active_domain_id == domain.id else "standby"

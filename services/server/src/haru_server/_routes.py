@@ -33,7 +33,7 @@ from haru_protocol import (
 from haru_web import ApiError, int_query, parse_body
 
 from haru_server._errors import FleetNotFoundError
-from haru_server._keys import clock_key, kick_fleet_key, reconciler_key, store_key
+from haru_server._keys import clock_key, kick_fleet_key, loop_key, reconciler_key, store_key
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +86,32 @@ async def list_fleets(request: web.Request) -> web.Response:
     return _json(FleetList(fleets=tuple(fleets)))
 
 
+async def loop_coverage(app: web.Application, fleet: FleetSnapshot) -> FleetSnapshot:
+    """``fleet`` with ``reconciled`` and the warnings about who drives it."""
+    loop = app[loop_key]
+    warnings: list[str] = []
+    if loop is None:
+        reconciled = None
+        if fleet.policy.auto_failover:
+            warnings.append(
+                "autoFailover is on but no reconcile loop runs (HARU_RECONCILE_INTERVAL_MS is "
+                "unset): nothing fails over automatically"
+            )
+    else:
+        reconciled = await loop.covers(fleet.id)
+        if not reconciled:
+            warnings.append(
+                "no reconcile loop drives this fleet (HARU_RECONCILE_FLEETS does not name it): "
+                "promote and demote are refused"
+                + (" and nothing fails over automatically" if fleet.policy.auto_failover else "")
+            )
+    return fleet.model_copy(update={"reconciled": reconciled, "warnings": tuple(warnings)})
+
+
 @routes.get("/v1/fleets/{ref}")
 async def get_fleet(request: web.Request) -> web.Response:
-    return _json(await _snapshot(request))
+    fleet = await request.app[reconciler_key].annotate(await _snapshot(request))
+    return _json(await loop_coverage(request.app, fleet))
 
 
 @routes.get("/v1/fleets/{ref}/route-intent")
@@ -112,6 +135,15 @@ async def _request_operation(
     request: web.Request, kind: OperationKind, target_domain_id: UUID
 ) -> web.Response:
     fleet = await _snapshot(request)
+    loop = request.app[loop_key]
+    if loop is not None and not await loop.covers(fleet.id):
+        # Accepting it would leave an operation pending forever, blocking the fleet.
+        raise ApiError(
+            ErrorCode.FLEET_NOT_RECONCILED,
+            f"no reconcile loop of this server drives fleet {fleet.slug!r} "
+            "(HARU_RECONCILE_FLEETS does not name it), so the operation would never run; "
+            "add the fleet to HARU_RECONCILE_FLEETS (or unset it: every fleet)",
+        )
     decision = (
         decide_promotion(fleet, target_domain_id)
         if kind is OperationKind.PROMOTE

@@ -116,8 +116,8 @@ class Settings(BaseSettings):
         None, validation_alias=_env("HARU_RECONCILE_FLEETS", "reconcile_fleets")
     )
     """``HARU_RECONCILE_FLEETS``: fleets the loop reconciles; None = every fleet. From the
-    environment: a comma-separated list, ``*`` for every fleet, unset = ``HARU_DEFAULT_FLEET``
-    when set; a list naming no fleet (``","``) is refused at boot."""
+    environment: a comma-separated list, ``*`` or unset for every fleet; a list naming no fleet
+    (``","``) is refused at boot."""
     http_header_timeout_ms: DurationMs = Field(
         10_000, validation_alias=_env("HARU_HTTP_HEADER_TIMEOUT_MS", "http_header_timeout_ms")
     )
@@ -204,8 +204,10 @@ class Settings(BaseSettings):
                 environ[name] = token or ""
         except TokenConfigError as exc:
             raise SettingsError(str(exc)) from None
+        # Unset (or blank) means every fleet: a fleet no loop drives never fails over, and its
+        # accepted operations would never run (HARU_DEFAULT_FLEET no longer narrows the loop).
         if not environ.get("HARU_RECONCILE_FLEETS", "").strip():
-            environ["HARU_RECONCILE_FLEETS"] = environ.get("HARU_DEFAULT_FLEET", "")
+            environ.pop("HARU_RECONCILE_FLEETS", None)
         names = env_names(cls)
         known = set(names.values())
         values = _MappingEnv(cls, {k: v for k, v in environ.items() if k in known})()

@@ -1,0 +1,251 @@
+"""Faults operators meet, against REAL supervisors, emulated vLLM servers and trainers.
+
+A rotated supervisor token, a standby whose probe keeps failing, a crash that left a standby
+recorded ``serving``, a best-effort demote whose budget ran out while the server was down.
+Budgets run on an injected clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+from uuid import UUID
+
+import aiohttp
+from haru_db import StateStore
+from haru_demo.localfleet import LocalFleet
+from haru_protocol import (
+    DomainState,
+    EventType,
+    FleetSnapshot,
+    InferenceSlotState,
+    OperationKind,
+    OperationState,
+    OperationStep,
+    PolicyPatch,
+    SlotKind,
+    TrainingRunState,
+)
+from haru_server._clock import ManualClock
+from haru_server._reconciler import Reconciler
+from haru_supervisor.client import SupervisorClient
+
+MakeFleet = Callable[..., Awaitable[LocalFleet]]
+MakeReconciler = Callable[..., Reconciler]
+
+TOKEN = "right-token-0123456789abcdef"
+ROTATED = "rotated-token-0123456789abcdef"
+AUTO = PolicyPatch(auto_failover=True, heartbeat_stale_ms=30_000, degraded_grace_ms=60_000)
+
+
+def domain_id(snapshot: FleetSnapshot, slug: str) -> UUID:
+    return next(d.id for d in snapshot.domains if d.slug == slug)
+
+
+def slot_states(snapshot: FleetSnapshot, slug: str, kind: SlotKind) -> list[str]:
+    domain = next(d for d in snapshot.domains if d.slug == slug)
+    return [s.state.value for s in domain.slots if s.kind is kind]
+
+
+async def snapshot_of(store: StateStore) -> FleetSnapshot:
+    snapshot = await store.get_fleet_snapshot("local")
+    assert snapshot is not None
+    return snapshot
+
+
+async def events_of(store: StateStore, fleet_id: UUID, type_: EventType) -> list[dict[str, Any]]:
+    return [e.payload for e in await store.list_events(fleet_id, limit=1000) if e.type == type_]
+
+
+async def test_refused_token_is_never_evidence_of_failure(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(supervisor_token=TOKEN)
+    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
+    await make_reconciler(store, token=TOKEN).tick("local")  # seen, healthy
+    # The supervisors were restarted with a rotated token; the server still has the old one.
+    reconciler = make_reconciler(store, token=ROTATED)
+    for _ in range(8):  # four minutes: far past heartbeatStaleMs and degradedGraceMs
+        clock.advance(ms=30_000)
+        result = await reconciler.tick("local")
+        assert result.operation is None
+    after = await snapshot_of(store)
+    assert {d.state for d in after.domains} == {DomainState.READY}
+    assert slot_states(after, "alpha", SlotKind.INFERENCE) == ["serving", "serving"]
+    assert after.active_domain_id == seeded.active_domain_id
+    assert await store.list_recent_operations(seeded.id) == []
+    # Reported loudly: one event per domain (not per tick), and visible in the snapshot.
+    refused = await events_of(store, seeded.id, EventType.DOMAIN_SUPERVISOR_UNAUTHORIZED)
+    assert sorted(p["role"] for p in refused) == ["active", "standby"]
+    assert all(ROTATED not in p["message"] and TOKEN not in p["message"] for p in refused)
+    annotated = await reconciler.annotate(after)
+    assert all(d.auth_failing for d in annotated.domains)
+    assert all("401" in (d.last_supervisor_error or "") for d in annotated.domains)
+    # The token is fixed: recovery is reported once and the flag clears.
+    fixed = make_reconciler(store, token=TOKEN)
+    await reconciler.tick("local")
+    await fixed.tick("local")
+    await fixed.tick("local")
+    annotated = await fixed.annotate(await snapshot_of(store))
+    assert not any(d.auth_failing for d in annotated.domains)
+
+
+async def test_refused_token_recovery_is_reported_once(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+    http: aiohttp.ClientSession,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(supervisor_token=TOKEN)
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store, token=ROTATED)
+    await reconciler.tick("local")
+    await reconciler.tick("local")
+    # Same process, token fixed (e.g. the supervisors were rolled back).
+    reconciler._client = SupervisorClient(http, token=TOKEN)
+    await reconciler.tick("local")
+    await reconciler.tick("local")
+    assert len(await events_of(store, seeded.id, EventType.DOMAIN_SUPERVISOR_UNAUTHORIZED)) == 2
+    assert len(await events_of(store, seeded.id, EventType.DOMAIN_SUPERVISOR_AUTHORIZED)) == 2
+    annotated = await reconciler.annotate(await snapshot_of(store))
+    assert not any(d.auth_failing or d.last_supervisor_error for d in annotated.domains)
+
+
+async def test_failed_promotion_of_a_target_backs_off(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
+    reconciler = make_reconciler(store)
+    await reconciler.tick("local")
+    # The active dies; the only standby's probe keeps failing.
+    await fleet.stop_supervisor("alpha")
+    await fleet.domain("beta").sims["example-chat-medium"].set_faults(error_500=True)
+    clock.advance(ms=31_000)
+    await helpers.tick_until_settled(reconciler, "local")
+    beta = domain_id(seeded, "beta")
+
+    async def promotes() -> list[OperationState]:
+        ops = await store.list_recent_operations(seeded.id)
+        return [o.state for o in ops if o.kind is OperationKind.PROMOTE]
+
+    assert await promotes() == [OperationState.FAILED]
+    first_backoff = await events_of(store, seeded.id, EventType.OPERATION_PROMOTION_BACKOFF)
+    assert [(p["consecutiveFailures"], p["delayMs"]) for p in first_backoff] == [(1, 30_000)]
+    # The restore demote put beta back to sleep; ticks inside the pause retry nothing.
+    for _ in range(5):
+        clock.advance(ms=5_000)
+        await helpers.tick_until_settled(reconciler, "local")
+    assert await promotes() == [OperationState.FAILED]
+    annotated = await reconciler.annotate(await snapshot_of(store))
+    until = annotated.domain(beta)
+    assert until is not None
+    assert until.promotion_backoff_until is not None
+    assert until.promotion_backoff_until > clock()
+    # After the pause one retry, which fails identically: the pause doubles.
+    clock.advance(ms=6_000)
+    await helpers.tick_until_settled(reconciler, "local")
+    assert await promotes() == [OperationState.FAILED, OperationState.FAILED]
+    backoffs = await events_of(store, seeded.id, EventType.OPERATION_PROMOTION_BACKOFF)
+    assert [(p["consecutiveFailures"], p["delayMs"]) for p in backoffs] == [
+        (1, 30_000),
+        (2, 60_000),
+    ]
+    clock.advance(ms=59_000)
+    await helpers.tick_until_settled(reconciler, "local")
+    assert len(await promotes()) == 2
+
+
+async def test_heartbeat_reconciles_a_standby_recorded_serving(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store)
+    await reconciler.tick("local")
+    beta = domain_id(seeded, "beta")
+    # A crash left the standby recorded serving; its supervisor says every model sleeps.
+    for frm, to in (
+        (InferenceSlotState.SLEEPING, InferenceSlotState.WAKING),
+        (InferenceSlotState.WAKING, InferenceSlotState.PROBING),
+        (InferenceSlotState.PROBING, InferenceSlotState.SERVING),
+    ):
+        await store.transition_domain_slots(
+            beta, kind=SlotKind.INFERENCE, from_states=(frm,), to=to, at=clock()
+        )
+    assert slot_states(await snapshot_of(store), "beta", SlotKind.INFERENCE) == [
+        "serving",
+        "serving",
+    ]
+    await reconciler.tick("local")
+    assert slot_states(await snapshot_of(store), "beta", SlotKind.INFERENCE) == [
+        "sleeping",
+        "sleeping",
+    ]
+
+
+async def test_demote_old_sleep_timed_out_across_a_restart_restores_standby_posture(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+    http: aiohttp.ClientSession,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store, chaining=False)
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    for _ in range(5):  # stop_training .. switch_active
+        await reconciler.tick("local")
+    running = await store.get_operation(promote.id)
+    assert running is not None
+    assert running.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    # The server's sleep call reached alpha's supervisor, then the server crashed and stayed
+    # down longer than the step's budget.
+    client = SupervisorClient(http, token=None)
+    await client.sleep(fleet.domain("alpha").supervisor_url, timeout_s=10)
+    clock.advance(ms=seeded.policy.sleep_timeout_ms + 1)
+    restarted = make_reconciler(store)
+    await helpers.tick_until_settled(restarted, "local")
+    done = await store.get_operation(promote.id)
+    assert done is not None
+    assert done.state is OperationState.SUCCEEDED
+    ops = await store.list_recent_operations(seeded.id)
+    demotes = [o for o in ops if o.kind is OperationKind.DEMOTE]
+    assert [(o.state, o.target_domain_id) for o in demotes] == [
+        (OperationState.SUCCEEDED, domain_id(seeded, "alpha"))
+    ]
+    after = await snapshot_of(store)
+    assert slot_states(after, "alpha", SlotKind.INFERENCE) == ["sleeping", "sleeping"]
+    assert slot_states(after, "alpha", SlotKind.TRAINING) == ["training", "training"]
+    status = await client.status(fleet.domain("alpha").supervisor_url, timeout_s=5)
+    runs = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
+    assert runs
+    assert all(r is not None and r.state is TrainingRunState.RUNNING for r in runs)
+    restore = await events_of(store, seeded.id, EventType.OPERATION_RESTORE_DEMOTE)
+    assert [p["reason"] for p in restore] == ["demote_old_sleep timed out"]
