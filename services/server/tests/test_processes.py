@@ -226,3 +226,37 @@ async def test_two_server_processes_drive_one_promotion(
         assert "Traceback" not in first.log + second.log
     finally:
         await store.close()
+
+
+async def test_boot_refuses_a_read_only_sqlite_file(tmp_path: Path) -> None:
+    """A server that could not write would boot and then fail every write: refuse at start."""
+    import shutil
+
+    from haru_db import upgrade
+
+    directory = tmp_path / "state"
+    directory.mkdir()
+    database = directory / "haru.db"
+    await upgrade(f"sqlite:///{database}")
+    database.chmod(0o444)
+    command = [sys.executable, "-m", "haru_server", "serve"]
+    if os.geteuid() == 0:
+        # Root ignores file modes; drop that override so the permissions bind the server.
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv: file permissions cannot bind")
+        command = [setpriv, "--bounding-set", "-dac_override,-dac_read_search", "--", *command]
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        env=server_env({"DATABASE_URL": f"sqlite:///{database}", "PORT": "0"}),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(60):
+        _, stderr = await process.communicate()
+    log = stderr.decode(errors="replace")
+    assert process.returncode not in (0, None), log
+    assert "listening on" not in log
+    assert "read-only" in log.lower() or "not writable" in log.lower(), log
+    assert "Traceback" not in log
