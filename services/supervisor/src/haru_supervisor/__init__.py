@@ -41,22 +41,29 @@ from haru_supervisor._settings import (
     Settings,
     load_config,
     load_settings,
+    resolve_api_keys,
     trainer_base_env,
 )
 from haru_supervisor._training import TrainingRun, TrainingRuns
 from haru_supervisor._vllm import (
+    MIN_VLLM_VERSION,
     SLEEP_LEVEL,
+    SLEEP_MODE,
     VllmAdminClient,
     VllmTimeouts,
+    parse_vllm_version,
     sum_metrics,
+    version_refusal,
 )
 
 __all__ = (
     "GPU_SOURCES",
+    "MIN_VLLM_VERSION",
     "NVIDIA_SMI_APPS_ARGS",
     "NVIDIA_SMI_ARGS",
     "NVIDIA_SMI_UUID_ARGS",
     "SLEEP_LEVEL",
+    "SLEEP_MODE",
     "SOURCE_HEADER",
     "GpuMemoryError",
     "GpuMemoryReader",
@@ -87,7 +94,10 @@ __all__ = (
     "parse_nvidia_smi_apps",
     "parse_nvidia_smi_memory",
     "parse_nvidia_smi_uuids",
+    "parse_vllm_version",
     "process_name",
+    "resolve_api_keys",
     "sum_metrics",
     "trainer_base_env",
+    "version_refusal",
 )
