@@ -77,6 +77,20 @@ def model_sleep_states(status: SupervisorStatus) -> dict[str, bool | None]:
     return states
 
 
+def models_busy(status: SupervisorStatus) -> frozenset[str]:
+    """Models whose server is in a sleep or wake the supervisor sent (``action`` set).
+
+    vLLM does not answer ``/is_sleeping`` meanwhile, so their ``sleeping`` is null: that means
+    "busy", not "down", and no verdict is drawn from it.
+    """
+    return frozenset(
+        model.name
+        for slot in status.slots
+        for model in slot.models or ()
+        if model.action is not None
+    )
+
+
 def _all_report(
     names: tuple[str, ...], sleeping: Mapping[str, bool | None], *, asleep: bool
 ) -> bool:
@@ -103,9 +117,15 @@ def _training_target(slot: SlotSnapshot, status: SupervisorStatus) -> TrainingSl
 
 
 def _inference_target(
-    slot: SlotSnapshot, sleeping: Mapping[str, bool | None], *, active: bool
+    slot: SlotSnapshot,
+    sleeping: Mapping[str, bool | None],
+    *,
+    active: bool,
+    busy: frozenset[str] = frozenset(),
 ) -> InferenceSlotState | None:
     names = tuple(b.name for b in slot_bindings(slot))
+    if busy.intersection(names):
+        return None  # a sleep or wake is under way: its end is the verdict
     # The active must be awake; a standby must be asleep. Anything else is a failed slot.
     healthy_state = _I.SERVING if active else _I.SLEEPING
     healthy = _all_report(names, sleeping, asleep=not active)
@@ -130,11 +150,13 @@ def slot_health_changes(
     - standby domain, inference slot: ``sleeping`` to ``failed`` unless every layout-bound
       model reports asleep (unreachable, omitted and awake all count as not asleep);
       ``failed`` to ``sleeping`` when they all do.
+    - an inference slot with a model in a sleep or wake (:func:`models_busy`) is left as is.
 
     Models the supervisor reports but the layout does not bind are ignored.
     """
     active = is_active(fleet, domain)
     sleeping = model_sleep_states(status)
+    busy = models_busy(status)
     changes: list[SlotChange] = []
     for slot in domain.slots:
         target: SlotState | None
@@ -142,7 +164,7 @@ def slot_health_changes(
             case SlotKind.TRAINING:
                 target = _training_target(slot, status)
             case SlotKind.INFERENCE:
-                target = _inference_target(slot, sleeping, active=active)
+                target = _inference_target(slot, sleeping, active=active, busy=busy)
             case _:
                 assert_never(slot.kind)
         if target is not None:
@@ -190,7 +212,8 @@ def domain_change_on_heartbeat(
     active, not ready) else ``ready``; ``failed`` goes to ``degraded`` (the active only when
     ready); an active that is ``ready`` but not active-ready goes to ``degraded`` (event
     ``domain.not_ready`` with both verdicts); ``degraded`` recovers to ``ready`` (a standby
-    that answered, or an active-ready active).
+    that answered, or an active-ready active). A verdict that rests only on models in a sleep
+    or wake (:func:`models_busy`) changes nothing.
     """
     role = "active" if is_active(fleet, domain) else "standby"
     if status is None:
@@ -204,6 +227,8 @@ def domain_change_on_heartbeat(
         )
     else:
         ready, not_awake = _awake_verdict(domain, status)
+        if not ready and not_awake and models_busy(status).issuperset(not_awake):
+            return None  # only models in a sleep or wake are not awake: busy, not degraded
         target = _answered_target(domain.state, active=role == "active", ready=ready)
         if target is None:
             return None
