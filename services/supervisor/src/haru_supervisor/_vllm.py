@@ -283,6 +283,7 @@ class VllmAdminClient:
             # It may come back as another process (another version): read it again then.
             server = self._server(model)
             server.version = None
+            server.refusal = None
             server.answered = False
 
     # -- version -----------------------------------------------------------------------------
