@@ -108,6 +108,13 @@ async def test_planned_promotion_under_load_fails_no_request(
         lambda f: is_standby_posture(f, "alpha"), what="alpha in standby posture", timeout_s=30
     )
     assert await asleep(topology, "alpha")
+    # No request reached the old active while it slept or was going to sleep (the strict
+    # emulator parks those until the next wake, as vLLM does).
+    for name, state in (await topology.vllm_states("alpha")).items():
+        assert state is not None
+        counters = state["counters"]
+        assert isinstance(counters, dict)
+        assert (counters["arrived_while_sleeping"], counters["parked"]) == (0, 0), name
     assert await training_runs(topology, "alpha")
     # beta's trainers were stopped with SIGTERM and flushed a final checkpoint.
     status = await topology.training_status("beta")

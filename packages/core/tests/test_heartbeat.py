@@ -13,6 +13,7 @@ from haru_core import (
     domain_change_on_heartbeat,
     machine_for,
     model_sleep_states,
+    models_busy,
     slot_health_changes,
 )
 from haru_protocol import (
@@ -504,3 +505,64 @@ def test_domain_change_is_hashable_and_frozen(make: FleetFactory) -> None:
     assert hash(change) == hash(DomainChange(D.READY, D.DEGRADED, None, {"x": 1}))
     with pytest.raises(AttributeError):
         change.to_state = D.FAILED  # type: ignore[misc]
+
+
+# ---- a sleep or wake in progress is "busy", never a failure ----
+
+
+def _busy_status(**models: tuple[bool | None, str | None]) -> SupervisorStatus:
+    """Models on GPU 0 as (sleeping, action): action "sleep"/"wake" = the supervisor's own."""
+    return SupervisorStatus(
+        ready=False,
+        slots=(
+            SlotStatus(
+                gpu_index=0,
+                kind=SlotKind.INFERENCE,
+                models=tuple(
+                    ModelStatus.model_validate(
+                        {"name": name, "port": 9000 + i, "sleeping": sleeping, "action": action}
+                    )
+                    for i, (name, (sleeping, action)) in enumerate(models.items())
+                ),
+            ),
+        ),
+    )
+
+
+def test_models_busy_lists_models_in_a_sleep_or_wake() -> None:
+    status = _busy_status(a=(None, "wake"), b=(None, None), c=(True, None), d=(None, "sleep"))
+    assert models_busy(status) == {"a", "d"}
+    assert model_sleep_states(status) == {"a": None, "b": None, "c": True, "d": None}
+
+
+@pytest.mark.parametrize("role", ["active", "standby"])
+@pytest.mark.parametrize("action", ["sleep", "wake"])
+def test_a_busy_model_fails_no_slot_and_degrades_no_domain(
+    make: FleetFactory, role: str, action: str
+) -> None:
+    state = I.SERVING if role == "active" else I.SLEEPING
+    beta = make.domain("beta", state=D.READY, slots=[make.inference(0, "a", "b", state=state)])
+    fleet = make.fleet(make.domain("alpha"), beta, active="beta" if role == "active" else "alpha")
+    settled = role != "active"  # the standby's models are asleep, the active's awake
+    busy = _busy_status(a=(settled, None), b=(None, action))
+    assert slot_health_changes(fleet, beta, busy) == ()
+    assert domain_change_on_heartbeat(fleet, beta, busy) is None
+    # The same null without the action is a server that proved nothing: a failure.
+    down = _busy_status(a=(settled, None), b=(None, None))
+    assert [c.to_state for c in slot_health_changes(fleet, beta, down)] == [I.FAILED]
+    change = domain_change_on_heartbeat(fleet, beta, down)
+    if role == "active":
+        assert change is not None
+        assert change.to_state is D.DEGRADED
+    else:
+        assert change is None
+
+
+def test_a_busy_model_does_not_hide_another_model_down(make: FleetFactory) -> None:
+    alpha = make.domain("alpha", state=D.READY, slots=[make.inference(0, "a", "b")])
+    fleet = make.fleet(alpha, active="alpha")
+    status = _busy_status(a=(None, None), b=(None, "wake"))
+    change = domain_change_on_heartbeat(fleet, alpha, status)
+    assert change is not None
+    assert change.to_state is D.DEGRADED
+    assert change.detail["modelsNotAwake"] == ["a", "b"]

@@ -72,6 +72,7 @@ CONTRACT = {
     "SlotChange",
     "DomainChange",
     "model_sleep_states",
+    "models_busy",
     "slot_health_changes",
     "active_ready",
     "domain_change_on_heartbeat",

@@ -182,6 +182,7 @@ def supervisor(aiohttp_client: Any) -> SupervisorFactory:
             trainer_env=dict(os.environ) if environ is None else environ,
             search_path=search_path,
             gpu_source=deps.pop("gpu_source", "auto"),
+            vllm_api_keys=deps.pop("vllm_api_keys", {}),
         )
         deps.setdefault("vllm_timeouts", FAST_TIMEOUTS)
         deps.setdefault("training_poll_s", 0.02)

@@ -139,6 +139,10 @@ async def test_an_oversized_body_is_refused(
 # -- status and ready --------------------------------------------------------------------------
 
 
+V = {"vllmVersion": "0.33.0"}
+"""What the emulator's ``GET /version`` says by default."""
+
+
 async def test_status_reports_every_slot(
     supervisor: Any,
     fleet: tuple[VllmSim, VllmSim, VllmSim],
@@ -160,14 +164,14 @@ async def test_status_reports_every_slot(
                 "gpuIndex": 0,
                 "kind": "inference",
                 "models": [
-                    {"name": "chat-a", "port": a.port, "sleeping": False},
-                    {"name": "chat-b", "port": b.port, "sleeping": False},
+                    {"name": "chat-a", "port": a.port, "sleeping": False, **V},
+                    {"name": "chat-b", "port": b.port, "sleeping": False, **V},
                 ],
             },
             {
                 "gpuIndex": 1,
                 "kind": "inference",
-                "models": [{"name": "chat-large", "port": large.port, "sleeping": False}],
+                "models": [{"name": "chat-large", "port": large.port, "sleeping": False, **V}],
             },
             {"gpuIndex": 2, "kind": "training", "training": {"state": "idle", "pids": []}},
         ],

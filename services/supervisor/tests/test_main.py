@@ -232,7 +232,7 @@ async def test_with_a_token_it_listens_everywhere_and_checks_it(
             {
                 "gpuIndex": 0,
                 "kind": "inference",
-                "models": [{"name": "m", "port": port, "sleeping": None}],
+                "models": [{"name": "m", "port": port, "sleeping": None, "vllmVersion": None}],
             }
         ],
         "ready": False,

@@ -75,7 +75,9 @@ async def test_sleep_puts_the_level_in_the_query_string(
 ) -> None:
     peer, port = await scripted(sleep=(200, {"status": "sleeping", "level": 1}))
     await client.sleep(_model(port))
-    assert peer.seen == [("POST", "/sleep", "level=1")]
+    assert [seen for seen in peer.seen if seen[1] != "/version"] == [
+        ("POST", "/sleep", "level=1&mode=abort")
+    ]
 
 
 async def test_sleep_and_wake_against_the_emulated_server(
@@ -221,7 +223,8 @@ async def test_requests_in_flight_reads_the_emulated_metrics(
     assert await client.requests_in_flight(model, timeout_s=1.0) == 0
     async with aiohttp.ClientSession() as session:
         request = asyncio.create_task(_chat(session, sim.url, words=10))
-        await _until(lambda: sim.num_running == 1)
+        # The gauges change per engine step (like vLLM's), not when the request arrives.
+        await _until(lambda: sim.gauges == (1, 0))
         assert await client.requests_in_flight(model, timeout_s=1.0) == 1
         await request
 
@@ -320,14 +323,14 @@ async def test_probe_ok_with_content(client: VllmAdminClient, sims: Any) -> None
     [
         (
             (200, {"choices": [{"message": {"role": "assistant", "content": ""}}]}),
-            "no message content",
+            "no content, no reasoning",
         ),
         (
             (200, {"choices": [{"message": {"role": "assistant", "content": None}}]}),
-            "no message content",
+            "no content, no reasoning",
         ),
-        ((200, {"choices": []}), "no message content"),
-        ((200, "not json"), "no message content"),
+        ((200, {"choices": []}), "no content, no reasoning"),
+        ((200, "not json"), "no content, no reasoning"),
         ((500, {"error": {"message": "boom"}}), "HTTP 500"),
     ],
 )
@@ -380,7 +383,7 @@ async def test_a_request_arriving_during_the_quiet_period_is_drained_too(sims: A
     assert sim.sleeping
 
 
-async def test_sleep_after_a_drain_asks_vllm_to_wait(scripted: ScriptedFactory) -> None:
+async def test_every_sleep_asks_vllm_to_abort(scripted: ScriptedFactory) -> None:
     peer, port = await scripted(
         is_sleeping=(200, {"is_sleeping": False}),
         metrics=(200, "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"),
@@ -391,4 +394,5 @@ async def test_sleep_after_a_drain_asks_vllm_to_wait(scripted: ScriptedFactory) 
         await quiet_client.sleep(_model(port), drain_timeout_s=5.0)
         await quiet_client.sleep(_model(port))
     sleeps = [query for _, path, query in peer.seen if path == "/sleep"]
-    assert sleeps == ["level=1&mode=wait", "level=1"]
+    # After a drain too: what is left at the pause ends now instead of parking until a wake.
+    assert sleeps == ["level=1&mode=abort", "level=1&mode=abort"]

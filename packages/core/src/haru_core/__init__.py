@@ -37,6 +37,7 @@ from haru_core._heartbeat import (
     active_ready,
     domain_change_on_heartbeat,
     model_sleep_states,
+    models_busy,
     slot_health_changes,
 )
 from haru_core._plan import (
@@ -122,6 +123,7 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "SlotChange",
     "DomainChange",
     "model_sleep_states",
+    "models_busy",
     "slot_health_changes",
     "active_ready",
     "domain_change_on_heartbeat",

@@ -102,15 +102,36 @@ def _training_target(slot: SlotSnapshot, status: SupervisorStatus) -> TrainingSl
     return None
 
 
+def models_busy(status: SupervisorStatus) -> frozenset[str]:
+    """Models whose server is in a sleep or wake the supervisor sent (``action`` set).
+
+    vLLM does not answer ``/is_sleeping`` meanwhile, so their ``sleeping`` is null: that means
+    "busy", not "down", and no verdict is drawn from it.
+    """
+    return frozenset(
+        model.name
+        for slot in status.slots
+        for model in slot.models or ()
+        if model.action is not None
+    )
+
+
 _IN_BETWEEN = frozenset({_I.STARTING, _I.SERVING, _I.SLEEPING, _I.WAKING, _I.PROBING})
 """Inference states a heartbeat reconciles towards the role's posture when no operation
 drives the domain (a crash mid-operation can leave any of them behind)."""
 
 
 def _inference_target(
-    slot: SlotSnapshot, sleeping: Mapping[str, bool | None], *, active: bool, busy: bool
+    slot: SlotSnapshot,
+    sleeping: Mapping[str, bool | None],
+    *,
+    active: bool,
+    busy: bool,
+    in_flux: frozenset[str] = frozenset(),
 ) -> InferenceSlotState | None:
     names = tuple(b.name for b in slot_bindings(slot))
+    if in_flux.intersection(names):
+        return None  # a sleep or wake is under way: its end is the verdict
     # The active must be awake; a standby must be asleep. Anything else is a failed slot.
     healthy_state = _I.SERVING if active else _I.SLEEPING
     healthy = _all_report(names, sleeping, asleep=not active)
@@ -155,11 +176,13 @@ def slot_health_changes(
       table allows the edge, else ``failed`` (a later proof repairs it); a ``starting`` slot
       that is not proven yet stays ``starting``. So a standby recorded ``serving`` whose
       supervisor says asleep goes back to ``sleeping``, in every direction.
+    - an inference slot with a model in a sleep or wake (:func:`models_busy`) is left as is.
 
     Models the supervisor reports but the layout does not bind are ignored.
     """
     active = is_active(fleet, domain)
     sleeping = model_sleep_states(status)
+    in_flux = models_busy(status)
     changes: list[SlotChange] = []
     for slot in domain.slots:
         target: SlotState | None
@@ -167,7 +190,9 @@ def slot_health_changes(
             case SlotKind.TRAINING:
                 target = _training_target(slot, status)
             case SlotKind.INFERENCE:
-                target = _inference_target(slot, sleeping, active=active, busy=busy)
+                target = _inference_target(
+                    slot, sleeping, active=active, busy=busy, in_flux=in_flux
+                )
             case _:
                 assert_never(slot.kind)
         if target is not None:
@@ -223,7 +248,8 @@ def domain_change_on_heartbeat(
     active, not ready) else ``ready``; ``failed`` goes to ``degraded`` (the active only when
     ready); an active that is ``ready`` but not active-ready goes to ``degraded`` (event
     ``domain.not_ready`` with both verdicts); ``degraded`` recovers to ``ready`` (a standby
-    that answered, or an active-ready active).
+    that answered, or an active-ready active). A verdict that rests only on models in a sleep
+    or wake (:func:`models_busy`) changes nothing.
     """
     role = "active" if is_active(fleet, domain) else "standby"
     if unauthorized:
@@ -239,6 +265,8 @@ def domain_change_on_heartbeat(
         )
     else:
         ready, not_awake = _awake_verdict(domain, status)
+        if not ready and not_awake and models_busy(status).issuperset(not_awake):
+            return None  # only models in a sleep or wake are not awake: busy, not degraded
         target = _answered_target(domain.state, active=role == "active", ready=ready)
         if target is None:
             return None

@@ -24,6 +24,17 @@ class SupervisorModel(WireModel):
     name: ModelName
     """The server's ``--served-model-name``."""
     port: Port
+    api_key_env: NonEmptyStr | None = None
+    """Name of a variable of the supervisor's environment holding the server's ``--api-key``
+    (sent as a bearer token by the probe; the admin routes and ``/metrics`` need none)."""
+    api_key_file: NonEmptyStr | None = None
+    """Path of a file holding the server's ``--api-key`` (trimmed), instead of ``apiKeyEnv``."""
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> SupervisorModel:
+        if self.api_key_env is not None and self.api_key_file is not None:
+            raise ValueError(f"model {self.name!r}: set apiKeyEnv or apiKeyFile, not both")
+        return self
 
 
 class SupervisorInferenceSlot(WireModel):
@@ -90,12 +101,25 @@ class SupervisorConfig(WireModel):
         return tuple(s for s in self.slots if isinstance(s, SupervisorTrainingSlot))
 
 
+ModelAction = Literal["sleep", "wake"]
+"""An admin action the supervisor has sent to a vLLM server and not seen finish."""
+
+
 class ModelStatus(PeerModel):
     """One local vLLM server's sleep state; ``sleeping`` is null when it proved nothing."""
 
     name: str
     port: int
     sleeping: bool | None
+    action: ModelAction | None = Field(default=None, exclude_if=lambda value: value is None)
+    """A sleep or wake of this server is in progress (sent by the supervisor and not finished,
+    or a sleep that timed out and is not confirmed yet): vLLM does not answer
+    ``/is_sleeping`` meanwhile, so ``sleeping`` is null and means "busy", not "down"."""
+    vllm_version: str | None = None
+    """The server's ``GET /version``, once read (null: not read yet or unreachable).
+    ``action`` and ``error`` are absent when null."""
+    error: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    """Why the supervisor refuses to drive this server (an unsupported vLLM version)."""
 
 
 class TrainingStatus(PeerModel):

@@ -51,10 +51,20 @@ if TYPE_CHECKING:
         Settings,
         load_config,
         load_settings,
+        resolve_api_keys,
         trainer_base_env,
     )
     from haru_supervisor._training import TrainingRun, TrainingRuns
-    from haru_supervisor._vllm import SLEEP_LEVEL, VllmAdminClient, VllmTimeouts, sum_metrics
+    from haru_supervisor._vllm import (
+        MIN_VLLM_VERSION,
+        SLEEP_LEVEL,
+        SLEEP_MODE,
+        VllmAdminClient,
+        VllmTimeouts,
+        parse_vllm_version,
+        sum_metrics,
+        version_refusal,
+    )
 
 _LAZY: dict[str, str] = {
     "create_app": "haru_supervisor._app",
@@ -88,6 +98,7 @@ _LAZY: dict[str, str] = {
     "Settings": "haru_supervisor._settings",
     "load_config": "haru_supervisor._settings",
     "load_settings": "haru_supervisor._settings",
+    "resolve_api_keys": "haru_supervisor._settings",
     "trainer_base_env": "haru_supervisor._settings",
     "TrainingRun": "haru_supervisor._training",
     "TrainingRuns": "haru_supervisor._training",
@@ -95,14 +106,20 @@ _LAZY: dict[str, str] = {
     "VllmAdminClient": "haru_supervisor._vllm",
     "VllmTimeouts": "haru_supervisor._vllm",
     "sum_metrics": "haru_supervisor._vllm",
+    "MIN_VLLM_VERSION": "haru_supervisor._vllm",
+    "SLEEP_MODE": "haru_supervisor._vllm",
+    "parse_vllm_version": "haru_supervisor._vllm",
+    "version_refusal": "haru_supervisor._vllm",
 }
 
 __all__ = (
     "GPU_SOURCES",
+    "MIN_VLLM_VERSION",
     "NVIDIA_SMI_APPS_ARGS",
     "NVIDIA_SMI_ARGS",
     "NVIDIA_SMI_UUID_ARGS",
     "SLEEP_LEVEL",
+    "SLEEP_MODE",
     "SOURCE_HEADER",
     "GpuMemoryError",
     "GpuMemoryReader",
@@ -133,9 +150,12 @@ __all__ = (
     "parse_nvidia_smi_apps",
     "parse_nvidia_smi_memory",
     "parse_nvidia_smi_uuids",
+    "parse_vllm_version",
     "process_name",
+    "resolve_api_keys",
     "sum_metrics",
     "trainer_base_env",
+    "version_refusal",
 )
 
 

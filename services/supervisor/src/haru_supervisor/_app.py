@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -74,7 +75,14 @@ def create_app(
             timeout=aiohttp.ClientTimeout(total=None),
             trust_env=False,
         )
-        app[vllm_key] = VllmAdminClient(session, timeouts=vllm_timeouts, clock=clock)
+        client = VllmAdminClient(
+            session, timeouts=vllm_timeouts, clock=clock, api_keys=settings.vllm_api_keys
+        )
+        app[vllm_key] = client
+        # Each server's version (and gauges) read once at start-up, concurrently; a server
+        # not up yet is read when it first answers.
+        models = [m for slot in settings.config.inference_slots for m in slot.models]
+        await asyncio.gather(*(client.connect(model) for model in models))
         try:
             yield
         finally:

@@ -29,12 +29,15 @@ class VllmAdminError(HaruSupervisorError):
     Attributes:
         model: The served model name of that server.
         reason: A short, bounded explanation (no response body beyond a bounded excerpt).
+        unfinished: The request may have reached vLLM and still be running there (it timed
+            out, or the connection dropped after it was sent): its outcome is unknown.
     """
 
-    def __init__(self, model: str, reason: str) -> None:
+    def __init__(self, model: str, reason: str, *, unfinished: bool = False) -> None:
         super().__init__(f"{model}: {reason}")
         self.model = model
         self.reason = reason
+        self.unfinished = unfinished
 
 
 class TrainingStartError(HaruSupervisorError):

@@ -117,11 +117,8 @@ async def healthz(_request: web.Request) -> web.Response:
 async def _model_statuses(request: web.Request) -> dict[str, ModelStatus]:
     client = request.app[vllm_key]
     models = [model for slot in _config(request).inference_slots for model in slot.models]
-    sleeping = await asyncio.gather(*(client.is_sleeping(model) for model in models))
-    return {
-        model.name: ModelStatus(name=model.name, port=model.port, sleeping=state)
-        for model, state in zip(models, sleeping, strict=True)
-    }
+    statuses = await asyncio.gather(*(client.status(model) for model in models))
+    return {model.name: status for model, status in zip(models, statuses, strict=True)}
 
 
 def _ready(statuses: dict[str, ModelStatus]) -> bool:

@@ -58,6 +58,10 @@ def _empty_env() -> Mapping[str, str]:
     return MappingProxyType({})
 
 
+def _no_keys() -> Mapping[str, SecretStr]:
+    return MappingProxyType({})
+
+
 class _MappingEnv(EnvSettingsSource):
     """pydantic-settings' environment source over a given mapping, blank values dropped."""
 
@@ -119,6 +123,11 @@ class Settings(BaseSettings):
     trainer_env: Mapping[str, str] = Field(default_factory=_empty_env, repr=False, exclude=True)
     """The environment every trainer inherits, secrets already removed; ``HARU_CHECKPOINT_DIR``
     and ``HARU_GPU_INDEX`` are added per slot."""
+    vllm_api_keys: Mapping[str, SecretStr] = Field(
+        default_factory=_no_keys, repr=False, exclude=True
+    )
+    """A vLLM server's ``--api-key`` by model name (from ``apiKeyEnv`` / ``apiKeyFile``, see
+    :func:`resolve_api_keys`); sent by the probe only, never logged."""
     search_path: str | None = None
     """``PATH`` on which ``nvidia-smi`` is looked up (None: the process's)."""
     http_header_timeout_ms: _DurationMs = Field(
@@ -159,11 +168,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _strip_trainer_env(self) -> Settings:
-        object.__setattr__(
-            self,
-            "trainer_env",
-            MappingProxyType(trainer_base_env(self.trainer_env, self.token_value())),
-        )
+        env = trainer_base_env(self.trainer_env, self.token_value())
+        # The variables holding vLLM API keys are the supervisor's secrets too.
+        for slot in self.config.inference_slots:
+            for model in slot.models:
+                if model.api_key_env is not None:
+                    env.pop(model.api_key_env, None)
+        object.__setattr__(self, "trainer_env", MappingProxyType(env))
         return self
 
     def token_value(self) -> str | None:
@@ -239,6 +250,47 @@ def load_config(value: str) -> SupervisorConfig:
     return config
 
 
+def resolve_api_keys(config: SupervisorConfig, environ: Mapping[str, str]) -> dict[str, SecretStr]:
+    """Each model's vLLM ``--api-key``, by model name.
+
+    From the variable ``apiKeyEnv`` names, or the file ``apiKeyFile`` names (trimmed). Models
+    without either have no entry.
+
+    Raises:
+        SettingsError: The variable is unset or blank, or the file is unreadable or blank
+            (named; the key itself is never quoted).
+    """
+    keys: dict[str, SecretStr] = {}
+    for slot in config.inference_slots:
+        for model in slot.models:
+            if model.api_key_env is not None:
+                value = environ.get(model.api_key_env, "").strip()
+                if not value:
+                    raise SettingsError(
+                        f"{CONFIG_VAR}: model {model.name!r}: apiKeyEnv names "
+                        f"{_quote(model.api_key_env)!r}, which is unset or blank"
+                    )
+            elif model.api_key_file is not None:
+                path = Path(model.api_key_file).expanduser()
+                try:
+                    value = path.read_text(encoding="utf-8").strip()
+                except (OSError, UnicodeDecodeError) as exc:
+                    raise SettingsError(
+                        f"{CONFIG_VAR}: model {model.name!r}: cannot read apiKeyFile "
+                        f"{_quote(str(path))!r}: "
+                        f"{getattr(exc, 'strerror', None) or type(exc).__name__}"
+                    ) from None
+                if not value:
+                    raise SettingsError(
+                        f"{CONFIG_VAR}: model {model.name!r}: apiKeyFile {_quote(str(path))!r} "
+                        "is empty"
+                    )
+            else:
+                continue
+            keys[model.name] = SecretStr(value)
+    return keys
+
+
 def _parse_gpu_source(raw: str | None) -> GpuSource:
     text = (raw or "").strip().lower()
     if not text:
@@ -300,6 +352,7 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
             gpu_source=_parse_gpu_source(environ.get(GPU_SOURCE_VAR)),
             shutdown_grace_s=_parse_grace(environ.get(SHUTDOWN_GRACE_VAR)),
             trainer_env=environ,
+            vllm_api_keys=resolve_api_keys(config, environ),
             search_path=environ.get("PATH"),
             **values,
         )

@@ -4,6 +4,12 @@ Each model has its own ``vllm serve`` on ``127.0.0.1:<port>``, started with
 ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``. Its admin routes are unauthenticated
 (vLLM's ``--api-key`` guards only ``/v1``), so they are only ever called on the loopback
 interface, and only from here.
+
+The client also keeps what it knows of each server (README "Fidelity to vLLM"): its version
+(``GET /version``, read at start-up and again after the connection was lost; below 0.17
+the server is refused), the sleep or wake it has sent and not seen finish (vLLM does not
+answer ``/is_sleeping`` meanwhile: the server is busy, not down), and a sleep whose outcome
+is unknown (it timed out), which must be confirmed before any wake.
 """
 
 from __future__ import annotations
@@ -12,13 +18,15 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
 import aiohttp
-from haru_protocol import ProbeResult, SupervisorModel, join_url
+from haru_protocol import ModelAction, ModelStatus, ProbeResult, SupervisorModel, join_url
+from pydantic import SecretStr
 
 from haru_supervisor._errors import VllmAdminError
 
@@ -32,6 +40,17 @@ WAKE_PATH: Final = "/wake_up"
 IS_SLEEPING_PATH: Final = "/is_sleeping"
 METRICS_PATH: Final = "/metrics"
 CHAT_PATH: Final = "/v1/chat/completions"
+VERSION_PATH: Final = "/version"
+
+MIN_VLLM_VERSION: Final = (0, 17)
+"""Oldest vLLM the supervisor drives: ``/sleep`` pauses the scheduler first (and takes
+``mode``) from 0.17.0 (vllm#34528); before, a sleep does not pause and requests keep running
+on, or reach, a sleeping engine."""
+
+SLEEP_MODE: Final = "abort"
+"""``/sleep?mode=``: always ``abort`` (README "Sleep after a drain: abort, not wait")."""
+
+DISABLE_LOG_STATS_FLAG: Final = "--disable-log-stats"
 
 RUNNING_METRIC: Final = "vllm:num_requests_running"
 WAITING_METRIC: Final = "vllm:num_requests_waiting"
@@ -69,6 +88,50 @@ class VllmTimeouts:
 
 class _BodyTooLargeError(Exception):
     pass
+
+
+_VERSION_RE: Final = re.compile(r"^\s*v?(\d+)\.(\d+)")
+
+
+def parse_vllm_version(text: str) -> tuple[int, int] | None:
+    """``(major, minor)`` of a vLLM version string (``0.33.0``, ``0.17.0rc1``, ``0.9.2.dev3``)."""
+    match = _VERSION_RE.match(text)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
+
+
+def version_refusal(version: str) -> str | None:
+    """Why the supervisor refuses a server of this vLLM version, or None when it accepts it.
+
+    An unparseable version is accepted (a source build may report anything): only a version
+    proved older than :data:`MIN_VLLM_VERSION` is refused.
+    """
+    parsed = parse_vllm_version(version)
+    if parsed is None or parsed >= MIN_VLLM_VERSION:
+        return None
+    minimum = ".".join(str(part) for part in MIN_VLLM_VERSION)
+    shown = _excerpt(version.encode())
+    return (
+        f"vLLM {shown} is not supported: the supervisor needs vLLM >= {minimum}.0, whose "
+        "/sleep pauses the scheduler before sleeping (older releases keep serving requests "
+        "on a sleeping engine); upgrade vLLM"
+    )
+
+
+@dataclass
+class _Server:
+    """What the supervisor knows of one vLLM server."""
+
+    action: ModelAction | None = None
+    """The sleep or wake sent and not finished yet."""
+    sleep_unfinished: bool = False
+    """A sleep timed out or lost its connection: it may still run in vLLM."""
+    version: str | None = None
+    """``GET /version``; None until read, and again once the connection was lost."""
+    answered: bool = False
+    """``GET /version`` was answered since the last connection loss (maybe without one)."""
+    refusal: str | None = None
+    gauges_reported: bool = False
+    version_unparsed_reported: bool = False
 
 
 async def _read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
@@ -167,10 +230,16 @@ def sum_metrics(text: str, names: frozenset[str]) -> dict[str, float]:
     return totals
 
 
-class VllmAdminClient:
-    """Calls the local vLLM servers (admin routes, metrics, the probe's chat completion).
+def _is_connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` means the server's process may have gone (refused, or dropped)."""
+    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError))
 
-    One instance per supervisor, sharing one :class:`aiohttp.ClientSession`.
+
+class VllmAdminClient:
+    """Calls the local vLLM servers (admin routes, metrics, version, the probe's completion).
+
+    One instance per supervisor, sharing one :class:`aiohttp.ClientSession`. It remembers,
+    per served model name, what it learnt of each server (see the module docstring).
     """
 
     def __init__(
@@ -179,6 +248,7 @@ class VllmAdminClient:
         *,
         timeouts: VllmTimeouts | None = None,
         clock: Clock = time.monotonic,
+        api_keys: Mapping[str, SecretStr] | None = None,
     ) -> None:
         """Create a client.
 
@@ -187,10 +257,13 @@ class VllmAdminClient:
                 are on the loopback interface).
             timeouts: Bounds on each call; defaults to :class:`VllmTimeouts`.
             clock: Monotonic seconds, for the drain budget and probe latency.
+            api_keys: A server's ``--api-key`` by model name, sent by the probe only.
         """
         self._session = session
         self._timeouts = timeouts if timeouts is not None else VllmTimeouts()
         self._clock = clock
+        self._api_keys = dict(api_keys or {})
+        self._servers: dict[str, _Server] = {}
 
     @property
     def timeouts(self) -> VllmTimeouts:
@@ -201,6 +274,128 @@ class VllmAdminClient:
     def url(model: SupervisorModel, path: str) -> str:
         """The URL of ``path`` on ``model``'s server (always on the loopback interface)."""
         return join_url(f"http://{VLLM_HOST}:{model.port}", path)
+
+    def _server(self, model: SupervisorModel) -> _Server:
+        return self._servers.setdefault(model.name, _Server())
+
+    def _lost(self, model: SupervisorModel, exc: BaseException) -> None:
+        if _is_connection_lost(exc):
+            # It may come back as another process (another version): read it again then.
+            server = self._server(model)
+            server.version = None
+            server.refusal = None
+            server.answered = False
+
+    # -- version -----------------------------------------------------------------------------
+
+    async def connect(self, model: SupervisorModel) -> str | None:
+        """Read ``GET /version`` (and check the gauges) unless already read since connected.
+
+        Called at start-up for every model, and before each status, sleep, wake and probe
+        while the version is unknown (never read, or the connection was lost since). Never
+        raises: an unreachable server keeps an unknown version and is read again later.
+
+        Returns:
+            Why the server is refused (too old), or None.
+        """
+        server = self._server(model)
+        if server.answered:
+            return server.refusal
+        timeout_s = self._timeouts.read_s
+        try:
+            async with self._session.get(
+                self.url(model, VERSION_PATH), timeout=aiohttp.ClientTimeout(total=timeout_s)
+            ) as response:
+                body = await _read_capped(response, _BODY_LIMIT)
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError, _BodyTooLargeError) as exc:
+            logger.debug(
+                "%s: %s failed: %s",
+                model.name,
+                VERSION_PATH,
+                _describe(exc, port=model.port, timeout_s=timeout_s),
+            )
+            return server.refusal
+        server.answered = True
+        data = _json_object(body) if status == 200 else None
+        version = None if data is None else data.get("version")
+        if not isinstance(version, str) or not version.strip():
+            logger.warning(
+                "%s: %s answered HTTP %d without a version: %s",
+                model.name,
+                VERSION_PATH,
+                status,
+                _excerpt(body),
+            )
+            return server.refusal
+        version = version.strip()[:_EXCERPT]
+        changed = server.version != version
+        server.version = version
+        server.refusal = version_refusal(version)
+        if server.refusal is not None:
+            logger.error("%s: %s", model.name, server.refusal)
+        elif parse_vllm_version(version) is None and not server.version_unparsed_reported:
+            server.version_unparsed_reported = True
+            logger.warning(
+                "%s: cannot parse the vLLM version %r; assuming >= 0.17", model.name, version
+            )
+        elif changed:
+            logger.info("%s: vLLM %s on port %d", model.name, version, model.port)
+        if not server.gauges_reported:
+            await self.requests_in_flight(model, timeout_s=timeout_s)
+        return server.refusal
+
+    def version(self, model: SupervisorModel) -> str | None:
+        """The server's version as last read (None: not read yet, or connection lost since)."""
+        return self._server(model).version
+
+    async def _check_supported(self, model: SupervisorModel) -> None:
+        refusal = await self.connect(model)
+        if refusal is not None:
+            raise VllmAdminError(model.name, refusal)
+
+    # -- status ------------------------------------------------------------------------------
+
+    async def status(self, model: SupervisorModel) -> ModelStatus:
+        """The server's status as the supervisor knows it (never raises).
+
+        While a sleep or wake sent by the supervisor runs, ``/is_sleeping`` is not asked (vLLM
+        answers it only between engine steps): ``sleeping`` is null and ``action`` says why.
+        After a sleep whose outcome is unknown, ``/is_sleeping`` is asked: an answer confirms
+        it; no answer in time keeps the server "busy sleeping".
+        """
+        server = self._server(model)
+
+        def build(sleeping: bool | None, action: ModelAction | None = None) -> ModelStatus:
+            return ModelStatus(
+                name=model.name,
+                port=model.port,
+                sleeping=sleeping,
+                action=action,
+                vllm_version=server.version,
+                error=server.refusal,
+            )
+
+        if server.action is not None:
+            return build(None, server.action)
+        # Concurrently: a status must answer within one read bound (heartbeats wait ~5 s).
+        refusal, (sleeping, timed_out) = await asyncio.gather(
+            self.connect(model), self._read_sleeping(model)
+        )
+        if refusal is not None:
+            return build(None)
+        if (started := self._server(model).action) is not None:
+            # An action started while this read was on its way: it says more.
+            return build(None, started)
+        if server.sleep_unfinished:
+            if sleeping is not None:
+                server.sleep_unfinished = False
+                logger.info(
+                    "%s: the unfinished sleep is over (is_sleeping=%s)", model.name, sleeping
+                )
+            elif timed_out:
+                return build(None, "sleep")
+        return build(sleeping)
 
     # -- admin -------------------------------------------------------------------------------
 
@@ -218,15 +413,20 @@ class VllmAdminClient:
                 body = await _read_capped(response, _BODY_LIMIT)
                 status = response.status
         except (aiohttp.ClientError, TimeoutError, _BodyTooLargeError) as exc:
+            self._lost(model, exc)
+            # A refused connection never reached vLLM; anything else may have.
+            unfinished = not isinstance(exc, aiohttp.ClientConnectorError)
             raise VllmAdminError(
-                model.name, f"{path}: {_describe(exc, port=model.port, timeout_s=timeout_s)}"
+                model.name,
+                f"{path}: {_describe(exc, port=model.port, timeout_s=timeout_s)}",
+                unfinished=unfinished,
             ) from exc
         if not 200 <= status < 300:
             detail = _excerpt(body)
             raise VllmAdminError(
                 model.name, f"{path}: HTTP {status}" + (f": {detail}" if detail else "")
             )
-        # Releases up to 0.24 answer an empty 200; newer ones a JSON object.
+        # Releases up to 0.31 answer an empty 200; newer ones a JSON object.
         return _json_object(body) if body.strip() else None
 
     async def sleep(
@@ -238,6 +438,11 @@ class VllmAdminClient:
     ) -> None:
         """Put ``model``'s server to sleep; returns once the engine is asleep.
 
+        Always ``mode=abort`` (README "Sleep after a drain: abort, not wait"): with a drain,
+        the server first gets up to ``drain_timeout_s`` to finish its requests, and what is
+        still there when the sleep pauses the engine ends with ``finish_reason: "abort"``
+        instead of staying parked until the next wake.
+
         Args:
             model: The server.
             level: The sleep level (``/sleep?level=``).
@@ -245,29 +450,85 @@ class VllmAdminClient:
                 to finish (``/metrics`` running + waiting at 0), then sleep regardless.
 
         Raises:
-            VllmAdminError: The server refused, failed or did not answer in time.
+            VllmAdminError: The server is refused (version), refused the sleep, failed or did
+                not answer in time (then the sleep is "unfinished" until a status read or the
+                next wake confirms the state).
         """
-        query = {"level": str(level)}
-        if drain_timeout_s is not None and await self.drain(model, timeout_s=drain_timeout_s):
-            # Drained: a request that still slips in finishes instead of being aborted (vLLM
-            # >= 0.17; older releases ignore the unknown query parameter). A drain that ran out
-            # of budget keeps vLLM's default (abort): the step cannot wait any longer.
-            query["mode"] = "wait"
-        body = await self._admin_post(model, SLEEP_PATH, query)
+        await self._check_supported(model)
+        server = self._server(model)
+        server.action = "sleep"
+        try:
+            if drain_timeout_s is not None:
+                await self.drain(model, timeout_s=drain_timeout_s)
+            body = await self._admin_post(
+                model, SLEEP_PATH, {"level": str(level), "mode": SLEEP_MODE}
+            )
+        except VllmAdminError as exc:
+            if exc.unfinished:
+                server.sleep_unfinished = True
+                logger.warning(
+                    "%s: the sleep's outcome is unknown (%s); its state is confirmed before "
+                    "any wake",
+                    model.name,
+                    exc.reason,
+                )
+            raise
+        finally:
+            server.action = None
+        server.sleep_unfinished = False
         status = None if body is None else body.get("status")
         if status is not None and status != "sleeping":
             raise VllmAdminError(
                 model.name, f"{SLEEP_PATH}: unexpected status {_excerpt(str(status).encode())!r}"
             )
 
+    async def _confirm_sleep_finished(self, model: SupervisorModel) -> None:
+        """Wait (up to the admin bound) until ``/is_sleeping`` answers after an unknown sleep.
+
+        vLLM answers ``/is_sleeping`` only between engine steps, so an answer proves the
+        executor's sleep is over (a ``mode=abort`` sleep is never deferred): only then may a
+        wake follow, or the sleep would run after it and leave the server asleep.
+        """
+        server = self._server(model)
+        deadline = self._clock() + self._timeouts.admin_s
+        while True:
+            sleeping, _ = await self._read_sleeping(model)
+            if sleeping is not None:
+                server.sleep_unfinished = False
+                logger.info(
+                    "%s: the unfinished sleep is over (is_sleeping=%s)", model.name, sleeping
+                )
+                return
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise VllmAdminError(
+                    model.name,
+                    "a sleep of this server timed out and /is_sleeping still does not answer "
+                    f"after {self._timeouts.admin_s:g} s: not waking it while that sleep may "
+                    "still run (retry the wake later)",
+                )
+            await asyncio.sleep(min(self._timeouts.drain_poll_s, remaining))
+
     async def wake(self, model: SupervisorModel) -> None:
         """Wake everything on ``model``'s server (no tags); returns once it is awake.
 
+        After a sleep whose outcome is unknown, the state is confirmed first (see
+        :meth:`_confirm_sleep_finished`): a wake is never sent while that sleep may still run.
+
         Raises:
-            VllmAdminError: The server refused, failed, did not answer in time, or reports a
-                partial wake (``"status": "sleeping"``).
+            VllmAdminError: The server is refused (version), a previous sleep is still
+                unfinished, or the wake was refused, failed, did not answer in time, or
+                reports a partial wake (``"status": "sleeping"``).
         """
-        body = await self._admin_post(model, WAKE_PATH, {})
+        await self._check_supported(model)
+        server = self._server(model)
+        server.action = "wake"
+        try:
+            if server.sleep_unfinished:
+                await self._confirm_sleep_finished(model)
+            body = await self._admin_post(model, WAKE_PATH, {})
+        finally:
+            server.action = None
         status = None if body is None else body.get("status")
         if status == "sleeping":
             raise VllmAdminError(model.name, f"{WAKE_PATH}: partial wake, the server still sleeps")
@@ -276,12 +537,8 @@ class VllmAdminClient:
                 model.name, f"{WAKE_PATH}: unexpected status {_excerpt(str(status).encode())!r}"
             )
 
-    async def is_sleeping(self, model: SupervisorModel) -> bool | None:
-        """``GET /is_sleeping``: True or False, or None when the answer proves nothing.
-
-        Anything but a JSON object with a boolean ``is_sleeping`` (an error, a timeout, another
-        body) proves nothing. Note that True also covers a paused or partly awake engine.
-        """
+    async def _read_sleeping(self, model: SupervisorModel) -> tuple[bool | None, bool]:
+        """``GET /is_sleeping``: (True, False or None when it proved nothing; timed out)."""
         timeout_s = self._timeouts.read_s
         try:
             async with self._session.get(
@@ -293,23 +550,33 @@ class VllmAdminClient:
                     logger.debug(
                         "%s: %s answered HTTP %d", model.name, IS_SLEEPING_PATH, response.status
                     )
-                    return None
+                    return None, False
                 body = await _read_capped(response, _BODY_LIMIT)
         except (aiohttp.ClientError, TimeoutError, _BodyTooLargeError) as exc:
+            self._lost(model, exc)
             logger.debug(
                 "%s: %s failed: %s",
                 model.name,
                 IS_SLEEPING_PATH,
                 _describe(exc, port=model.port, timeout_s=timeout_s),
             )
-            return None
+            return None, isinstance(exc, TimeoutError)
         data = _json_object(body)
         value = None if data is None else data.get("is_sleeping")
         if not isinstance(value, bool):
             logger.debug(
                 "%s: %s body proves nothing: %s", model.name, IS_SLEEPING_PATH, _excerpt(body)
             )
-            return None
+            return None, False
+        return value, False
+
+    async def is_sleeping(self, model: SupervisorModel) -> bool | None:
+        """``GET /is_sleeping``: True or False, or None when the answer proves nothing.
+
+        Anything but a JSON object with a boolean ``is_sleeping`` (an error, a timeout, another
+        body) proves nothing. Note that True also covers a paused or partly awake engine.
+        """
+        value, _ = await self._read_sleeping(model)
         return value
 
     # -- drain -------------------------------------------------------------------------------
@@ -318,7 +585,8 @@ class VllmAdminClient:
         """Requests running plus waiting on ``model``'s server, from ``/metrics``.
 
         Returns:
-            The sum, or None when ``/metrics`` failed or lacks either gauge.
+            The sum, or None when ``/metrics`` failed or lacks either gauge (a server started
+            with ``--disable-log-stats``: reported once, as an error naming the flag).
         """
         try:
             async with self._session.get(
@@ -332,6 +600,7 @@ class VllmAdminClient:
                     return None
                 body = await _read_capped(response, _METRICS_LIMIT)
         except (aiohttp.ClientError, TimeoutError, _BodyTooLargeError) as exc:
+            self._lost(model, exc)
             logger.warning(
                 "%s: %s failed: %s",
                 model.name,
@@ -342,19 +611,32 @@ class VllmAdminClient:
         totals = sum_metrics(
             body.decode("utf-8", errors="replace"), frozenset((RUNNING_METRIC, WAITING_METRIC))
         )
+        server = self._server(model)
         if RUNNING_METRIC not in totals or WAITING_METRIC not in totals:
-            logger.warning(
-                "%s: %s lacks %s or %s; cannot tell whether requests are in flight",
-                model.name,
-                METRICS_PATH,
-                RUNNING_METRIC,
-                WAITING_METRIC,
-            )
+            if not server.gauges_reported:
+                server.gauges_reported = True
+                logger.error(
+                    "%s: %s has no %s / %s gauges, so the supervisor cannot tell whether "
+                    "requests are in flight: a sleep cannot drain them first (they are "
+                    "aborted). vLLM serves no gauges when started with %s: restart it without "
+                    "that flag. (Reported once.)",
+                    model.name,
+                    METRICS_PATH,
+                    RUNNING_METRIC,
+                    WAITING_METRIC,
+                    DISABLE_LOG_STATS_FLAG,
+                )
+            else:
+                logger.debug("%s: %s still lacks the gauges", model.name, METRICS_PATH)
             return None
+        server.gauges_reported = True
         return max(0, math.ceil(totals[RUNNING_METRIC] + totals[WAITING_METRIC]))
 
     async def drain(self, model: SupervisorModel, *, timeout_s: float) -> bool:
         """Wait, up to ``timeout_s``, until ``model``'s server has no request in flight.
+
+        The gauges change only per engine step and do not count a request being tokenised, so
+        a drain ends only after two zero readings ``drain_quiet_s`` apart.
 
         Returns:
             True when it drained; False when the budget ran out or the metrics could not tell
@@ -362,7 +644,8 @@ class VllmAdminClient:
         """
         deadline = self._clock() + timeout_s
         if await self.is_sleeping(model) is True:
-            # Requests parked on a sleeping engine cannot finish before a wake.
+            # Already asleep: nothing can finish before a wake (the sleep's abort mode ends
+            # whatever is parked there).
             return True
         quiet_since: float | None = None
         while True:
@@ -383,7 +666,8 @@ class VllmAdminClient:
             remaining = deadline - now
             if remaining <= 0:
                 logger.warning(
-                    "%s: %d request(s) still in flight after draining %.1f s; sleeping anyway",
+                    "%s: %d request(s) still in flight after draining %.1f s; sleeping anyway "
+                    "(they are aborted)",
                     model.name,
                     in_flight,
                     timeout_s,
@@ -401,42 +685,69 @@ class VllmAdminClient:
         max_tokens: int,
         timeout_s: float,
     ) -> ProbeResult:
-        """One non-streaming chat completion; ok only with a non-empty message content.
+        """One non-streaming chat completion; ok only when the model answered something.
 
-        Never raises for a failed completion: the failure is the result's ``error``.
+        An answer is a non-empty ``message.content``, a non-empty ``message.reasoning`` or
+        ``message.reasoning_content`` (a reasoning parser may put a short answer there and
+        leave ``content`` null), or ``finish_reason == "length"``. The model's API key, when
+        configured, is sent as a bearer token. Never raises: the failure is the ``error``.
         """
+        refusal = await self.connect(model)
+        if refusal is not None:
+            return ProbeResult(model=model.name, ok=False, latency_ms=0.0, error=refusal)
         payload = {
             "model": model.name,
             "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens,
             "stream": False,
         }
+        key = self._api_keys.get(model.name)
+        headers = None if key is None else {"Authorization": f"Bearer {key.get_secret_value()}"}
         started = self._clock()
         error: str | None = None
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._session.post(self.url(model, CHAT_PATH), json=payload) as response:
+                async with self._session.post(
+                    self.url(model, CHAT_PATH), json=payload, headers=headers
+                ) as response:
                     body = await _read_capped(response, _BODY_LIMIT)
                     status = response.status
-            if not 200 <= status < 300:
+            if status == 401:
+                error = "HTTP 401: the server wants an API key" + (
+                    " (the configured key was refused)"
+                    if key is not None
+                    else " (set apiKeyEnv or apiKeyFile for this model)"
+                )
+            elif not 200 <= status < 300:
                 detail = _excerpt(body)
                 error = f"HTTP {status}" + (f": {detail}" if detail else "")
-            elif not _has_content(body):
-                error = "the completion has no message content"
+            elif not _has_answer(body):
+                error = "the completion has no content, no reasoning, and did not stop at length"
         except (aiohttp.ClientError, TimeoutError, _BodyTooLargeError) as exc:
+            self._lost(model, exc)
             error = _describe(exc, port=model.port, timeout_s=timeout_s)
         latency_ms = round((self._clock() - started) * 1000, 3)
         return ProbeResult(model=model.name, ok=error is None, latency_ms=latency_ms, error=error)
 
 
-def _has_content(body: bytes) -> bool:
+_ANSWER_FIELDS: Final = ("content", "reasoning", "reasoning_content")
+
+
+def _has_answer(body: bytes) -> bool:
     data = _json_object(body)
     choices = None if data is None else data.get("choices")
     if not isinstance(choices, list):
         return False
     for choice in choices:
-        message = choice.get("message") if isinstance(choice, dict) else None
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str) and content:
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("finish_reason") == "length":
             return True
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            continue
+        for name in _ANSWER_FIELDS:
+            value = message.get(name)
+            if isinstance(value, str) and value:
+                return True
     return False
