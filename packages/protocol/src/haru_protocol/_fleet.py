@@ -232,7 +232,8 @@ class RouteModel(PeerModel):
     """A model binding in the route intent."""
 
     name: ModelName
-    serving_url: HttpUrl
+    serving_url: HttpUrl | None
+    """Null for a provisioned domain whose machine has no recorded address yet."""
     eligible: bool
 
 
