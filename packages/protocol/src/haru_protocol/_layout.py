@@ -368,7 +368,9 @@ class DomainLayout(WireModel):
         count = sum(len(s.models) for s in self.inference_slots)
         vllm_ports = range(settings.vllm_base_port, settings.vllm_base_port + count)
         if vllm_ports and vllm_ports[-1] > 65535:
-            raise ValueError(f"domain {self.slug!r}: vllmBasePort leaves no room for {count} models")
+            raise ValueError(
+                f"domain {self.slug!r}: vllmBasePort leaves no room for {count} models"
+            )
         if len(set(ports)) != len(ports) or any(p in vllm_ports for p in ports):
             raise ValueError(
                 f"domain {self.slug!r}: supervisorPort, gatewayPort and the vLLM ports "
