@@ -36,7 +36,7 @@ def _training(gpu: int) -> dict[str, Any]:
 def _domain(
     slug: str, *, provider: str = "static", slots: list[dict[str, Any]] | None = None
 ) -> dict[str, Any]:
-    return {
+    document: dict[str, Any] = {
         "slug": slug,
         "provider": provider,
         "placement": {"cloud": "aws", "region": "us-east-1", "accelerator": "EXAMPLE-GPU"},
@@ -51,6 +51,13 @@ def _domain(
             _training(1),
         ],
     }
+    if provider != "static":
+        # Haru records a provisioned domain's URLs once its machine is up.
+        del document["supervisorUrl"], document["servingBaseUrl"]
+        for slot in document["slots"]:
+            for model in slot.get("models", ()):
+                model.pop("servingUrl", None)
+    return document
 
 
 @pytest.fixture

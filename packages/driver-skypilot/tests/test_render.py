@@ -4,7 +4,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from haru_driver_skypilot import TaskSpec, cluster_name, dump_yaml, render_task_yaml, task_config
+from haru_driver_skypilot import (
+    TaskSpec,
+    cluster_name,
+    dump_yaml,
+    example_domain_task,
+    render_task_yaml,
+    task_config,
+)
 from haru_protocol import Cloud, Placement
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
@@ -51,6 +58,7 @@ def golden_specs() -> dict[str, TaskSpec]:
             envs={"CHECKPOINT_DIR": "/ckpt", "EMPTY": ""},
             run="torchrun --nproc-per-node 8 train.py",
         ),
+        "domain-standby-two-gpus": example_domain_task(start_asleep=True),
     }
 
 

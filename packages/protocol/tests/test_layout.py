@@ -303,6 +303,11 @@ DURATION_KEYS = [
     "startTrainingTimeoutMs",
     "promotionBackoffBaseMs",
     "promotionBackoffMaxMs",
+    "launchTimeoutMs",
+    "clusterUpTimeoutMs",
+    "supervisorReadyTimeoutMs",
+    "relaunchBackoffBaseMs",
+    "relaunchBackoffMaxMs",
 ]
 
 
@@ -410,6 +415,12 @@ def test_policy_defaults_match_spec() -> None:
         "startTrainingTimeoutMs": 30_000,
         "promotionBackoffBaseMs": 30_000,
         "promotionBackoffMaxMs": 900_000,
+        "launchTimeoutMs": 1_800_000,
+        "clusterUpTimeoutMs": 1_800_000,
+        "supervisorReadyTimeoutMs": 1_800_000,
+        "relaunchMaxAttempts": 3,
+        "relaunchBackoffBaseMs": 60_000,
+        "relaunchBackoffMaxMs": 900_000,
         "probe": {"prompt": "ping", "maxTokens": 4},
     }
 

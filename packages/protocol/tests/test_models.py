@@ -272,6 +272,10 @@ def test_fleet_snapshot_keys() -> None:
         "authFailing",
         "lastSupervisorError",
         "promotionBackoffUntil",
+        "provisioning",
+        "launchAttempt",
+        "launchStartedAt",
+        "launchedAt",
     ]
     assert keys(fleet.domains[0].slots[0]) == [
         "id",

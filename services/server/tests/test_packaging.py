@@ -38,5 +38,5 @@ def test_the_server_wheel_ships_no_demo_code(tmp_path: Path) -> None:
     assert not [n for n in modules if "demo" in n or "localfleet" in n], modules
     assert not [n for n in names if not n.startswith(("haru_server/", "haru_server-"))], names
     assert "Provides-Extra" not in metadata
-    for dependency in ("haru-sim", "haru-supervisor", "haru-demo", "openai"):
+    for dependency in ("haru-sim", "haru-demo", "openai"):
         assert f"Requires-Dist: {dependency}" not in metadata

@@ -32,7 +32,8 @@ def _route_models(domain: DomainSnapshot, *, active: bool) -> tuple[RouteModel, 
         RouteModel(
             name=binding.name,
             serving_url=binding.serving_url,
-            eligible=active and _slot_eligible(domain, slot),
+            # A provisioned domain's model has no URL until its machine's address is recorded.
+            eligible=active and binding.serving_url is not None and _slot_eligible(domain, slot),
         )
         for slot in inference_slots(domain)
         for binding in slot_bindings(slot)
@@ -66,7 +67,7 @@ def find_routable_binding(fleet: FleetSnapshot, model: str) -> ModelBinding | No
         if slot.state is not InferenceSlotState.SERVING:
             continue
         for binding in slot_bindings(slot):
-            if binding.name == model:
+            if binding.name == model and binding.serving_url is not None:
                 return binding
     return None
 

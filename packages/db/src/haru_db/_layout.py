@@ -19,6 +19,7 @@ from haru_protocol import (
     FleetLayout,
     InferenceSlotSpec,
     InferenceSlotState,
+    Provider,
     SlotKind,
     TrainingSlotState,
 )
@@ -139,6 +140,9 @@ async def ensure_domains(ex: Executor, fleet_id: UUID, layout: FleetLayout, *, a
             "placement": d.placement.model_dump(mode="json"),
             "supervisor_url": d.supervisor_url,
             "serving_base_url": d.serving_base_url,
+            "provisioning": None
+            if d.provider is Provider.STATIC
+            else d.settings.model_dump(mode="json"),
             "last_seen_at": None,
             "state_updated_at": at,
             "created_at": at,

@@ -93,6 +93,24 @@ def pointer_from_row(row: Row) -> FleetRoutePointer:
         )
 
 
+def _fill_model_urls(domain: dict[str, Any]) -> None:
+    """Give a provisioned domain's bindings the serving URLs recorded for its machine."""
+    urls = domain.pop("model_urls")
+    if not isinstance(urls, dict) or not urls:
+        return
+    for slot in domain["slots"]:
+        spec = slot["spec"]
+        if not isinstance(spec, dict) or not isinstance(spec.get("models"), list):
+            continue
+        models = [
+            {**m, "servingUrl": urls[m["name"]]}
+            if isinstance(m, dict) and m.get("servingUrl") is None and m.get("name") in urls
+            else m
+            for m in spec["models"]
+        ]
+        slot["spec"] = {**spec, "models": models}
+
+
 def snapshot_from_rows(rows: Sequence[Row]) -> FleetSnapshot:
     """Assemble one fleet from the rows of ``fleets LEFT JOIN domains LEFT JOIN slots``.
 
@@ -123,6 +141,11 @@ def snapshot_from_rows(rows: Sequence[Row]) -> FleetSnapshot:
                 "serving_base_url": row["d_serving_base_url"],
                 "last_seen_at": row["d_last_seen_at"],
                 "state_updated_at": row["d_state_updated_at"],
+                "provisioning": row["d_provisioning"],
+                "launch_attempt": row["d_launch_attempt"],
+                "launch_started_at": row["d_launch_started_at"],
+                "launched_at": row["d_launched_at"],
+                "model_urls": row["d_model_urls"],
                 "slots": [],
             }
             domains[domain_id] = domain
@@ -140,6 +163,7 @@ def snapshot_from_rows(rows: Sequence[Row]) -> FleetSnapshot:
     ordered = sorted(domains.values(), key=lambda d: str(d["slug"]))
     for domain in ordered:
         domain["slots"].sort(key=lambda s: (s["gpu_index"], str(s["kind"])))
+        _fill_model_urls(domain)
     with malformed(what):
         return FleetSnapshot.model_validate(
             {

@@ -43,7 +43,7 @@ from haru_protocol import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from haru_db import _events, _layout, _operations, _reads, _transitions
+from haru_db import _events, _layout, _operations, _provisioning, _reads, _transitions
 from haru_db._engine import create_engine, translate_errors, writer
 from haru_db._errors import StateStoreReadOnlyError
 from haru_db._events import OperationEvent
@@ -208,6 +208,49 @@ class StateStore:
         after a newer one loses (returns False).
         """
         return await _transitions.mark_domain_seen(self._ex, domain_id, at=at)
+
+    @_bounded
+    async def claim_launch(self, domain_id: UUID, *, expected_attempt: int, at: datetime) -> bool:
+        """Claim the next launch of a provisioned domain (``launch_attempt`` N to N + 1).
+
+        Guarded on the domain being ``provisioning`` with ``launch_attempt == expected``: of
+        racing processes exactly one wins, and a claim made before a crash is never made
+        again for the same attempt. Clears the recorded addresses of the previous machine.
+        """
+        return await _provisioning.claim_launch(
+            self._ex, domain_id, expected_attempt=expected_attempt, at=at
+        )
+
+    @_bounded
+    async def mark_launched(self, domain_id: UUID, *, attempt: int, at: datetime) -> bool:
+        """Record that launch ``attempt`` returned successfully (once)."""
+        return await _provisioning.mark_launched(self._ex, domain_id, attempt=attempt, at=at)
+
+    @_bounded
+    async def record_domain_address(
+        self,
+        domain_id: UUID,
+        *,
+        attempt: int,
+        supervisor_url: str,
+        serving_base_url: str,
+        model_urls: Mapping[str, str],
+        at: datetime,
+    ) -> bool:
+        """Record the supervisor, serving base and per-model URLs of launch ``attempt``.
+
+        One statement, guarded on the domain still provisioning that attempt. Snapshots fill
+        each binding's ``servingUrl`` from ``model_urls``.
+        """
+        return await _provisioning.record_domain_address(
+            self._ex,
+            domain_id,
+            attempt=attempt,
+            supervisor_url=supervisor_url,
+            serving_base_url=serving_base_url,
+            model_urls=model_urls,
+            at=at,
+        )
 
     @_bounded
     async def escalate_domain_if_fleet_idle(

@@ -178,6 +178,12 @@ domains = sa.Table(
     sa.Column("last_seen_at", UtcDateTime(), nullable=True),
     sa.Column("state_updated_at", UtcDateTime(), nullable=False),
     *_timestamps(),
+    # Provisioned domains (migration 0003): settings, launch claim, recorded addresses.
+    sa.Column("provisioning", sa.JSON(), nullable=True),
+    sa.Column("launch_attempt", sa.Integer(), nullable=False, server_default=sa.text("0")),
+    sa.Column("launch_started_at", UtcDateTime(), nullable=True),
+    sa.Column("launched_at", UtcDateTime(), nullable=True),
+    sa.Column("model_urls", sa.JSON(), nullable=True),
     sa.UniqueConstraint("fleet_id", "slug"),
     # Target of the composite keys that keep pointers and operations inside their fleet.
     sa.UniqueConstraint("fleet_id", "id"),

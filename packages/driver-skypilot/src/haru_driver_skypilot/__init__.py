@@ -6,6 +6,17 @@ described by a :class:`TaskSpec`, rendered by :func:`render_task_yaml`, and driv
 Services depend on the :class:`DomainDriver` protocol so tests can inject fakes.
 """
 
+from haru_driver_skypilot._domain import (
+    TOKEN_SECRET,
+    ModelPort,
+    domain_task,
+    model_ports,
+    node_helper_source,
+    run_script,
+    serving_path,
+    setup_script,
+    supervisor_config,
+)
 from haru_driver_skypilot._driver import DomainDriver, SkyPilotDriver, resolve_sdk
 from haru_driver_skypilot._errors import (
     InvalidSpecError,
@@ -48,7 +59,13 @@ from haru_driver_skypilot._status import (
     find_cluster,
     parse_status_json,
 )
-from haru_driver_skypilot._testing import ExecCall, Reply, ScriptedExec
+from haru_driver_skypilot._testing import (
+    ExecCall,
+    Reply,
+    ScriptedExec,
+    example_domain_layout,
+    example_domain_task,
+)
 
 # Grouped by topic rather than sorted, so the public surface reads like a table of contents.
 __all__ = (  # noqa: RUF022
@@ -58,6 +75,16 @@ __all__ = (  # noqa: RUF022
     "check_name",
     "is_valid_name",
     "MAX_NAME_LENGTH",
+    # Provisioned domains (layout to task)
+    "domain_task",
+    "supervisor_config",
+    "model_ports",
+    "ModelPort",
+    "serving_path",
+    "setup_script",
+    "run_script",
+    "node_helper_source",
+    "TOKEN_SECRET",
     # Rendering
     "render_task_yaml",
     "task_config",
@@ -99,4 +126,6 @@ __all__ = (  # noqa: RUF022
     "ScriptedExec",
     "Reply",
     "ExecCall",
+    "example_domain_layout",
+    "example_domain_task",
 )

@@ -3,22 +3,37 @@
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Mapping
 from typing import Protocol
 
+from haru_driver_skypilot._errors import InvalidSpecError, SkyOutputError
 from haru_driver_skypilot._render import render_task_yaml
-from haru_driver_skypilot._runner import SkyRunner, SkyTimeouts, temporary_yaml
+from haru_driver_skypilot._runner import SkyRunner, SkyTimeouts, strip_ansi, temporary_yaml
 from haru_driver_skypilot._sdk import SkyPilotSdk, SkySdk, StatusSource, sdk_available
 from haru_driver_skypilot._spec import TaskSpec, check_name
 from haru_driver_skypilot._status import ClusterInfo, find_cluster, parse_status_json
 
 logger = logging.getLogger(__name__)
 
+# An IPv4/IPv6 address or a host name, as `sky status --ip` prints the head's address.
+_ADDRESS_RE = re.compile(r"[0-9A-Za-z.:\-]+")
+
 
 class DomainDriver(Protocol):
     """What services need from a cluster-per-domain provisioner (inject fakes in tests)."""
 
-    async def launch_domain(self, spec: TaskSpec) -> None:
-        """Provision (or re-use) the cluster ``spec.name`` and start ``spec.run`` on it."""
+    async def launch_domain(
+        self, spec: TaskSpec, *, secrets: Mapping[str, str] | None = None
+    ) -> None:
+        """Provision (or re-use) the cluster ``spec.name`` and start ``spec.run`` on it.
+
+        ``secrets`` holds the value of each name in ``spec.secrets``.
+        """
+        ...
+
+    async def get_head_ip(self, name: str) -> str | None:
+        """The head node's address, or ``None`` when SkyPilot does not know the cluster."""
         ...
 
     async def get_domain_status(self, name: str) -> ClusterInfo | None:
@@ -97,19 +112,53 @@ class SkyPilotDriver:
         """Whether status is read through SkyPilot's Python SDK rather than the CLI."""
         return self._sdk is not None
 
-    async def launch_domain(self, spec: TaskSpec) -> None:
-        """Run ``sky launch -c NAME -y -d FILE``; ``-d`` returns once the run is submitted.
+    async def launch_domain(
+        self, spec: TaskSpec, *, secrets: Mapping[str, str] | None = None
+    ) -> None:
+        """Run ``sky launch -c NAME -y -d [--secret NAME ...] FILE``.
+
+        ``-d`` returns once the run is submitted. Each ``--secret NAME`` carries no value on
+        the command line: ``sky`` reads it from its environment, where ``secrets`` puts it.
 
         Raises:
+            InvalidSpecError: a secret of the spec has no value in ``secrets``.
             SkyCommandError: the launch failed, timed out or could not start.
         """
+        secrets = secrets or {}
+        missing = [name for name in spec.secrets if not secrets.get(name)]
+        if missing:
+            raise InvalidSpecError(f"no value for the secrets {missing!r}")
         text = render_task_yaml(spec)
+        flags = [arg for name in spec.secrets for arg in ("--secret", name)]
         async with temporary_yaml(text, filename=f"{spec.name}.yaml") as path:
             await self._runner.run(
-                ["launch", "-c", spec.name, "-y", "-d", str(path)],
+                ["launch", "-c", spec.name, "-y", "-d", *flags, str(path)],
                 timeout=self._timeouts.launch,
+                extra_env={name: secrets[name] for name in spec.secrets},
             )
         logger.info("launched SkyPilot cluster %s", spec.name)
+
+    async def get_head_ip(self, name: str) -> str | None:
+        """Run ``sky status --ip NAME``: the head node's address, ``None`` for an unknown cluster.
+
+        SkyPilot prints the address alone on its last line; an unknown cluster prints a
+        ``not found`` line instead (exit 0).
+
+        Raises:
+            SkyCommandError: the command failed, timed out or could not start.
+            SkyOutputError: the output holds no address.
+        """
+        check_name(name)
+        result = await self._runner.run(["status", "--ip", name], timeout=self._timeouts.status)
+        lines = [line.strip() for line in strip_ansi(result.stdout).splitlines() if line.strip()]
+        if not lines or "not found" in lines[-1].lower():
+            return None
+        address = lines[-1]
+        if _ADDRESS_RE.fullmatch(address) is None:
+            raise SkyOutputError(
+                "`sky status --ip` printed no address", argv=result.argv, output=result.stdout
+            )
+        return address
 
     async def get_domain_status(self, name: str) -> ClusterInfo | None:
         """Run ``sky status NAME -o json`` (or the SDK) and return the cluster's record.

@@ -50,6 +50,8 @@ def task_config(spec: TaskSpec) -> dict[str, Any]:
     config: dict[str, Any] = {"name": spec.name, "resources": resources}
     if spec.envs:
         config["envs"] = dict(spec.envs)
+    if spec.secrets:
+        config["secrets"] = dict.fromkeys(spec.secrets)
     if spec.setup is not None:
         config["setup"] = spec.setup
     config["run"] = spec.run

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -124,12 +125,20 @@ class SkyRunner:
         """The ``sky`` binary this runner calls."""
         return self._executable
 
-    async def run(self, args: Sequence[str], *, timeout: float) -> ExecResult:
+    async def run(
+        self,
+        args: Sequence[str],
+        *,
+        timeout: float,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> ExecResult:
         """Run ``sky <args...>`` and return its result when it exits with status 0.
 
         Args:
             args: The arguments after ``sky``.
             timeout: Seconds the command may run (per attempt).
+            extra_env: Variables added to the child's environment for this call only (the
+                values of ``--secret NAME`` arguments); never logged.
 
         Raises:
             SkyCliError: it exited non-zero (after the cold-server retry, if that applied).
@@ -138,11 +147,14 @@ class SkyRunner:
             SkyOutputError: it printed more than the exec boundary accepts.
         """
         argv = (self._executable, *args)
+        env = self._env
+        if extra_env:
+            env = {**(os.environ if env is None else env), **extra_env}
         attempt = 0
         while True:
             logger.debug("running %s (timeout %.0f s)", argv, timeout)
             try:
-                result = await self._execute(argv, timeout=timeout, env=self._env)
+                result = await self._execute(argv, timeout=timeout, env=env)
             except ExecTimeoutError as exc:
                 raise SkyTimeoutError(str(exc), argv=argv, timeout=timeout) from exc
             except ExecSpawnError as exc:

@@ -100,6 +100,9 @@ class TaskSpec:
         ports: Ports to open on the machine (``resources.ports``), unique, in order.
         envs: Environment of setup and run. Values are strings because SkyPilot's schema
             only accepts strings.
+        secrets: Names of secret variables (``secrets:``, values null). Their values never
+            enter the YAML: ``sky launch --secret NAME`` takes each from the environment of
+            the ``sky`` process.
     """
 
     name: str
@@ -108,6 +111,7 @@ class TaskSpec:
     setup: str | None = None
     ports: tuple[int, ...] = ()
     envs: Mapping[str, str] = field(default_factory=dict)
+    secrets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_name(self.name)
@@ -130,5 +134,12 @@ class TaskSpec:
                 raise InvalidSpecError(f"env name {key!r} is not a valid variable name")
             if not isinstance(value, str):
                 raise InvalidSpecError(f"env {key!r} must be a string, got {type(value).__name__}")
+        object.__setattr__(self, "secrets", tuple(self.secrets))
+        names: tuple[object, ...] = self.secrets
+        for key in names:
+            if not isinstance(key, str) or _ENV_KEY_RE.fullmatch(key) is None:
+                raise InvalidSpecError(f"secret name {key!r} is not a valid variable name")
+            if key in self.envs:
+                raise InvalidSpecError(f"{key!r} is both an env and a secret")
         # A private read-only copy: the caller's dict cannot change a rendered spec later.
         object.__setattr__(self, "envs", MappingProxyType(dict(self.envs)))

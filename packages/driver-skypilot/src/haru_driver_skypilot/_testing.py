@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from haru_exec import ExecResult
+from haru_protocol import DomainLayout
+
+from haru_driver_skypilot._domain import domain_task
+from haru_driver_skypilot._spec import TaskSpec, cluster_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,3 +88,66 @@ class ScriptedExec:
             stdout=outcome.stdout,
             stderr=outcome.stderr,
         )
+
+
+def example_domain_layout() -> DomainLayout:
+    """A provisioned domain: two models on GPU 0, one on GPU 1, training on both GPUs."""
+    return DomainLayout.model_validate(
+        {
+            "slug": "beta",
+            "provider": "skypilot",
+            "placement": {
+                "cloud": "gcp",
+                "region": "us-central1",
+                "accelerator": "EXAMPLE-GPU",
+                "acceleratorCount": 2,
+                "useSpot": True,
+            },
+            "provisioning": {
+                "vllmVersion": "0.33.0",
+                "supervisorPackage": "haru-supervisor==0.1.0",
+            },
+            "slots": [
+                {
+                    "kind": "inference",
+                    "gpuIndex": 0,
+                    "models": [
+                        {"name": "example-chat-small", "source": "example-org/chat-small"},
+                        {
+                            "name": "example-chat-medium",
+                            "extraVllmArgs": ["--max-model-len", "8192"],
+                        },
+                    ],
+                },
+                {
+                    "kind": "inference",
+                    "gpuIndex": 1,
+                    "models": [{"name": "example-chat-large", "gpuMemoryUtilization": 0.85}],
+                },
+                {
+                    "kind": "training",
+                    "gpuIndex": 0,
+                    "command": ["python", "train.py", "--lora"],
+                    "checkpointDir": "/ckpt/0",
+                },
+                {
+                    "kind": "training",
+                    "gpuIndex": 1,
+                    "command": ["python", "train.py", "--lora"],
+                    "checkpointDir": "/ckpt/1",
+                },
+            ],
+        }
+    )
+
+
+def example_domain_task(*, start_asleep: bool) -> TaskSpec:
+    """The task of :func:`example_domain_layout` (cluster ``haru-demo-beta``)."""
+    domain = example_domain_layout()
+    return domain_task(
+        cluster_name("demo", domain.slug),
+        domain.placement,
+        domain.slots,
+        domain.settings,
+        start_asleep=start_asleep,
+    )

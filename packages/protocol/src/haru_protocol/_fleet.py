@@ -18,7 +18,14 @@ from haru_protocol._enums import (
     SlotKind,
     TrainingSlotState,
 )
-from haru_protocol._layout import InferenceSlotSpec, Placement, Policy, SlotSpec, TrainingSlotSpec
+from haru_protocol._layout import (
+    InferenceSlotSpec,
+    Placement,
+    Policy,
+    Provisioning,
+    SlotSpec,
+    TrainingSlotSpec,
+)
 
 RouteRevision = Annotated[StrictInt, Field(ge=1)]
 """Revision of a fleet's routing pointer; it grows by one on every move."""
@@ -98,6 +105,14 @@ class DomainSnapshot(PeerModel):
     """The last failure of a heartbeat poll of this domain's supervisor (null: it answers)."""
     promotion_backoff_until: AwareDatetime | None = None
     """Automatic promotions of this domain wait until then: its recent promotions failed."""
+    provisioning: Provisioning | None = None
+    """Provisioned domains: the layout's provisioning settings (null for static domains)."""
+    launch_attempt: StrictInt = 0
+    """Provisioned domains: launches claimed so far (0: never launched)."""
+    launch_started_at: AwareDatetime | None = None
+    """When the last claimed launch started."""
+    launched_at: AwareDatetime | None = None
+    """When the last claimed launch returned successfully (null while running or failed)."""
 
 
 class FleetSnapshot(PeerModel):
@@ -232,7 +247,8 @@ class RouteModel(PeerModel):
     """A model binding in the route intent."""
 
     name: ModelName
-    serving_url: HttpUrl
+    serving_url: HttpUrl | None
+    """Null for a provisioned domain whose machine has no recorded address yet."""
     eligible: bool
 
 

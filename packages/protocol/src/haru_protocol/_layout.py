@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictInt, model_validator
+from pydantic import AfterValidator, Field, StrictFloat, StrictInt, model_validator
 
 from haru_protocol._base import (
     DurationMs,
@@ -13,6 +14,7 @@ from haru_protocol._base import (
     HttpUrl,
     ModelName,
     NonEmptyStr,
+    Port,
     Slug,
     WireModel,
 )
@@ -34,13 +36,76 @@ class Placement(WireModel):
     """Whether to ask for spot (preemptible) machines."""
 
 
+DEFAULT_VLLM_VERSION = "0.33.0"
+"""vLLM release a provisioned domain installs unless its layout pins another."""
+
+DEFAULT_GPU_MEMORY_BUDGET = 0.9
+"""Share of a GPU's memory the vLLM servers on it get together by default (vLLM's own
+default for one server); split evenly between the models of the GPU."""
+
+MAX_GPU_MEMORY_BUDGET = 0.95
+"""The most the explicit shares of one GPU's models may add up to."""
+
+_VERSION_RE = re.compile(r"[0-9]+(\.[0-9A-Za-z]+)*([.+-][0-9A-Za-z.]+)?")
+_ARG_RE = re.compile(r"[^\x00-\x1f\x7f]+")
+
+
+def _check_version(value: str) -> str:
+    if _VERSION_RE.fullmatch(value) is None:
+        raise ValueError(f"{value!r} is not a release version such as '0.33.0'")
+    return value
+
+
+def _check_arg(value: str) -> str:
+    if not value or _ARG_RE.fullmatch(value) is None:
+        raise ValueError(f"argument {value!r} must be non-empty without control characters")
+    return value
+
+
+ReleaseVersion = Annotated[str, AfterValidator(_check_version)]
+"""A package release version (digits, dots, and a PEP 440 or local suffix)."""
+
+CliArg = Annotated[str, AfterValidator(_check_arg)]
+"""One command-line argument (passed as one argv item, never through a shell)."""
+
+
+def _is_unset(value: object) -> bool:
+    # Provisioning-only keys are left out of dumps when unset, so static documents (and the
+    # slot specs stored from them) keep their exact shape.
+    return value is None or value == ()
+
+
 class ModelBinding(WireModel):
     """One model an inference slot serves, and where the proxy reaches it."""
 
     name: ModelName
     """Routing key (the ``model`` field of requests); equals vLLM's ``--served-model-name``."""
-    serving_url: HttpUrl
-    """Base URL of the vLLM server of this model (path prefix and query are kept)."""
+    serving_url: HttpUrl | None = None
+    """Base URL of the vLLM server of this model (path prefix and query are kept). Required on
+    a ``static`` domain; on a provisioned domain Haru records it once the machine is up."""
+    source: NonEmptyStr | None = Field(default=None, exclude_if=_is_unset)
+    """Provisioned domains: what vLLM loads (a Hugging Face repo id or a path on the machine);
+    the model's name when omitted."""
+    gpu_memory_utilization: Annotated[StrictFloat, Field(gt=0, le=MAX_GPU_MEMORY_BUDGET)] | None = (
+        Field(default=None, exclude_if=_is_unset)
+    )
+    """Provisioned domains: this server's share of its GPU's memory (vLLM's
+    ``--gpu-memory-utilization``); by default the GPU's models split 0.9 evenly."""
+    extra_vllm_args: tuple[CliArg, ...] = Field(default=(), exclude_if=_is_unset)
+    """Provisioned domains: further ``vllm serve`` arguments, appended verbatim (Haru's own
+    flags: model, served name, host, port, sleep mode and memory share are set already)."""
+
+    @property
+    def provisioning_keys(self) -> list[str]:
+        """The provisioning-only keys this binding sets (none are allowed on static domains)."""
+        keys = []
+        if self.source is not None:
+            keys.append("source")
+        if self.gpu_memory_utilization is not None:
+            keys.append("gpuMemoryUtilization")
+        if self.extra_vllm_args:
+            keys.append("extraVllmArgs")
+        return keys
 
 
 class InferenceSlotSpec(WireModel):
@@ -57,7 +122,27 @@ class InferenceSlotSpec(WireModel):
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique within a slot: {names!r}")
+        shares = [m.gpu_memory_utilization for m in self.models]
+        explicit = [s for s in shares if s is not None]
+        if explicit and len(explicit) != len(shares):
+            raise ValueError(
+                f"GPU {self.gpu_index}: give gpuMemoryUtilization for every model of the slot "
+                "or for none"
+            )
+        if sum(explicit) > MAX_GPU_MEMORY_BUDGET + 1e-9:
+            raise ValueError(
+                f"GPU {self.gpu_index}: gpuMemoryUtilization of its models adds up to "
+                f"{sum(explicit):g}, more than {MAX_GPU_MEMORY_BUDGET:g}"
+            )
         return self
+
+    def memory_shares(self) -> dict[str, float]:
+        """Each model's share of the GPU: the explicit values, else 0.9 split evenly."""
+        even = int(DEFAULT_GPU_MEMORY_BUDGET / len(self.models) * 100) / 100
+        return {
+            m.name: m.gpu_memory_utilization if m.gpu_memory_utilization is not None else even
+            for m in self.models
+        }
 
 
 class TrainingSlotSpec(WireModel):
@@ -107,6 +192,21 @@ class Policy(WireModel):
     doubles with every further consecutive failure of that target."""
     promotion_backoff_max_ms: DurationMs = 900_000
     """Upper bound of that pause."""
+    launch_timeout_ms: DurationMs = 1_800_000
+    """Provisioned domains: budget of ``sky launch`` / ``sky serve up`` (provisioning, setup)."""
+    cluster_up_timeout_ms: DurationMs = 1_800_000
+    """Provisioned domains: how long after its launch started a cluster may take to be UP (a
+    service to have a READY replica) before the domain fails."""
+    supervisor_ready_timeout_ms: DurationMs = 1_800_000
+    """Provisioned domains: how long after its address was recorded the domain may take to send
+    its first good heartbeat (vLLM install and model load happen in this window)."""
+    relaunch_max_attempts: Annotated[StrictInt, Field(ge=0, le=1000)] = 3
+    """Provisioned domains: automatic relaunches of a lost cluster before giving up (0: never);
+    the count restarts once the domain is ready again."""
+    relaunch_backoff_base_ms: DurationMs = 60_000
+    """Pause before the first relaunch of a lost cluster; it doubles with every further one."""
+    relaunch_backoff_max_ms: DurationMs = 900_000
+    """Upper bound of that pause."""
     probe: ProbeSettings = ProbeSettings()
 
 
@@ -133,6 +233,12 @@ class PolicyPatch(WireModel):
     start_training_timeout_ms: DurationMs | None = None
     promotion_backoff_base_ms: DurationMs | None = None
     promotion_backoff_max_ms: DurationMs | None = None
+    launch_timeout_ms: DurationMs | None = None
+    cluster_up_timeout_ms: DurationMs | None = None
+    supervisor_ready_timeout_ms: DurationMs | None = None
+    relaunch_max_attempts: Annotated[StrictInt, Field(ge=0, le=1000)] | None = None
+    relaunch_backoff_base_ms: DurationMs | None = None
+    relaunch_backoff_max_ms: DurationMs | None = None
     probe: ProbePatch | None = None
 
     def stored(self) -> dict[str, Any]:
@@ -155,6 +261,28 @@ def resolve_policy(patch: PolicyPatch | None) -> Policy:
     return Policy(**values)
 
 
+class Provisioning(WireModel):
+    """How Haru sets up the machine of a ``skypilot`` or ``skyserve`` domain."""
+
+    vllm_version: ReleaseVersion = DEFAULT_VLLM_VERSION
+    """The vLLM release ``setup`` installs (``pip install vllm==<version>``)."""
+    supervisor_package: NonEmptyStr = "haru-supervisor"
+    """What ``setup`` installs for the supervisor: a requirement (``haru-supervisor==0.1.0``),
+    a wheel URL or a path on the machine."""
+    supervisor_port: Port = 8701
+    """Public port of the supervisor."""
+    gateway_port: Port = 8000
+    """Public port of the serving gateway: it forwards only the inference routes
+    (``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models``) of
+    ``/m/<model>/...`` to that model's vLLM server, so vLLM's admin routes stay on 127.0.0.1."""
+    vllm_base_port: Port = 8100
+    """The vLLM servers listen on 127.0.0.1, ports counted up from this one."""
+    relaunch: Flag = True
+    """Relaunch the cluster when SkyPilot reports it lost (preempted, stopped, gone)."""
+    replicas: Annotated[StrictInt, Field(ge=1, le=100)] = 1
+    """``skyserve`` only: the fixed number of replicas."""
+
+
 class DomainLayout(WireModel):
     """One failure domain of a layout."""
 
@@ -165,6 +293,8 @@ class DomainLayout(WireModel):
     """Base URL of the domain's supervisor; without it Haru cannot drive the domain."""
     serving_base_url: HttpUrl | None = None
     """Public endpoint of the domain's inference servers (published in the route intent)."""
+    provisioning: Provisioning | None = Field(default=None, exclude_if=_is_unset)
+    """Provisioned domains: installation and ports (defaults apply when omitted)."""
     slots: tuple[SlotSpec, ...] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -182,7 +312,75 @@ class DomainLayout(WireModel):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"domain {self.slug!r}: model names bound twice: {duplicates!r}")
+        if self.provider is Provider.STATIC:
+            self._check_static()
+        else:
+            self._check_provisioned()
         return self
+
+    def _check_static(self) -> None:
+        if self.provisioning is not None:
+            raise ValueError(f"domain {self.slug!r}: `provisioning` needs a provisioned provider")
+        for slot in self.inference_slots:
+            for model in slot.models:
+                if model.serving_url is None:
+                    raise ValueError(
+                        f"domain {self.slug!r}: model {model.name!r} needs a servingUrl "
+                        "(static domains are not provisioned by Haru)"
+                    )
+                if model.provisioning_keys:
+                    raise ValueError(
+                        f"domain {self.slug!r}: model {model.name!r} sets "
+                        f"{model.provisioning_keys!r}, which only provisioned domains use"
+                    )
+
+    def _check_provisioned(self) -> None:
+        given = [
+            key
+            for key, value in (
+                ("supervisorUrl", self.supervisor_url),
+                ("servingBaseUrl", self.serving_base_url),
+            )
+            if value is not None
+        ]
+        given += [
+            f"servingUrl of {m.name!r}"
+            for s in self.inference_slots
+            for m in s.models
+            if m.serving_url is not None
+        ]
+        if given:
+            raise ValueError(
+                f"domain {self.slug!r} ({self.provider.value}): Haru records its URLs once the "
+                f"machine is up; remove {', '.join(given)}"
+            )
+        if self.provider is Provider.SKYSERVE:
+            if any(isinstance(s, TrainingSlotSpec) for s in self.slots):
+                raise ValueError(
+                    f"domain {self.slug!r} (skyserve): a SkyServe service cannot train (its "
+                    "replicas sit behind one load balancer and cannot be put to sleep one by "
+                    "one); use provider `skypilot` for a standby that trains"
+                )
+        elif self.provisioning is not None and self.provisioning.replicas != 1:
+            raise ValueError(f"domain {self.slug!r}: `replicas` applies to skyserve domains only")
+        settings = self.settings
+        ports = [settings.supervisor_port, settings.gateway_port]
+        count = sum(len(s.models) for s in self.inference_slots)
+        vllm_ports = range(settings.vllm_base_port, settings.vllm_base_port + count)
+        if vllm_ports and vllm_ports[-1] > 65535:
+            raise ValueError(
+                f"domain {self.slug!r}: vllmBasePort leaves no room for {count} models"
+            )
+        if len(set(ports)) != len(ports) or any(p in vllm_ports for p in ports):
+            raise ValueError(
+                f"domain {self.slug!r}: supervisorPort, gatewayPort and the vLLM ports "
+                f"({settings.vllm_base_port}..{settings.vllm_base_port + count - 1}) must differ"
+            )
+
+    @property
+    def settings(self) -> Provisioning:
+        """The provisioning settings, defaults filled in."""
+        return self.provisioning if self.provisioning is not None else Provisioning()
 
     @property
     def inference_slots(self) -> tuple[InferenceSlotSpec, ...]:

@@ -53,7 +53,7 @@ class RouteTable:
             return
         for bound in inference_bindings(active):
             binding = find_routable_binding(snapshot, bound.name)
-            if binding is None:
+            if binding is None or binding.serving_url is None:
                 continue
             urls = _upstream_urls(binding.serving_url)
             if isinstance(urls, str):

@@ -1,0 +1,212 @@
+"""From a provisioned domain of the layout to the SkyPilot task that runs it.
+
+The task's ``setup`` installs the pinned vLLM and haru-supervisor; its ``run`` writes the
+supervisor config (generated from the same slots) and the node helper, starts one vLLM server
+per model (dev mode and sleep mode on, the model's served name, 127.0.0.1, its GPU pinned with
+``CUDA_VISIBLE_DEVICES``, its memory share), the serving gateway (the only public route to
+them) and, last, the supervisor. A standby's servers are put to sleep as soon as they are
+healthy. The supervisor token is a SkyPilot secret: its value never enters the YAML.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from haru_protocol import (
+    InferenceSlotSpec,
+    Placement,
+    Provisioning,
+    SlotSpec,
+    SupervisorConfig,
+    TrainingSlotSpec,
+)
+
+from haru_driver_skypilot._spec import TaskSpec
+
+TOKEN_SECRET = "HARU_SUPERVISOR_TOKEN"  # noqa: S105 -- a variable name, not a value
+"""The secret carrying the supervisor token (the name haru-supervisor reads)."""
+
+STATE_DIR = "$HOME/.haru"
+"""Where ``run`` writes the supervisor config, the node helper and the logs."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPort:
+    """Where one model of a provisioned domain is served.
+
+    Attributes:
+        name: The model's routing name.
+        gpu_index: Its GPU.
+        port: Its vLLM server's port on 127.0.0.1.
+    """
+
+    name: str
+    gpu_index: int
+    port: int
+
+
+def model_ports(slots: Sequence[SlotSpec], settings: Provisioning) -> list[ModelPort]:
+    """Each model's local vLLM port: ``vllmBasePort`` counted up in layout order."""
+    found: list[ModelPort] = []
+    for slot in slots:
+        if isinstance(slot, InferenceSlotSpec):
+            for model in slot.models:
+                found.append(
+                    ModelPort(model.name, slot.gpu_index, settings.vllm_base_port + len(found))
+                )
+    return found
+
+
+def serving_path(model: str) -> str:
+    """The gateway path prefix of ``model`` (its serving URL is ``http://HOST:PORT`` + this)."""
+    return f"/m/{model}"
+
+
+def supervisor_config(slots: Sequence[SlotSpec], settings: Provisioning) -> SupervisorConfig:
+    """The supervisor config of a provisioned domain, generated from its slots."""
+    ports = {m.name: m.port for m in model_ports(slots, settings)}
+    items: list[dict[str, object]] = []
+    for slot in slots:
+        if isinstance(slot, InferenceSlotSpec):
+            items.append(
+                {
+                    "kind": "inference",
+                    "gpuIndex": slot.gpu_index,
+                    "models": [{"name": m.name, "port": ports[m.name]} for m in slot.models],
+                }
+            )
+        elif isinstance(slot, TrainingSlotSpec):
+            items.append(
+                {
+                    "kind": "training",
+                    "gpuIndex": slot.gpu_index,
+                    "command": list(slot.command),
+                    "checkpointDir": slot.checkpoint_dir,
+                }
+            )
+    return SupervisorConfig.model_validate({"slots": items})
+
+
+def node_helper_source() -> str:
+    """The text of ``haru_node.py`` (the gateway and the sleep helper) copied onto the machine."""
+    return (
+        importlib.resources.files("haru_driver_skypilot")
+        .joinpath("haru_node.py")
+        .read_text(encoding="utf-8")
+    )
+
+
+def _heredoc(path: str, text: str, marker: str) -> list[str]:
+    if any(line.strip() == marker for line in text.splitlines()):
+        raise ValueError(f"text contains the heredoc marker {marker!r}")
+    return [f"cat > {path} <<'{marker}'", *text.splitlines(), marker]
+
+
+def setup_script(settings: Provisioning) -> str:
+    """``setup``: install the pinned vLLM and haru-supervisor (once per cluster)."""
+    packages = [f"vllm=={settings.vllm_version}", settings.supervisor_package]
+    return "\n".join(
+        [
+            "set -euo pipefail",
+            f"python3 -m pip install --upgrade {' '.join(shlex.quote(p) for p in packages)}",
+        ]
+    )
+
+
+def run_script(slots: Sequence[SlotSpec], settings: Provisioning, *, start_asleep: bool) -> str:
+    """``run``: the domain's processes; the supervisor runs in the foreground last."""
+    config = supervisor_config(slots, settings).model_dump_json(exclude_none=True)
+    ports = model_ports(slots, settings)
+    lines = [
+        "set -euo pipefail",
+        f'HARU_DIR="{STATE_DIR}"',
+        'mkdir -p "$HARU_DIR"',
+        *_heredoc(
+            '"$HARU_DIR/supervisor.json"',
+            json.dumps(json.loads(config), indent=2),
+            "HARU_CONFIG_EOF",
+        ),
+        *_heredoc('"$HARU_DIR/haru_node.py"', node_helper_source(), "HARU_NODE_EOF"),
+        # vLLM mounts /sleep, /wake_up and /is_sleeping only in dev mode.
+        "export VLLM_SERVER_DEV_MODE=1",
+        'VLLM="${HARU_VLLM:-vllm}"',
+        'PYTHON="${HARU_PYTHON:-python3}"',
+        'SUPERVISOR="${HARU_SUPERVISOR:-haru-supervisor}"',
+    ]
+    port_of = {p.name: p.port for p in ports}
+    for slot in slots:
+        if not isinstance(slot, InferenceSlotSpec):
+            continue
+        shares = slot.memory_shares()
+        for model in slot.models:
+            argv = [
+                "serve",
+                model.source or model.name,
+                "--served-model-name",
+                model.name,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port_of[model.name]),
+                "--enable-sleep-mode",
+                "--gpu-memory-utilization",
+                f"{shares[model.name]:g}",
+                *model.extra_vllm_args,
+            ]
+            log = shlex.quote(f"vllm-{model.name}.log")
+            lines.append(
+                f'CUDA_VISIBLE_DEVICES={slot.gpu_index} nohup "$VLLM" '
+                f'{" ".join(shlex.quote(a) for a in argv)} > "$HARU_DIR"/{log} 2>&1 &'
+            )
+    routes = " ".join(f"--route {shlex.quote(f'{p.name}={p.port}')}" for p in ports)
+    lines.append(
+        f'nohup "$PYTHON" "$HARU_DIR/haru_node.py" gateway --listen {settings.gateway_port} '
+        f'{routes} > "$HARU_DIR/gateway.log" 2>&1 &'
+    )
+    if start_asleep and ports:
+        wanted = " ".join(f"--port {p.port}" for p in ports)
+        lines.append(
+            f'nohup "$PYTHON" "$HARU_DIR/haru_node.py" sleep-when-ready {wanted} '
+            '> "$HARU_DIR/sleep.log" 2>&1 &'
+        )
+    lines += [
+        'export HARU_SUPERVISOR_CONFIG="$HARU_DIR/supervisor.json"',
+        f"export PORT={settings.supervisor_port}",
+        # The token arrives as a SkyPilot secret; the supervisor refuses to run open on 0.0.0.0.
+        f': "${{{TOKEN_SECRET}:?the supervisor token secret is missing}}"',
+        'exec "$SUPERVISOR"',
+    ]
+    return "\n".join(lines)
+
+
+def domain_task(
+    name: str,
+    placement: Placement,
+    slots: Sequence[SlotSpec],
+    settings: Provisioning,
+    *,
+    start_asleep: bool,
+) -> TaskSpec:
+    """The SkyPilot task of a provisioned domain.
+
+    Args:
+        name: The cluster name (:func:`~haru_driver_skypilot.cluster_name`).
+        placement: The domain's placement.
+        slots: The domain's slots (layout order).
+        settings: The domain's provisioning settings.
+        start_asleep: The domain joins as a standby: put its vLLM servers to sleep once they
+            are healthy.
+    """
+    return TaskSpec(
+        name=name,
+        placement=placement,
+        setup=setup_script(settings),
+        run=run_script(slots, settings, start_asleep=start_asleep),
+        ports=(settings.supervisor_port, settings.gateway_port),
+        envs={"SKYPILOT_DISABLE_USAGE_COLLECTION": "1"},
+        secrets=(TOKEN_SECRET,),
+    )

@@ -1,0 +1,138 @@
+"""Helper run on a provisioned domain's machine (standard library only; copied by ``run``).
+
+``python3 haru_node.py gateway --listen PORT --route MODEL=PORT ...``
+    The serving gateway: ``/m/<model>/<path>`` is forwarded to ``127.0.0.1:<port>/<path>`` for
+    the inference paths only (``/v1/chat/completions``, ``/v1/completions``,
+    ``/v1/embeddings``, ``/v1/models``), streaming the answer, so vLLM's dev-mode admin routes
+    (``/sleep``, ``/wake_up``, ...) are never reachable from outside the machine.
+``python3 haru_node.py sleep-when-ready --port PORT ... [--timeout S]``
+    Wait until each local vLLM server answers ``/health``, then put it to sleep (level 1):
+    a standby's servers start asleep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import sys
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+FORWARDED = {
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/embeddings"),
+    ("GET", "/v1/models"),
+}
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade", "host"}
+
+
+def _handler(routes: dict[str, int]) -> type[BaseHTTPRequestHandler]:
+    class Gateway(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _refuse(self, status: int, message: str) -> None:
+            body = (f'{{"error": {{"code": "not_found", "message": "{message}"}}}}').encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _forward(self) -> None:
+            parts = self.path.split("?", 1)[0].split("/", 3)
+            if len(parts) < 4 or parts[1] != "m" or parts[2] not in routes:
+                self._refuse(404, "unknown model")
+                return
+            path = "/" + parts[3]
+            if (self.command, path) not in FORWARDED:
+                self._refuse(404, "not an inference route")
+                return
+            length = int(self.headers.get("content-length") or 0)
+            body = self.rfile.read(length) if length else None
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_HEADERS}
+            upstream = http.client.HTTPConnection("127.0.0.1", routes[parts[2]], timeout=3600)
+            try:
+                upstream.request(self.command, path, body=body, headers=headers)
+                answer = upstream.getresponse()
+            except OSError:
+                self._refuse(502, "model server unreachable")
+                return
+            self.send_response(answer.status)
+            for key, value in answer.getheaders():
+                if key.lower() not in HOP_HEADERS and key.lower() != "content-length":
+                    self.send_header(key, value)
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            while chunk := answer.read1(65536):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            upstream.close()
+
+        do_GET = _forward  # noqa: N815
+        do_POST = _forward  # noqa: N815
+
+        def log_message(self, format: str, *args: object) -> None:
+            return None
+
+    return Gateway
+
+
+def _healthy(port: int) -> bool:
+    try:
+        url = f"http://127.0.0.1:{port}/health"
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return bool(answer.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def sleep_when_ready(ports: list[int], timeout: float) -> int:
+    """Wait for each local server's ``/health``, then sleep it (level 1); 0 on success."""
+    deadline = time.monotonic() + timeout
+    for port in ports:
+        while not _healthy(port):
+            if time.monotonic() > deadline:
+                sys.stderr.write(f"haru-node: vLLM on port {port} never became healthy\n")
+                return 1
+            time.sleep(2)  # noqa: TID251 -- a synchronous helper process
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/sleep?level=1", data=b"", method="POST"
+        )
+        with urllib.request.urlopen(request, timeout=600) as answer:  # noqa: S310 -- http
+            if answer.status != 200:
+                sys.stderr.write(f"haru-node: sleep on port {port} answered {answer.status}\n")
+                return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(prog="haru_node.py")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gateway = sub.add_parser("gateway")
+    gateway.add_argument("--host", default="0.0.0.0")
+    gateway.add_argument("--listen", type=int, required=True)
+    gateway.add_argument("--route", action="append", default=[], metavar="MODEL=PORT")
+    sleeper = sub.add_parser("sleep-when-ready")
+    sleeper.add_argument("--port", type=int, action="append", default=[])
+    sleeper.add_argument("--timeout", type=float, default=3600.0)
+    args = parser.parse_args(argv)
+    if args.command == "sleep-when-ready":
+        return sleep_when_ready(args.port, args.timeout)
+    routes = {}
+    for item in args.route:
+        name, _, port = item.rpartition("=")
+        routes[name] = int(port)
+    server = ThreadingHTTPServer((args.host, args.listen), _handler(routes))
+    sys.stdout.write(f"haru-node gateway listening on {args.host}:{server.server_address[1]}\n")
+    sys.stdout.flush()
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
