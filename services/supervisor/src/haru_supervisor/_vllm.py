@@ -179,6 +179,7 @@ class VllmAdminClient:
         *,
         timeouts: VllmTimeouts | None = None,
         clock: Clock = time.monotonic,
+        on_drain: Callable[[float], None] | None = None,
     ) -> None:
         """Create a client.
 
@@ -187,7 +188,9 @@ class VllmAdminClient:
                 are on the loopback interface).
             timeouts: Bounds on each call; defaults to :class:`VllmTimeouts`.
             clock: Monotonic seconds, for the drain budget and probe latency.
+            on_drain: Told how long each drain before a sleep took (metrics).
         """
+        self._on_drain = on_drain
         self._session = session
         self._timeouts = timeouts if timeouts is not None else VllmTimeouts()
         self._clock = clock
@@ -248,7 +251,7 @@ class VllmAdminClient:
             VllmAdminError: The server refused, failed or did not answer in time.
         """
         query = {"level": str(level)}
-        if drain_timeout_s is not None and await self.drain(model, timeout_s=drain_timeout_s):
+        if drain_timeout_s is not None and await self._timed_drain(model, drain_timeout_s):
             # Drained: a request that still slips in finishes instead of being aborted (vLLM
             # >= 0.17; older releases ignore the unknown query parameter). A drain that ran out
             # of budget keeps vLLM's default (abort): the step cannot wait any longer.
@@ -313,6 +316,14 @@ class VllmAdminClient:
         return value
 
     # -- drain -------------------------------------------------------------------------------
+
+    async def _timed_drain(self, model: SupervisorModel, timeout_s: float) -> bool:
+        started = self._clock()
+        try:
+            return await self.drain(model, timeout_s=timeout_s)
+        finally:
+            if self._on_drain is not None:
+                self._on_drain(self._clock() - started)
 
     async def requests_in_flight(self, model: SupervisorModel, *, timeout_s: float) -> int | None:
         """Requests running plus waiting on ``model``'s server, from ``/metrics``.
