@@ -120,6 +120,7 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     beta = next(d.id for d in snapshot.domains if d.slug == "beta")
     accepted = await api.post("/v1/fleets/local/promote", json={"targetDomainId": str(beta)})
     assert accepted.status == 202
+    operation = None
     for attempt in range(40):
         operation = (await reconcile(f"req-promote-{attempt}"))["operation"]
         if operation is not None and operation["state"] == "succeeded":
