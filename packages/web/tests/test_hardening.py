@@ -282,4 +282,4 @@ async def test_a_client_that_left_is_access_logged_499(
             await asyncio.sleep(0.02)
     access = [r.getMessage() for r in caplog.records if r.name == "aiohttp.access"]
     assert len(access) == 1
-    assert '"GET /v1/wait HTTP/1.1" 499 ' in access[0]
+    assert access[0].startswith("GET /v1/wait 499 ")

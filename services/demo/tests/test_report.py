@@ -10,6 +10,7 @@ from haru_demo._scenario import (
     ScenarioReport,
     SwitchoverResult,
     operation_budget_s,
+    parse_duty_cycles,
     promote_budget_s,
     snippets,
 )
@@ -148,3 +149,25 @@ def test_contradictory_flags_are_refused() -> None:
     result = CliRunner().invoke(app, ["demo", "--scenario-only", "--no-scenario"])
     assert result.exit_code == 2
     assert "exclude each other" in result.output
+
+
+METRICS_TEXT = """\
+# HELP haru_standby_duty_cycle_ratio standby_training_seconds / standby_seconds per domain.
+# TYPE haru_standby_duty_cycle_ratio gauge
+haru_standby_duty_cycle_ratio{domain="alpha",fleet="demo"} 0.96
+haru_standby_duty_cycle_ratio{domain="beta",fleet="demo"} 0.5
+haru_standby_duty_cycle_ratio{domain="gamma",fleet="other"} 0.1
+"""
+
+
+def test_the_report_shows_the_standby_duty_cycle_from_the_servers_metrics() -> None:
+    cycles = parse_duty_cycles(METRICS_TEXT, fleet="demo")
+    assert cycles == {"alpha": 0.96, "beta": 0.5}
+    report = ScenarioReport(
+        planned=planned(), unplanned=unplanned(), recovered=True, duty_cycles=cycles
+    )
+    lines = report.lines()
+    assert lines[-2] == (
+        "standby duty cycle (standby time with every training slot running): alpha 96%, beta 50%"
+    )
+    assert lines[-1] == "RESULT: success"

@@ -81,6 +81,7 @@ from haru_protocol._layout import (
     TrainingSlotSpec,
     resolve_policy,
 )
+from haru_protocol._request_id import MAX_REQUEST_ID_LENGTH, REQUEST_ID_HEADER, is_request_id
 from haru_protocol._resources import (
     example_layout_json,
     json_schemas,
@@ -121,6 +122,8 @@ __all__ = (
     "IN_FLIGHT_OPERATION_STATES",
     # Bases and scalar types
     "MAX_DURATION_MS",
+    "MAX_REQUEST_ID_LENGTH",
+    "REQUEST_ID_HEADER",
     # Helpers
     # Server read models and control API (SPEC 3.6, 7.2, 7.4)
     "AcceptedResponse",
@@ -212,6 +215,7 @@ __all__ = (
     "bearer_matches",
     "error_body",
     "example_layout_json",
+    "is_request_id",
     "is_slug",
     "join_url",
     "json_schemas",

@@ -16,6 +16,7 @@ from aiohttp import web
 from haru_web._errors import ListenError
 from haru_web._handler import ConnectionRegistry, harden
 from haru_web._limits import RateLimitedLog, ServerLimits, connection_cap
+from haru_web._logs import AccessLogger
 
 logger = logging.getLogger("haru_web")
 
@@ -76,7 +77,11 @@ async def serving(
         ListenError: The address could not be bound.
     """
     runner = HardenedAppRunner(
-        app, limits=limits, handle_signals=False, shutdown_timeout=shutdown_timeout
+        app,
+        limits=limits,
+        handle_signals=False,
+        shutdown_timeout=shutdown_timeout,
+        access_log_class=AccessLogger,
     )
     await runner.setup()
     try:

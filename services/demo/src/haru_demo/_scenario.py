@@ -38,6 +38,7 @@ from haru_protocol import (
     Policy,
 )
 from haru_server.control_client import ControlApiError, ControlClient
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.live import Live
 
@@ -115,6 +116,8 @@ class ScenarioReport:
     planned: SwitchoverResult
     unplanned: SwitchoverResult | None = None
     recovered: bool | None = None
+    duty_cycles: dict[str, float] | None = None
+    """Standby duty cycle per domain (the server's ``haru_standby_duty_cycle_ratio``)."""
 
     @property
     def ok(self) -> bool:
@@ -145,8 +148,45 @@ class ScenarioReport:
                 if self.recovered
                 else "recovery: the failed domain did NOT return to standby posture"
             )
+        if self.duty_cycles is not None:
+            out.append(_duty_cycle_line(self.duty_cycles))
         out.append("RESULT: " + ("success" if self.ok else "FAILED"))
         return out
+
+
+def _duty_cycle_line(cycles: dict[str, float]) -> str:
+    shares = ", ".join(f"{domain} {ratio:.0%}" for domain, ratio in sorted(cycles.items()))
+    return "standby duty cycle (standby time with every training slot running): " + (
+        shares or "not measured (no standby heartbeat interval yet)"
+    )
+
+
+DUTY_CYCLE_METRIC: Final = "haru_standby_duty_cycle_ratio"
+
+
+def parse_duty_cycles(text: str, *, fleet: str) -> dict[str, float]:
+    """The standby duty cycle of each domain of ``fleet`` from the server's ``/metrics`` text."""
+    return {
+        sample.labels["domain"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == DUTY_CYCLE_METRIC and sample.labels.get("fleet") == fleet
+    }
+
+
+async def read_duty_cycles(server_url: str, *, fleet: str) -> dict[str, float] | None:
+    """Scrape the server's ``/metrics`` for the duty cycles (None when it cannot be read)."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
+            session.get(f"{server_url}/metrics") as response,
+        ):
+            if response.status != 200:
+                return None
+            text = await response.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    return parse_duty_cycles(text, fleet=fleet)
 
 
 def _ms(seconds: float | None) -> str:
@@ -437,6 +477,7 @@ async def run_scenario(
     await asyncio.sleep(BETWEEN_S)
     report.unplanned = await unplanned_failover(topology, traffic, phase=phase)
     report.recovered = await recover(topology, report.unplanned, phase=phase)
+    report.duty_cycles = await read_duty_cycles(topology.server_url, fleet=topology.fleet_slug)
     return report
 
 

@@ -9,7 +9,16 @@ import aiohttp
 from aiohttp import web
 from haru_db import HaruDbError, StateStore
 from haru_supervisor.client import SupervisorClient
-from haru_web import bearer_middleware, browser_guard_middleware, error_middleware
+from haru_web import (
+    add_metrics_route,
+    bearer_middleware,
+    browser_guard_middleware,
+    current_request_id,
+    error_middleware,
+    install_request_ids,
+    metrics_guarded,
+    request_id_middleware,
+)
 
 from haru_server._clock import Clock, utc_now
 from haru_server._keys import (
@@ -22,8 +31,10 @@ from haru_server._keys import (
     store_key,
 )
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
+from haru_server._metrics import ServerMetrics, metrics_key, proxy_access_middleware
 from haru_server._middleware import store_error_middleware
 from haru_server._proxy import install_proxy
+from haru_server._proxy_routes import PROXIED_PATHS
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._routes import routes
 from haru_server._settings import Settings
@@ -60,12 +71,20 @@ def create_app(
     """
     app = web.Application(
         middlewares=[
+            request_id_middleware,
             error_middleware,
+            proxy_access_middleware(PROXIED_PATHS),
             browser_guard_middleware(open_api=settings.api_token is None),
-            bearer_middleware(settings.api_token_value()),
+            bearer_middleware(
+                settings.api_token_value(), guarded=metrics_guarded(public=settings.metrics_public)
+            ),
             store_error_middleware,
         ]
     )
+    install_request_ids(app)
+    metrics = ServerMetrics()
+    app[metrics_key] = metrics
+    add_metrics_route(app, metrics.registry)
     app[settings_key] = settings
     app[_owns_store_key] = store is None
     app[store_key] = store if store is not None else StateStore.open(settings.database_url)
@@ -93,12 +112,15 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[settings_key]
     connector = aiohttp.TCPConnector(limit=SUPERVISOR_CONNECTIONS)
     async with aiohttp.ClientSession(connector=connector) as session:
-        client = SupervisorClient(session, token=settings.supervisor_token_value())
+        client = SupervisorClient(
+            session, token=settings.supervisor_token_value(), request_id=current_request_id
+        )
         app[reconciler_key] = Reconciler(
             app[store_key],
             client,
             clock=app[clock_key],
             options=app[_reconciler_options_key],
+            metrics=app[metrics_key],
         )
         yield
 

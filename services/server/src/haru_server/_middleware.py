@@ -14,6 +14,8 @@ from haru_db import MalformedFleetStateError, StateStoreUnavailableError
 from haru_protocol import ErrorCode
 from haru_web import ApiError
 
+from haru_server._metrics import metrics_key
+
 logger = logging.getLogger(__name__)
 
 
@@ -26,11 +28,13 @@ async def store_error_middleware(request: web.Request, handler: Handler) -> web.
     try:
         return await handler(request)
     except StateStoreUnavailableError as exc:
+        request.app[metrics_key].store_error("request")
         logger.warning("%s %s: state store unavailable: %s", request.method, request.path, exc)
         raise ApiError(
             ErrorCode.STATE_STORE_UNAVAILABLE, "the state store is unavailable"
         ) from None
     except MalformedFleetStateError:
+        request.app[metrics_key].store_error("request")
         logger.exception("%s %s: malformed stored state", request.method, request.path)
         raise ApiError(
             ErrorCode.STATE_STORE_UNAVAILABLE,

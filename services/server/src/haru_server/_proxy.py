@@ -23,11 +23,12 @@ from uuid import UUID
 
 import aiohttp
 from aiohttp import hdrs, web
-from haru_protocol import ErrorCode, is_slug
-from haru_web import ApiError
+from haru_protocol import REQUEST_ID_HEADER, ErrorCode, is_slug
+from haru_web import ApiError, current_request_id
 from yarl import URL
 
 from haru_server._keys import FleetKicker, clock_key, kick_fleet_key, settings_key, store_key
+from haru_server._metrics import note_route, note_upstream
 from haru_server._proxy_routes import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -275,6 +276,8 @@ class _Proxy:
         lookup = await self.route(ref)
         routes = lookup.routes
         url = routes.target(model, path)
+        routed = model if url is not None else None
+        note_route(request, routes.snapshot, model=routed, stale=lookup.stale)
         if url is None:
             available = ", ".join(routes.models) or "none"
             raise ApiError(
@@ -292,9 +295,14 @@ class _Proxy:
         accept = request.headers.get(hdrs.ACCEPT)
         if accept is not None:
             headers[hdrs.ACCEPT] = accept
+        request_id = current_request_id()
+        if request_id is not None:
+            headers[REQUEST_ID_HEADER] = request_id
         try:
             async with _DisconnectWatch(request, self._poll):
+                sent = time.monotonic()
                 upstream = await self._open(url, body, headers, lookup)
+                note_upstream(request, _origin(url), time.monotonic() - sent)
                 try:
                     return await self._relay(request, upstream, lookup)
                 finally:
@@ -417,6 +425,7 @@ class _Proxy:
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         lookup = await self.route(self.fleet_ref(request))
+        note_route(request, lookup.routes.snapshot, model=None, stale=lookup.stale)
         created = int(self._clock().timestamp())
         data = [
             {"id": name, "object": "model", "created": created, "owned_by": "haru"}

@@ -24,6 +24,8 @@ EMBEDDINGS_PATH: Final = "/v1/embeddings"
 MODELS_PATH: Final = "/v1/models"
 UPSTREAM_PATHS: Final = (CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH)
 """The only paths the proxy ever builds on a binding's ``servingUrl`` (never an admin route)."""
+PROXIED_PATHS: Final = frozenset((*UPSTREAM_PATHS, MODELS_PATH))
+"""Every inference route the proxy answers (counted and access-logged as such)."""
 
 
 class RouteTable:

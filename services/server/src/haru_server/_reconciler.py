@@ -31,7 +31,7 @@ from haru_core import (
     step_budget_ms,
     step_remaining_ms,
 )
-from haru_db import OperationEvent, StateStore
+from haru_db import OperationEvent, StateStore, StateStoreUnavailableError
 from haru_protocol import (
     DomainSnapshot,
     DomainState,
@@ -51,9 +51,11 @@ from haru_supervisor.client import (
     SupervisorClient,
     SupervisorUnauthorizedError,
 )
+from haru_web import request_id_scope
 
 from haru_server._clock import Clock
 from haru_server._errors import FleetNotFoundError
+from haru_server._metrics import ServerMetrics
 from haru_server._steps import (
     Done,
     Failed,
@@ -121,6 +123,7 @@ class Reconciler:
         client: The supervisor client.
         clock: The application clock (budgets and ``state_updated_at`` use it).
         options: Tuning.
+        metrics: The app's metrics (a private set when None).
     """
 
     def __init__(
@@ -130,7 +133,9 @@ class Reconciler:
         *,
         clock: Clock,
         options: ReconcilerOptions | None = None,
+        metrics: ServerMetrics | None = None,
     ) -> None:
+        self._metrics = metrics if metrics is not None else ServerMetrics()
         self._store = store
         self._client = client
         self._clock = clock
@@ -152,19 +157,34 @@ class Reconciler:
             FleetNotFoundError: No such fleet.
             haru_db.StateStoreUnavailableError: The store failed; the tick stops there.
         """
-        fleet = await self._load(fleet_ref)
-        lock = self._locks.setdefault(fleet.id, asyncio.Lock())
-        waited = lock.locked()
-        async with lock:
-            if waited:
-                fleet = await self._load(str(fleet.id))
-            return await self._tick(fleet)
+        # A tick of the loop gets its own request id (its log lines and supervisor calls share
+        # it); a tick run by POST /reconcile keeps the request's.
+        with request_id_scope():
+            started = time.monotonic()
+            ok = False
+            try:
+                fleet = await self._load(fleet_ref)
+                lock = self._locks.setdefault(fleet.id, asyncio.Lock())
+                waited = lock.locked()
+                async with lock:
+                    if waited:
+                        fleet = await self._load(str(fleet.id))
+                    result = await self._tick(fleet)
+            except StateStoreUnavailableError:
+                self._metrics.store_error("reconcile")
+                raise
+            else:
+                ok = True
+            finally:
+                self._metrics.tick_finished(ok=ok, seconds=time.monotonic() - started)
+            return result
 
     # ---- the tick ----------------------------------------------------------------------------
 
     async def _tick(self, fleet: FleetSnapshot) -> TickResult:
         driving = await self._store.get_in_flight_operation(fleet.id)
         fleet = await self._heartbeats(fleet, driving)
+        self._metrics.fleet_seen(fleet)
         operation = await self._store.get_in_flight_operation(fleet.id)
         if operation is None:
             fleet = await self.annotate(fleet)
@@ -281,7 +301,11 @@ class Reconciler:
             refused = answer if isinstance(answer, _Refused) else None
             await self._auth_verdict(fleet, domain, refused, now)
             status = answer if isinstance(answer, SupervisorStatus) else None
-            if status is not None:
+            if status is None:
+                reason = "unauthorized" if refused is not None else "unreachable"
+                self._metrics.heartbeat_failed(fleet.slug, domain.slug, reason=reason)
+            else:
+                self._metrics.heartbeat_answered(fleet, domain.id, status, now)
                 landed |= await self._mirror_slots(
                     fleet, domain, status, now, busy=domain.id in busy
                 )
@@ -472,6 +496,7 @@ class Reconciler:
             operation.id, first_step=step, at=now, events=(started,)
         ):
             return None
+        self._metrics.operation_started(operation.kind.value)
         return operation.model_copy(
             update={"state": OperationState.RUNNING, "current_step": step, "step_started_at": now}
         )
@@ -585,6 +610,9 @@ class Reconciler:
             )
         if not landed:
             return await self._reread(operation), False, False
+        self._step_metrics(operation, step, "done", now)
+        if following is None:
+            self._metrics.operation_succeeded(operation.kind.value)
         if not inline:
             await self._degrade_source(fleet, operation, step, now)
             await self._event(fleet, operation, EventType(step_done.type), step_done.payload, now)
@@ -608,6 +636,15 @@ class Reconciler:
                 fleet, source, operation, now, reason=f"{step.value} timed out"
             )
         return await self._reread(operation), True, queued
+
+    def _step_metrics(
+        self, operation: Operation, step: OperationStep, outcome: str, now: datetime
+    ) -> None:
+        started = operation.step_started_at
+        seconds = 0.0 if started is None else (now - started).total_seconds()
+        self._metrics.step_resolved(
+            operation.kind.value, step.value, outcome=outcome, seconds=seconds
+        )
 
     async def _degrade_source(
         self, fleet: FleetSnapshot, operation: Operation, step: OperationStep, now: datetime
@@ -655,6 +692,8 @@ class Reconciler:
         )
         if not landed:
             return await self._reread(operation), False, False
+        self._step_metrics(operation, step, "failed", now)
+        self._metrics.operation_failed(operation.kind.value, result.code.value)
         logger.warning(
             "operation %s (%s) failed at %s: %s: %s",
             operation.id,

@@ -8,12 +8,21 @@ secrets (``SecretStr``: never in a repr, a log line or an error) of at least 16 
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Final
 
 from haru_protocol import MAX_DURATION_MS
-from haru_web import ServerLimits, TokenConfigError, check_token, resolve_token
+from haru_web import (
+    LogFormat,
+    ServerLimits,
+    TokenConfigError,
+    check_token,
+    parse_log_format,
+    parse_log_level,
+    resolve_token,
+)
 from pydantic import (
     AliasChoices,
     BeforeValidator,
@@ -43,6 +52,10 @@ def _ascii_int(value: object) -> object:
             raise ValueError("must be a non-negative integer in ASCII digits")
         return int(text)
     return value
+
+
+def _log_level(value: object) -> object:
+    return parse_log_level(value) if isinstance(value, str) else value
 
 
 EnvInt = Annotated[int, BeforeValidator(_ascii_int)]
@@ -137,6 +150,19 @@ class Settings(BaseSettings):
     )
     """``HARU_HTTP_MAX_CONNECTIONS``: open client connections (lowered to fit the open-file
     limit); at the cap the longest-idle one is closed, or the newcomer gets 503."""
+    metrics_public: bool = Field(
+        False, validation_alias=_env("HARU_METRICS_PUBLIC", "metrics_public")
+    )
+    """``HARU_METRICS_PUBLIC``: ``1`` serves ``GET /metrics`` without the bearer token (for a
+    scraper that cannot present one); otherwise it sits behind ``HARU_API_TOKEN``."""
+    log_format: Annotated[LogFormat, BeforeValidator(parse_log_format)] = Field(
+        "text", validation_alias=_env("HARU_LOG_FORMAT", "log_format")
+    )
+    """``HARU_LOG_FORMAT``: ``text`` (default) or ``json`` (one JSON object per line)."""
+    log_level: Annotated[int, BeforeValidator(_log_level)] = Field(
+        logging.INFO, validation_alias=_env("HARU_LOG_LEVEL", "log_level")
+    )
+    """``HARU_LOG_LEVEL``: DEBUG, INFO (default), WARNING, ERROR or CRITICAL."""
 
     @classmethod
     def settings_customise_sources(

@@ -155,23 +155,19 @@ def _guard(func: Callable[[], None]) -> None:
 def serve() -> None:
     """Run the control server (configured by the environment, see the README)."""
     import asyncio
-    import logging
     import os
 
     from haru_db import HaruDbError
+    from haru_web import configure_logging
 
     from haru_server._serve import run_server
     from haru_server._settings import Settings, SettingsError
 
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
     try:
         settings = Settings.from_env(os.environ)
     except SettingsError as exc:
         raise _fail(CliFailure(f"invalid environment: {exc}", code=2)) from None
+    configure_logging(log_format=settings.log_format, level=settings.log_level, stream=sys.stderr)
     try:
         asyncio.run(run_server(settings))
     except HaruDbError as exc:

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from haru_web import ListenError, StopSignals, serving
+from haru_web import ListenError, StopSignals, configure_logging, serving
 
 from haru_supervisor._app import create_app
 from haru_supervisor._errors import SettingsError
@@ -34,7 +34,8 @@ _USAGE = (
     "HARU_SUPERVISOR_CONFIG (required: inline JSON or a file path),\n"
     "HARU_SUPERVISOR_GPU_SOURCE (auto|nvml|nvidia-smi), HARU_SUPERVISOR_SHUTDOWN_GRACE_MS,\n"
     "HARU_HTTP_HEADER_TIMEOUT_MS, HARU_HTTP_BODY_IDLE_TIMEOUT_MS, HARU_HTTP_KEEPALIVE_TIMEOUT_MS,\n"
-    "HARU_HTTP_MAX_CONNECTIONS.\n"
+    "HARU_HTTP_MAX_CONNECTIONS, HARU_METRICS_PUBLIC, HARU_LOG_FORMAT (text|json),\n"
+    "HARU_LOG_LEVEL.\n"
 )
 
 # Handlers are short (sleep/wake are bounded at about 120 s, but they are not worth waiting
@@ -92,18 +93,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help_asked = args in (["-h"], ["--help"])
         (sys.stdout if help_asked else sys.stderr).write(_USAGE)
         return EXIT_OK if help_asked else EXIT_USAGE
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    # Heartbeats poll /v1/status every few seconds; one access line each is noise.
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
         settings = load_settings(os.environ)
     except SettingsError as exc:
         sys.stderr.write(f"haru-supervisor: {exc}\n")
         return EXIT_USAGE
+    # Heartbeats poll /v1/status every few seconds: their access lines are DEBUG (haru-web).
+    configure_logging(log_format=settings.log_format, level=settings.log_level, stream=sys.stderr)
     return asyncio.run(serve(settings))
 
 

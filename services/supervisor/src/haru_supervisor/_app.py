@@ -9,11 +9,20 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 from haru_exec import Exec, run_exec
-from haru_web import bearer_middleware, browser_guard_middleware, error_middleware
+from haru_web import (
+    add_metrics_route,
+    bearer_middleware,
+    browser_guard_middleware,
+    error_middleware,
+    install_request_ids,
+    metrics_guarded,
+    request_id_middleware,
+)
 
 from haru_supervisor._actions import AdminActions
 from haru_supervisor._gpu import NvmlLoader, load_pynvml, open_gpu_reader
 from haru_supervisor._keys import actions_key, gpu_key, runs_key, settings_key, vllm_key
+from haru_supervisor._metrics import SupervisorMetrics, metrics_key
 from haru_supervisor._routes import MAX_BODY_BYTES, routes
 from haru_supervisor._settings import Settings
 from haru_supervisor._training import DEFAULT_POLL_S, TrainingRuns
@@ -50,19 +59,29 @@ def create_app(
     """
     app = web.Application(
         middlewares=[
+            request_id_middleware,
             error_middleware,
             browser_guard_middleware(open_api=settings.token is None),
-            bearer_middleware(settings.token_value()),
+            bearer_middleware(
+                settings.token_value(), guarded=metrics_guarded(public=settings.metrics_public)
+            ),
         ],
         client_max_size=MAX_BODY_BYTES,
     )
+    install_request_ids(app)
+    metrics = SupervisorMetrics()
+    app[metrics_key] = metrics
     app[settings_key] = settings
     app[actions_key] = AdminActions()
-    app[runs_key] = TrainingRuns(
+    runs = TrainingRuns(
         settings.config.training_slots,
         base_env=settings.trainer_env,
         clock=clock,
         poll_s=training_poll_s,
+    )
+    app[runs_key] = runs
+    add_metrics_route(
+        app, metrics.registry, before_scrape=metrics.before_scrape(runs, lambda: app.get(gpu_key))
     )
 
     async def http_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -76,7 +95,11 @@ def create_app(
             trust_env=False,
         )
         client = VllmAdminClient(
-            session, timeouts=vllm_timeouts, clock=clock, api_keys=settings.vllm_api_keys
+            session,
+            timeouts=vllm_timeouts,
+            clock=clock,
+            api_keys=settings.vllm_api_keys,
+            on_drain=metrics.drained,
         )
         app[vllm_key] = client
         # Each server's version (and gauges) read once at start-up, concurrently; a server

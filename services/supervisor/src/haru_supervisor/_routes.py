@@ -42,6 +42,7 @@ from haru_supervisor._errors import (
 )
 from haru_supervisor._gpu import SOURCE_HEADER
 from haru_supervisor._keys import actions_key, gpu_key, runs_key, settings_key, vllm_key
+from haru_supervisor._metrics import admin_call, metrics_key
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +180,7 @@ def _training_gpus(config: SupervisorConfig) -> tuple[int, ...]:
 
 
 @routes.post("/v1/vllm/sleep")
+@admin_call("sleep")
 async def vllm_sleep(request: web.Request) -> web.Response:
     body = await parse_body(request, SleepRequest, limit=MAX_BODY_BYTES, empty_ok=True)
     config = _config(request)
@@ -197,6 +199,7 @@ async def vllm_sleep(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/vllm/wake")
+@admin_call("wake")
 async def vllm_wake(request: web.Request) -> web.Response:
     body = await parse_body(request, WakeRequest, limit=MAX_BODY_BYTES, empty_ok=True)
     config = _config(request)
@@ -227,6 +230,7 @@ async def vllm_wake(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/training/start")
+@admin_call("training_start")
 async def training_start(request: web.Request) -> web.Response:
     await parse_body(request, _NoParameters, limit=MAX_BODY_BYTES, empty_ok=True)
     runs = request.app[runs_key]
@@ -246,6 +250,7 @@ async def training_start(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/training/stop")
+@admin_call("training_stop")
 async def training_stop(request: web.Request) -> web.Response:
     body = await parse_body(request, TrainingStopRequest, limit=MAX_BODY_BYTES, empty_ok=True)
     settings = request.app[settings_key]
@@ -282,6 +287,7 @@ async def gpu_memory(request: web.Request) -> web.Response:
 
 
 @routes.post("/v1/probe")
+@admin_call("probe")
 async def probe(request: web.Request) -> web.Response:
     body = await parse_body(request, ProbeRequest, limit=MAX_BODY_BYTES, empty_ok=True)
     timeout_s = DEFAULT_PROBE_TIMEOUT_S if body.timeout_ms is None else body.timeout_ms / 1000
@@ -293,5 +299,6 @@ async def probe(request: web.Request) -> web.Response:
             for model in models
         )
     )
+    request.app[metrics_key].probed(tuple(results))
     ok = bool(results) and all(result.ok for result in results)
     return _json(ProbeResponse(ok=ok, results=tuple(results)))

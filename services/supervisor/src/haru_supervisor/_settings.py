@@ -7,6 +7,7 @@ Nothing else in the package reads ``os.environ``; ``__main__`` passes it to
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,7 +15,15 @@ from types import MappingProxyType
 from typing import Annotated, Any, Final, Literal, get_args
 
 from haru_protocol import SupervisorConfig, normalize_token
-from haru_web import ServerLimits, TokenConfigError, check_token, resolve_token
+from haru_web import (
+    LogFormat,
+    ServerLimits,
+    TokenConfigError,
+    check_token,
+    parse_log_format,
+    parse_log_level,
+    resolve_token,
+)
 from pydantic import (
     AliasChoices,
     BeforeValidator,
@@ -44,6 +53,9 @@ HEADER_TIMEOUT_VAR: Final = "HARU_HTTP_HEADER_TIMEOUT_MS"
 BODY_IDLE_VAR: Final = "HARU_HTTP_BODY_IDLE_TIMEOUT_MS"
 KEEPALIVE_VAR: Final = "HARU_HTTP_KEEPALIVE_TIMEOUT_MS"
 MAX_CONNECTIONS_VAR: Final = "HARU_HTTP_MAX_CONNECTIONS"
+METRICS_PUBLIC_VAR: Final = "HARU_METRICS_PUBLIC"
+LOG_FORMAT_VAR: Final = "HARU_LOG_FORMAT"
+LOG_LEVEL_VAR: Final = "HARU_LOG_LEVEL"
 CONFIG_VAR: Final = "HARU_SUPERVISOR_CONFIG"
 GPU_SOURCE_VAR: Final = "HARU_SUPERVISOR_GPU_SOURCE"
 SHUTDOWN_GRACE_VAR: Final = "HARU_SUPERVISOR_SHUTDOWN_GRACE_MS"
@@ -80,6 +92,10 @@ def _ascii_int(value: object) -> object:
             raise ValueError("must be a non-negative integer in ASCII digits")
         return int(text)
     return value
+
+
+def _log_level(value: object) -> object:
+    return parse_log_level(value) if isinstance(value, str) else value
 
 
 _EnvInt = Annotated[int, BeforeValidator(_ascii_int)]
@@ -146,6 +162,18 @@ class Settings(BaseSettings):
         512, validation_alias=AliasChoices("http_max_connections", MAX_CONNECTIONS_VAR)
     )
     """``HARU_HTTP_MAX_CONNECTIONS``: open client connections (see haru-web)."""
+    metrics_public: bool = Field(
+        False, validation_alias=AliasChoices("metrics_public", METRICS_PUBLIC_VAR)
+    )
+    """``HARU_METRICS_PUBLIC``: ``1`` serves ``GET /metrics`` without the token."""
+    log_format: Annotated[LogFormat, BeforeValidator(parse_log_format)] = Field(
+        "text", validation_alias=AliasChoices("log_format", LOG_FORMAT_VAR)
+    )
+    """``HARU_LOG_FORMAT``: ``text`` (default) or ``json``."""
+    log_level: Annotated[int, BeforeValidator(_log_level)] = Field(
+        logging.INFO, validation_alias=AliasChoices("log_level", LOG_LEVEL_VAR)
+    )
+    """``HARU_LOG_LEVEL``: DEBUG, INFO (default), WARNING, ERROR or CRITICAL."""
 
     @classmethod
     def settings_customise_sources(
@@ -322,6 +350,9 @@ _ENV_VARS: Final = {
     BODY_IDLE_VAR: BODY_IDLE_VAR,
     KEEPALIVE_VAR: KEEPALIVE_VAR,
     MAX_CONNECTIONS_VAR: MAX_CONNECTIONS_VAR,
+    METRICS_PUBLIC_VAR: METRICS_PUBLIC_VAR,
+    LOG_FORMAT_VAR: LOG_FORMAT_VAR,
+    LOG_LEVEL_VAR: LOG_LEVEL_VAR,
 }
 _FIELD_VARS: Final = {
     "port": "PORT",
@@ -330,6 +361,9 @@ _FIELD_VARS: Final = {
     "http_body_idle_timeout_ms": BODY_IDLE_VAR,
     "http_keepalive_timeout_ms": KEEPALIVE_VAR,
     "http_max_connections": MAX_CONNECTIONS_VAR,
+    "metrics_public": METRICS_PUBLIC_VAR,
+    "log_format": LOG_FORMAT_VAR,
+    "log_level": LOG_LEVEL_VAR,
 }
 
 

@@ -249,6 +249,7 @@ class VllmAdminClient:
         timeouts: VllmTimeouts | None = None,
         clock: Clock = time.monotonic,
         api_keys: Mapping[str, SecretStr] | None = None,
+        on_drain: Callable[[float], None] | None = None,
     ) -> None:
         """Create a client.
 
@@ -258,7 +259,9 @@ class VllmAdminClient:
             timeouts: Bounds on each call; defaults to :class:`VllmTimeouts`.
             clock: Monotonic seconds, for the drain budget and probe latency.
             api_keys: A server's ``--api-key`` by model name, sent by the probe only.
+            on_drain: Told how long each drain before a sleep took (metrics).
         """
+        self._on_drain = on_drain
         self._session = session
         self._timeouts = timeouts if timeouts is not None else VllmTimeouts()
         self._clock = clock
@@ -459,7 +462,7 @@ class VllmAdminClient:
         server.action = "sleep"
         try:
             if drain_timeout_s is not None:
-                await self.drain(model, timeout_s=drain_timeout_s)
+                await self._timed_drain(model, drain_timeout_s)
             body = await self._admin_post(
                 model, SLEEP_PATH, {"level": str(level), "mode": SLEEP_MODE}
             )
@@ -580,6 +583,14 @@ class VllmAdminClient:
         return value
 
     # -- drain -------------------------------------------------------------------------------
+
+    async def _timed_drain(self, model: SupervisorModel, timeout_s: float) -> bool:
+        started = self._clock()
+        try:
+            return await self.drain(model, timeout_s=timeout_s)
+        finally:
+            if self._on_drain is not None:
+                self._on_drain(self._clock() - started)
 
     async def requests_in_flight(self, model: SupervisorModel, *, timeout_s: float) -> int | None:
         """Requests running plus waiting on ``model``'s server, from ``/metrics``.

@@ -25,10 +25,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from typing import TypeVar
 
 import aiohttp
 from haru_protocol import (
+    REQUEST_ID_HEADER,
     GpuMemoryResponse,
     OkResponse,
     PeerModel,
@@ -148,11 +150,20 @@ class SupervisorClient:
         session: The application's client session (the client never closes it).
         token: Bearer token presented to every supervisor (the server's
             ``HARU_SUPERVISOR_TOKEN``); ``None`` presents none.
+        request_id: Returns the id of the work a call is made for (sent as ``X-Request-Id``,
+            so the supervisor's log lines carry it too); None sends none.
     """
 
-    def __init__(self, session: aiohttp.ClientSession, *, token: str | None) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        token: str | None,
+        request_id: Callable[[], str | None] | None = None,
+    ) -> None:
         self._session = session
         self._headers = bearer_header(token)
+        self._request_id = request_id
 
     async def status(self, base_url: str, *, timeout_s: float) -> SupervisorStatus:
         """``GET /v1/status``: sleep state of every model and state of every training run."""
@@ -239,6 +250,9 @@ class SupervisorClient:
             ) from exc
         data = None if body is None else body.model_dump_json(exclude_none=True).encode()
         headers = dict(self._headers)
+        request_id = None if self._request_id is None else self._request_id()
+        if request_id is not None:
+            headers[REQUEST_ID_HEADER] = request_id
         if data is not None:
             headers["Content-Type"] = "application/json"
         bound = max(timeout_s, MIN_CALL_TIMEOUT_S)

@@ -1,0 +1,219 @@
+"""One logging setup for both services, and a request id in every line about a request.
+
+Human-readable lines by default, JSON lines (python-json-logger) with ``HARU_LOG_FORMAT=json``.
+A request id is accepted from ``X-Request-Id`` when it is sane (bounded, safe characters) or
+made up; it is echoed on the answer, kept in a context variable for the duration of the
+request (so every log line written while serving it carries it, and every call the service
+makes on its behalf can forward it) and written by the access logger.
+
+What is never logged: a token, a prompt or an answer. Log calls name fleets, domains, models,
+statuses and durations; bodies stay out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Final, Literal, TextIO
+
+from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
+from aiohttp.typedefs import Handler
+from haru_protocol import REQUEST_ID_HEADER, is_request_id
+from pythonjsonlogger.json import JsonFormatter
+
+LogFormat = Literal["text", "json"]
+"""``HARU_LOG_FORMAT``: ``text`` (default) or ``json`` (one JSON object per line)."""
+
+LOG_FORMATS: Final[tuple[LogFormat, ...]] = ("text", "json")
+LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""``HARU_LOG_LEVEL`` values (case-insensitive; default ``INFO``)."""
+
+request_id_key: Final = web.RequestKey("haru_request_id", str)
+"""The request's id (as echoed in ``X-Request-Id``)."""
+
+_current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "haru_request_id", default=None
+)
+
+_TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_JSON_FIELDS: Final = "%(asctime)s %(levelname)s %(name)s %(message)s"
+_ACCESS_LOGGER: Final = "aiohttp.access"
+
+
+def current_request_id() -> str | None:
+    """The id of the request being served (or of the reconcile tick running), if any."""
+    return _current.get()
+
+
+def new_request_id() -> str:
+    """A fresh request id (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
+def accept_request_id(value: str | None) -> str:
+    """The caller's id when it is sane (see :func:`haru_protocol.is_request_id`), else a new one."""
+    if value is not None:
+        value = value.strip()
+        if is_request_id(value):
+            return value
+    return new_request_id()
+
+
+@contextlib.contextmanager
+def request_id_scope(request_id: str | None = None) -> Iterator[str]:
+    """Run a block under ``request_id`` (given), the current one, or a new one.
+
+    Background work (a reconcile tick of the loop) uses it so its log lines and its calls to
+    supervisors share one id; work already under a request keeps that request's id.
+    """
+    rid = request_id or _current.get() or new_request_id()
+    token = _current.set(rid)
+    try:
+        yield rid
+    finally:
+        _current.reset(token)
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Give the request an id (``X-Request-Id`` when sane, else a new one) for its duration.
+
+    Put it first (outermost) so every other middleware's log lines carry it. The echo on the
+    answer is :func:`echo_request_id`'s job (it also reaches streamed answers).
+    """
+    rid = accept_request_id(request.headers.get(REQUEST_ID_HEADER))
+    request[request_id_key] = rid
+    token = _current.set(rid)
+    try:
+        return await handler(request)
+    finally:
+        _current.reset(token)
+
+
+async def echo_request_id(request: web.BaseRequest, response: web.StreamResponse) -> None:
+    """``on_response_prepare`` signal: echo the request's id on its answer."""
+    rid = request.get(request_id_key)
+    if rid is not None:
+        response.headers[REQUEST_ID_HEADER] = rid
+
+
+def install_request_ids(app: web.Application) -> None:
+    """Echo request ids on every answer of ``app`` (add :func:`request_id_middleware` too)."""
+    app.on_response_prepare.append(echo_request_id)
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds ``request_id`` to every record (the current one unless the call passed its own)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "request_id", None) is None:
+            record.request_id = _current.get()
+        return True
+
+
+class TextFormatter(logging.Formatter):
+    """The human format, with ``request_id=...`` appended when the line has one."""
+
+    def __init__(self) -> None:
+        super().__init__(_TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        rid = getattr(record, "request_id", None)
+        return line if rid is None else f"{line} request_id={rid}"
+
+
+def _json_formatter() -> logging.Formatter:
+    return JsonFormatter(
+        _JSON_FIELDS,
+        rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
+        timestamp=False,
+    )
+
+
+class AccessLogger(AbstractAccessLogger):
+    """One access line per request, with its id; successful reads (polls) only at DEBUG.
+
+    Heartbeats, scrapes and health checks arrive every few seconds: a line each would drown
+    the rest. Everything else (writes, errors) is logged at INFO. The path is logged without
+    its query string.
+    """
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        quiet = request.method in ("GET", "HEAD") and response.status < 400
+        level = logging.DEBUG if quiet else logging.INFO
+        if not self.logger.isEnabledFor(level):
+            return
+        self.logger.log(
+            level,
+            "%s %s %d %.3fs",
+            request.method,
+            request.path,
+            response.status,
+            time,
+            extra={
+                "request_id": request.get(request_id_key),
+                "method": request.method,
+                "path": request.path,
+                "status": response.status,
+                "duration_s": round(time, 6),
+            },
+        )
+
+    @property
+    def enabled(self) -> bool:
+        # INFO covers DEBUG too (a logger enabled for DEBUG is enabled for INFO).
+        return self.logger.isEnabledFor(logging.INFO)
+
+
+def parse_log_level(value: str | None) -> int:
+    """``HARU_LOG_LEVEL`` as a :mod:`logging` level (blank: INFO).
+
+    Raises:
+        ValueError: Not one of :data:`LOG_LEVELS`.
+    """
+    text = (value or "").strip().upper()
+    if not text:
+        return logging.INFO
+    if text not in LOG_LEVELS:
+        raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+    level: int = logging.getLevelNamesMapping()[text]
+    return level
+
+
+def parse_log_format(value: str | None) -> LogFormat:
+    """``HARU_LOG_FORMAT`` (blank: text).
+
+    Raises:
+        ValueError: Neither ``text`` nor ``json``.
+    """
+    text = (value or "").strip().lower()
+    if not text:
+        return "text"
+    for known in LOG_FORMATS:
+        if text == known:
+            return known
+    raise ValueError(f"must be one of {', '.join(LOG_FORMATS)}")
+
+
+def configure_logging(
+    *, log_format: LogFormat = "text", level: int = logging.INFO, stream: TextIO | None = None
+) -> logging.Handler:
+    """Install the process's one log handler on the root logger (services' entry points only).
+
+    Replaces any handler the root logger had. Returns the handler (tests remove it again).
+    """
+    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
+    handler.setFormatter(_json_formatter() if log_format == "json" else TextFormatter())
+    handler.addFilter(RequestIdFilter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+    return handler

@@ -1,0 +1,343 @@
+"""The control server's Prometheus metrics, and the per-request notes of the proxy's access log.
+
+Every metric lives in the app's own registry (``app[metrics_key].registry``) and is updated
+from what the server already has in hand (a tick's snapshot, a proxied request's route): the
+``/metrics`` route never touches the state store. Names follow Prometheus' conventions
+(``haru_`` prefix, ``_total`` counters, ``_seconds``, base units); the server README lists them.
+
+Standby duty cycle: at each heartbeat answered by a domain that is not its fleet's active one
+and has training slots, the time since that domain's previous answer is added to
+``haru_standby_seconds_total``, and also to ``haru_standby_training_seconds_total`` when every
+training slot was running (with a pid) at the previous answer. Their ratio is the share of
+standby time whose GPUs trained: 1.0 means no idle standby GPU. Gaps longer than
+:data:`MAX_STANDBY_GAP_S` (heartbeats stopped) are not counted either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Final
+from uuid import UUID
+
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
+from haru_protocol import FleetSnapshot, SlotKind, SupervisorStatus, TrainingRunState
+from haru_web import CLIENT_CLOSED_STATUS, ApiError
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+MAX_STANDBY_GAP_S: Final = 60.0
+"""A heartbeat gap longer than this is not attributed to the standby duty cycle."""
+
+UNKNOWN: Final = "unknown"
+"""Label value of a fleet or model the request named but the server does not route."""
+
+access_logger = logging.getLogger("haru_server.access")
+
+_LATENCY_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_STEP_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+@dataclass(slots=True)
+class _StandbyMark:
+    at: datetime
+    standby: bool
+    training: bool
+
+
+class ServerMetrics:
+    """The server's metrics and the hooks that move them (one instance per app).
+
+    Args:
+        registry: Where the metrics live; a new private registry when None.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.reconcile_ticks = Counter(
+            "haru_reconcile_ticks", "Reconcile ticks run, by result.", ["result"], registry=r
+        )
+        self.reconcile_tick_seconds = Histogram(
+            "haru_reconcile_tick_duration_seconds",
+            "Wall time of one reconcile tick.",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.heartbeat_failures = Counter(
+            "haru_heartbeat_failures",
+            "Heartbeat polls a supervisor did not answer (unreachable) or refused (unauthorized).",
+            ["fleet", "domain", "reason"],
+            registry=r,
+        )
+        self.operations_started = Counter(
+            "haru_operations_started",
+            "Operations claimed (first step started).",
+            ["kind"],
+            registry=r,
+        )
+        self.operations_succeeded = Counter(
+            "haru_operations_succeeded", "Operations completed.", ["kind"], registry=r
+        )
+        self.operations_failed = Counter(
+            "haru_operations_failed",
+            "Operations failed, by error code.",
+            ["kind", "code"],
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "haru_operation_step_duration_seconds",
+            "Time from a step's start to the CAS that resolved it (application clock).",
+            ["kind", "step", "outcome"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.route_revision = Gauge(
+            "haru_fleet_route_revision",
+            "Last route revision this process saw.",
+            ["fleet"],
+            registry=r,
+        )
+        self.active_domain = Gauge(
+            "haru_fleet_active_domain",
+            "1 for the fleet's active domain as this process last saw it.",
+            ["fleet", "domain"],
+            registry=r,
+        )
+        self.proxy_requests = Counter(
+            "haru_proxy_requests",
+            "Inference requests answered, by fleet, model, route and HTTP status.",
+            ["fleet", "model", "route", "status"],
+            registry=r,
+        )
+        self.upstream_headers_seconds = Histogram(
+            "haru_proxy_upstream_time_to_headers_seconds",
+            "Time from sending a request upstream to its response headers.",
+            ["fleet"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.proxy_stale = Counter(
+            "haru_proxy_stale_requests",
+            "Inference requests routed from the cache while the store was unavailable.",
+            ["fleet"],
+            registry=r,
+        )
+        self.proxy_held = Counter(
+            "haru_proxy_held_requests",
+            "Inference requests held while a failover moved the route.",
+            ["fleet"],
+            registry=r,
+        )
+        self.store_errors = Counter(
+            "haru_state_store_errors",
+            "State-store failures seen by requests and by reconcile ticks.",
+            ["where"],
+            registry=r,
+        )
+        self.standby_seconds = Counter(
+            "haru_standby_seconds",
+            "Seconds a domain spent in standby posture (between answered heartbeats).",
+            ["fleet", "domain"],
+            registry=r,
+        )
+        self.standby_training_seconds = Counter(
+            "haru_standby_training_seconds",
+            "Standby seconds during which every training slot of the domain was running.",
+            ["fleet", "domain"],
+            registry=r,
+        )
+        self.standby_duty_cycle = Gauge(
+            "haru_standby_duty_cycle_ratio",
+            "standby_training_seconds / standby_seconds per domain (1 = no idle standby GPU).",
+            ["fleet", "domain"],
+            registry=r,
+        )
+        self._active: dict[str, str] = {}
+        self._marks: dict[UUID, _StandbyMark] = {}
+        self._standby_totals: dict[tuple[str, str], list[float]] = {}
+
+    # -- reconciler ----------------------------------------------------------------------------
+
+    def tick_finished(self, *, ok: bool, seconds: float) -> None:
+        self.reconcile_ticks.labels("ok" if ok else "error").inc()
+        self.reconcile_tick_seconds.observe(seconds)
+
+    def heartbeat_failed(self, fleet: str, domain: str, *, reason: str) -> None:
+        self.heartbeat_failures.labels(fleet, domain, reason).inc()
+
+    def operation_started(self, kind: str) -> None:
+        self.operations_started.labels(kind).inc()
+
+    def step_resolved(self, kind: str, step: str, *, outcome: str, seconds: float) -> None:
+        self.step_seconds.labels(kind, step, outcome).observe(max(seconds, 0.0))
+
+    def operation_succeeded(self, kind: str) -> None:
+        self.operations_succeeded.labels(kind).inc()
+
+    def operation_failed(self, kind: str, code: str) -> None:
+        self.operations_failed.labels(kind, code).inc()
+
+    def store_error(self, where: str) -> None:
+        self.store_errors.labels(where).inc()
+
+    def fleet_seen(self, fleet: FleetSnapshot) -> None:
+        """Record a snapshot's route revision and active domain."""
+        self.route_revision.labels(fleet.slug).set(fleet.route_revision)
+        active = fleet.active_domain
+        slug = active.slug if active is not None else ""
+        previous = self._active.get(fleet.slug)
+        if previous == slug:
+            return
+        if previous is not None:
+            self.active_domain.remove(fleet.slug, previous)
+        self._active[fleet.slug] = slug
+        self.active_domain.labels(fleet.slug, slug).set(1)
+
+    def heartbeat_answered(
+        self, fleet: FleetSnapshot, domain_id: UUID, status: SupervisorStatus, at: datetime
+    ) -> None:
+        """Account the time since the domain's previous answer to its standby duty cycle."""
+        domain = fleet.domain(domain_id)
+        if domain is None:
+            return
+        training = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
+        if not training:
+            self._marks.pop(domain_id, None)
+            return
+        running = all(
+            t is not None and t.state is TrainingRunState.RUNNING and t.pids for t in training
+        )
+        mark = _StandbyMark(at=at, standby=fleet.active_domain_id != domain_id, training=running)
+        previous = self._marks.get(domain_id)
+        self._marks[domain_id] = mark
+        if previous is None or not previous.standby:
+            return
+        gap = (at - previous.at).total_seconds()
+        if not 0 < gap <= MAX_STANDBY_GAP_S:
+            return
+        labels = (fleet.slug, domain.slug)
+        self.standby_seconds.labels(*labels).inc(gap)
+        if previous.training:
+            self.standby_training_seconds.labels(*labels).inc(gap)
+        totals = self._standby_totals.setdefault(labels, [0.0, 0.0])
+        totals[0] += gap
+        totals[1] += gap if previous.training else 0.0
+        self.standby_duty_cycle.labels(*labels).set(totals[1] / totals[0])
+
+    # -- proxy ---------------------------------------------------------------------------------
+
+    def request_held(self, fleet: str) -> None:
+        """A request waited for a failover to move the route (the data path calls this)."""
+        self.proxy_held.labels(fleet).inc()
+
+
+metrics_key: Final = web.AppKey("haru_metrics", ServerMetrics)
+
+
+@dataclass(slots=True)
+class ProxyNote:
+    """What the proxy learned about one request, for its metrics and its access-log line.
+
+    The proxy fills it in (:func:`note_route`, :func:`note_upstream`); the access middleware
+    reads it when the answer is done. Only routed names go in: a model the client named but
+    the fleet does not serve is logged as ``unknown`` (no client text in labels or logs).
+    """
+
+    fleet: str = UNKNOWN
+    model: str = UNKNOWN
+    snapshot: FleetSnapshot | None = None
+    stale: bool = False
+    upstream: str | None = None
+    headers_s: float | None = None
+
+
+proxy_note_key: Final = web.RequestKey("haru_proxy_note", ProxyNote)
+
+
+def note_route(
+    request: web.Request, snapshot: FleetSnapshot, *, model: str | None, stale: bool
+) -> None:
+    """The proxy resolved the request's fleet (and ``model`` when the fleet serves it)."""
+    note = request.get(proxy_note_key)
+    if note is None:
+        return
+    note.fleet = snapshot.slug
+    note.snapshot = snapshot
+    note.stale = stale
+    if model is not None:
+        note.model = model
+
+
+def note_upstream(request: web.Request, origin: str, headers_s: float) -> None:
+    """The upstream at ``origin`` answered with headers after ``headers_s`` seconds."""
+    note = request.get(proxy_note_key)
+    if note is None:
+        return
+    note.upstream = origin
+    note.headers_s = headers_s
+
+
+def proxy_access_middleware(paths: frozenset[str]) -> Middleware:
+    """Count and access-log every request to the proxied ``paths`` (status known at the end)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in paths:
+            return await handler(request)
+        note = ProxyNote()
+        request[proxy_note_key] = note
+        started = time.monotonic()
+        status = 500
+        try:
+            response = await handler(request)
+        except ApiError as exc:
+            status = exc.status
+            raise
+        except web.HTTPException as exc:
+            status = exc.status
+            raise
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED_STATUS
+            raise
+        else:
+            status = response.status
+        finally:
+            _record(request, note, status, time.monotonic() - started)
+        return response
+
+    return middleware
+
+
+def _record(request: web.Request, note: ProxyNote, status: int, total_s: float) -> None:
+    metrics = request.app[metrics_key]
+    metrics.proxy_requests.labels(note.fleet, note.model, request.path, str(status)).inc()
+    if note.headers_s is not None:
+        metrics.upstream_headers_seconds.labels(note.fleet).observe(note.headers_s)
+    if note.stale:
+        metrics.proxy_stale.labels(note.fleet).inc()
+    if note.snapshot is not None:
+        metrics.fleet_seen(note.snapshot)
+    access_logger.info(
+        "proxy %s fleet=%s model=%s status=%d upstream=%s headers=%s total=%.3fs",
+        request.path,
+        note.fleet,
+        note.model,
+        status,
+        note.upstream or "-",
+        "-" if note.headers_s is None else f"{note.headers_s:.3f}s",
+        total_s,
+        extra={
+            "route": request.path,
+            "fleet": note.fleet,
+            "model": note.model,
+            "status": status,
+            "upstream": note.upstream,
+            "upstream_headers_s": None if note.headers_s is None else round(note.headers_s, 6),
+            "total_s": round(total_s, 6),
+            "stale": note.stale,
+        },
+    )

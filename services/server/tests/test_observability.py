@@ -1,0 +1,223 @@
+"""Metrics and logs end to end: a promotion through the server, its proxy and two supervisors.
+
+The server app, two in-process supervisors and their emulated vLLM servers run on real sockets;
+the server's and the supervisors' ``/metrics`` are scraped and parsed with prometheus_client's
+text parser, and the JSON log lines of the whole run are parsed back.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+from haru_db import StateStore
+from haru_demo.localfleet import GPU_TOTAL_MIB, LocalFleet
+from haru_protocol import REQUEST_ID_HEADER
+from haru_server._app import create_app
+from haru_server._clock import ManualClock
+from haru_server._settings import Settings
+from haru_web import configure_logging
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
+from pytest_aiohttp import AiohttpClient
+
+MakeFleet = Callable[..., Awaitable[LocalFleet]]
+
+TOKEN = "api-token-observability-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+PROMPT = "zebra-quartz-prompt-7731 tell me about lighthouses"
+MODEL = "example-chat-small"
+
+
+@pytest.fixture
+def json_logs() -> Iterator[io.StringIO]:
+    stream = io.StringIO()
+    root = logging.getLogger()
+    before = (list(root.handlers), root.level)
+    handler = configure_logging(log_format="json", level=logging.DEBUG, stream=stream)
+    try:
+        yield stream
+    finally:
+        root.removeHandler(handler)
+        for old in before[0]:
+            root.addHandler(old)
+        root.setLevel(before[1])
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> Samples:
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum over every sample of ``name`` whose labels include ``labels``."""
+    return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+async def chat(api: TestClient[web.Request, web.Application], request_id: str) -> dict[str, Any]:
+    response = await api.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": PROMPT}]},
+        headers={"X-Haru-Fleet": "local", REQUEST_ID_HEADER: request_id},
+    )
+    assert response.status == 200, await response.text()
+    assert response.headers[REQUEST_ID_HEADER] == request_id
+    body: dict[str, Any] = await response.json()
+    return body
+
+
+async def scrape(http: aiohttp.ClientSession, url: str, **kwargs: Any) -> Samples:
+    async with http.get(f"{url}/metrics", **kwargs) as response:
+        assert response.status == 200
+        return parse(await response.text())
+
+
+async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
+    store: StateStore,
+    clock: ManualClock,
+    make_fleet: MakeFleet,
+    helpers: Any,
+    aiohttp_client: AiohttpClient,
+    http: aiohttp.ClientSession,
+    json_logs: io.StringIO,
+) -> None:
+    fleet = await make_fleet()
+    snapshot = await helpers.seed(store, fleet, clock)
+    api = await aiohttp_client(
+        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock), headers=AUTH
+    )
+
+    async def reconcile(request_id: str) -> dict[str, Any]:
+        clock.advance(seconds=1)
+        response = await api.post(
+            "/v1/fleets/local/reconcile", headers={REQUEST_ID_HEADER: request_id}
+        )
+        assert response.status == 200
+        assert response.headers[REQUEST_ID_HEADER] == request_id
+        body: dict[str, Any] = await response.json()
+        return body
+
+    await reconcile("req-confirm")  # the first heartbeat confirms both domains
+    await reconcile("req-standby")  # beta trains as a standby for 1 s
+    first = await chat(api, "req-chat-1")
+    beta = next(d.id for d in snapshot.domains if d.slug == "beta")
+    accepted = await api.post("/v1/fleets/local/promote", json={"targetDomainId": str(beta)})
+    assert accepted.status == 202
+    operation = None
+    for attempt in range(40):
+        operation = (await reconcile(f"req-promote-{attempt}"))["operation"]
+        if operation is not None and operation["state"] == "succeeded":
+            break
+    else:
+        raise AssertionError(f"promotion did not finish: {operation}")
+    promote_ids = {f"req-promote-{n}" for n in range(attempt + 1)}
+    await reconcile("req-after-1")  # alpha's first heartbeat as a training standby
+    await reconcile("req-after-2")  # ... and 1 s of it
+    await chat(api, "req-chat-2")
+
+    # ---- the server's metrics ----------------------------------------------------------------
+    async with http.get(f"{api.make_url('/metrics')}") as refused:
+        assert refused.status == 401
+    server = await scrape(http, str(api.make_url("")).rstrip("/"), headers=AUTH)
+    chat_ok = {"fleet": "local", "model": MODEL, "route": "/v1/chat/completions", "status": "200"}
+    assert value(server, "haru_proxy_requests_total", **chat_ok) == 2
+    assert value(server, "haru_proxy_upstream_time_to_headers_seconds_count", fleet="local") == 2
+    assert value(server, "haru_operations_started_total", kind="promote") == 1
+    assert value(server, "haru_operations_succeeded_total", kind="promote") == 1
+    assert total(server, "haru_operations_failed_total") == 0
+    for step in ("stop_training", "verify_gpu", "wake_vllm", "probe", "switch_active"):
+        assert (
+            value(
+                server,
+                "haru_operation_step_duration_seconds_count",
+                kind="promote",
+                step=step,
+                outcome="done",
+            )
+            == 1
+        ), step
+    fresh = await store.get_fleet_snapshot("local")
+    assert fresh is not None
+    assert fresh.active_domain_id == beta
+    assert value(server, "haru_fleet_route_revision", fleet="local") == fresh.route_revision
+    assert value(server, "haru_fleet_active_domain", fleet="local", domain="beta") == 1
+    assert total(server, "haru_fleet_active_domain", domain="alpha") == 0
+    ticks = value(server, "haru_reconcile_ticks_total", result="ok")
+    assert ticks == attempt + 5
+    assert value(server, "haru_reconcile_tick_duration_seconds_count") == ticks
+    assert total(server, "haru_heartbeat_failures_total") == 0
+    assert total(server, "haru_state_store_errors_total") == 0
+    assert total(server, "haru_proxy_stale_requests_total") == 0
+    # Standby duty cycle: beta trained through its 1 s of standby before the promotion, alpha
+    # through its 1 s after it (the app clock moved 1 s per tick).
+    assert value(server, "haru_standby_seconds_total", fleet="local", domain="beta") >= 1
+    assert value(server, "haru_standby_seconds_total", fleet="local", domain="alpha") == 1
+    assert value(server, "haru_standby_training_seconds_total", fleet="local", domain="alpha") == 1
+    assert value(server, "haru_standby_duty_cycle_ratio", fleet="local", domain="alpha") == 1
+
+    # ---- the supervisors' metrics ------------------------------------------------------------
+    alpha_sup = await scrape(http, fleet.domain("alpha").supervisor_url)
+    beta_sup = await scrape(http, fleet.domain("beta").supervisor_url)
+    admin = "haru_supervisor_admin_calls_total"
+    assert value(beta_sup, admin, action="training_stop", result="ok") >= 1
+    assert value(beta_sup, admin, action="wake", result="ok") >= 1
+    assert value(beta_sup, admin, action="probe", result="ok") >= 1
+    assert value(beta_sup, admin, action="sleep", result="ok") == 0
+    assert value(alpha_sup, admin, action="sleep", result="ok") >= 1
+    assert value(alpha_sup, admin, action="training_start", result="ok") >= 1
+    assert value(alpha_sup, admin, action="wake", result="ok") == 0
+    assert value(alpha_sup, "haru_supervisor_action_duration_seconds_count", action="drain") >= 1
+    assert value(beta_sup, "haru_supervisor_probe_results_total", model=MODEL, result="ok") >= 1
+    assert value(alpha_sup, "haru_supervisor_training_runs", state="running") == 2
+    assert value(beta_sup, "haru_supervisor_training_runs", state="idle") == 2
+    mib = 1024 * 1024
+    assert value(beta_sup, "haru_supervisor_gpu_memory_total_bytes", gpu="0") == GPU_TOTAL_MIB * mib
+
+    # ---- the logs ----------------------------------------------------------------------------
+    text = json_logs.getvalue()
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    access = [r for r in records if r["logger"] == "haru_server.access"]
+    by_id = {r["request_id"]: r for r in access}
+    assert by_id["req-chat-2"]["fleet"] == "local"
+    assert by_id["req-chat-2"]["model"] == MODEL
+    assert by_id["req-chat-2"]["status"] == 200
+    assert by_id["req-chat-2"]["upstream"] == fleet.domain("beta").sims[MODEL].url.rstrip("/")
+    assert by_id["req-chat-2"]["upstream_headers_s"] >= 0
+    assert by_id["req-chat-1"]["upstream"] == fleet.domain("alpha").sims[MODEL].url.rstrip("/")
+    # The emulated vLLM received the request's id.
+    received = [
+        dict(r.headers).get(REQUEST_ID_HEADER)
+        for r in fleet.domain("beta").sims[MODEL].recorded_requests
+    ]
+    assert "req-chat-2" in received
+    # A server line and a supervisor line of the same promotion request share its id.
+    supervisor_ids = {r["request_id"] for r in records if r["logger"] == "haru_supervisor.admin"}
+    server_ids = {r["request_id"] for r in records if r["logger"].startswith("haru_server")}
+    shared = supervisor_ids & server_ids & promote_ids
+    assert shared, (supervisor_ids, server_ids)
+    wake = next(
+        r for r in records if r["logger"] == "haru_supervisor.admin" and r["action"] == "wake"
+    )
+    assert wake["request_id"] in promote_ids
+    # No token, prompt or answer text anywhere in the log.
+    answer = first["choices"][0]["message"]["content"]
+    assert len(answer) >= 8
+    for secret in (TOKEN, "zebra-quartz", answer):
+        assert secret not in text
