@@ -261,6 +261,42 @@ async def test_unknown_fleet_is_404(
         assert response.status == 404
 
 
+@pytest.mark.parametrize(
+    "suffix", ["%0A", "%0D", "%20", "%00", "%09", "%C3%A9", "x", "0", "%3A", "%0A%0A"]
+)
+async def test_a_uuid_with_a_trailing_character_is_404_not_500(
+    api: TestClient[web.Request, web.Application],
+    store: StateStore,
+    clock: ManualClock,
+    suffix: str,
+) -> None:
+    # GET /v1/fleets/<uuid>%0A answered 500 internal_error: a `$` regex accepted the newline
+    # and uuid.UUID() then raised. The one fleet-reference rule names no fleet with it.
+    snapshot = await example(store, clock)
+    for ref in (str(snapshot.id), str(snapshot.id).upper()):
+        for path in ("", "/route-intent", "/events", f"/operations/{uuid4()}"):
+            response = await api.get(f"/v1/fleets/{ref}{suffix}{path}")
+            assert (await error_of(response))[:2] == (404, "fleet_not_found"), (ref, path)
+        response = await api.post(f"/v1/fleets/{ref}{suffix}/reconcile")
+        assert (await error_of(response))[:2] == (404, "fleet_not_found")
+        response = await api.post(
+            f"/v1/fleets/{ref}{suffix}/promote", json={"targetDomainId": str(uuid4())}
+        )
+        assert (await error_of(response))[:2] == (404, "fleet_not_found")
+    # The same id without the suffix still names the fleet.
+    assert (await api.get(f"/v1/fleets/{snapshot.id}")).status == 200
+
+
+async def test_an_overlong_reference_is_404_and_not_echoed_in_full(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
+) -> None:
+    await example(store, clock)
+    response = await api.get("/v1/fleets/" + "a" * 5000)
+    status, code, message = await error_of(response)
+    assert (status, code) == (404, "fleet_not_found")
+    assert len(message) < 200
+
+
 async def test_route_intent(
     api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
 ) -> None:

@@ -32,6 +32,7 @@ from haru_protocol import (
     DomainState,
     Event,
     FleetLayout,
+    FleetRef,
     FleetRoutePointer,
     FleetSnapshot,
     Operation,
@@ -431,11 +432,13 @@ class StateStore:
     # ---- reads -----------------------------------------------------------------------------
 
     @_bounded
-    async def get_fleet_snapshot(self, ref: str) -> FleetSnapshot | None:
+    async def get_fleet_snapshot(self, ref: str | FleetRef) -> FleetSnapshot | None:
         """The fleet named by ``ref`` with its resolved policy, domains and slots.
 
-        ``ref`` is looked up as an id first when it is UUID-shaped (any case), then as a slug
-        (case-sensitive). One statement reads everything, so the snapshot is consistent.
+        ``ref`` follows :func:`haru_protocol.parse_fleet_ref`: looked up as an id first when
+        it is UUID-shaped (any case), then as a slug (case-sensitive); a reference that names
+        nothing is None without a query. One statement reads everything, so the snapshot is
+        consistent.
 
         Raises:
             MalformedFleetStateError: A stored row or JSON document fails validation.
@@ -443,7 +446,7 @@ class StateStore:
         return await _reads.get_fleet_snapshot(self._ex, ref)
 
     @_bounded
-    async def get_fleet_route_pointer(self, ref: str) -> FleetRoutePointer | None:
+    async def get_fleet_route_pointer(self, ref: str | FleetRef) -> FleetRoutePointer | None:
         """The narrow routing read (id, slug, active domain, revision); ``ref`` as above."""
         return await _reads.get_fleet_route_pointer(self._ex, ref)
 

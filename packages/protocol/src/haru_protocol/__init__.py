@@ -80,6 +80,7 @@ from haru_protocol._layout import (
     TrainingSlotSpec,
     resolve_policy,
 )
+from haru_protocol._refs import MAX_FLEET_REF_LENGTH, FleetRef, parse_fleet_ref
 from haru_protocol._resources import (
     example_layout_json,
     json_schemas,
@@ -119,6 +120,7 @@ __all__ = (
     "IN_FLIGHT_OPERATION_STATES",
     # Bases and scalar types
     "MAX_DURATION_MS",
+    "MAX_FLEET_REF_LENGTH",
     # Helpers
     # Server read models and control API (SPEC 3.6, 7.2, 7.4)
     "AcceptedResponse",
@@ -139,6 +141,7 @@ __all__ = (
     "Flag",
     "FleetLayout",
     "FleetList",
+    "FleetRef",
     "FleetRoutePointer",
     "FleetSnapshot",
     "GpuIndex",
@@ -213,6 +216,7 @@ __all__ = (
     "json_schemas",
     "load_example_layout",
     "normalize_token",
+    "parse_fleet_ref",
     "render_json_schemas",
     "resolve_policy",
 )
