@@ -31,6 +31,7 @@ import sqlalchemy as sa
 from haru_protocol import (
     DomainState,
     Event,
+    EventPayload,
     FleetLayout,
     FleetRef,
     FleetRoutePointer,
@@ -376,14 +377,17 @@ class StateStore:
         self,
         *,
         fleet_id: UUID,
-        type: str,
-        payload: Mapping[str, object],
+        payload: EventPayload | Mapping[str, object],
         at: datetime,
+        type: str | None = None,
         domain_id: UUID | None = None,
         slot_id: UUID | None = None,
         operation_id: UUID | None = None,
     ) -> int:
         """Append one audit event.
+
+        ``payload`` is a typed :class:`haru_protocol.EventPayload` (its model names the type)
+        or, for a type without a model, a JSON object with ``type``.
 
         Returns:
             The event id (increasing; pass the last one seen as ``after`` to
@@ -391,7 +395,8 @@ class StateStore:
 
         Raises:
             TypeError: ``payload`` is not strict JSON (a datetime, NaN, ...).
-            ValueError: ``type`` is empty or longer than 128 characters.
+            ValueError: ``type`` is empty or longer than 128 characters, missing for a raw
+                payload, disagrees with a typed one, or its model refuses the raw payload.
             ConstraintViolationError: An unknown fleet, domain, slot or operation id.
         """
         return await _events.append_event(

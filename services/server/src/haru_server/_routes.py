@@ -19,13 +19,14 @@ from haru_protocol import (
     DemoteRequest,
     ErrorCode,
     EventList,
-    EventType,
     FleetList,
     FleetRef,
     FleetRoutePointer,
     FleetSnapshot,
     Health,
     OperationKind,
+    OperationRequestedDemote,
+    OperationRequestedPromote,
     PeerModel,
     PromoteRequest,
     ReconcileResponse,
@@ -188,18 +189,15 @@ async def _request_operation(
         )
         await store.append_event(
             fleet_id=fleet.id,
-            type=(
-                EventType.OPERATION_REQUESTED_PROMOTE
+            payload=(
+                OperationRequestedPromote
                 if kind is OperationKind.PROMOTE
-                else EventType.OPERATION_REQUESTED_DEMOTE
+                else OperationRequestedDemote
+            )(
+                kind=kind,
+                target_domain_id=decision.target_domain_id,
+                source_domain_id=operation.source_domain_id,
             ),
-            payload={
-                "kind": kind.value,
-                "targetDomainId": str(decision.target_domain_id),
-                "sourceDomainId": (
-                    None if operation.source_domain_id is None else str(operation.source_domain_id)
-                ),
-            },
             at=now,
             domain_id=decision.target_domain_id,
             operation_id=operation.id,
