@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import pytest
 from haru_core import (
     DomainChange,
+    HeartbeatVerdict,
     SlotChange,
     active_ready,
     can_transition,
@@ -444,8 +445,8 @@ def test_domain_change_on_heartbeat(
     assert change is not None
     assert (change.from_state, change.to_state, change.event) == (state, expected, event)
     assert can_transition("domain", change.from_state, change.to_state)
-    assert change.detail["role"] == role
-    assert change.detail["reachable"] is (status is not None)
+    assert change.detail.role == role
+    assert change.detail.reachable is (status is not None)
 
 
 @pytest.mark.parametrize("role", ["active", "standby"])
@@ -468,13 +469,13 @@ def test_not_ready_detail_carries_both_verdicts(make: FleetFactory) -> None:
         D.READY,
         D.DEGRADED,
         EventType.DOMAIN_NOT_READY,
-        {
-            "role": "active",
-            "reachable": True,
-            "supervisorReady": True,
-            "activeReady": False,
-            "modelsNotAwake": ["b"],
-        },
+        HeartbeatVerdict(
+            role="active",
+            reachable=True,
+            supervisor_ready=True,
+            active_ready=False,
+            models_not_awake=("b",),
+        ),
     )
 
 
@@ -484,7 +485,7 @@ def test_active_without_bindings_is_never_ready(make: FleetFactory) -> None:
     change = domain_change_on_heartbeat(fleet, alpha, make.status(ready=True))
     assert change is not None
     assert change.to_state is D.DEGRADED
-    assert change.detail["activeReady"] is False
+    assert change.detail.active_ready is False
 
 
 def test_standby_detail_has_no_active_verdict(make: FleetFactory) -> None:
@@ -495,14 +496,15 @@ def test_standby_detail_has_no_active_verdict(make: FleetFactory) -> None:
         D.DEGRADED,
         D.READY,
         None,
-        {"role": "standby", "reachable": True, "supervisorReady": False},
+        HeartbeatVerdict(role="standby", reachable=True, supervisor_ready=False),
     )
 
 
 def test_domain_change_is_hashable_and_frozen(make: FleetFactory) -> None:
     change = DomainChange(D.READY, D.DEGRADED)
-    assert change.detail == {}
-    assert hash(change) == hash(DomainChange(D.READY, D.DEGRADED, None, {"x": 1}))
+    assert change.detail == HeartbeatVerdict()
+    verdict = HeartbeatVerdict(role="active")
+    assert hash(change) == hash(DomainChange(D.READY, D.DEGRADED, None, verdict))
     with pytest.raises(AttributeError):
         change.to_state = D.FAILED  # type: ignore[misc]
 
@@ -565,4 +567,4 @@ def test_a_busy_model_does_not_hide_another_model_down(make: FleetFactory) -> No
     change = domain_change_on_heartbeat(fleet, alpha, status)
     assert change is not None
     assert change.to_state is D.DEGRADED
-    assert change.detail["modelsNotAwake"] == ["a", "b"]
+    assert change.detail.models_not_awake == ("a", "b")

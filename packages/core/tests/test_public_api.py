@@ -71,6 +71,7 @@ CONTRACT = {
     "in_backoff",
     "SlotChange",
     "DomainChange",
+    "HeartbeatVerdict",
     "model_sleep_states",
     "models_busy",
     "slot_health_changes",

@@ -8,7 +8,14 @@ import pytest
 import sqlalchemy as sa
 from haru_db import OperationEvent, StateStore
 from haru_db._tables import operations
-from haru_protocol import EventType, FleetSnapshot, Operation, OperationKind, OperationStep
+from haru_protocol import (
+    EventType,
+    FleetSnapshot,
+    Operation,
+    OperationKind,
+    OperationStarted,
+    OperationStep,
+)
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 S = OperationStep
@@ -18,7 +25,9 @@ async def _claimed(store: StateStore, fleet: FleetSnapshot, now: datetime) -> Op
     operation, _ = await store.create_operation(
         fleet_id=fleet.id, kind=OperationKind.PROMOTE, target_domain_id=fleet.domains[1].id, at=now
     )
-    started = OperationEvent(EventType.OPERATION_STARTED.value, {"kind": "promote"})
+    started = OperationEvent.of(
+        OperationStarted(kind=OperationKind.PROMOTE, target_domain_id=operation.target_domain_id)
+    )
     assert await store.claim_operation(
         operation.id, first_step=S.STOP_TRAINING, at=now, events=(started,)
     )
@@ -36,14 +45,18 @@ async def test_a_landed_cas_appends_its_events_with_the_operation_facts(
     later = now + timedelta(seconds=2)
     done = OperationEvent(
         EventType.OPERATION_STEP_DONE.value,
-        {"step": "stop_training", "gpus": [0, 1], "detail": {"ok": True, "none": None}},
+        # Raw, with a key its model does not know: stored exactly as given.
+        {"step": "stop_training", "trainingSlotsIdle": 2, "detail": {"ok": True, "none": None}},
     )
     assert await store.advance_step(
         operation.id, from_step=S.STOP_TRAINING, to_step=S.VERIFY_GPU, at=later, events=(done,)
     )
     events = [e for e in await store.list_events(fleet.id) if e.operation_id == operation.id]
     assert [(e.type, e.payload) for e in events] == [
-        ("operation.started", {"kind": "promote"}),
+        (
+            "operation.started",
+            {"kind": "promote", "targetDomainId": str(operation.target_domain_id)},
+        ),
         ("operation.step.done", done.payload),
     ]
     last = events[-1]
@@ -114,6 +127,35 @@ async def test_a_bad_event_is_refused_before_any_sql(
             to_step=S.VERIFY_GPU,
             at=now,
             events=(OperationEvent(""),),
+        )
+    stored = await store.get_operation(operation.id)
+    assert stored is not None
+    assert stored.current_step is S.STOP_TRAINING
+
+
+async def test_a_raw_payload_must_fit_its_types_model(
+    store: StateStore, fleet: FleetSnapshot, now: datetime
+) -> None:
+    operation = await _claimed(store, fleet, now)
+    misfit = OperationEvent(EventType.OPERATION_STEP_DONE.value, {"step": "no-such-step"})
+    with pytest.raises(ValueError, match="does not fit"):
+        await store.advance_step(
+            operation.id,
+            from_step=S.STOP_TRAINING,
+            to_step=S.VERIFY_GPU,
+            at=now,
+            events=(misfit,),
+        )
+    with pytest.raises(ValueError, match="does not fit"):
+        await store.append_event(
+            fleet_id=fleet.id, type=EventType.OPERATION_STARTED, payload={"kind": "x"}, at=now
+        )
+    with pytest.raises(ValueError, match="belongs to"):
+        await store.append_event(
+            fleet_id=fleet.id,
+            type=EventType.OPERATION_FAILED,
+            payload=OperationStarted(kind=OperationKind.DEMOTE, target_domain_id=operation.id),
+            at=now,
         )
     stored = await store.get_operation(operation.id)
     assert stored is not None

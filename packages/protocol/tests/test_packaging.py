@@ -25,7 +25,9 @@ import importlib.util, json
 import haru_protocol as p
 layout = p.load_example_layout()
 assert [d.slug for d in layout.domains] == ["alpha", "beta"], layout
-assert set(p.render_json_schemas()) == {"fleet-layout.schema.json", "supervisor-config.schema.json"}
+assert set(p.render_json_schemas()) == {
+    "event.schema.json", "fleet-layout.schema.json", "supervisor-config.schema.json"
+}
 assert p.join_url("http://h/x", "/v1") == "http://h/x/v1"
 assert importlib.util.find_spec("haru_core") is None, "protocol must not pull in core"
 print("protocol-ok")

@@ -17,14 +17,18 @@ from haru_db.testing import confirm_domains
 from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
     DomainState,
+    EventList,
     EventType,
+    FleetLayoutApplied,
     FleetSnapshot,
     OperationKind,
+    UntypedEventPayload,
     load_example_layout,
 )
 from haru_server._app import create_app
 from haru_server._clock import ManualClock
 from haru_server._settings import Settings
+from haru_server.cli import format_event
 from haru_web import error_middleware
 from pydantic import SecretStr
 from pytest_aiohttp import AiohttpClient, AiohttpServer
@@ -259,6 +263,42 @@ async def test_unknown_fleet_is_404(
     for path in ("route-intent", "events"):
         response = await api.get(f"/v1/fleets/{ref}/{path}")
         assert response.status == 404
+
+
+@pytest.mark.parametrize(
+    "suffix", ["%0A", "%0D", "%20", "%00", "%09", "%C3%A9", "x", "0", "%3A", "%0A%0A"]
+)
+async def test_a_uuid_with_a_trailing_character_is_404_not_500(
+    api: TestClient[web.Request, web.Application],
+    store: StateStore,
+    clock: ManualClock,
+    suffix: str,
+) -> None:
+    # GET /v1/fleets/<uuid>%0A answered 500 internal_error: a `$` regex accepted the newline
+    # and uuid.UUID() then raised. The one fleet-reference rule names no fleet with it.
+    snapshot = await example(store, clock)
+    for ref in (str(snapshot.id), str(snapshot.id).upper()):
+        for path in ("", "/route-intent", "/events", f"/operations/{uuid4()}"):
+            response = await api.get(f"/v1/fleets/{ref}{suffix}{path}")
+            assert (await error_of(response))[:2] == (404, "fleet_not_found"), (ref, path)
+        response = await api.post(f"/v1/fleets/{ref}{suffix}/reconcile")
+        assert (await error_of(response))[:2] == (404, "fleet_not_found")
+        response = await api.post(
+            f"/v1/fleets/{ref}{suffix}/promote", json={"targetDomainId": str(uuid4())}
+        )
+        assert (await error_of(response))[:2] == (404, "fleet_not_found")
+    # The same id without the suffix still names the fleet.
+    assert (await api.get(f"/v1/fleets/{snapshot.id}")).status == 200
+
+
+async def test_an_overlong_reference_is_404_and_not_echoed_in_full(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
+) -> None:
+    await example(store, clock)
+    response = await api.get("/v1/fleets/" + "a" * 5000)
+    status, code, message = await error_of(response)
+    assert (status, code) == (404, "fleet_not_found")
+    assert len(message) < 200
 
 
 async def test_route_intent(
@@ -585,6 +625,41 @@ async def test_events_paginate_oldest_first(
     for query in bad + strict:
         response = await api.get(f"/v1/fleets/example/events?{query}")
         assert (await error_of(response))[:2] == (400, "invalid_request")
+
+
+async def test_events_of_unknown_types_and_misfit_payloads_are_served_as_stored(
+    api: TestClient[web.Request, web.Application], store: StateStore, clock: ManualClock
+) -> None:
+    snapshot = await example(store, clock)
+    await store.append_event(
+        fleet_id=snapshot.id, type="future.event", payload={"x": [1, None]}, at=clock()
+    )
+    misfit = await store.append_event(
+        fleet_id=snapshot.id, type="test.placeholder", payload={"step": 5}, at=clock()
+    )
+    # A row an older or buggy writer left: a known type whose payload does not fit its model.
+    engine = create_async_engine(store.url)
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(
+                sa.text("UPDATE events SET type = 'operation.step.done' WHERE id = :id"),
+                {"id": misfit},
+            )
+    finally:
+        await engine.dispose()
+    response = await api.get("/v1/fleets/example/events")
+    assert response.status == 200
+    events = EventList.model_validate_json(await response.text()).events
+    by_type = {e.type: e for e in events}
+    assert by_type["future.event"].payload == {"x": [1, None]}
+    assert by_type["operation.step.done"].payload == {"step": 5}
+    assert isinstance(by_type["operation.step.done"].data, UntypedEventPayload)
+    line = format_event(by_type["operation.step.done"])
+    assert '{"step":5}' in line
+    assert "malformed operation.step.done payload" in line
+    assert '{"x":[1,null]}' in format_event(by_type["future.event"])
+    assert isinstance(by_type["fleet.layout.applied"].data, FleetLayoutApplied)
+    assert '"slotsCreated":' in format_event(by_type["fleet.layout.applied"])
 
 
 async def test_malformed_stored_state_is_reported_not_served(

@@ -11,8 +11,8 @@ from uuid import UUID
 
 import pytest
 from haru_db import MalformedFleetStateError, StateStoreUnavailableError
-from haru_protocol import ErrorCode, FleetRoutePointer, FleetSnapshot, Policy
-from haru_server._route_cache import RouteCache, is_uuid_shaped, spelling_key
+from haru_protocol import ErrorCode, FleetRoutePointer, FleetSnapshot, Policy, parse_fleet_ref
+from haru_server._route_cache import RouteCache
 from haru_web import ApiError
 
 Behaviour = Callable[[], object]
@@ -60,12 +60,9 @@ class ScriptedStore:
         return fleet
 
     def find(self, ref: str) -> Fleet | None:
-        # The database's id-first rule.
-        if is_uuid_shaped(ref):
-            by_id = self.fleets.get(UUID(ref))
-            if by_id is not None:
-                return by_id
-        return next((f for f in self.fleets.values() if f.slug == ref), None)
+        # The database's id-first rule, from the one function that states it.
+        chosen = parse_fleet_ref(ref).choose({f.id: f.slug for f in self.fleets.values()})
+        return None if chosen is None else self.fleets[chosen]
 
     async def get_fleet_route_pointer(self, ref: str) -> FleetRoutePointer | None:
         self.pointer_reads += 1
@@ -152,13 +149,19 @@ async def expect_error(cache: RouteCache[FleetSnapshot], ref: str, code: ErrorCo
 # -- spellings ---------------------------------------------------------------------------------
 
 
-def test_spelling_keys_follow_the_id_first_rule() -> None:
-    upper = "0B0C4A2E-1D2F-4B5A-9C8D-7E6F5A4B3C2D"
-    assert is_uuid_shaped(upper)
-    assert spelling_key(upper) == upper.lower()
-    assert spelling_key("prod") == "prod"
-    assert not is_uuid_shaped("prod")
-    assert not is_uuid_shaped("0b0c4a2e1d2f4b5a9c8d7e6f5a4b3c2d0")
+async def test_a_reference_that_names_nothing_never_reaches_the_store(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    cache = make_cache(store, clock)
+    for ref in (f"{fleet.id}\n", "prod\n", " prod", "Prod", "", "x" * 64):
+        with pytest.raises(ApiError) as caught:
+            await cache.resolve(ref)
+        assert caught.value.code is ErrorCode.FLEET_NOT_FOUND
+    assert store.pointer_reads == 0
+    upper = str(fleet.id).upper()
+    assert (await cache.resolve(upper)).fleet_id == fleet.id
+    assert cache.indexed(str(fleet.id)) == fleet.id  # ids are indexed lowercase
 
 
 # -- fresh path --------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from haru_core._failover import (
 )
 from haru_core._heartbeat import (
     DomainChange,
+    HeartbeatVerdict,
     SlotChange,
     active_ready,
     domain_change_on_heartbeat,
@@ -122,6 +123,7 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     # Heartbeat verdicts (SPEC 7.3 step 1)
     "SlotChange",
     "DomainChange",
+    "HeartbeatVerdict",
     "model_sleep_states",
     "models_busy",
     "slot_health_changes",

@@ -9,8 +9,8 @@ own compare-and-swap, so one dead GPU never drags its siblings.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import assert_never
+from dataclasses import dataclass, field, replace
+from typing import Literal, assert_never
 from uuid import UUID
 
 from haru_protocol import (
@@ -47,18 +47,37 @@ class SlotChange:
 
 
 @dataclass(frozen=True, slots=True)
+class HeartbeatVerdict:
+    """The verdicts behind a domain change (None: not judged for this change).
+
+    Attributes:
+        role: The domain's role in its fleet.
+        reachable: Whether the supervisor answered.
+        supervisor_ready: The supervisor's own ``ready`` flag.
+        active_ready: The active domain only: every model the layout binds is awake.
+        models_not_awake: The active domain only, when not active-ready.
+    """
+
+    role: Literal["active", "standby"] | None = None
+    reachable: bool | None = None
+    supervisor_ready: bool | None = None
+    active_ready: bool | None = None
+    models_not_awake: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class DomainChange:
     """Move a domain from ``from_state`` (the CAS guard) to ``to_state``.
 
     ``event`` names a dedicated audit event (``domain.not_ready``, ``domain.heartbeat.failed``);
-    None means an ordinary state change. ``detail`` is a JSON-ready payload (camelCase keys)
-    with the verdicts behind the change.
+    None means an ordinary state change. ``detail`` holds the verdicts behind the change (the
+    event payload's facts).
     """
 
     from_state: DomainState
     to_state: DomainState
     event: EventType | None = None
-    detail: dict[str, object] = field(default_factory=dict, hash=False)
+    detail: HeartbeatVerdict = field(default_factory=HeartbeatVerdict, hash=False)
 
 
 def model_sleep_states(status: SupervisorStatus) -> dict[str, bool | None]:
@@ -251,7 +270,7 @@ def domain_change_on_heartbeat(
     that answered, or an active-ready active). A verdict that rests only on models in a sleep
     or wake (:func:`models_busy`) changes nothing.
     """
-    role = "active" if is_active(fleet, domain) else "standby"
+    role: Literal["active", "standby"] = "active" if is_active(fleet, domain) else "standby"
     if unauthorized:
         return None
     if status is None:
@@ -261,7 +280,7 @@ def domain_change_on_heartbeat(
             _D.READY,
             _D.DEGRADED,
             EventType.DOMAIN_HEARTBEAT_FAILED,
-            {"role": role, "reachable": False},
+            HeartbeatVerdict(role=role, reachable=False),
         )
     else:
         ready, not_awake = _awake_verdict(domain, status)
@@ -275,15 +294,13 @@ def domain_change_on_heartbeat(
             if role == "active" and domain.state is _D.READY and target is _D.DEGRADED
             else None
         )
-        detail: dict[str, object] = {
-            "role": role,
-            "reachable": True,
-            "supervisorReady": status.ready,
-        }
+        detail = HeartbeatVerdict(role=role, reachable=True, supervisor_ready=status.ready)
         if role == "active":
-            detail["activeReady"] = ready
-            if not ready:
-                detail["modelsNotAwake"] = not_awake
+            detail = replace(
+                detail,
+                active_ready=ready,
+                models_not_awake=None if ready else tuple(not_awake),
+            )
         change = DomainChange(domain.state, target, event, detail)
     assert_transition("domain", change.from_state, change.to_state)
     return change

@@ -10,7 +10,7 @@ from typing import Any
 from uuid import UUID
 
 import sqlalchemy as sa
-from haru_protocol import Event
+from haru_protocol import Event, EventPayload, check_event_payload, event_payload_document
 
 from haru_db._exec import Executor, aware
 from haru_db._rows import event_from_row
@@ -33,6 +33,11 @@ class OperationEvent:
     payload: Mapping[str, object] = field(default_factory=dict)
     """Strict JSON (no NaN, no datetime)."""
 
+    @classmethod
+    def of(cls, payload: EventPayload) -> OperationEvent:
+        """The event a typed payload describes (its type comes from the payload's model)."""
+        return cls(payload.event_type.value, event_payload_document(payload))
+
     def document(self) -> dict[str, Any]:
         """The checked ``{"type", "payload"}`` document.
 
@@ -40,7 +45,8 @@ class OperationEvent:
             TypeError: The payload is not strict JSON.
             ValueError: The type is empty or longer than 128 characters.
         """
-        return {"type": checked_type(self.type), "payload": checked_payload(self.payload)}
+        type_ = checked_type(self.type)
+        return {"type": type_, "payload": checked_payload(type_, self.payload)}
 
 
 def checked_type(type_: str) -> str:
@@ -49,7 +55,30 @@ def checked_type(type_: str) -> str:
     return str(type_)
 
 
-def checked_payload(payload: Mapping[str, object]) -> dict[str, Any]:
+def typed_event(
+    type_: str | None, payload: EventPayload | Mapping[str, object]
+) -> tuple[str, dict[str, Any]]:
+    """The checked ``(type, payload document)`` of an event to append.
+
+    A typed payload names its own type (``type_`` may be omitted, and must agree if given).
+    A raw mapping needs ``type_``; when that type has a model, the mapping must fit it, so a
+    reader never sees our own writes as malformed.
+    """
+    if isinstance(payload, EventPayload):
+        own = payload.event_type.value
+        if type_ is not None and str(type_) != own:
+            raise ValueError(
+                f"a {type(payload).__name__} payload belongs to {own!r}, not {type_!r}"
+            )
+        return own, checked_payload(own, event_payload_document(payload))
+    if type_ is None:
+        raise ValueError("an untyped payload needs its event type")
+    checked = checked_type(type_)
+    return checked, checked_payload(checked, payload)
+
+
+def checked_payload(type_: str, payload: Mapping[str, object]) -> dict[str, Any]:
+    check_event_payload(type_, payload)
     document = dict(payload)
     try:
         # Strict JSON: NaN/Infinity would be stored by SQLite and refused by PostgreSQL.
@@ -63,16 +92,15 @@ async def append_event(
     ex: Executor,
     *,
     fleet_id: UUID,
-    type: str,
-    payload: Mapping[str, object],
+    payload: EventPayload | Mapping[str, object],
     at: datetime,
+    type: str | None = None,
     domain_id: UUID | None = None,
     slot_id: UUID | None = None,
     operation_id: UUID | None = None,
 ) -> int:
     at = aware(at)
-    type_ = checked_type(type)
-    document = checked_payload(payload)
+    type_, document = typed_event(type, payload)
     stmt = (
         sa.insert(events)
         .values(

@@ -15,8 +15,8 @@ from uuid import UUID, uuid4
 import sqlalchemy as sa
 from haru_protocol import (
     DomainState,
-    EventType,
     FleetLayout,
+    FleetLayoutApplied,
     InferenceSlotSpec,
     InferenceSlotState,
     Provider,
@@ -81,13 +81,12 @@ async def apply_fleet_layout(
         await append_event(
             ex,
             fleet_id=fleet_id,
-            type=EventType.FLEET_LAYOUT_APPLIED.value,
-            payload={
-                "fleetCreated": fleet_created,
-                "domainsCreated": domains_created,
-                "slotsCreated": slots_created,
-                "pointerSet": pointer_set,
-            },
+            payload=FleetLayoutApplied(
+                fleet_created=fleet_created,
+                domains_created=domains_created,
+                slots_created=slots_created,
+                pointer_set=pointer_set,
+            ),
             at=at,
         )
     logger.info(

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
 from uuid import UUID
 
 import sqlalchemy as sa
-from haru_protocol import FleetRoutePointer, FleetSnapshot, Operation, is_slug
+from haru_protocol import FleetRef, FleetRoutePointer, FleetSnapshot, Operation, parse_fleet_ref
 
 from haru_db._exec import Executor
-from haru_db._rows import Row, operation_from_row, pointer_from_row, snapshot_from_rows
+from haru_db._rows import operation_from_row, pointer_from_row, snapshot_from_rows
 from haru_db._tables import domains, fleets, operations, slots
 
-_UUID_RE = re.compile(
-    r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$"
-)
 
-
-async def get_fleet_snapshot(ex: Executor, ref: str) -> FleetSnapshot | None:
+async def get_fleet_snapshot(ex: Executor, ref: str | FleetRef) -> FleetSnapshot | None:
+    ref = _parsed(ref)
     match = _fleet_match(ref)
     if match is None:
         return None
@@ -36,13 +31,14 @@ async def get_fleet_snapshot(ex: Executor, ref: str) -> FleetSnapshot | None:
         .where(match)
     )
     rows = await ex.read(stmt)
-    chosen = _choose_fleet(ref, rows, id_key="f_id")
+    chosen = ref.choose({r["f_id"]: r["f_slug"] for r in rows})
     if chosen is None:
         return None
     return snapshot_from_rows([r for r in rows if r["f_id"] == chosen])
 
 
-async def get_fleet_route_pointer(ex: Executor, ref: str) -> FleetRoutePointer | None:
+async def get_fleet_route_pointer(ex: Executor, ref: str | FleetRef) -> FleetRoutePointer | None:
+    ref = _parsed(ref)
     match = _fleet_match(ref)
     if match is None:
         return None
@@ -50,7 +46,7 @@ async def get_fleet_route_pointer(ex: Executor, ref: str) -> FleetRoutePointer |
         fleets.c.id, fleets.c.slug, fleets.c.active_domain_id, fleets.c.route_revision
     ).where(match)
     rows = await ex.read(stmt)
-    chosen = _choose_fleet(ref, rows, id_key="id")
+    chosen = ref.choose({r["id"]: r["slug"] for r in rows})
     if chosen is None:
         return None
     return pointer_from_row(next(r for r in rows if r["id"] == chosen))
@@ -77,17 +73,14 @@ async def ping(ex: Executor) -> None:
     await ex.read(sa.select(sa.literal(1).label("ok")))
 
 
-def _fleet_match(ref: str) -> sa.ColumnElement[bool] | None:
-    by_slug = fleets.c.slug == ref if is_slug(ref) else None
-    if _UUID_RE.match(ref):
-        by_id = fleets.c.id == UUID(ref)
-        return by_id if by_slug is None else sa.or_(by_id, by_slug)
-    return by_slug
+def _parsed(ref: str | FleetRef) -> FleetRef:
+    return ref if isinstance(ref, FleetRef) else parse_fleet_ref(ref)
 
 
-def _choose_fleet(ref: str, rows: Sequence[Row], *, id_key: str) -> UUID | None:
-    # An id match wins over a slug that happens to look like a UUID (SPEC 3.1).
-    ids = {r[id_key] for r in rows}
-    if _UUID_RE.match(ref) and UUID(ref) in ids:
-        return UUID(ref)
-    return next(iter(ids), None)
+def _fleet_match(ref: FleetRef) -> sa.ColumnElement[bool] | None:
+    """Rows the reference may name (id or slug); :meth:`FleetRef.choose` picks among them."""
+    by_id = None if ref.id is None else fleets.c.id == ref.id
+    by_slug = None if ref.slug is None else fleets.c.slug == ref.slug
+    if by_id is not None and by_slug is not None:
+        return sa.or_(by_id, by_slug)
+    return by_id if by_id is not None else by_slug

@@ -31,7 +31,9 @@ import sqlalchemy as sa
 from haru_protocol import (
     DomainState,
     Event,
+    EventPayload,
     FleetLayout,
+    FleetRef,
     FleetRoutePointer,
     FleetSnapshot,
     Operation,
@@ -418,14 +420,17 @@ class StateStore:
         self,
         *,
         fleet_id: UUID,
-        type: str,
-        payload: Mapping[str, object],
+        payload: EventPayload | Mapping[str, object],
         at: datetime,
+        type: str | None = None,
         domain_id: UUID | None = None,
         slot_id: UUID | None = None,
         operation_id: UUID | None = None,
     ) -> int:
         """Append one audit event.
+
+        ``payload`` is a typed :class:`haru_protocol.EventPayload` (its model names the type)
+        or, for a type without a model, a JSON object with ``type``.
 
         Returns:
             The event id (increasing; pass the last one seen as ``after`` to
@@ -433,7 +438,8 @@ class StateStore:
 
         Raises:
             TypeError: ``payload`` is not strict JSON (a datetime, NaN, ...).
-            ValueError: ``type`` is empty or longer than 128 characters.
+            ValueError: ``type`` is empty or longer than 128 characters, missing for a raw
+                payload, disagrees with a typed one, or its model refuses the raw payload.
             ConstraintViolationError: An unknown fleet, domain, slot or operation id.
         """
         return await _events.append_event(
@@ -474,11 +480,13 @@ class StateStore:
     # ---- reads -----------------------------------------------------------------------------
 
     @_bounded
-    async def get_fleet_snapshot(self, ref: str) -> FleetSnapshot | None:
+    async def get_fleet_snapshot(self, ref: str | FleetRef) -> FleetSnapshot | None:
         """The fleet named by ``ref`` with its resolved policy, domains and slots.
 
-        ``ref`` is looked up as an id first when it is UUID-shaped (any case), then as a slug
-        (case-sensitive). One statement reads everything, so the snapshot is consistent.
+        ``ref`` follows :func:`haru_protocol.parse_fleet_ref`: looked up as an id first when
+        it is UUID-shaped (any case), then as a slug (case-sensitive); a reference that names
+        nothing is None without a query. One statement reads everything, so the snapshot is
+        consistent.
 
         Raises:
             MalformedFleetStateError: A stored row or JSON document fails validation.
@@ -486,7 +494,7 @@ class StateStore:
         return await _reads.get_fleet_snapshot(self._ex, ref)
 
     @_bounded
-    async def get_fleet_route_pointer(self, ref: str) -> FleetRoutePointer | None:
+    async def get_fleet_route_pointer(self, ref: str | FleetRef) -> FleetRoutePointer | None:
         """The narrow routing read (id, slug, active domain, revision); ``ref`` as above."""
         return await _reads.get_fleet_route_pointer(self._ex, ref)
 

@@ -18,6 +18,7 @@ from haru_protocol._enums import (
     SlotKind,
     TrainingSlotState,
 )
+from haru_protocol._events import AnyEventPayload, parse_event_payload
 from haru_protocol._layout import (
     InferenceSlotSpec,
     Placement,
@@ -232,7 +233,17 @@ class Event(PeerModel):
     type: str
     """One of :class:`~haru_protocol.EventType` (kept as a string for forward compatibility)."""
     payload: dict[str, Any]
+    """The stored JSON object, as written; :attr:`data` is the same typed by ``type``."""
     created_at: AwareDatetime
+
+    @property
+    def data(self) -> AnyEventPayload:
+        """The payload typed by the event's type (see :func:`~haru_protocol.parse_event_payload`).
+
+        A type this version does not know, or a payload that does not fit its model, comes back
+        as an :class:`~haru_protocol.UntypedEventPayload`: reading never fails.
+        """
+        return parse_event_payload(self.type, self.payload)
 
 
 class EventList(PeerModel):

@@ -6,6 +6,7 @@ import json
 from importlib import resources
 from typing import Any
 
+from haru_protocol._events import event_json_schema
 from haru_protocol._layout import FleetLayout
 from haru_protocol._supervisor import SupervisorConfig
 
@@ -27,8 +28,9 @@ def load_example_layout() -> FleetLayout:
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:
-    """JSON Schemas of the operator documents, by file name."""
+    """JSON Schemas of the operator documents and the audit events, by file name."""
     return {
+        "event.schema.json": event_json_schema(),
         "fleet-layout.schema.json": FleetLayout.model_json_schema(by_alias=True),
         "supervisor-config.schema.json": SupervisorConfig.model_json_schema(by_alias=True),
     }

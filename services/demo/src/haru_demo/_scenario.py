@@ -31,11 +31,14 @@ from typing import Final
 import aiohttp
 from haru_protocol import (
     Event,
+    EventPayload,
     FleetSnapshot,
     Operation,
+    OperationAutoFailover,
     OperationKind,
     OperationState,
     Policy,
+    RoutingSwitched,
 )
 from haru_server.control_client import ControlApiError, ControlClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -266,10 +269,12 @@ async def fetch_events(client: ControlClient, fleet: str, *, after: int = 0) -> 
 
 
 def _event_time(
-    events: Sequence[Event], type_: str, *, operation_id: object = None
+    events: Sequence[Event], payload: type[EventPayload], *, operation_id: object = None
 ) -> float | None:
     for event in events:
-        if event.type == type_ and (operation_id is None or event.operation_id == operation_id):
+        if isinstance(event.data, payload) and (
+            operation_id is None or event.operation_id == operation_id
+        ):
             return event.created_at.timestamp()
     return None
 
@@ -314,7 +319,7 @@ async def planned_switchover(
     async with topology.control() as client:
         events = await fetch_events(client, topology.fleet_slug, after=cursor)
     result.steps = step_durations(events, operation.id)
-    switched = _event_time(events, "routing.switched", operation_id=operation.id)
+    switched = _event_time(events, RoutingSwitched, operation_id=operation.id)
     result.routing_s = None if switched is None else switched - requested
     window = traffic.window(since=requested, until=ended)
     result.requests = TrafficSummary.of(window)
@@ -374,13 +379,13 @@ async def unplanned_failover(
     result.failures = [r for r in window if not r.ok]
     async with topology.control() as client:
         events = await fetch_events(client, topology.fleet_slug, after=cursor)
-    auto = next((e for e in events if e.type == "operation.auto_failover"), None)
+    auto = next((e for e in events if isinstance(e.data, OperationAutoFailover)), None)
     if auto is None:
         result.error = result.error or "no automatic failover was started"
         return result
     result.detection_s = auto.created_at.timestamp() - killed
     operation_id = auto.operation_id
-    switched = _event_time(events, "routing.switched", operation_id=operation_id)
+    switched = _event_time(events, RoutingSwitched, operation_id=operation_id)
     result.routing_s = None if switched is None else switched - killed
     if operation_id is not None:
         async with topology.control() as client:

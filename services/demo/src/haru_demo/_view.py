@@ -20,14 +20,31 @@ from uuid import UUID
 
 import aiohttp
 from haru_protocol import (
+    DomainDegradedEscalated,
+    DomainHeartbeatFailed,
+    DomainNotReady,
     DomainSnapshot,
+    DomainStateChanged,
+    DomainSupervisorUnauthorized,
     Event,
     FleetSnapshot,
     InferenceSlotState,
     Operation,
+    OperationAutoFailover,
+    OperationFailed,
+    OperationRequestedDemote,
+    OperationRequestedPromote,
+    OperationRestoreDemote,
+    OperationStarted,
     OperationState,
+    OperationStepDone,
+    OperationStepTimeoutBestEffort,
+    OperationSucceeded,
+    RoutingSwitched,
     SlotSnapshot,
+    SlotStateChanged,
     TrainingSlotState,
+    UntypedEventPayload,
 )
 from haru_server.control_client import ControlApiError, ControlClient
 from rich.console import Group, RenderableType
@@ -187,15 +204,48 @@ def _events_table(state: ViewState) -> Table:
     return table
 
 
+_DETAIL_KEYS = ("step", "from", "to", "kind", "reason", "code", "message", "routeRevision")
+
+
 def event_detail(event: Event) -> str:
-    """A short human summary of an event's payload."""
-    payload = event.payload
-    parts: list[str] = []
-    for key in ("step", "from", "to", "kind", "reason", "code", "message", "routeRevision"):
-        value = payload.get(key)
-        if value is not None:
-            parts.append(f"{key}={value}")
-    return " ".join(parts) if parts else ""
+    """A short human summary of an event's payload (its typed model, by event type)."""
+    facts: dict[str, object]
+    match event.data:
+        case UntypedEventPayload(data=dict() as raw):
+            facts = {key: raw.get(key) for key in _DETAIL_KEYS}
+        case UntypedEventPayload():
+            facts = {}
+        case OperationStepDone(step=step, route_revision=revision):
+            facts = {"step": step.value, "routeRevision": revision}
+        case OperationStepTimeoutBestEffort(step=step):
+            facts = {"step": step.value}
+        case OperationFailed(step=step, code=code, message=message):
+            facts = {"step": step.value, "code": code.value, "message": message}
+        case (
+            OperationRequestedPromote(kind=kind)
+            | OperationRequestedDemote(kind=kind)
+            | OperationStarted(kind=kind)
+            | OperationSucceeded(kind=kind)
+        ):
+            facts = {"kind": kind.value}
+        case OperationAutoFailover(reason=reason) | OperationRestoreDemote(reason=reason):
+            facts = {"reason": reason}
+        case (
+            DomainStateChanged(from_state=old, to_state=new)
+            | DomainNotReady(from_state=old, to_state=new)
+            | DomainHeartbeatFailed(from_state=old, to_state=new)
+            | DomainDegradedEscalated(from_state=old, to_state=new)
+        ):
+            facts = {"from": old.value, "to": new.value}
+        case SlotStateChanged(kind=kind, from_state=old, to_state=new):
+            facts = {"from": old, "to": new, "kind": kind.value}
+        case RoutingSwitched(route_revision=revision):
+            facts = {"routeRevision": revision}
+        case DomainSupervisorUnauthorized(message=message):
+            facts = {"message": message}
+        case _:
+            facts = {}
+    return " ".join(f"{key}={value}" for key, value in facts.items() if value is not None)
 
 
 def render_view(state: ViewState, *, now: datetime | None = None) -> RenderableType:
@@ -239,11 +289,11 @@ def step_durations(events: Iterable[Event], operation_id: UUID) -> list[tuple[st
     for event in sorted(events, key=lambda e: e.id):
         if event.operation_id != operation_id:
             continue
-        if event.type == "operation.started":
+        data = event.data
+        if isinstance(data, OperationStarted):
             mark = event.created_at
-        elif event.type == "operation.step.done" and mark is not None:
-            step = str(event.payload.get("step", "?"))
-            durations.append((step, (event.created_at - mark).total_seconds()))
+        elif isinstance(data, OperationStepDone) and mark is not None:
+            durations.append((data.step.value, (event.created_at - mark).total_seconds()))
             mark = event.created_at
     return durations
 

@@ -23,7 +23,7 @@ from uuid import UUID
 
 import aiohttp
 from aiohttp import hdrs, web
-from haru_protocol import REQUEST_ID_HEADER, ErrorCode, is_slug
+from haru_protocol import REQUEST_ID_HEADER, ErrorCode, parse_fleet_ref
 from haru_web import ApiError, current_request_id
 from yarl import URL
 
@@ -44,7 +44,6 @@ from haru_server._route_cache import (
     DEFAULT_SNAPSHOT_TIMEOUT_MS,
     RouteCache,
     RouteLookup,
-    is_uuid_shaped,
 )
 
 logger = logging.getLogger(__name__)
@@ -214,7 +213,7 @@ class _Proxy:
                     f"no fleet selected: send {FLEET_HEADER} or set HARU_DEFAULT_FLEET",
                 )
             ref = self._default_fleet
-        if not (is_slug(ref) or is_uuid_shaped(ref)):
+        if parse_fleet_ref(ref).names_nothing:
             # Neither an id nor a slug: no fleet can have it, so the store is not asked.
             raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref[:100]!r} not found")
         return ref

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Literal
 from uuid import UUID
 
 from haru_core import (
     CreateOperation,
+    DomainChange,
     decide_demotion,
     detect_degraded_escalation,
     detect_failover,
@@ -33,16 +34,32 @@ from haru_core import (
 )
 from haru_db import OperationEvent, StateStore, StateStoreUnavailableError
 from haru_protocol import (
+    DomainDegradedEscalated,
+    DomainHeartbeatFailed,
+    DomainNotReady,
     DomainSnapshot,
     DomainState,
+    DomainStateChanged,
+    DomainSupervisorAuthorized,
+    DomainSupervisorUnauthorized,
+    EventPayload,
     EventType,
     FleetSnapshot,
     Operation,
+    OperationAutoFailover,
     OperationError,
     OperationErrorCode,
+    OperationFailed,
     OperationKind,
+    OperationPromotionBackoff,
+    OperationRestoreDemote,
+    OperationStarted,
     OperationState,
     OperationStep,
+    OperationStepDone,
+    OperationStepTimeoutBestEffort,
+    OperationSucceeded,
+    SlotStateChanged,
     SupervisorStatus,
 )
 from haru_supervisor.client import (
@@ -253,8 +270,7 @@ class Reconciler:
             logger.warning("supervisor of domain %s accepts the server's token again", domain.slug)
             await self._store.append_event(
                 fleet_id=fleet.id,
-                type=EventType.DOMAIN_SUPERVISOR_AUTHORIZED,
-                payload={},
+                payload=DomainSupervisorAuthorized(),
                 at=now,
                 domain_id=domain.id,
             )
@@ -276,8 +292,9 @@ class Reconciler:
         if first:
             await self._store.append_event(
                 fleet_id=fleet.id,
-                type=EventType.DOMAIN_SUPERVISOR_UNAUTHORIZED,
-                payload={"message": refused.message, "role": _role(fleet, domain)},
+                payload=DomainSupervisorUnauthorized(
+                    message=refused.message, role=_role(fleet, domain)
+                ),
                 at=now,
                 domain_id=domain.id,
             )
@@ -350,13 +367,12 @@ class Reconciler:
                 landed = True
                 await self._store.append_event(
                     fleet_id=fleet.id,
-                    type=EventType.SLOT_STATE_CHANGED,
-                    payload={
-                        "kind": change.kind.value,
-                        "from": change.from_state.value,
-                        "to": change.to_state.value,
-                        "cause": "heartbeat",
-                    },
+                    payload=SlotStateChanged(
+                        kind=change.kind,
+                        from_state=change.from_state.value,
+                        to_state=change.to_state.value,
+                        cause="heartbeat",
+                    ),
                     at=now,
                     domain_id=domain.id,
                     slot_id=change.slot_id,
@@ -384,12 +400,7 @@ class Reconciler:
             )
             await self._store.append_event(
                 fleet_id=fleet.id,
-                type=change.event or EventType.DOMAIN_STATE_CHANGED,
-                payload={
-                    "from": change.from_state.value,
-                    "to": change.to_state.value,
-                    **change.detail,
-                },
+                payload=_domain_change_payload(change),
                 at=now,
                 domain_id=domain.id,
             )
@@ -413,12 +424,11 @@ class Reconciler:
         logger.warning("fleet %s: degraded active domain escalated to failed", fleet.slug)
         await self._store.append_event(
             fleet_id=fleet.id,
-            type=EventType.DOMAIN_DEGRADED_ESCALATED,
-            payload={
-                "from": DomainState.DEGRADED.value,
-                "to": DomainState.FAILED.value,
-                "degradedGraceMs": fleet.policy.degraded_grace_ms,
-            },
+            payload=DomainDegradedEscalated(
+                from_state=DomainState.DEGRADED,
+                to_state=DomainState.FAILED,
+                degraded_grace_ms=fleet.policy.degraded_grace_ms,
+            ),
             at=now,
             domain_id=domain_id,
         )
@@ -444,12 +454,11 @@ class Reconciler:
             )
             await self._store.append_event(
                 fleet_id=fleet.id,
-                type=EventType.OPERATION_AUTO_FAILOVER,
-                payload={
-                    "reason": decision.reason,
-                    "activeDomainId": str(decision.active_domain_id),
-                    "targetDomainId": str(decision.target_domain_id),
-                },
+                payload=OperationAutoFailover(
+                    reason=decision.reason,
+                    active_domain_id=decision.active_domain_id,
+                    target_domain_id=decision.target_domain_id,
+                ),
                 at=now,
                 domain_id=decision.target_domain_id,
                 operation_id=operation.id,
@@ -488,9 +497,8 @@ class Reconciler:
         now = self._clock()
         step = first_step(operation.kind)
         # The started event lands in the claim's own statement (one write, not two).
-        started = OperationEvent(
-            EventType.OPERATION_STARTED.value,
-            {"kind": operation.kind.value, "targetDomainId": str(operation.target_domain_id)},
+        started = OperationEvent.of(
+            OperationStarted(kind=operation.kind, target_domain_id=operation.target_domain_id)
         )
         if not await self._store.claim_operation(
             operation.id, first_step=step, at=now, events=(started,)
@@ -541,7 +549,7 @@ class Reconciler:
         if is_best_effort(step):
             # Never start training next to vLLM servers that may still be awake.
             return Done(
-                {"timedOut": True, "budgetMs": budget},
+                OperationStepDone(step=step, timed_out=True, budget_ms=budget),
                 complete=step is OperationStep.DEMOTE_OLD_SLEEP,
                 degrade_source=True,
             )
@@ -550,7 +558,7 @@ class Reconciler:
             pointer = await self._store.get_fleet_route_pointer(str(fleet.id))
             at_target = pointer is not None and pointer.active_domain_id == fresh.target_domain_id
             if fresh.routing_committed or at_target:
-                return Done({"timedOut": True, "routingCommitted": True})
+                return Done(OperationStepDone(step=step, timed_out=True, routing_committed=True))
         return Failed(
             OperationErrorCode.STEP_TIMEOUT,
             f"step {step.value} did not finish within its budget of {budget} ms",
@@ -583,13 +591,11 @@ class Reconciler:
     ) -> tuple[Operation, bool, bool]:
         now = self._clock()
         following = None if result.complete else next_step(operation.kind, step)
-        step_done = OperationEvent(
-            EventType.OPERATION_STEP_DONE.value, {"step": step.value, **result.detail}
+        step_done = OperationEvent.of(result.detail)
+        outcome = OperationSucceeded(
+            kind=operation.kind, target_domain_id=operation.target_domain_id
         )
-        succeeded = OperationEvent(
-            EventType.OPERATION_SUCCEEDED.value,
-            {"kind": operation.kind.value, "targetDomainId": str(operation.target_domain_id)},
-        )
+        succeeded = OperationEvent.of(outcome)
         # The step's events land in its CAS statement, except after a best-effort timeout,
         # whose source-degrade event must come first.
         inline = not result.degrade_source
@@ -615,7 +621,7 @@ class Reconciler:
             self._metrics.operation_succeeded(operation.kind.value)
         if not inline:
             await self._degrade_source(fleet, operation, step, now)
-            await self._event(fleet, operation, EventType(step_done.type), step_done.payload, now)
+            await self._event(fleet, operation, result.detail, now)
         if following is not None:
             logger.info("operation %s: %s done, next %s", operation.id, step.value, following.value)
             return (
@@ -625,7 +631,7 @@ class Reconciler:
             )
         logger.info("operation %s (%s) succeeded", operation.id, operation.kind.value)
         if not inline:
-            await self._event(fleet, operation, EventType(succeeded.type), succeeded.payload, now)
+            await self._event(fleet, operation, outcome, now)
         queued = False
         source = operation.source_domain_id
         if result.degrade_source and source is not None and source != operation.target_domain_id:
@@ -665,12 +671,9 @@ class Reconciler:
         await self._event(
             fleet,
             operation,
-            EventType.OPERATION_STEP_TIMEOUT_BEST_EFFORT,
-            {
-                "step": step.value,
-                "sourceDomainId": None if source is None else str(source),
-                "sourceDegraded": degraded,
-            },
+            OperationStepTimeoutBestEffort(
+                step=step, source_domain_id=source, source_degraded=degraded
+            ),
             now,
             domain_id=source,
         )
@@ -705,13 +708,12 @@ class Reconciler:
         await self._event(
             fleet,
             operation,
-            EventType.OPERATION_FAILED,
-            {
-                "step": step.value,
-                "code": result.code.value,
-                "message": result.message,
-                **result.detail,
-            },
+            OperationFailed(
+                step=step,
+                code=result.code,
+                message=result.message,
+                failed_models=result.failed_models,
+            ),
             now,
         )
         queued = False
@@ -749,13 +751,12 @@ class Reconciler:
         await self._event(
             fleet,
             failed,
-            EventType.OPERATION_PROMOTION_BACKOFF,
-            {
-                "targetDomainId": str(failed.target_domain_id),
-                "consecutiveFailures": backoff.consecutive_failures,
-                "delayMs": backoff.delay_ms,
-                "until": backoff.until.isoformat(),
-            },
+            OperationPromotionBackoff(
+                target_domain_id=failed.target_domain_id,
+                consecutive_failures=backoff.consecutive_failures,
+                delay_ms=backoff.delay_ms,
+                until=backoff.until,
+            ),
             now,
         )
 
@@ -792,12 +793,9 @@ class Reconciler:
         await self._event(
             fleet,
             operation,
-            EventType.OPERATION_RESTORE_DEMOTE,
-            {
-                "causeOperationId": str(cause.id),
-                "targetDomainId": str(domain_id),
-                "reason": reason,
-            },
+            OperationRestoreDemote(
+                cause_operation_id=cause.id, target_domain_id=domain_id, reason=reason
+            ),
             now,
         )
         return True
@@ -806,15 +804,13 @@ class Reconciler:
         self,
         fleet: FleetSnapshot,
         operation: Operation,
-        type_: EventType,
-        payload: Mapping[str, object],
+        payload: EventPayload,
         now: datetime,
         *,
         domain_id: UUID | None = None,
     ) -> None:
         await self._store.append_event(
             fleet_id=fleet.id,
-            type=type_,
             payload=payload,
             at=now,
             domain_id=domain_id if domain_id is not None else operation.target_domain_id,
@@ -822,5 +818,27 @@ class Reconciler:
         )
 
 
-def _role(fleet: FleetSnapshot, domain: DomainSnapshot) -> str:
+def _domain_change_payload(
+    change: DomainChange,
+) -> DomainStateChanged | DomainNotReady | DomainHeartbeatFailed:
+    model: type[DomainStateChanged | DomainNotReady | DomainHeartbeatFailed]
+    if change.event is EventType.DOMAIN_NOT_READY:
+        model = DomainNotReady
+    elif change.event is EventType.DOMAIN_HEARTBEAT_FAILED:
+        model = DomainHeartbeatFailed
+    else:
+        model = DomainStateChanged
+    verdict = change.detail
+    return model(
+        from_state=change.from_state,
+        to_state=change.to_state,
+        role=verdict.role,
+        reachable=verdict.reachable,
+        supervisor_ready=verdict.supervisor_ready,
+        active_ready=verdict.active_ready,
+        models_not_awake=verdict.models_not_awake,
+    )
+
+
+def _role(fleet: FleetSnapshot, domain: DomainSnapshot) -> Literal["active", "standby"]:
     return "active" if fleet.active_domain_id == domain.id else "standby"

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 import weakref
 from collections import OrderedDict
@@ -37,15 +36,13 @@ from typing import Any, Generic, Protocol, TypeVar
 from uuid import UUID
 
 from haru_db import MalformedFleetStateError, StateStoreUnavailableError
-from haru_protocol import ErrorCode, FleetRoutePointer, FleetSnapshot
+from haru_protocol import ErrorCode, FleetRoutePointer, FleetSnapshot, parse_fleet_ref
 from haru_web import ApiError
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-_UUID_RE = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}")
 
 DEFAULT_POINTER_TIMEOUT_MS = 250
 """Bound on the pointer read: well above a healthy p99 (a few ms), short enough that a hung
@@ -65,16 +62,6 @@ class RouteSource(Protocol):
     async def get_fleet_route_pointer(self, ref: str) -> FleetRoutePointer | None: ...
 
     async def get_fleet_snapshot(self, ref: str) -> FleetSnapshot | None: ...
-
-
-def is_uuid_shaped(ref: str) -> bool:
-    """Whether ``ref`` is looked up as a fleet id first (the database's rule, SPEC 3.1)."""
-    return _UUID_RE.fullmatch(ref) is not None
-
-
-def spelling_key(ref: str) -> str:
-    """The index key of a fleet reference: ids compare lowercase, slugs case-sensitively."""
-    return ref.lower() if is_uuid_shaped(ref) else ref
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +179,7 @@ class RouteCache(Generic[T]):
 
     def indexed(self, ref: str) -> UUID | None:
         """The fleet id a spelling is indexed onto, or None."""
-        alias = self._aliases.get(spelling_key(ref))
+        alias = self._aliases.get(parse_fleet_ref(ref).key)
         return None if alias is None else alias[0]
 
     @property
@@ -347,7 +334,11 @@ class RouteCache(Generic[T]):
             ApiError: ``fleet_not_found`` (404) when the store says no such fleet exists;
                 ``state_store_unavailable`` (503) when routing cannot be served safely.
         """
-        key = spelling_key(ref)
+        parsed = parse_fleet_ref(ref)
+        if parsed.names_nothing:
+            # Neither an id nor a slug: no fleet can have it, so the store is not asked.
+            raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref[:100]!r} not found")
+        key = parsed.key
         probe = self._outage
         if probe:
             if self._probing or self._clock() < self._outage_until:
@@ -494,7 +485,7 @@ class RouteCache(Generic[T]):
             self._learn_key(entry, fleet_id, spelling, seq)
 
     def _learn_key(self, entry: _Entry[T], fleet_id: UUID, key: str, seq: int) -> None:
-        if key != str(fleet_id) and is_uuid_shaped(key):
+        if not parse_fleet_ref(key).may_alias(fleet_id):
             return  # a UUID-shaped slug is never an alias: an id lookup may name another fleet
         if key in entry.aliases and self._aliases.get(key, (None, 0))[0] == fleet_id:
             return

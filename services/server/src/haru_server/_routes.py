@@ -19,16 +19,19 @@ from haru_protocol import (
     DemoteRequest,
     ErrorCode,
     EventList,
-    EventType,
     FleetList,
+    FleetRef,
     FleetRoutePointer,
     FleetSnapshot,
     Health,
     OperationKind,
+    OperationRequestedDemote,
+    OperationRequestedPromote,
     PeerModel,
     PromoteRequest,
     ReconcileResponse,
     WireModel,
+    parse_fleet_ref,
 )
 from haru_web import ApiError, int_query, parse_body
 
@@ -53,12 +56,20 @@ def _json(model: PeerModel, *, status: int = 200) -> web.Response:
     return web.json_response(text=model.model_dump_json(), status=status)
 
 
-def _fleet_not_found(ref: str) -> ApiError:
-    return ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref!r} not found")
+def _fleet_not_found(ref: FleetRef) -> ApiError:
+    return ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref.text[:100]!r} not found")
+
+
+def _fleet_ref(request: web.Request) -> FleetRef:
+    """The ``{ref}`` path segment; one that cannot name a fleet is 404 without a query."""
+    ref = parse_fleet_ref(request.match_info["ref"])
+    if ref.names_nothing:
+        raise _fleet_not_found(ref)
+    return ref
 
 
 async def _snapshot(request: web.Request) -> FleetSnapshot:
-    ref = request.match_info["ref"]
+    ref = _fleet_ref(request)
     fleet = await request.app[store_key].get_fleet_snapshot(ref)
     if fleet is None:
         raise _fleet_not_found(ref)
@@ -66,7 +77,7 @@ async def _snapshot(request: web.Request) -> FleetSnapshot:
 
 
 async def _pointer(request: web.Request) -> FleetRoutePointer:
-    ref = request.match_info["ref"]
+    ref = _fleet_ref(request)
     pointer = await request.app[store_key].get_fleet_route_pointer(ref)
     if pointer is None:
         raise _fleet_not_found(ref)
@@ -123,9 +134,9 @@ async def route_intent(request: web.Request) -> web.Response:
 @routes.post("/v1/fleets/{ref}/reconcile")
 async def reconcile(request: web.Request) -> web.Response:
     await parse_body(request, ReconcileRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
-    ref = request.match_info["ref"]
+    ref = _fleet_ref(request)
     try:
-        result = await request.app[reconciler_key].tick(ref)
+        result = await request.app[reconciler_key].tick(ref.text)
     except FleetNotFoundError:
         raise _fleet_not_found(ref) from None
     return _json(ReconcileResponse(fleet_id=result.fleet_id, operation=result.operation))
@@ -178,18 +189,15 @@ async def _request_operation(
         )
         await store.append_event(
             fleet_id=fleet.id,
-            type=(
-                EventType.OPERATION_REQUESTED_PROMOTE
+            payload=(
+                OperationRequestedPromote
                 if kind is OperationKind.PROMOTE
-                else EventType.OPERATION_REQUESTED_DEMOTE
+                else OperationRequestedDemote
+            )(
+                kind=kind,
+                target_domain_id=decision.target_domain_id,
+                source_domain_id=operation.source_domain_id,
             ),
-            payload={
-                "kind": kind.value,
-                "targetDomainId": str(decision.target_domain_id),
-                "sourceDomainId": (
-                    None if operation.source_domain_id is None else str(operation.source_domain_id)
-                ),
-            },
             at=now,
             domain_id=decision.target_domain_id,
             operation_id=operation.id,

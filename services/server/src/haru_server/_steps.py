@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import TypeVar
 from uuid import UUID
@@ -26,13 +26,16 @@ from haru_core import inference_bindings, model_sleep_states, training_slots
 from haru_db import StateStore
 from haru_protocol import (
     DomainSnapshot,
-    EventType,
+    FailedModel,
     FleetSnapshot,
     GpuMemoryResponse,
+    GpuUsage,
     InferenceSlotState,
     Operation,
     OperationErrorCode,
     OperationStep,
+    OperationStepDone,
+    RoutingSwitched,
     SlotKind,
     SupervisorStatus,
     TrainingRunState,
@@ -71,12 +74,12 @@ class Done:
     """The step's effect is proven; the operation may move on.
 
     Attributes:
-        detail: JSON-ready facts for the ``operation.step.done`` event (camelCase keys).
+        detail: The ``operation.step.done`` event, with the facts that prove the step.
         complete: End the operation after this step even if the plan has more steps.
         degrade_source: A best-effort step timed out: degrade the source domain.
     """
 
-    detail: Mapping[str, object] = field(default_factory=dict)
+    detail: OperationStepDone
     complete: bool = False
     degrade_source: bool = False
 
@@ -93,12 +96,13 @@ class Failed:
     """The step failed for good; the operation fails with this code.
 
     Attributes:
-        detail: JSON-ready facts added to the ``operation.failed`` event (camelCase keys).
+        failed_models: ``probe_failed``: each model that failed, for the
+            ``operation.failed`` event.
     """
 
     code: OperationErrorCode
     message: str
-    detail: Mapping[str, object] = field(default_factory=dict)
+    failed_models: tuple[FailedModel, ...] | None = None
 
 
 StepResult = Done | Pending | Failed
@@ -279,7 +283,7 @@ async def _mirror(
 async def _stop_training(ctx: StepContext) -> StepResult:
     target = ctx.target
     if not training_slots(target):
-        return Done({"skipped": "no training slots"})
+        return Done(OperationStepDone(step=ctx.step, skipped="no training slots"))
     url = _supervisor_url(target)
     await _mirror(ctx, target, SlotKind.TRAINING, (_TS.TRAINING,), _TS.STOPPING)
     grace = ctx.fleet.policy.training_stop_grace_ms
@@ -297,7 +301,7 @@ async def _stop_training(ctx: StepContext) -> StepResult:
     if busy:
         return Pending(f"training still running on GPU(s) {busy}")
     moved = await _mirror(ctx, target, SlotKind.TRAINING, (_TS.STOPPING, _TS.TRAINING), _TS.IDLE)
-    return Done({"trainingSlotsIdle": moved})
+    return Done(OperationStepDone(step=ctx.step, training_slots_idle=moved))
 
 
 HOLDERS_TIMEOUT_S = 2.0
@@ -328,7 +332,7 @@ async def _gpu_holders(ctx: StepContext, url: str, held: Sequence[object]) -> st
 async def _verify_gpu(ctx: StepContext) -> StepResult:
     target = ctx.target
     if not training_slots(target):
-        return Done({"skipped": "no training slots"})
+        return Done(OperationStepDone(step=ctx.step, skipped="no training slots"))
     url = _supervisor_url(target)
     last: list[GpuMemoryResponse] = []
 
@@ -352,10 +356,10 @@ async def _verify_gpu(ctx: StepContext) -> StepResult:
                 f"step {_S.VERIFY_GPU.value} did not finish within its budget: {reason}",
             )
         return Pending(reason)
-    gpus = [
-        {"index": g.index, "usedMiB": g.used_mib, "totalMiB": g.total_mib} for g in last[0].gpus
-    ]
-    return Done({"gpus": gpus})
+    gpus = tuple(
+        GpuUsage(index=g.index, used_mib=g.used_mib, total_mib=g.total_mib) for g in last[0].gpus
+    )
+    return Done(OperationStepDone(step=ctx.step, gpus=gpus))
 
 
 async def _wake_vllm(ctx: StepContext) -> StepResult:
@@ -379,7 +383,8 @@ async def _wake_vllm(ctx: StepContext) -> StepResult:
     if asleep:
         return Pending(f"model(s) not proven awake: {asleep}")
     await _mirror(ctx, target, SlotKind.INFERENCE, (_I.WAKING,), _I.PROBING)
-    return Done({"models": [b.name for b in inference_bindings(target)]})
+    models = tuple(b.name for b in inference_bindings(target))
+    return Done(OperationStepDone(step=ctx.step, models=models))
 
 
 async def _probe(ctx: StepContext) -> StepResult:
@@ -396,31 +401,31 @@ async def _probe(ctx: StepContext) -> StepResult:
         target_side=True,
     )
     results = {r.model: r for r in response.results}
-    failed: list[dict[str, str]] = []
+    failed: list[FailedModel] = []
     latencies: dict[str, float] = {}
     for binding in inference_bindings(target):
         result = results.get(binding.name)
         if result is None:
-            failed.append({"model": binding.name, "error": "never probed"})
+            failed.append(FailedModel(model=binding.name, error="never probed"))
         elif not result.ok:
-            failed.append({"model": binding.name, "error": result.error or "failed"})
+            failed.append(FailedModel(model=binding.name, error=result.error or "failed"))
         else:
             latencies[binding.name] = result.latency_ms
     if failed:
-        problems = ", ".join(f"{f['model']} ({f['error']})" for f in failed)
-        return Failed(
-            OperationErrorCode.PROBE_FAILED,
-            "probe failed: " + problems,
-            {"failedModels": failed},
-        )
+        problems = ", ".join(f"{f.model} ({f.error})" for f in failed)
+        return Failed(OperationErrorCode.PROBE_FAILED, "probe failed: " + problems, tuple(failed))
     await _mirror(ctx, target, SlotKind.INFERENCE, (_I.PROBING,), _I.SERVING)
-    return Done({"latencyMs": latencies})
+    return Done(OperationStepDone(step=ctx.step, latency_ms=latencies))
 
 
 async def _switch_active(ctx: StepContext) -> StepResult:
     fleet, op, target = ctx.fleet, ctx.operation, ctx.target
     if fleet.active_domain_id == target.id:
-        return Done({"alreadyActive": True, "routeRevision": fleet.route_revision})
+        return Done(
+            OperationStepDone(
+                step=ctx.step, already_active=True, route_revision=fleet.route_revision
+            )
+        )
     switched = await ctx.store.switch_active(
         fleet_id=fleet.id,
         expected_active_domain_id=op.source_domain_id,
@@ -433,19 +438,18 @@ async def _switch_active(ctx: StepContext) -> StepResult:
     if switched:
         await ctx.store.append_event(
             fleet_id=fleet.id,
-            type=EventType.ROUTING_SWITCHED,
-            payload={
-                "fromDomainId": _str(op.source_domain_id),
-                "toDomainId": str(target.id),
-                "routeRevision": revision,
-            },
+            payload=RoutingSwitched(
+                from_domain_id=op.source_domain_id,
+                to_domain_id=target.id,
+                route_revision=revision,
+            ),
             at=ctx.now,
             domain_id=target.id,
             operation_id=op.id,
         )
-        return Done({"routeRevision": revision})
+        return Done(OperationStepDone(step=ctx.step, route_revision=revision))
     if pointer is not None and pointer.active_domain_id == target.id:
-        return Done({"routeRevision": revision})
+        return Done(OperationStepDone(step=ctx.step, route_revision=revision))
     where = "gone" if pointer is None else _str(pointer.active_domain_id)
     return Failed(
         OperationErrorCode.CAS_LOST,
@@ -476,12 +480,16 @@ async def _sleep_domain(ctx: StepContext, domain: DomainSnapshot, *, drain: bool
     if awake:
         return Pending(f"model(s) not proven asleep on {domain.slug!r}: {awake}")
     moved = await _mirror(ctx, domain, SlotKind.INFERENCE, _SLEEP_MIRROR_FROM, _I.SLEEPING)
-    return Done({"domainId": str(domain.id), "inferenceSlotsSleeping": moved})
+    return Done(
+        OperationStepDone(step=ctx.step, domain_id=domain.id, inference_slots_sleeping=moved)
+    )
 
 
 async def _train_domain(ctx: StepContext, domain: DomainSnapshot) -> StepResult:
     if not training_slots(domain):
-        return Done({"domainId": str(domain.id), "skipped": "no training slots"})
+        return Done(
+            OperationStepDone(step=ctx.step, domain_id=domain.id, skipped="no training slots")
+        )
     url = _supervisor_url(domain)
     target_side = domain.id == ctx.target.id
     status = await _call(ctx, _status(ctx, domain), target_side=target_side)
@@ -502,20 +510,22 @@ async def _train_domain(ctx: StepContext, domain: DomainSnapshot) -> StepResult:
     if idle:
         return Pending(f"training not proven running on {domain.slug!r} GPU(s) {idle}")
     moved = await _mirror(ctx, domain, SlotKind.TRAINING, (_TS.IDLE, _TS.STOPPING), _TS.TRAINING)
-    return Done({"domainId": str(domain.id), "trainingSlotsTraining": moved})
+    return Done(
+        OperationStepDone(step=ctx.step, domain_id=domain.id, training_slots_training=moved)
+    )
 
 
 async def _demote_old_sleep(ctx: StepContext) -> StepResult:
     source = ctx.source
     if source is None:
-        return Done({"skipped": "no previous active domain"})
+        return Done(OperationStepDone(step=ctx.step, skipped="no previous active domain"))
     return await _sleep_domain(ctx, source, drain=True)
 
 
 async def _demote_old_train(ctx: StepContext) -> StepResult:
     source = ctx.source
     if source is None:
-        return Done({"skipped": "no previous active domain"})
+        return Done(OperationStepDone(step=ctx.step, skipped="no previous active domain"))
     return await _train_domain(ctx, source)
 
 

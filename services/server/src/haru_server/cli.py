@@ -510,7 +510,16 @@ def format_event(event: Event) -> str:
     import json
     from datetime import UTC
 
-    payload = json.dumps(event.payload, separators=(",", ":"), sort_keys=True)
+    from haru_protocol import UntypedEventPayload
+
+    data = event.data
+    if isinstance(data, UntypedEventPayload):
+        # A type this CLI does not know, or a payload that does not fit its model: as stored.
+        payload = json.dumps(data.data, separators=(",", ":"), sort_keys=True)
+        if data.error is not None:
+            payload += f"  (malformed {event.type} payload: {data.error})"
+    else:
+        payload = json.dumps(data.model_dump(mode="json"), separators=(",", ":"), sort_keys=True)
     stamp = event.created_at.astimezone(UTC).isoformat(timespec="milliseconds")
     return f"{event.id:>6}  {stamp}  {event.type:<36} {payload}"
 

@@ -1,0 +1,429 @@
+"""Typed payloads of the audit events: one model per :class:`EventType`.
+
+The events table stores ``type`` and a JSON ``payload``; this module says what the payload of
+each type holds. Writers build the model (so a key cannot be misspelled) and readers get it
+back with :func:`parse_event_payload` (or :attr:`Event.data`), keyed on the event type.
+
+Models are lenient like every peer model (unknown keys ignored) because rows outlive versions:
+a row written by a newer server still reads. A type this version does not know, or a payload
+that does not fit its type's model, reads as :class:`UntypedEventPayload` holding the stored
+JSON untouched, so neither the API nor the CLI fails on it.
+
+The stored JSON is what earlier versions wrote: camelCase keys, UUIDs as lowercase strings,
+and a key that only some events carry (``failedModels``, ``activeReady``, a step's facts) is
+left out rather than written as null.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Annotated, Any, ClassVar, Literal, get_args
+from uuid import UUID
+
+from pydantic import (
+    AwareDatetime,
+    Field,
+    PlainSerializer,
+    StrictBool,
+    StrictInt,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+)
+
+from haru_protocol._base import PeerModel
+from haru_protocol._enums import (
+    DomainState,
+    EventType,
+    OperationErrorCode,
+    OperationKind,
+    OperationStep,
+    SlotKind,
+)
+
+
+def _absent_when_none(value: object) -> bool:
+    return value is None
+
+
+def _optional() -> Any:
+    """A fact some events carry: absent from the stored JSON when None."""
+    return Field(default=None, exclude_if=_absent_when_none)
+
+
+def _iso(value: datetime) -> str:
+    return value.isoformat()
+
+
+IsoDatetime = Annotated[AwareDatetime, PlainSerializer(_iso, return_type=str)]
+"""A timestamp stored as ``datetime.isoformat()`` writes it (``+00:00``, as before)."""
+
+Role = Literal["active", "standby"]
+"""A domain's role in its fleet when the event happened."""
+
+
+class EventPayload(PeerModel):
+    """Base of every typed event payload; ``event_type`` is the type it belongs to."""
+
+    event_type: ClassVar[EventType]
+
+
+# ---- operations ------------------------------------------------------------------------------
+
+
+class _OperationRequested(EventPayload):
+    kind: OperationKind
+    target_domain_id: UUID
+    source_domain_id: UUID | None
+    """The active domain when the operation was created (null: none)."""
+
+
+class OperationRequestedPromote(_OperationRequested):
+    """``operation.requested.promote``: ``POST .../promote`` created an operation."""
+
+    event_type = EventType.OPERATION_REQUESTED_PROMOTE
+
+
+class OperationRequestedDemote(_OperationRequested):
+    """``operation.requested.demote``: ``POST .../demote`` created an operation."""
+
+    event_type = EventType.OPERATION_REQUESTED_DEMOTE
+
+
+class OperationAutoFailover(EventPayload):
+    """``operation.auto_failover``: the reconciler created a promote on its own."""
+
+    event_type = EventType.OPERATION_AUTO_FAILOVER
+
+    reason: str
+    """``active_failed`` or ``active_stale`` (free text for forward compatibility)."""
+    active_domain_id: UUID
+    target_domain_id: UUID
+
+
+class OperationRestoreDemote(EventPayload):
+    """``operation.restore_demote``: a demote queued to return a domain to standby posture."""
+
+    event_type = EventType.OPERATION_RESTORE_DEMOTE
+
+    cause_operation_id: UUID
+    """The operation whose failure or timeout left the domain out of posture."""
+    target_domain_id: UUID
+    reason: str
+    """The failure code, or which best-effort step timed out."""
+
+
+class OperationStarted(EventPayload):
+    """``operation.started``: a pending operation was claimed (its first step begins)."""
+
+    event_type = EventType.OPERATION_STARTED
+
+    kind: OperationKind
+    target_domain_id: UUID
+
+
+class GpuUsage(PeerModel):
+    """Memory of one GPU when ``verify_gpu`` proved it released."""
+
+    index: StrictInt
+    used_mib: float = Field(alias="usedMiB")
+    total_mib: float = Field(alias="totalMiB")
+
+
+class OperationStepDone(EventPayload):
+    """``operation.step.done``: a step's effect is proven; the facts depend on the step."""
+
+    event_type = EventType.OPERATION_STEP_DONE
+
+    step: OperationStep
+    skipped: str | None = _optional()
+    """Why the step had nothing to do (no training slots, no previous active domain)."""
+    domain_id: UUID | None = _optional()
+    """The domain a demote step acted on."""
+    training_slots_idle: StrictInt | None = _optional()
+    gpus: tuple[GpuUsage, ...] | None = _optional()
+    models: tuple[str, ...] | None = _optional()
+    """The models proven awake (``wake_vllm``)."""
+    latency_ms: dict[str, float] | None = _optional()
+    """Probe latency per model (``probe``)."""
+    already_active: StrictBool | None = _optional()
+    route_revision: StrictInt | None = _optional()
+    inference_slots_sleeping: StrictInt | None = _optional()
+    training_slots_training: StrictInt | None = _optional()
+    timed_out: StrictBool | None = _optional()
+    """The step ran out of its budget (best-effort, or routing had already moved)."""
+    budget_ms: StrictInt | None = _optional()
+    routing_committed: StrictBool | None = _optional()
+
+
+class OperationStepTimeoutBestEffort(EventPayload):
+    """``operation.step.timeout_best_effort``: a best-effort step ran out of its budget."""
+
+    event_type = EventType.OPERATION_STEP_TIMEOUT_BEST_EFFORT
+
+    step: OperationStep
+    source_domain_id: UUID | None
+    source_degraded: StrictBool
+    """Whether the source domain was moved from ready to degraded."""
+
+
+class OperationSucceeded(EventPayload):
+    """``operation.succeeded``."""
+
+    event_type = EventType.OPERATION_SUCCEEDED
+
+    kind: OperationKind
+    target_domain_id: UUID
+
+
+class FailedModel(PeerModel):
+    """A model the probe could not serve."""
+
+    model: str
+    error: str
+
+
+class OperationFailed(EventPayload):
+    """``operation.failed``: the operation ended failed at ``step``."""
+
+    event_type = EventType.OPERATION_FAILED
+
+    step: OperationStep
+    code: OperationErrorCode
+    message: str
+    failed_models: tuple[FailedModel, ...] | None = _optional()
+    """``probe_failed``: each model that failed and why."""
+
+
+class OperationPromotionBackoff(EventPayload):
+    """``operation.promotion_backoff``: automatic promotions of a domain pause after failures."""
+
+    event_type = EventType.OPERATION_PROMOTION_BACKOFF
+
+    target_domain_id: UUID
+    consecutive_failures: StrictInt
+    delay_ms: StrictInt
+    until: IsoDatetime
+
+
+class RoutingSwitched(EventPayload):
+    """``routing.switched``: the fleet's route pointer moved (the commit point of a promote)."""
+
+    event_type = EventType.ROUTING_SWITCHED
+
+    from_domain_id: UUID | None
+    to_domain_id: UUID
+    route_revision: StrictInt | None
+    """The revision read right after the switch (null: the fleet was gone)."""
+
+
+# ---- domains, slots, fleets ------------------------------------------------------------------
+
+
+class _DomainChange(EventPayload):
+    from_state: DomainState = Field(alias="from")
+    to_state: DomainState = Field(alias="to")
+    role: Role | None = _optional()
+    reachable: StrictBool | None = _optional()
+    """Whether the supervisor answered the heartbeat."""
+    supervisor_ready: StrictBool | None = _optional()
+    active_ready: StrictBool | None = _optional()
+    """The active domain only: every model bound to it is awake."""
+    models_not_awake: tuple[str, ...] | None = _optional()
+    """The active domain only, when not active-ready: the models not proven awake."""
+
+
+class DomainStateChanged(_DomainChange):
+    """``domain.state.changed``: a heartbeat moved a domain's state."""
+
+    event_type = EventType.DOMAIN_STATE_CHANGED
+
+
+class DomainNotReady(_DomainChange):
+    """``domain.not_ready``: the active domain answered but not every model is awake."""
+
+    event_type = EventType.DOMAIN_NOT_READY
+
+
+class DomainHeartbeatFailed(_DomainChange):
+    """``domain.heartbeat.failed``: a ready domain's supervisor did not answer."""
+
+    event_type = EventType.DOMAIN_HEARTBEAT_FAILED
+
+
+class DomainDegradedEscalated(EventPayload):
+    """``domain.degraded.escalated``: a degraded active domain stayed degraded too long."""
+
+    event_type = EventType.DOMAIN_DEGRADED_ESCALATED
+
+    from_state: DomainState = Field(alias="from")
+    to_state: DomainState = Field(alias="to")
+    degraded_grace_ms: StrictInt
+
+
+class DomainSupervisorUnauthorized(EventPayload):
+    """``domain.supervisor.unauthorized``: the supervisor refuses the server's token."""
+
+    event_type = EventType.DOMAIN_SUPERVISOR_UNAUTHORIZED
+
+    message: str
+    role: Role
+
+
+class DomainSupervisorAuthorized(EventPayload):
+    """``domain.supervisor.authorized``: the supervisor accepts the server's token again."""
+
+    event_type = EventType.DOMAIN_SUPERVISOR_AUTHORIZED
+
+
+class SlotStateChanged(EventPayload):
+    """``slot.state.changed``: a heartbeat moved a slot's state."""
+
+    event_type = EventType.SLOT_STATE_CHANGED
+
+    kind: SlotKind
+    from_state: str = Field(alias="from")
+    """An inference or training slot state, depending on ``kind``."""
+    to_state: str = Field(alias="to")
+    cause: str
+    """What observed it (``heartbeat``)."""
+
+
+class FleetLayoutApplied(EventPayload):
+    """``fleet.layout.applied``: a layout apply created something."""
+
+    event_type = EventType.FLEET_LAYOUT_APPLIED
+
+    fleet_created: StrictBool
+    domains_created: StrictInt
+    slots_created: StrictInt
+    pointer_set: StrictBool
+
+
+# ---- reading ---------------------------------------------------------------------------------
+
+
+class UntypedEventPayload(PeerModel):
+    """A payload read without its model: a type this version does not know, or malformed.
+
+    Serialised back exactly as stored (:attr:`data`), never repaired.
+    """
+
+    type: str
+    """The event's type."""
+    data: Any
+    """The stored JSON value."""
+    error: str | None = None
+    """Why it did not fit its type's model; None when the type is simply unknown."""
+
+
+KnownEventPayload = (
+    OperationRequestedPromote
+    | OperationRequestedDemote
+    | OperationAutoFailover
+    | OperationRestoreDemote
+    | OperationStarted
+    | OperationStepDone
+    | OperationStepTimeoutBestEffort
+    | OperationSucceeded
+    | OperationFailed
+    | OperationPromotionBackoff
+    | RoutingSwitched
+    | DomainStateChanged
+    | DomainNotReady
+    | DomainHeartbeatFailed
+    | DomainDegradedEscalated
+    | DomainSupervisorUnauthorized
+    | DomainSupervisorAuthorized
+    | SlotStateChanged
+    | FleetLayoutApplied
+)
+"""Every typed payload (one per :class:`EventType`)."""
+
+AnyEventPayload = KnownEventPayload | UntypedEventPayload
+"""What :func:`parse_event_payload` returns."""
+
+EVENT_PAYLOADS: Mapping[str, type[EventPayload]] = {
+    model.event_type.value: model for model in get_args(KnownEventPayload)
+}
+"""The payload model of each event type, keyed on the type's wire value."""
+
+
+def parse_event_payload(type_: str, payload: object) -> AnyEventPayload:
+    """The typed payload of an event of type ``type_`` (never raises).
+
+    Args:
+        type_: The event type as stored.
+        payload: The stored JSON value.
+    """
+    model = EVENT_PAYLOADS.get(type_)
+    if model is None:
+        return UntypedEventPayload(type=type_, data=payload)
+    try:
+        return model.model_validate(payload)  # type: ignore[return-value]  # a KnownEventPayload
+    except ValidationError as exc:
+        return UntypedEventPayload(
+            type=type_, data=payload, error=f"{exc.error_count()} validation error(s)"
+        )
+
+
+def event_payload_document(payload: EventPayload) -> dict[str, Any]:
+    """The JSON object stored for ``payload`` (camelCase; optional facts absent when None)."""
+    return payload.model_dump(mode="json")
+
+
+def check_event_payload(type_: str, payload: Mapping[str, object]) -> None:
+    """Refuse a raw payload that its (known) type's model would read as malformed.
+
+    Raises:
+        ValueError: ``payload`` does not fit the model of ``type_``.
+    """
+    model = EVENT_PAYLOADS.get(type_)
+    if model is None:
+        return
+    try:
+        model.model_validate(payload)
+    except ValidationError as exc:
+        raise ValueError(f"payload of a {type_!r} event does not fit its model: {exc}") from exc
+
+
+class _EventEnvelope(PeerModel):
+    id: StrictInt
+    fleet_id: UUID
+    domain_id: UUID | None = None
+    slot_id: UUID | None = None
+    operation_id: UUID | None = None
+    created_at: AwareDatetime
+
+
+def _typed_event(model: type[EventPayload]) -> type[PeerModel]:
+    name = model.__name__ + "Event"
+    tag: Any = Literal[model.event_type.value]  # a literal built at run time
+    envelope: type[PeerModel] = create_model(
+        name,
+        __base__=_EventEnvelope,
+        __doc__=f"An event of type ``{model.event_type.value}``.",
+        type=(tag, ...),
+        payload=(model, ...),
+    )
+    return envelope
+
+
+def event_json_schema() -> dict[str, Any]:
+    """JSON Schema of one audit event: a union keyed on ``type`` with each type's payload.
+
+    An event of a type not listed here is still served (its payload untyped).
+    """
+    variants = [_typed_event(model) for model in EVENT_PAYLOADS.values()]
+    union: Any = functools.reduce(operator.or_, variants)
+    adapter: TypeAdapter[Any] = TypeAdapter(Annotated[union, Field(discriminator="type")])
+    schema = adapter.json_schema(by_alias=True)
+    schema["title"] = "Event"
+    schema["description"] = (
+        "One entry of a fleet's audit trail (GET /v1/fleets/{ref}/events), keyed on its type. "
+        "Events of other types may appear; read their payload untyped."
+    )
+    return schema
