@@ -91,9 +91,9 @@ async def make_proxy(sqlite_store: StateStore) -> AsyncIterator[ProxyFactory]:
         handler_cancellation: bool = False,
         **overrides: Any,
     ) -> Proxy:
-        settings = Settings(
-            **{"chat_header_timeout_ms": 5_000, "snapshot_cache_ttl_ms": 2_000, **overrides}
-        )
+        # route_lease_ms=0: these tests pin the read-per-request mode (leases: test_route_lease).
+        defaults = {"chat_header_timeout_ms": 5_000, "snapshot_cache_ttl_ms": 2_000}
+        settings = Settings(**{**defaults, "route_lease_ms": 0, **overrides})
         app = web.Application(middlewares=[render_errors])
         proxy = Proxy(url="", app=app)
         app[settings_key] = settings

@@ -15,6 +15,7 @@ from haru_db._errors import (
     SchemaTooNewError,
     StateStoreUnavailableError,
 )
+from haru_db._listen import ROUTE_CHANNEL, RouteListener
 from haru_db._migrate import check_schema, current_revision, downgrade, head_revision, upgrade
 from haru_db._operator import load_layout_file, seed_layout_file
 from haru_db._store import LayoutApplyResult, StateStore
@@ -23,6 +24,8 @@ from haru_db._urls import DEFAULT_DATABASE_FILE, redact_database_url, resolve_da
 __all__ = (
     # URLs
     "DEFAULT_DATABASE_FILE",
+    # Route notifications
+    "ROUTE_CHANNEL",
     # Errors
     "ConstraintViolationError",
     "HaruDbError",
@@ -30,6 +33,7 @@ __all__ = (
     "LayoutApplyResult",
     "LayoutFileError",
     "MalformedFleetStateError",
+    "RouteListener",
     "SchemaOutdatedError",
     "SchemaTooNewError",
     "StateStore",

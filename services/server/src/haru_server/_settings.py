@@ -29,6 +29,16 @@ class Settings:
     snapshot_cache_ttl_ms: int = 2_000
     chat_max_body_bytes: int = 33_554_432
     reconcile_interval_ms: int | None = None
+    route_lease_ms: int = 300
+    """``HARU_ROUTE_LEASE_MS``: re-confirm each routed fleet's pointer this often; 0 = read it
+    on every request."""
+    failover_hold_ms: int = 10_000
+    """``HARU_FAILOVER_HOLD_MS``: longest a request is held for a failover; 0 = never hold."""
+    failover_hold_max: int = 1_024
+    """``HARU_FAILOVER_HOLD_MAX``: requests held at once in this process."""
+    upstream_idle_timeout_ms: int = 300_000
+    """``HARU_UPSTREAM_IDLE_TIMEOUT_MS``: an answer whose upstream sends nothing for this long
+    is cut (the client's connection is broken)."""
     reconcile_fleets: tuple[str, ...] | None = None
     """Fleets the loop reconciles; None means every fleet in the store."""
 
@@ -99,4 +109,8 @@ class Settings:
                 None if interval_raw is None else number("HARU_RECONCILE_INTERVAL_MS", 0)
             ),
             reconcile_fleets=fleets,
+            route_lease_ms=number("HARU_ROUTE_LEASE_MS", 300, minimum=0, maximum=60_000),
+            failover_hold_ms=number("HARU_FAILOVER_HOLD_MS", 10_000, minimum=0),
+            failover_hold_max=number("HARU_FAILOVER_HOLD_MAX", 1_024, maximum=1_000_000),
+            upstream_idle_timeout_ms=number("HARU_UPSTREAM_IDLE_TIMEOUT_MS", 300_000),
         )
