@@ -22,7 +22,6 @@ process; a request whose body reached an upstream is never sent again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -107,6 +106,18 @@ class ProxyTuning:
 
 class _ClientGoneError(Exception):
     """The client closed its connection while its request was being served."""
+
+
+@dataclass(slots=True, eq=False)
+class _HeldItem:
+    released: asyncio.Future[bool]
+    revision: int
+    unroutable: bool
+
+
+def _settle_held(future: asyncio.Future[bool], released: bool) -> None:
+    if not future.done():
+        future.set_result(released)
 
 
 class _NothingSentError(Exception):
@@ -226,6 +237,8 @@ class _Proxy:
         self.idle_cuts = 0
         """Answers cut because their upstream went silent mid-answer."""
         self.listener: RouteListener | None = None
+        self._held: dict[UUID, list[_HeldItem]] = {}
+        self._releasers: dict[UUID, asyncio.Task[None]] = {}
         self.cache: RouteCache[RouteTable] = RouteCache(
             app[store_key],
             build=RouteTable,
@@ -358,7 +371,7 @@ class _Proxy:
         except _NothingSentError as exc:
             if not self._may_hold(exc.lookup):
                 raise exc.error from None
-            first = exc
+            failed = exc
         else:
             return lookup, upstream, None
         # Held: nothing of this request reached a server, so it may go to the next active.
@@ -367,17 +380,12 @@ class _Proxy:
         try:
             while True:
                 remaining = started + self._hold - self._mono()
-                if remaining <= 0:
-                    raise _with_held(first.error, started, self._mono()) from None
-                await self.cache.wait_moved(
-                    first.lookup.fleet_id,
-                    first.lookup.snapshot.route_revision,
-                    min(remaining, self._hold_poll),
-                )
+                if remaining <= 0 or not await self._held_until_release(ref, failed, remaining):
+                    raise _with_held(failed.error, started, self._mono()) from None
                 try:
                     lookup, upstream = await self._attempt(ref, model, path, body, headers)
                 except _NothingSentError as exc:
-                    first = exc
+                    failed = exc
                     continue
                 held_ms = int((self._mono() - started) * 1000)
                 self.held_total += 1
@@ -385,6 +393,56 @@ class _Proxy:
                 return lookup, upstream, held_ms
         finally:
             self.holding -= 1
+
+    async def _held_until_release(self, ref: str, failed: _NothingSentError, within: float) -> bool:
+        """Queue behind the fleet's earlier held requests until the releaser lets this one go.
+
+        One releaser task per fleet watches for the move and releases waiters in arrival
+        order (their futures resolve in order, so they dispatch in order). False: the bound
+        ran out first.
+        """
+        loop = asyncio.get_running_loop()
+        fleet_id = failed.lookup.fleet_id
+        item = _HeldItem(
+            loop.create_future(),
+            failed.lookup.snapshot.route_revision,
+            unroutable=not failed.lookup.routes.routable,
+        )
+        queue = self._held.setdefault(fleet_id, [])
+        queue.append(item)
+        if fleet_id not in self._releasers:
+            self._releasers[fleet_id] = loop.create_task(self._release(ref, fleet_id))
+        timer = loop.call_later(within, _settle_held, item.released, False)
+        try:
+            return await item.released
+        finally:
+            timer.cancel()
+            if item in queue:
+                queue.remove(item)
+
+    async def _release(self, ref: str, fleet_id: UUID) -> None:
+        """Release held requests of one fleet, in arrival order, once they can be served."""
+        try:
+            while queue := self._held.get(fleet_id):
+                revision = min(item.revision for item in queue)
+                await self.cache.wait_moved(fleet_id, revision, self._hold_poll)
+                try:
+                    lookup = await self.cache.resolve(ref)
+                except ApiError:
+                    continue
+                now_revision = lookup.snapshot.route_revision
+                for item in list(queue):
+                    if now_revision > item.revision or (item.unroutable and lookup.routes.routable):
+                        queue.remove(item)
+                        _settle_held(item.released, True)
+        finally:
+            self._releasers.pop(fleet_id, None)
+            if not self._held.get(fleet_id):
+                self._held.pop(fleet_id, None)
+
+    @property
+    def releasers(self) -> list[asyncio.Task[None]]:
+        return list(self._releasers.values())
 
     def _may_hold(self, lookup: RouteLookup[RouteTable]) -> bool:
         if self._hold <= 0 or not lookup.snapshot.policy.auto_failover:
@@ -603,10 +661,10 @@ class _ProxyHolder:
                 yield
             finally:
                 self.proxy = None
-                if listening is not None:
-                    listening.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await listening
+                tasks = [*proxy.releasers, *([listening] if listening else [])]
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
                 await proxy.cache.aclose()
 
 
