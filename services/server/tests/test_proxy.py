@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -1021,6 +1022,7 @@ async def test_leased_requests_never_read_the_pointer_and_own_flips_apply_at_onc
     make_proxy: ProxyFactory, setup: Setup, sqlite_store: StateStore, http: aiohttp.ClientSession
 ) -> None:
     counting = CountingStore.open(sqlite_store.url)
+    assert isinstance(counting, CountingStore)
     try:
         # A lease far longer than the test: only the first request may read the pointer.
         proxy = await make_proxy(store=counting, route_lease_ms=60_000)
@@ -1194,6 +1196,10 @@ async def auto_failover_setup(
     return Setup(await apply(store, fleet_layout), alpha, beta)
 
 
+def holding_is(proxy: _Proxy, count: int) -> bool:
+    return proxy.holding == count
+
+
 HOLD_TUNING = ProxyTuning(disconnect_poll_ms=20, outage_memo_ms=50, hold_poll_ms=10)
 
 
@@ -1210,7 +1216,7 @@ async def test_held_requests_are_released_in_arrival_order_at_the_flip(
     tasks = []
     for i in range(3):
         tasks.append(asyncio.create_task(post(http, proxy, chat_body(text=f"request {i}"))))
-        await eventually(lambda i=i: running.holding == i + 1, within=30)
+        await eventually(functools.partial(holding_is, running, i + 1), within=30)
     await promote(sqlite_store, setup.fleet)
     answers = await asyncio.gather(*tasks)
     assert [status for status, _, _ in answers] == [200, 200, 200]
