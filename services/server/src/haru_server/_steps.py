@@ -116,9 +116,9 @@ class StepTuning:
             the same tick instead of one loop interval later. 0 = a single poll.
         first_poll_s: First pause between polls; it doubles up to ``max_poll_s``.
         max_poll_s: Longest pause between polls.
-        route_guard_s: ``demote_old_sleep`` starts its drain no earlier than this long after
-            the flip (its step start): every process's route lease has run out by then
-            (``haru_server._route_cache.lease_guard_ms``; see the README).
+        route_guard_s: ``demote_old_sleep`` stays pending until this long after the flip (its
+            step start, on the reconcile clock): every process's route lease has run out by
+            then (``haru_server._route_cache.lease_guard_ms``; see the README).
         route_moved: Told the new pointer after a flip, so this process routes with it at once.
     """
 
@@ -476,10 +476,11 @@ async def _demote_old_sleep(ctx: StepContext) -> StepResult:
     guard = ctx.tuning.route_guard_s
     flipped = ctx.operation.step_started_at
     if guard > 0 and flipped is not None:
-        # Processes may route to the old active until their lease runs out: wait that out.
-        wait = min(guard - (ctx.now - flipped).total_seconds(), guard, ctx.bound())
-        if wait > 0:
-            await asyncio.sleep(wait)
+        # Processes may route to the old active until their lease runs out: the step stays
+        # pending (re-evaluated on the next tick) until that has passed on the reconcile clock.
+        left = guard - (ctx.now - flipped).total_seconds()
+        if left > 0:
+            return Pending(f"every route lease runs out in {left:.3f} s (route guard)")
     return await _sleep_domain(ctx, source, drain=True)
 
 
