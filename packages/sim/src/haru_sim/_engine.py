@@ -95,6 +95,8 @@ class Engine:
         self.finished: Counter[str] = Counter()
         self.sleeps = 0
         self.wakes = 0
+        self.parked = 0
+        """Generations that arrived while the scheduler was paused (asleep or falling asleep)."""
         self._recorded: deque[RecordedRequest] = deque(maxlen=config.request_log_size)
         self._detached: set[asyncio.Task[Any]] = set()
 
@@ -316,6 +318,7 @@ class Engine:
         if self._closing:
             raise ServerClosingError
         if not self._admitting:
+            self.parked += 1
             self._waiting.add(generation)
             try:
                 await self._wait_until(lambda: self._admitting or generation.aborted)
@@ -367,6 +370,7 @@ class Engine:
             "finished": dict(sorted(self.finished.items())),
             "sleeps": self.sleeps,
             "wakes": self.wakes,
+            "parked": self.parked,
         }
         return {
             "served_model_names": list(self.config.served_model_names),

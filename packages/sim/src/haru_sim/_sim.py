@@ -252,6 +252,11 @@ class VllmSim:
         return self._engine.wakes
 
     @property
+    def parked(self) -> int:
+        """Inference requests that arrived while the engine was paused (asleep or sleeping)."""
+        return self._engine.parked
+
+    @property
     def recorded_requests(self) -> tuple[RecordedRequest, ...]:
         """The last ``request_log_size`` inference requests, oldest first, raw bodies included."""
         return self._engine.recorded_requests
