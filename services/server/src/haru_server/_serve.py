@@ -11,6 +11,7 @@ from collections.abc import Callable
 from aiohttp import web
 from haru_db import redact_database_url, resolve_database_url, upgrade
 
+from haru_server._access_log import AccessLog
 from haru_server._app import create_app
 from haru_server._settings import Settings
 
@@ -65,7 +66,12 @@ async def run_server(
     announce(settings)
     await migrate(settings)
     app = create_app(settings)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        access_log_class=AccessLog,
+    )
     await runner.setup()
     stopping = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()

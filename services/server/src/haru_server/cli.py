@@ -141,10 +141,11 @@ def serve() -> None:
         raise _fail(CliFailure(f"invalid environment: {exc}", code=2)) from None
     from haru_db import HaruDbError
 
+    from haru_server._eventloop import run
     from haru_server._serve import run_server
 
     try:
-        asyncio.run(run_server(settings))
+        run(run_server(settings))
     except HaruDbError as exc:
         raise _fail(CliFailure(f"cannot start: state store: {exc}", code=1)) from None
     except OSError as exc:
