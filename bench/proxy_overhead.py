@@ -621,6 +621,24 @@ def write_docs(body: str) -> None:
 
 
 @contextlib.contextmanager
+def throwaway_postgres(admin_url: str) -> Iterator[str]:
+    """A fresh database on the server ``admin_url`` names, dropped afterwards."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    admin = make_url(admin_url).set(drivername="postgresql")
+    name = f"haru_bench_{secrets.token_hex(4)}"
+    libpq = admin.render_as_string(hide_password=False)
+    with psycopg.connect(libpq, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield admin.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(libpq, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
 def processes() -> Iterator[Processes]:
     procs = Processes()
     try:
@@ -638,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=60.0, help="bound per measurement")
     parser.add_argument(
         "--postgres-url",
-        help="also run Haru on this PostgreSQL database (migrated and seeded by the benchmark)",
+        help="also run Haru on PostgreSQL: a throwaway database on this server (dropped after)",
     )
     parser.add_argument(
         "--asyncio",
@@ -651,8 +669,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-docs", action="store_true", help=f"update {DOCS.name}")
     args = parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory(prefix="haru-bench-") as tmp_dir, processes() as procs:
-        tmp = Path(tmp_dir)
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="haru-bench-")))
+        postgres = (
+            stack.enter_context(throwaway_postgres(args.postgres_url))
+            if args.postgres_url
+            else None
+        )
+        procs = stack.enter_context(processes())  # stopped before the database is dropped
         upstream_port = free_port()
         procs.start(
             [
@@ -675,8 +699,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         targets.append(Target(FLOOR, line.split()[-1], {}, pid))
         stores = [("haru (SQLite)", f"sqlite:///{tmp / 'haru.db'}", "")]
-        if args.postgres_url:
-            stores.append(("haru (PostgreSQL)", args.postgres_url, ""))
+        if postgres is not None:
+            stores.append(("haru (PostgreSQL)", postgres, ""))
         if args.asyncio:
             stores.append(("haru (SQLite, asyncio loop)", f"sqlite:///{tmp / 'a.db'}", "asyncio"))
         for index, (name, database_url, mode) in enumerate(stores):
