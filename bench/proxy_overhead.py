@@ -14,6 +14,8 @@ Every party runs in its own process on 127.0.0.1:
   reference reverse proxy; skipped when the binary is missing (``apt-get install nginx-light``);
 - litellm: ``litellm`` proxy from a separate virtualenv (``--litellm-venv``, or
   ``--install-litellm`` to create one); skipped cleanly when absent;
+- with ``--workers 1,2``, ``haru serve`` itself (the CLI, as deployed) with ``HARU_WORKERS``
+  set to each value, on SQLite (no statement count for these rows);
 - with ``--asyncio``, Haru on SQLite once more on asyncio's own event loop (haru-server runs
   on uvloop) to show what uvloop changes;
 - load: a closed-loop aiohttp client (wrk-style: each of C connections sends its next request
@@ -110,10 +112,27 @@ def run_haru(upstream: str, url: str, port: int, *, counter_file: str, mode: str
 async def _serve_haru(
     upstream: str, url: str, port: int, *, counter_file: str, statements: list[int]
 ) -> None:
-    from haru_db import StateStore, upgrade
-    from haru_protocol import FleetLayout
     from haru_server._serve import run_server
     from haru_server._settings import Settings
+
+    await seed(upstream, url)
+    seq = [0]
+
+    def dump() -> None:
+        seq[0] += 1
+        partial = Path(f"{counter_file}.partial")
+        partial.write_text(f"{seq[0]} {statements[0]}")
+        partial.replace(counter_file)  # atomic: the parent never reads half a file
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
+    settings = Settings(database_url=url, port=port, default_fleet=FLEET)
+    await run_server(settings, on_listening=lambda u: print(f"READY {u}", flush=True))
+
+
+async def seed(upstream: str, url: str) -> None:
+    """Migrate ``url`` and apply the one-domain fleet whose model is served by ``upstream``."""
+    from haru_db import StateStore, upgrade
+    from haru_protocol import FleetLayout
 
     await upgrade(url)
     store = StateStore.open(url)
@@ -144,17 +163,6 @@ async def _serve_haru(
         await store.apply_fleet_layout(layout, at=datetime.now(UTC))
     finally:
         await store.close()
-    seq = [0]
-
-    def dump() -> None:
-        seq[0] += 1
-        partial = Path(f"{counter_file}.partial")
-        partial.write_text(f"{seq[0]} {statements[0]}")
-        partial.replace(counter_file)  # atomic: the parent never reads half a file
-
-    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
-    settings = Settings(database_url=url, port=port, default_fleet=FLEET)
-    await run_server(settings, on_listening=lambda u: print(f"READY {u}", flush=True))
 
 
 # -- child process: the floor proxy -------------------------------------------------------------
@@ -436,6 +444,32 @@ def start_nginx(procs: Processes, tmp: Path, upstream_port: int) -> Target | str
     return Target(name, f"http://127.0.0.1:{port}", {}, child.pid)
 
 
+def start_haru_workers(procs: Processes, tmp: Path, upstream: str, workers: int) -> Target:
+    """``haru serve`` itself with ``HARU_WORKERS=workers`` on a seeded SQLite file."""
+    url = f"sqlite:///{tmp / f'workers-{workers}.db'}"
+    subprocess.run([sys.executable, __file__, "_seed", upstream, url], check=True, timeout=120)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
+    env.update(
+        DATABASE_URL=url, PORT=str(port), HARU_DEFAULT_FLEET=FLEET, HARU_WORKERS=str(workers)
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-m", "haru_server", "serve"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    procs.children.append(child)
+    wait_http(f"http://127.0.0.1:{port}/healthz")
+    time.sleep(2)  # noqa: TID251 - let every worker bind before measuring
+    return Target(
+        f"haru (SQLite, HARU_WORKERS={workers})",
+        f"http://127.0.0.1:{port}",
+        {"X-Haru-Fleet": FLEET},
+        child.pid,
+    )
+
+
 def litellm_binary(args: argparse.Namespace) -> Path | str:
     venv = Path(args.litellm_venv).expanduser()
     binary = venv / "bin" / "litellm"
@@ -604,7 +638,8 @@ def environment(args: argparse.Namespace) -> str:
         f"{platform.python_version()}, load average {os.getloadavg()[0]:.1f} at the end; small "
         f"non-streamed chat answers, closed loop: {args.c1_requests} at concurrency 1 and "
         f"{args.requests} at concurrency 16 (each after {args.warmup} warm-up); {args.streams} "
-        "streams at concurrency 1; every server one process, one event loop"
+        "streams at concurrency 1; every server one process, one event loop, except the "
+        "HARU_WORKERS rows"
     )
 
 
@@ -663,6 +698,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run Haru on SQLite on asyncio's own event loop instead of uvloop",
     )
+    parser.add_argument(
+        "--workers",
+        default="",
+        help="comma-separated HARU_WORKERS values: also run `haru serve` with each (SQLite)",
+    )
     parser.add_argument("--no-nginx", action="store_true")
     parser.add_argument("--litellm-venv", default="~/.cache/haru-bench/litellm-venv")
     parser.add_argument("--install-litellm", action="store_true")
@@ -719,6 +759,8 @@ def main(argv: list[str] | None = None) -> int:
                 ready="READY",
             )
             targets.append(Target(name, line.split()[-1], {"X-Haru-Fleet": FLEET}, pid, counter))
+        counts = [int(w) for w in args.workers.split(",") if w.strip()]
+        targets.extend(start_haru_workers(procs, tmp, upstream, n) for n in counts)
         skipped: dict[str, str] = {}
         if not args.no_nginx:
             nginx = start_nginx(procs, tmp, upstream_port)
@@ -775,6 +817,8 @@ if __name__ == "__main__":
         run_haru(
             sys.argv[2], sys.argv[3], int(sys.argv[4]), counter_file=sys.argv[5], mode=sys.argv[6]
         )
+    elif len(sys.argv) > 1 and sys.argv[1] == "_seed":
+        asyncio.run(seed(sys.argv[2], sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_floor":
         asyncio.run(run_floor(sys.argv[2], int(sys.argv[3])))
     elif len(sys.argv) > 1 and sys.argv[1] == "_load":

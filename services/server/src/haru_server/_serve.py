@@ -55,6 +55,7 @@ async def run_server(
     *,
     on_listening: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Migrate, build the app and serve until SIGINT/SIGTERM (or ``stop`` is set).
 
@@ -62,6 +63,7 @@ async def run_server(
         settings: The parsed environment.
         on_listening: Called with the base URL once the socket is bound.
         stop: Set it to stop the server (signals do the same).
+        reuse_port: Bind with SO_REUSEPORT (one of ``HARU_WORKERS`` processes on one port).
     """
     announce(settings)
     await migrate(settings)
@@ -81,7 +83,7 @@ async def run_server(
             loop.add_signal_handler(signum, stopping.set)
             installed.append(signum)
     try:
-        site = web.TCPSite(runner, settings.host, settings.port)
+        site = web.TCPSite(runner, settings.host, settings.port, reuse_port=reuse_port or None)
         await site.start()
         url = _bound_url(site, settings)
         logger.info("haru-server listening on %s:%d (%s)", settings.host, site.port, url)

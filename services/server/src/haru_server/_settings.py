@@ -41,6 +41,8 @@ class Settings:
     is cut (the client's connection is broken)."""
     reconcile_fleets: tuple[str, ...] | None = None
     """Fleets the loop reconciles; None means every fleet in the store."""
+    workers: int = 1
+    """``HARU_WORKERS``: server processes sharing the port (SO_REUSEPORT); see the README."""
 
     def __repr__(self) -> str:
         # Tokens never reach a log line, even through a repr.
@@ -113,4 +115,5 @@ class Settings:
             failover_hold_ms=number("HARU_FAILOVER_HOLD_MS", 10_000, minimum=0),
             failover_hold_max=number("HARU_FAILOVER_HOLD_MAX", 1_024, maximum=1_000_000),
             upstream_idle_timeout_ms=number("HARU_UPSTREAM_IDLE_TIMEOUT_MS", 300_000),
+            workers=number("HARU_WORKERS", 1, minimum=1, maximum=64),
         )

@@ -143,9 +143,15 @@ def serve() -> None:
 
     from haru_server._eventloop import run
     from haru_server._serve import run_server
+    from haru_server._workers import serve_workers
 
     try:
-        run(run_server(settings))
+        if settings.workers > 1:
+            code = serve_workers(settings)
+            if code:
+                raise typer.Exit(code)
+        else:
+            run(run_server(settings))
     except HaruDbError as exc:
         raise _fail(CliFailure(f"cannot start: state store: {exc}", code=1)) from None
     except OSError as exc:
