@@ -79,11 +79,12 @@ def serve_workers(settings: Settings) -> int:
 def _supervise(workers: Sequence[BaseProcess], stopping: threading.Event) -> int:
     sentinels = [w.sentinel for w in workers]
     while not stopping.is_set():
-        if wait(sentinels, timeout=0.2):
+        ready = wait(sentinels, timeout=0.2)
+        if ready:
             if stopping.is_set():
                 break
-            gone = [w for w in workers if not w.is_alive()]
-            for worker in gone:
+            for worker in (w for w in workers if w.sentinel in ready):
+                worker.join(1.0)  # the sentinel fires at exit, a moment before it is reaped
                 logger.error(
                     "worker %s (pid %s) exited with code %s; stopping the others",
                     worker.name,
