@@ -23,6 +23,7 @@ from haru_protocol import (
 from haru_server._app import create_app
 from haru_server._clock import ManualClock
 from haru_server._middleware import error_middleware
+from haru_server._route_cache import lease_guard_ms
 from haru_server._settings import Settings
 from haru_server.localfleet import LocalFleet
 from pytest_aiohttp import AiohttpClient, AiohttpServer
@@ -434,6 +435,13 @@ async def test_reconcile_runs_one_tick(
     beta = domain_id(snapshot, "beta")
     accepted = await api.post("/v1/fleets/local/promote", json={"targetDomainId": str(beta)})
     operation_id = (await accepted.json())["operation"]["id"]
+    response = await api.post(f"/v1/fleets/{snapshot.id}/reconcile", json={})
+    body = await response.json()
+    assert body["operation"]["id"] == operation_id
+    # Routing flipped; the old active sleeps only once every route lease has run out.
+    assert body["operation"]["state"] == "running"
+    assert body["operation"]["currentStep"] == "demote_old_sleep"
+    clock.advance(ms=lease_guard_ms(Settings().route_lease_ms))
     response = await api.post(f"/v1/fleets/{snapshot.id}/reconcile", json={})
     body = await response.json()
     assert body["operation"]["id"] == operation_id
