@@ -1,21 +1,34 @@
-"""Inference proxy overhead: direct vs Haru vs nginx (vs LiteLLM when installed), side by side.
+"""Inference proxy overhead: direct vs a minimal aiohttp proxy vs Haru (vs nginx, LiteLLM).
 
 Every party runs in its own process on 127.0.0.1:
 
 - upstream: the emulated vLLM server (``python -m haru_sim.vllm``, no token latency);
+- floor: a minimal aiohttp proxy written here (read the body, parse its JSON for ``model``,
+  one pooled ``ClientSession``, stream the answer back): what any Python proxy pays;
 - haru: a real ``haru_server`` boot (``run_server``: migrations, app factory, middlewares,
-  bearer gate, proxy) on a SQLite file seeded with a one-domain fleet pointing at upstream;
+  bearer gate, route lease, proxy) on a SQLite file (and on PostgreSQL with
+  ``--postgres-url``) seeded with a one-domain fleet pointing at upstream, logging like
+  ``haru-server`` (INFO); it counts the state-store statements it executes (SQLAlchemy
+  ``before_cursor_execute``), read by the parent through ``SIGUSR1``;
 - nginx: ``nginx`` with a throwaway config (keep-alive upstream pool, no buffering) as a
   reference reverse proxy; skipped when the binary is missing (``apt-get install nginx-light``);
 - litellm: ``litellm`` proxy from a separate virtualenv (``--litellm-venv``, or
   ``--install-litellm`` to create one); skipped cleanly when absent;
-- load: an aiohttp client in a separate process per measurement.
+- with ``--workers 1,2``, ``haru serve`` itself (the CLI, as deployed) with ``HARU_WORKERS``
+  set to each value, on SQLite (no statement count for these rows);
+- with ``--asyncio``, Haru on SQLite once more on asyncio's own event loop (haru-server runs
+  on uvloop) to show what uvloop changes;
+- load: a closed-loop aiohttp client (wrk-style: each of C connections sends its next request
+  when the previous answer ended) in a separate process per measurement.
 
-For small non-streamed chat answers at a fixed concurrency it reports p50/p99 latency and
-requests per second; for streams the time to the first body byte. "Added" columns subtract the
-direct numbers. One run; numbers are printed, nothing is asserted.
+For small non-streamed chat answers at concurrency 1 and 16 it reports p50/p99 latency and
+requests per second; for streams at concurrency 1 the time to the first body byte; for Haru the
+state-store statements per 1,000 proxied requests during the C=16 run (steady state: the
+lease is warm). "Added" columns subtract the direct numbers. One run; numbers are printed, and
+the issue's targets are checked against the floor, nothing is asserted.
 
     uv run python bench/proxy_overhead.py                 # print the table
+    uv run python bench/proxy_overhead.py --postgres-url postgresql://postgres@127.0.0.1:5432/db
     uv run python bench/proxy_overhead.py --write-docs    # also update docs/BENCHMARKS.md
 """
 
@@ -29,6 +42,7 @@ import os
 import platform
 import secrets
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -43,7 +57,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "BENCHMARKS.md"
-SECTION = "## Inference proxy overhead"
+SECTION = "## Inference proxy against a minimal aiohttp proxy (route lease)"
+FLOOR = "floor (minimal aiohttp proxy)"
 MODEL = "bench-model"
 FLEET = "bench"
 CHAT = json.dumps(
@@ -68,11 +83,56 @@ def free_port() -> int:
 # -- child process: the Haru server ------------------------------------------------------------
 
 
-async def run_haru(upstream: str, url: str, port: int, *, instant_pointer: bool = False) -> None:
-    from haru_db import StateStore, upgrade
-    from haru_protocol import FleetLayout
+def run_haru(upstream: str, url: str, port: int, *, counter_file: str, mode: str) -> None:
+    """Seed the store, then serve Haru as ``haru-server`` does (INFO logging) until SIGTERM."""
+    import logging
+
+    import sqlalchemy
+    from sqlalchemy import event
+
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    statements = [0]
+
+    def counted(*_: Any) -> None:
+        statements[0] += 1
+
+    # Every engine (the store's async engines wrap sync ones) reports each statement here.
+    event.listen(sqlalchemy.engine.Engine, "before_cursor_execute", counted)
+    from haru_server._eventloop import run
+
+    # As haru-server runs (uvloop), or on asyncio's own loop for the side-by-side row.
+    runner = asyncio.run if mode == "asyncio" else run
+    runner(_serve_haru(upstream, url, port, counter_file=counter_file, statements=statements))
+
+
+async def _serve_haru(
+    upstream: str, url: str, port: int, *, counter_file: str, statements: list[int]
+) -> None:
     from haru_server._serve import run_server
     from haru_server._settings import Settings
+
+    await seed(upstream, url)
+    seq = [0]
+
+    def dump() -> None:
+        seq[0] += 1
+        partial = Path(f"{counter_file}.partial")
+        partial.write_text(f"{seq[0]} {statements[0]}")
+        partial.replace(counter_file)  # atomic: the parent never reads half a file
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
+    settings = Settings(database_url=url, port=port, default_fleet=FLEET)
+    await run_server(settings, on_listening=lambda u: print(f"READY {u}", flush=True))
+
+
+async def seed(upstream: str, url: str) -> None:
+    """Migrate ``url`` and apply the one-domain fleet whose model is served by ``upstream``."""
+    from haru_db import StateStore, upgrade
+    from haru_protocol import FleetLayout
 
     await upgrade(url)
     store = StateStore.open(url)
@@ -103,20 +163,53 @@ async def run_haru(upstream: str, url: str, port: int, *, instant_pointer: bool 
         await store.apply_fleet_layout(layout, at=datetime.now(UTC))
     finally:
         await store.close()
-    settings = Settings(database_url=url, port=port, default_fleet=FLEET)
-    if instant_pointer:
-        # Diagnostic only: answer the per-request pointer read from memory after the first
-        # real one, to separate the proxy's own cost from the state store's read.
-        real_read = StateStore.get_fleet_route_pointer
-        known: dict[str, Any] = {}
 
-        async def remembered(self: StateStore, ref: str) -> Any:
-            if ref not in known:
-                known[ref] = await real_read(self, ref)
-            return known[ref]
 
-        StateStore.get_fleet_route_pointer = remembered  # type: ignore[method-assign]
-    await run_server(settings, on_listening=lambda u: print(f"READY {u}", flush=True))
+# -- child process: the floor proxy -------------------------------------------------------------
+
+
+async def run_floor(upstream: str, port: int) -> None:
+    """The floor: the least a Python proxy does (no routing state, no checks, no errors)."""
+    import aiohttp
+    from aiohttp import web
+
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0),
+        auto_decompress=False,
+    )
+
+    async def proxy(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        model = json.loads(body)["model"]
+        if not isinstance(model, str):
+            raise web.HTTPBadRequest
+        async with session.post(
+            f"{upstream}{request.path}",
+            data=body,
+            headers={"Content-Type": "application/json", "Accept-Encoding": "identity"},
+        ) as upstream_response:
+            response = web.StreamResponse(
+                status=upstream_response.status,
+                headers={"Content-Type": upstream_response.headers.get("Content-Type", "")},
+            )
+            await response.prepare(request)
+            async for chunk in upstream_response.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", proxy)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    print(f"READY http://127.0.0.1:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await session.close()
 
 
 # -- child process: the load generator ---------------------------------------------------------
@@ -135,8 +228,8 @@ async def run_load(spec: dict[str, Any]) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
 
-        async def one(record: bool, scheduled: float | None = None) -> None:
-            start = time.perf_counter() if scheduled is None else scheduled
+        async def one(record: bool) -> None:
+            start = time.perf_counter()
             async with session.post(url, data=body, headers=headers) as resp:
                 first = await resp.content.readany()
                 ttfb = time.perf_counter() - start
@@ -169,32 +262,15 @@ async def run_load(spec: dict[str, Any]) -> dict[str, Any]:
         cpu_before = tree_cpu_seconds(pid) if pid else 0.0
         started = time.perf_counter()
         deadline = started + spec["max_seconds"]
-        rate = spec.get("rate")
-        if rate:
-            # Open loop: request i leaves at started + i / rate whatever came before, and its
-            # latency counts from that moment (no coordinated omission).
-            gate = asyncio.Semaphore(concurrency)
-
-            async def paced(index: int) -> None:
-                at = started + index / rate
-                await asyncio.sleep(max(0.0, at - time.perf_counter()))
-                async with gate:
-                    try:
-                        await one(True, at)
-                    except aiohttp.ClientError as exc:
-                        errors.append(type(exc).__name__)
-
-            total = min(spec["requests"], int(rate * spec["max_seconds"]))
-            await asyncio.gather(*(paced(i) for i in range(total)))
-        else:
-            await asyncio.gather(
-                *(worker(done, spec["requests"], deadline, True) for _ in range(concurrency))
-            )
+        await asyncio.gather(
+            *(worker(done, spec["requests"], deadline, True) for _ in range(concurrency))
+        )
         wall = time.perf_counter() - started
         cpu = tree_cpu_seconds(pid) - cpu_before if pid else float("nan")
     return {
         "cpu_us": cpu / len(latencies) * 1e6 if latencies else float("nan"),
         "count": len(latencies),
+        "sent": warm[0] + done[0],
         "errors": len(errors),
         "error_kinds": sorted(set(errors))[:5],
         "rps": len(latencies) / wall if wall > 0 else 0.0,
@@ -241,6 +317,25 @@ class Target:
     headers: dict[str, str]
     pid: int | None = None
     """The proxy's process (its children count too), for CPU per request."""
+    counter_file: Path | None = None
+    """Where a Haru child writes its statement count when sent SIGUSR1."""
+
+
+def statements(target: Target) -> int | None:
+    """The state-store statements the Haru child ``target`` executed so far."""
+    if target.counter_file is None or target.pid is None:
+        return None
+    path = target.counter_file
+    before = path.read_text().split()[0] if path.exists() else "0"
+    os.kill(target.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if path.exists():
+            seq, count = path.read_text().split()
+            if seq != before:
+                return int(count)
+        time.sleep(0.01)  # noqa: TID251 - synchronous parent process, no event loop
+    raise RuntimeError(f"{target.name} did not report its statement count")
 
 
 class Processes:
@@ -349,6 +444,32 @@ def start_nginx(procs: Processes, tmp: Path, upstream_port: int) -> Target | str
     return Target(name, f"http://127.0.0.1:{port}", {}, child.pid)
 
 
+def start_haru_workers(procs: Processes, tmp: Path, upstream: str, workers: int) -> Target:
+    """``haru serve`` itself with ``HARU_WORKERS=workers`` on a seeded SQLite file."""
+    url = f"sqlite:///{tmp / f'workers-{workers}.db'}"
+    subprocess.run([sys.executable, __file__, "_seed", upstream, url], check=True, timeout=120)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
+    env.update(
+        DATABASE_URL=url, PORT=str(port), HARU_DEFAULT_FLEET=FLEET, HARU_WORKERS=str(workers)
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-m", "haru_server", "serve"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+    )
+    procs.children.append(child)
+    wait_http(f"http://127.0.0.1:{port}/healthz")
+    time.sleep(2)  # noqa: TID251 - let every worker bind before measuring
+    return Target(
+        f"haru (SQLite, HARU_WORKERS={workers})",
+        f"http://127.0.0.1:{port}",
+        {"X-Haru-Fleet": FLEET},
+        child.pid,
+    )
+
+
 def litellm_binary(args: argparse.Namespace) -> Path | str:
     venv = Path(args.litellm_venv).expanduser()
     binary = venv / "bin" / "litellm"
@@ -411,16 +532,15 @@ def start_litellm(
 
 
 def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
-    def load(stream: bool, rate: float | None = None) -> dict[str, Any]:
+    def load(*, stream: bool, concurrency: int, requests: int, warmup: int) -> dict[str, Any]:
         spec = {
             "pid": target.pid,
-            "rate": rate,
             "url": f"{target.url}/v1/chat/completions",
             "headers": target.headers,
             "stream": stream,
-            "concurrency": args.stream_concurrency if stream else args.concurrency,
-            "requests": args.streams if stream else args.requests,
-            "warmup": 50 if stream else args.warmup,
+            "concurrency": concurrency,
+            "requests": requests,
+            "warmup": warmup,
             "max_seconds": args.max_seconds,
         }
         out = subprocess.run(
@@ -433,49 +553,81 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
         return result
 
-    small = load(stream=False)
-    paced = load(stream=False, rate=args.rate)
-    streams = load(stream=True)
-    return {"small": small, "paced": paced, "stream": streams}
+    c1 = load(stream=False, concurrency=1, requests=args.c1_requests, warmup=args.warmup)
+    before = statements(target)
+    c16 = load(stream=False, concurrency=16, requests=args.requests, warmup=args.warmup)
+    after = statements(target)
+    if before is not None and after is not None:
+        c16["statements_per_1000"] = (after - before) / c16["sent"] * 1000
+    stream = load(stream=True, concurrency=1, requests=args.streams, warmup=50)
+    return {"c1": c1, "c16": c16, "stream": stream}
 
 
 def fmt(value: float) -> str:
     return f"{value:.2f}"
 
 
-def table(results: dict[str, dict[str, Any]], skipped: dict[str, str], *, rate: float) -> str:
+def table(results: dict[str, dict[str, Any]], skipped: dict[str, str]) -> str:
     base = results["direct"]
     lines = [
-        "| path | paced p50 ms | paced p99 ms | added p50 ms | added p99 ms "
-        "| c16 p50 ms | c16 p99 ms | c16 req/s | proxy CPU us/req | stream TTFB p50 ms "
-        "| added TTFB ms | errors |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| path | c1 p50 ms | c1 p99 ms | added c1 p50 ms | c1 req/s | c16 p50 ms | c16 p99 ms "
+        "| c16 req/s | proxy CPU us/req (c16) | stream TTFB p50 ms (c1) | added TTFB ms "
+        "| store statements / 1000 req | errors |",
+        "| --- " + "| ---: " * 12 + "|",
     ]
     for name, result in results.items():
-        small, paced, stream = result["small"], result["paced"], result["stream"]
-
-        def added(kind: str, key: str, value: float, *, name: str = name) -> str:
-            return "-" if name == "direct" else fmt(value - base[kind][key])
-
-        errors = small["errors"] + paced["errors"] + stream["errors"]
-        if small["rps"] < rate:
-            # Slower than the pace: the open-loop numbers measure its queue, not its latency.
-            paced_cells = f"overloaded (< {rate:.0f} req/s) | - | - | -"
-        else:
-            paced_cells = (
-                f"{fmt(paced['p50_ms'])} | {fmt(paced['p99_ms'])} "
-                f"| {added('paced', 'p50_ms', paced['p50_ms'])} "
-                f"| {added('paced', 'p99_ms', paced['p99_ms'])}"
-            )
-        cpu_cell = "-" if name == "direct" else f"{small['cpu_us']:.0f}"
+        c1, c16, stream = result["c1"], result["c16"], result["stream"]
+        direct = name == "direct"
+        errors = c1["errors"] + c16["errors"] + stream["errors"]
+        count = c16.get("statements_per_1000")
+        cpu = "-" if direct else f"{c16['cpu_us']:.0f}"
+        statements_cell = "-" if count is None else f"{count:.1f}"
         lines.append(
-            f"| {name} | {paced_cells} "
-            f"| {fmt(small['p50_ms'])} | {fmt(small['p99_ms'])} | {small['rps']:.0f} "
-            f"| {cpu_cell} "
-            f"| {fmt(stream['ttfb_p50_ms'])} "
-            f"| {added('stream', 'ttfb_p50_ms', stream['ttfb_p50_ms'])} | {errors} |"
+            f"| {name} | {fmt(c1['p50_ms'])} | {fmt(c1['p99_ms'])} "
+            f"| {'-' if direct else fmt(c1['p50_ms'] - base['c1']['p50_ms'])} "
+            f"| {c1['rps']:.0f} | {fmt(c16['p50_ms'])} | {fmt(c16['p99_ms'])} | {c16['rps']:.0f} "
+            f"| {cpu} | {fmt(stream['ttfb_p50_ms'])} "
+            f"| {'-' if direct else fmt(stream['ttfb_p50_ms'] - base['stream']['ttfb_p50_ms'])} "
+            f"| {statements_cell} | {errors} |"
         )
-    lines.extend(f"| {name} | {reason} ||||||||||| " for name, reason in skipped.items())
+    lines.extend(f"| {name} | {reason} |||||||||||| " for name, reason in skipped.items())
+    return "\n".join(lines)
+
+
+def verdicts(results: dict[str, dict[str, Any]]) -> str:
+    """The issue's targets for every Haru row, against the floor measured in the same run."""
+    base, floor = results["direct"], results.get(FLOOR)
+    if floor is None:
+        return ""
+    floor_added = floor["c1"]["p50_ms"] - base["c1"]["p50_ms"]
+    lines = []
+    for name, result in results.items():
+        if not name.startswith("haru"):
+            continue
+        added = result["c1"]["p50_ms"] - base["c1"]["p50_ms"]
+        ttfb = result["stream"]["ttfb_p50_ms"] - base["stream"]["ttfb_p50_ms"]
+        checks = [
+            (
+                "added p50 at C=1 <= 2x floor's",
+                f"{added:.3f} vs 2 x {floor_added:.3f} ms",
+                added <= 2 * floor_added,
+            ),
+            (
+                "req/s at C=16 >= 2/3 of floor's",
+                f"{result['c16']['rps']:.0f} vs {floor['c16']['rps'] * 2 / 3:.0f}",
+                result["c16"]["rps"] >= floor["c16"]["rps"] * 2 / 3,
+            ),
+            (
+                "p99 at C=16 <= 3x floor's",
+                f"{result['c16']['p99_ms']:.2f} vs 3 x {floor['c16']['p99_ms']:.2f} ms",
+                result["c16"]["p99_ms"] <= 3 * floor["c16"]["p99_ms"],
+            ),
+            ("stream TTFB added at C=1 <= 0.3 ms", f"{ttfb:.3f} ms", ttfb <= 0.3),
+        ]
+        cells = "; ".join(
+            f"{what}: {value} {'met' if ok else 'NOT met'}" for what, value, ok in checks
+        )
+        lines.append(f"- {name}: {cells}")
     return "\n".join(lines)
 
 
@@ -484,10 +636,10 @@ def environment(args: argparse.Namespace) -> str:
     return (
         f"{platform.system()} {platform.machine()}, {cpus} CPU(s), Python "
         f"{platform.python_version()}, load average {os.getloadavg()[0]:.1f} at the end; small "
-        f"non-streamed chat answers paced at {args.rate:.0f} req/s (open loop) and "
-        f"{args.requests} at concurrency {args.concurrency} (closed loop, after {args.warmup} "
-        f"warm-up); {args.streams} streams at concurrency {args.stream_concurrency}; every "
-        "server one process, one event loop"
+        f"non-streamed chat answers, closed loop: {args.c1_requests} at concurrency 1 and "
+        f"{args.requests} at concurrency 16 (each after {args.warmup} warm-up); {args.streams} "
+        "streams at concurrency 1; every server one process, one event loop, except the "
+        "HARU_WORKERS rows"
     )
 
 
@@ -504,6 +656,24 @@ def write_docs(body: str) -> None:
 
 
 @contextlib.contextmanager
+def throwaway_postgres(admin_url: str) -> Iterator[str]:
+    """A fresh database on the server ``admin_url`` names, dropped afterwards."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    admin = make_url(admin_url).set(drivername="postgresql")
+    name = f"haru_bench_{secrets.token_hex(4)}"
+    libpq = admin.render_as_string(hide_password=False)
+    with psycopg.connect(libpq, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield admin.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(libpq, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
 def processes() -> Iterator[Processes]:
     procs = Processes()
     try:
@@ -514,23 +684,24 @@ def processes() -> Iterator[Processes]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--c1-requests", type=int, default=2000)
+    parser.add_argument("--requests", type=int, default=4000, help="requests at concurrency 16")
     parser.add_argument("--warmup", type=int, default=300)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument(
-        "--rate", type=float, default=200.0, help="requests/s of the paced (open-loop) run"
-    )
     parser.add_argument("--streams", type=int, default=300)
-    parser.add_argument("--stream-concurrency", type=int, default=4)
-    parser.add_argument("--max-seconds", type=float, default=30.0, help="bound per measurement")
+    parser.add_argument("--max-seconds", type=float, default=60.0, help="bound per measurement")
     parser.add_argument(
         "--postgres-url",
-        help="also run Haru on this PostgreSQL database (migrated and seeded by the benchmark)",
+        help="also run Haru on PostgreSQL: a throwaway database on this server (dropped after)",
     )
     parser.add_argument(
-        "--instant-pointer",
+        "--asyncio",
         action="store_true",
-        help="diagnostic: add a Haru whose pointer read is answered from memory",
+        help="also run Haru on SQLite on asyncio's own event loop instead of uvloop",
+    )
+    parser.add_argument(
+        "--workers",
+        default="",
+        help="comma-separated HARU_WORKERS values: also run `haru serve` with each (SQLite)",
     )
     parser.add_argument("--no-nginx", action="store_true")
     parser.add_argument("--litellm-venv", default="~/.cache/haru-bench/litellm-venv")
@@ -538,8 +709,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write-docs", action="store_true", help=f"update {DOCS.name}")
     args = parser.parse_args(argv)
 
-    with tempfile.TemporaryDirectory(prefix="haru-bench-") as tmp_dir, processes() as procs:
-        tmp = Path(tmp_dir)
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="haru-bench-")))
+        postgres = (
+            stack.enter_context(throwaway_postgres(args.postgres_url))
+            if args.postgres_url
+            else None
+        )
+        procs = stack.enter_context(processes())  # stopped before the database is dropped
         upstream_port = free_port()
         procs.start(
             [
@@ -557,17 +734,33 @@ def main(argv: list[str] | None = None) -> int:
         )
         upstream = f"http://127.0.0.1:{upstream_port}"
         targets = [Target("direct", upstream, {})]
+        line, pid = procs.start(
+            [sys.executable, __file__, "_floor", upstream, str(free_port())], ready="READY"
+        )
+        targets.append(Target(FLOOR, line.split()[-1], {}, pid))
         stores = [("haru (SQLite)", f"sqlite:///{tmp / 'haru.db'}", "")]
-        if args.postgres_url:
-            stores.append(("haru (PostgreSQL)", args.postgres_url, ""))
-        if args.instant_pointer:
-            stores.append(("haru (instant pointer read)", f"sqlite:///{tmp / 'i.db'}", "instant"))
-        for name, database_url, mode in stores:
+        if postgres is not None:
+            stores.append(("haru (PostgreSQL)", postgres, ""))
+        if args.asyncio:
+            stores.append(("haru (SQLite, asyncio loop)", f"sqlite:///{tmp / 'a.db'}", "asyncio"))
+        for index, (name, database_url, mode) in enumerate(stores):
+            counter = tmp / f"statements-{index}"
             line, pid = procs.start(
-                [sys.executable, __file__, "_haru", upstream, database_url, str(free_port()), mode],
+                [
+                    sys.executable,
+                    __file__,
+                    "_haru",
+                    upstream,
+                    database_url,
+                    str(free_port()),
+                    str(counter),
+                    mode,
+                ],
                 ready="READY",
             )
-            targets.append(Target(name, line.split()[-1], {"X-Haru-Fleet": FLEET}, pid))
+            targets.append(Target(name, line.split()[-1], {"X-Haru-Fleet": FLEET}, pid, counter))
+        counts = [int(w) for w in args.workers.split(",") if w.strip()]
+        targets.extend(start_haru_workers(procs, tmp, upstream, n) for n in counts)
         skipped: dict[str, str] = {}
         if not args.no_nginx:
             nginx = start_nginx(procs, tmp, upstream_port)
@@ -586,8 +779,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"measuring {target.name} ...", file=sys.stderr, flush=True)
             results[target.name] = measure(target, args)
 
-    rendered = table(results, skipped, rate=args.rate)
+    rendered = table(results, skipped)
+    checked = verdicts(results)
     print(rendered)
+    print(checked)
     print(environment(args))
     if args.write_docs:
         shown = ["<url>" if a == args.postgres_url else a for a in (argv or sys.argv[1:])]
@@ -597,30 +792,35 @@ def main(argv: list[str] | None = None) -> int:
             f"Command: `{command.strip()}` ({datetime.now(UTC):%Y-%m-%d}).\n\n"
             f"{environment(args)}.\n\n"
             f"{rendered}\n\n"
-            "How to read it: *paced* sends requests at a fixed rate (open loop, latency counted "
-            "from the scheduled send), so its *added* columns are the per-request overhead of "
-            "the hop; *c16* keeps 16 requests in flight (closed loop), so on a small machine its "
-            "latency mostly reflects CPU saturation and its req/s the throughput. Latency runs "
-            "from sending a request to its last body byte; TTFB is the first body byte of a "
-            "streamed answer; *added* subtracts the direct numbers. *proxy CPU* is the user + "
-            "system CPU of the proxy's process tree per request in the c16 run (aiosqlite's "
-            "threads included). A proxy slower than the pace is marked *overloaded*: its "
-            "open-loop numbers would only measure its queue. Haru reads the route pointer from "
-            "the state store on every request (SPEC 7.5; concurrent requests share a read that "
-            "started after they arrived); the *instant pointer read* row, when present, is a "
-            "diagnostic that answers that read from memory to show the proxy's own cost apart "
-            "from the store's. Target: added p50 <= 1 ms and added p99 <= 5 ms on one worker.\n"
+            f"Targets of the data-path issue, against the floor of the same run:\n\n{checked}\n\n"
+            "How to read it: every run is closed loop (like wrk: C connections, each sends its "
+            "next request when the previous answer ended), so *c1* latency is the per-request "
+            "cost of the hop and *c16* req/s the throughput of one process. Latency runs from "
+            "sending a request to its last body byte; TTFB is the first body byte of a streamed "
+            "answer; *added* subtracts the direct numbers. *proxy CPU* is the user + system "
+            "CPU of the proxy's process tree per request in the c16 run (aiosqlite's threads "
+            "included). The *floor* is the least a Python proxy does: read the body, parse its "
+            "JSON for `model`, one pooled `aiohttp.ClientSession`, stream the answer back. "
+            "Haru runs as `haru-server` does (uvloop, INFO logging: its access log writes a "
+            "line per failed answer only) with its route lease (`HARU_ROUTE_LEASE_MS`=300): no "
+            "state-store read per request. *store statements / 1000 req* counts every "
+            "statement Haru's engines executed during the c16 run (warm-up included) per "
+            "1,000 proxied requests: the lease refresher's pointer reads (one per lease "
+            "interval) and a snapshot reload per `HARU_SNAPSHOT_CACHE_TTL_MS`, whatever the "
+            "request rate.\n"
         )
     return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_haru":
-        asyncio.run(
-            run_haru(
-                sys.argv[2], sys.argv[3], int(sys.argv[4]), instant_pointer=sys.argv[5] == "instant"
-            )
+        run_haru(
+            sys.argv[2], sys.argv[3], int(sys.argv[4]), counter_file=sys.argv[5], mode=sys.argv[6]
         )
+    elif len(sys.argv) > 1 and sys.argv[1] == "_seed":
+        asyncio.run(seed(sys.argv[2], sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "_floor":
+        asyncio.run(run_floor(sys.argv[2], int(sys.argv[3])))
     elif len(sys.argv) > 1 and sys.argv[1] == "_load":
         print(json.dumps(asyncio.run(run_load(json.loads(sys.argv[2])))))
     else:

@@ -47,6 +47,17 @@ async def served(topology: DemoTopology, slug: str) -> int:
     return total
 
 
+async def parked(topology: DemoTopology, slug: str) -> int:
+    """Requests that reached ``slug``'s vLLM servers while asleep or falling asleep."""
+    total = 0
+    for state in (await topology.vllm_states(slug)).values():
+        assert state is not None, f"a vLLM server of {slug} does not answer"
+        counters = state["counters"]
+        assert isinstance(counters, dict)
+        total += int(counters["parked"])
+    return total
+
+
 async def asleep(topology: DemoTopology, slug: str) -> bool:
     states = await topology.vllm_states(slug)
     return all(s is not None and s["sleeping"] is True for s in states.values())
@@ -121,6 +132,39 @@ async def test_planned_promotion_under_load_fails_no_request(
     assert all(s.state is TrainingRunState.IDLE and not s.pids for s in status.slots)
     final_steps = checkpoint_steps(topology, "beta")
     assert all(final_steps[gpu] >= step for gpu, step in trained.items()), (trained, final_steps)
+
+
+async def test_planned_switchovers_never_send_a_request_to_a_sleeping_server(
+    launch: Launch, eventually: Eventually
+) -> None:
+    """Back and forth under load: the old active is put to sleep only once no process routes
+    to it any more (its route lease ran out), so it never sees a request while it sleeps."""
+    topology = await launch()
+    assert active_slug(await topology.fleet()) == "alpha"
+    assert (await parked(topology, "alpha"), await parked(topology, "beta")) == (0, 0)
+
+    async with traffic_for(topology, clients=8) as traffic:
+        await eventually(lambda: sum(r.ok for r in traffic.records) >= 20, what="traffic")
+        for target, old in (("beta", "alpha"), ("alpha", "beta")):
+            accepted = await topology.request(OperationKind.PROMOTE, target)
+            assert accepted is not None
+            final = await topology.wait_for_operation(accepted.id, timeout_s=60)
+            assert final.state is OperationState.SUCCEEDED, final.error
+            await eventually(lambda old=old: asleep(topology, old), what=f"{old} asleep")
+            switched = time.time()
+            await eventually(
+                lambda switched=switched: (
+                    sum(r.started_at > switched for r in traffic.records) >= 20
+                ),
+                what=f"traffic on {target}",
+            )
+
+    assert active_slug(await topology.fleet()) == "alpha"
+    failures = [r for r in traffic.records if not r.ok]
+    assert not failures, failures
+    assert await parked(topology, "alpha") == 0
+    assert await parked(topology, "beta") == 0
+    assert await served(topology, "beta") > 0
 
 
 async def test_unplanned_failover_happens_within_its_budget(

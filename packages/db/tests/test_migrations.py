@@ -212,5 +212,7 @@ def test_the_wheel_ships_the_migrations_and_the_pytest_plugin(tmp_path: Path) ->
         "haru_db/migrations/script.py.mako",
         "haru_db/migrations/versions/v0001_initial.py",
         "haru_db/migrations/versions/v0002_operation_events.py",
+        "haru_db/migrations/versions/v0003_domain_provisioning.py",
+        "haru_db/migrations/versions/v0004_route_notify.py",
         "haru_db/py.typed",
     } <= names

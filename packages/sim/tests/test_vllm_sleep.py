@@ -153,6 +153,7 @@ async def test_requests_while_asleep_are_parked_then_served_after_wake(
     start_sim: StartSim, http: aiohttp.ClientSession, eventually: Eventually
 ) -> None:
     sim = await start_sim(start_asleep=True)
+    assert sim.parked_total == 0
     parked = [
         asyncio.create_task(post_json(http, f"{sim.url}/v1/chat/completions", CHAT)),
         asyncio.create_task(post_json(http, f"{sim.url}/v1/embeddings", {"input": "x"})),
@@ -171,6 +172,11 @@ async def test_requests_while_asleep_are_parked_then_served_after_wake(
     assert len(emb["data"][0]["embedding"]) == 8
     assert sim.num_parked == 0
     assert await metric(http, sim, "num_requests_waiting") == 0.0
+    # The count of arrivals while asleep outlives the wake (and reaches other processes).
+    status, _ = await post_json(http, f"{sim.url}/v1/chat/completions", CHAT)
+    assert status == 200
+    assert sim.parked_total == 2
+    assert (await get_json(http, f"{sim.url}/_sim/state"))["counters"]["parked"] == 2
 
 
 async def test_a_parked_stream_gets_headers_but_no_data_until_wake(

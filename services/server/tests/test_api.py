@@ -27,6 +27,7 @@ from haru_protocol import (
 )
 from haru_server._app import create_app
 from haru_server._clock import ManualClock
+from haru_server._route_cache import lease_guard_ms
 from haru_server._settings import Settings
 from haru_server.cli import format_event
 from haru_web import error_middleware
@@ -566,6 +567,13 @@ async def test_reconcile_runs_one_tick(
     beta = domain_id(snapshot, "beta")
     accepted = await api.post("/v1/fleets/local/promote", json={"targetDomainId": str(beta)})
     operation_id = (await accepted.json())["operation"]["id"]
+    response = await api.post(f"/v1/fleets/{snapshot.id}/reconcile", json={})
+    body = await response.json()
+    assert body["operation"]["id"] == operation_id
+    # Routing flipped; the old active sleeps only once every route lease has run out.
+    assert body["operation"]["state"] == "running"
+    assert body["operation"]["currentStep"] == "demote_old_sleep"
+    clock.advance(ms=lease_guard_ms(Settings().route_lease_ms))
     response = await api.post(f"/v1/fleets/{snapshot.id}/reconcile", json={})
     body = await response.json()
     assert body["operation"]["id"] == operation_id

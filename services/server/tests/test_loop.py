@@ -17,8 +17,10 @@ from haru_db.testing import confirm_domains
 from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
     FleetLayout,
+    Operation,
     OperationKind,
     OperationState,
+    OperationStep,
     load_example_layout,
 )
 from haru_server._app import create_app
@@ -26,6 +28,7 @@ from haru_server._clock import ManualClock
 from haru_server._keys import kick_fleet_key, loop_key
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
 from haru_server._reconciler import Reconciler, TickResult
+from haru_server._route_cache import lease_guard_ms
 from haru_server._settings import Settings
 from pytest_aiohttp import AiohttpClient, AiohttpServer
 
@@ -233,12 +236,18 @@ async def test_promote_through_the_api_is_driven_by_the_kicked_loop(
     assert response.status == 202
     operation_id = UUID((await response.json())["operation"]["id"])
 
-    async def state() -> OperationState | None:
-        operation = await store.get_operation(operation_id)
-        return None if operation is None else operation.state
+    async def operation() -> Operation:
+        found = await store.get_operation(operation_id)
+        assert found is not None
+        return found
 
+    # The loop re-ticks the pending demote until the route guard has passed on its clock.
     async with asyncio.timeout(20):
-        while await state() is not OperationState.SUCCEEDED:
+        while (await operation()).current_step is not OperationStep.DEMOTE_OLD_SLEEP:
+            await asyncio.sleep(0.02)
+    clock.advance(ms=lease_guard_ms(settings.route_lease_ms))
+    async with asyncio.timeout(20):
+        while (await operation()).state is not OperationState.SUCCEEDED:
             await asyncio.sleep(0.02)
     after = await store.get_fleet_snapshot("local")
     assert after is not None

@@ -166,11 +166,19 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     assert total(server, "haru_state_store_errors_total") == 0
     assert total(server, "haru_proxy_stale_requests_total") == 0
     # Standby duty cycle: beta trained through its 1 s of standby before the promotion, alpha
-    # through its 1 s after it (the app clock moved 1 s per tick).
+    # through its seconds after it (the app clock moved 1 s per tick).
     assert value(server, "haru_standby_seconds_total", fleet="local", domain="beta") >= 1
-    assert value(server, "haru_standby_seconds_total", fleet="local", domain="alpha") == 1
-    assert value(server, "haru_standby_training_seconds_total", fleet="local", domain="alpha") == 1
-    assert value(server, "haru_standby_duty_cycle_ratio", fleet="local", domain="alpha") == 1
+    # Alpha's first standby second is the route guard's (it still answers requests routed by
+    # an old lease, so its training waits): counted as standby, not as training.
+    alpha_standby = value(server, "haru_standby_seconds_total", fleet="local", domain="alpha")
+    alpha_training = value(
+        server, "haru_standby_training_seconds_total", fleet="local", domain="alpha"
+    )
+    assert alpha_training >= 1
+    assert alpha_standby == alpha_training + 1
+    assert value(
+        server, "haru_standby_duty_cycle_ratio", fleet="local", domain="alpha"
+    ) == pytest.approx(alpha_training / alpha_standby)
 
     # ---- the supervisors' metrics ------------------------------------------------------------
     alpha_sup = await scrape(http, fleet.domain("alpha").supervisor_url)

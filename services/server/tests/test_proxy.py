@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,19 +25,31 @@ import openai
 import pytest
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from haru_db import StateStore
+from haru_db import StateStore, StateStoreUnavailableError
 from haru_db.testing import confirm_domains
 from haru_protocol import (
     DomainState,
     FleetLayout,
+    FleetRef,
+    FleetRoutePointer,
+    FleetSnapshot,
     InferenceSlotState,
     OperationKind,
     OperationStep,
+    PolicyPatch,
     SlotKind,
 )
 from haru_server._app import create_app
 from haru_server._keys import clock_key, kick_fleet_key, settings_key, store_key
-from haru_server._proxy import ProxyTuning, _KickDebouncer, install_proxy
+from haru_server._proxy import (
+    ProxyTuning,
+    _KickDebouncer,
+    _Proxy,
+    install_proxy,
+    observe_route_move,
+    proxy_key,
+)
+from haru_server._route_cache import RouteCache
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
 from haru_web import ApiError, render_api_error
@@ -93,9 +106,9 @@ async def make_proxy(sqlite_store: StateStore) -> AsyncIterator[ProxyFactory]:
         handler_cancellation: bool = False,
         **overrides: Any,
     ) -> Proxy:
-        settings = Settings(
-            **{"chat_header_timeout_ms": 5_000, "snapshot_cache_ttl_ms": 2_000, **overrides}
-        )
+        # route_lease_ms=0: these tests pin the read-per-request mode (leases: test_route_lease).
+        defaults = {"chat_header_timeout_ms": 5_000, "snapshot_cache_ttl_ms": 2_000}
+        settings = Settings(**{**defaults, "route_lease_ms": 0, **overrides})
         app = web.Application(middlewares=[render_errors])
         proxy = Proxy(url="", app=app)
         app[settings_key] = settings
@@ -515,7 +528,8 @@ async def test_upstream_errors_pass_through_unchanged_and_unretried(
 
 @dataclass
 class RawUpstream:
-    """A raw TCP upstream: answers nothing (``silent``) or one SSE event then stays quiet.
+    """A raw TCP upstream: answers nothing (``silent``), one SSE event then stays quiet
+    (``one_event``), or closes the connection once the request arrived (``drop``).
 
     It records when the proxy closes the connection, which is what "the upstream request is
     aborted" means on the wire.
@@ -540,6 +554,9 @@ class RawUpstream:
         self.writers.append(writer)
         await reader.readuntil(b"\r\n\r\n")
         self.received.set()
+        if self.mode == "drop":  # took the request, then died before answering
+            writer.close()
+            return
         if self.mode == "one_event":
             writer.write(
                 b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -988,3 +1005,345 @@ async def test_proxy_inside_the_server_app_behind_the_bearer_check(
         assert [m["id"] for m in (await resp.json())["data"]] == list(MODELS)
     recorded = env.alpha.recorded_requests[-1]
     assert all("server-token-0123456789" not in value for _, value in recorded.headers)
+
+
+# -- route lease, pointer notifications -------------------------------------------------------
+
+
+class CountingStore(StateStore):
+    """A store that counts the route-pointer reads it serves."""
+
+    pointer_reads = 0
+
+    async def get_fleet_route_pointer(self, ref: str | FleetRef) -> FleetRoutePointer | None:
+        self.pointer_reads += 1
+        return await super().get_fleet_route_pointer(ref)
+
+
+def proxy_of(proxy: Proxy) -> _Proxy:
+    running = proxy.app[proxy_key].proxy
+    assert running is not None
+    return running
+
+
+async def test_leased_requests_never_read_the_pointer_and_own_flips_apply_at_once(
+    make_proxy: ProxyFactory, setup: Setup, sqlite_store: StateStore, http: aiohttp.ClientSession
+) -> None:
+    counting = CountingStore.open(sqlite_store.url)
+    assert isinstance(counting, CountingStore)
+    try:
+        # A lease far longer than the test: only the first request may read the pointer.
+        proxy = await make_proxy(store=counting, route_lease_ms=60_000)
+        for _ in range(20):
+            assert (await post(http, proxy, chat_body()))[0] == 200
+        assert counting.pointer_reads == 1
+        assert served(setup.alpha) == 20
+        cache = proxy_of(proxy).cache
+        assert cache.refreshing(setup.fleet.id)
+        # A flip this process did not hear of is not seen before the lease runs out (SQLite
+        # cannot notify) ...
+        await promote(sqlite_store, setup.fleet)
+        assert (await post(http, proxy, chat_body()))[0] == 200
+        assert served(setup.beta) == 0
+        # ... a flip made by this process (the switch_active step reports it) is seen at once.
+        pointer = await sqlite_store.get_fleet_route_pointer("prod")
+        assert pointer is not None
+        observe_route_move(proxy.app, pointer)
+        status, headers, _ = await post(http, proxy, chat_body())
+        assert status == 200
+        assert "X-Haru-Routing" not in headers
+        assert served(setup.beta) == 1
+        assert counting.pointer_reads == 1
+    finally:
+        await counting.close()
+
+
+async def test_an_unconfirmed_lease_is_served_marked_stale() -> None:
+    clock = [0.0]
+    gate: asyncio.Queue[None] = asyncio.Queue()
+
+    async def sleep(_: float) -> None:
+        await gate.get()
+
+    class Source:
+        def __init__(self, pointer: FleetRoutePointer, snapshot: FleetSnapshot) -> None:
+            self.pointer = pointer
+            self.snapshot = snapshot
+            self.fail = False
+            self.reads = 0
+
+        async def get_fleet_route_pointer(self, ref: str) -> FleetRoutePointer | None:
+            self.reads += 1
+            if self.fail:
+                raise StateStoreUnavailableError("down")
+            return self.pointer
+
+        async def get_fleet_snapshot(self, ref: str) -> FleetSnapshot | None:
+            return self.snapshot
+
+    fleet_id = UUID(int=1)
+    snapshot = FleetSnapshot.model_validate(
+        {
+            "id": str(fleet_id),
+            "slug": "prod",
+            "displayName": None,
+            "activeDomainId": None,
+            "routeRevision": 1,
+            "policy": {},
+            "domains": [],
+        }
+    )
+    pointer = FleetRoutePointer(id=fleet_id, slug="prod", active_domain_id=None, route_revision=1)
+    source = Source(pointer, snapshot)
+    cache: RouteCache[FleetSnapshot] = RouteCache(
+        source,
+        build=lambda s: s,
+        ttl_ms=600_000,
+        lease_ms=100,
+        pointer_timeout_ms=50,
+        clock=lambda: clock[0],
+        sleep=sleep,
+    )
+    try:
+        assert not (await cache.resolve("prod")).stale
+        source.fail = True
+        clock[0] = 0.149  # within lease + read bound: fresh, and nothing was read
+        assert not (await cache.resolve("prod")).stale
+        assert source.reads == 1
+        gate.put_nowait(None)  # one refresher round: the read fails
+        await _until(lambda: source.reads == 2)
+        clock[0] = 0.151  # the lease has run out unconfirmed
+        lookup = await cache.resolve("prod")
+        assert lookup.stale
+        assert source.reads == 2  # still no read on the request path
+        source.fail = False
+        gate.put_nowait(None)
+        await _until(lambda: source.reads == 3)
+        assert not (await cache.resolve("prod")).stale
+    finally:
+        await cache.aclose()
+
+
+async def _until(predicate: Callable[[], bool]) -> None:
+    while not predicate():
+        await asyncio.sleep(0.001)
+
+
+async def two_processes(
+    make_proxy: ProxyFactory, store: StateStore, **overrides: Any
+) -> tuple[Proxy, Proxy, StateStore]:
+    other = StateStore.open(store.url)
+    first = await make_proxy(store=store, **overrides)
+    second = await make_proxy(store=other, **overrides)
+    return first, second, other
+
+
+async def test_a_flip_by_one_process_reaches_another_by_notification(
+    make_proxy: ProxyFactory,
+    postgres_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    http: aiohttp.ClientSession,
+) -> None:
+    setup = await make_setup(postgres_store, stack)
+    # The lease outlasts the test: only NOTIFY can move the second process.
+    first, second, other = await two_processes(make_proxy, postgres_store, route_lease_ms=60_000)
+    stack.push_async_callback(other.close)
+    listener = proxy_of(second).listener
+    assert listener is not None
+    await listener.connected.wait()
+    for proxy in (first, second):
+        assert (await post(http, proxy, chat_body()))[0] == 200
+    assert served(setup.alpha) == 2
+    revision = proxy_of(second).cache.leased(setup.fleet.id)
+    assert revision is not None
+    await promote(postgres_store, setup.fleet)  # the flip, made through the first's store
+    await proxy_of(second).cache.wait_moved(setup.fleet.id, revision.route_revision, 30)
+    status, headers, _ = await post(http, second, chat_body())
+    assert status == 200
+    assert "X-Haru-Routing" not in headers
+    assert served(setup.beta) == 1
+    assert listener.notifications >= 1
+
+
+async def test_with_notifications_cut_a_flip_is_seen_within_the_lease(
+    make_proxy: ProxyFactory,
+    postgres_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    http: aiohttp.ClientSession,
+) -> None:
+    setup = await make_setup(postgres_store, stack)
+    _, second, other = await two_processes(
+        make_proxy,
+        postgres_store,
+        route_lease_ms=50,
+        tuning=ProxyTuning(disconnect_poll_ms=20, outage_memo_ms=50, listen=False),
+    )
+    stack.push_async_callback(other.close)
+    assert proxy_of(second).listener is None
+    assert (await post(http, second, chat_body()))[0] == 200
+    leased = proxy_of(second).cache.leased(setup.fleet.id)
+    assert leased is not None
+    await promote(postgres_store, setup.fleet)
+    # Only the refresher's polling can carry the move (every 50 ms while the fleet is used).
+    await proxy_of(second).cache.wait_moved(setup.fleet.id, leased.route_revision, 30)
+    assert (await post(http, second, chat_body()))[0] == 200
+    assert served(setup.beta) == 1
+
+
+# -- holding requests through a failover -----------------------------------------------------
+
+
+async def auto_failover_setup(
+    store: StateStore, stack: contextlib.AsyncExitStack, alpha_url: str | None = None
+) -> Setup:
+    alpha = await start_sim(stack)
+    beta = await start_sim(stack)
+    models_alpha = dict.fromkeys(MODELS, alpha_url or alpha.url)
+    fleet_layout = layout("prod", models_alpha, dict.fromkeys(MODELS, beta.url))
+    fleet_layout = fleet_layout.model_copy(update={"policy": PolicyPatch(auto_failover=True)})
+    return Setup(await apply(store, fleet_layout), alpha, beta)
+
+
+def holding_is(proxy: _Proxy, count: int) -> bool:
+    return proxy.holding == count
+
+
+HOLD_TUNING = ProxyTuning(disconnect_poll_ms=20, outage_memo_ms=50, hold_poll_ms=10)
+
+
+async def test_held_requests_are_released_in_arrival_order_at_the_flip(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    http: aiohttp.ClientSession,
+) -> None:
+    setup = await auto_failover_setup(sqlite_store, stack)
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000)
+    await setup.alpha.set_faults(refuse=True)  # the active crashed: connections are refused
+    running = proxy_of(proxy)
+    tasks = []
+    for i in range(3):
+        tasks.append(asyncio.create_task(post(http, proxy, chat_body(text=f"request {i}"))))
+        await eventually(functools.partial(holding_is, running, i + 1), within=30)
+    await promote(sqlite_store, setup.fleet)
+    answers = await asyncio.gather(*tasks)
+    assert [status for status, _, _ in answers] == [200, 200, 200]
+    assert all(int(headers["X-Haru-Held-Ms"]) >= 0 for _, headers, _ in answers)
+    arrived = [json.loads(r.body)["messages"][0]["content"] for r in setup.beta.recorded_requests]
+    assert arrived == ["request 0", "request 1", "request 2"]
+    assert served(setup.alpha) == 0
+    assert running.held_total == 3
+    assert running.holding == 0
+
+
+async def test_a_held_request_fails_at_its_bound_with_the_error_it_would_have_got(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    http: aiohttp.ClientSession,
+) -> None:
+    setup = await auto_failover_setup(sqlite_store, stack)
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=30)
+    assert await sqlite_store.transition_domain(
+        setup.fleet.alpha_id, from_states=[DomainState.READY], to=DomainState.FAILED, at=now()
+    )
+    status, headers, body = await post(http, proxy, chat_body())
+    assert status == 503
+    assert error_code(body) == "no_active_domain"
+    assert int(headers["X-Haru-Held-Ms"]) >= 30
+    assert proxy_of(proxy).holding == 0
+
+
+async def test_holds_respect_the_cap_and_need_auto_failover(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    http: aiohttp.ClientSession,
+) -> None:
+    setup = await auto_failover_setup(sqlite_store, stack)
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000, failover_hold_max=1)
+    await setup.alpha.set_faults(refuse=True)
+    running = proxy_of(proxy)
+    held = asyncio.create_task(post(http, proxy, chat_body(text="held")))
+    await eventually(lambda: running.holding == 1, within=30)
+    status, headers, body = await post(http, proxy, chat_body(text="over the cap"))
+    assert status == 502
+    assert error_code(body) == "upstream_unreachable"
+    assert "X-Haru-Held-Ms" not in headers
+    await promote(sqlite_store, setup.fleet)
+    assert (await held)[0] == 200
+    assert served(setup.beta) == 1
+
+
+async def test_a_fleet_without_auto_failover_fails_at_once(
+    make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000)
+    await setup.alpha.set_faults(refuse=True)
+    status, headers, _ = await post(http, proxy, chat_body())
+    assert status == 502
+    assert "X-Haru-Held-Ms" not in headers
+    assert proxy_of(proxy).held_total == 0
+
+
+async def test_a_request_that_reached_an_upstream_is_never_replayed(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    raw_upstream: RawUpstreamFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    upstream, url = await raw_upstream("drop")
+    setup = await auto_failover_setup(sqlite_store, stack, alpha_url=url)
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000)
+    status, headers, body = await post(http, proxy, chat_body())
+    assert status == 502
+    assert error_code(body) == "upstream_unreachable"
+    assert "X-Haru-Held-Ms" not in headers
+    assert len(upstream.writers) == 1  # one connection, one request: never sent again
+    assert served(setup.beta) == 0
+
+
+async def test_a_client_gone_while_held_is_dropped(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+) -> None:
+    setup = await auto_failover_setup(sqlite_store, stack)
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000)
+    await setup.alpha.set_faults(refuse=True)
+    running = proxy_of(proxy)
+    _, writer = await raw_request(proxy, chat_body())
+    await eventually(lambda: running.holding == 1, within=30)
+    writer.close()
+    await eventually(lambda: running.holding == 0, within=30)
+    await promote(sqlite_store, setup.fleet)
+    assert served(setup.beta) == 0
+    assert running.held_total == 0
+
+
+# -- a silent upstream mid-answer -------------------------------------------------------------
+
+
+async def test_an_upstream_silent_mid_answer_is_cut_at_the_idle_bound(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    raw_upstream: RawUpstreamFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    upstream, url = await raw_upstream("one_event")
+    await make_setup(sqlite_store, stack, extra_alpha={"chat-small": url})
+    proxy = await make_proxy(upstream_idle_timeout_ms=50)
+    async with http.post(
+        f"{proxy.url}/v1/chat/completions",
+        data=chat_body(stream=True),
+        headers={"X-Haru-Fleet": "prod"},
+    ) as resp:
+        assert resp.status == 200
+        pieces: list[bytes] = []
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await read_into(resp, pieces)
+    assert b"".join(pieces).startswith(b"data: first\n\n")
+    await asyncio.wait_for(upstream.closed.wait(), 30)
+    assert proxy_of(proxy).idle_cuts == 1

@@ -215,7 +215,10 @@ async def make_proxy() -> AsyncIterator[ProxyFactory]:
 
     async def make(store: StateStore, *, tuning: ProxyTuning = TUNING, **overrides: Any) -> str:
         app = web.Application(middlewares=[render_errors])
-        app[settings_key] = Settings(**{"snapshot_cache_ttl_ms": 2_000, **overrides})
+        # route_lease_ms=0: the read-per-request mode (leases: test_route_lease).
+        app[settings_key] = Settings(
+            **{"snapshot_cache_ttl_ms": 2_000, "route_lease_ms": 0, **overrides}
+        )
         app[store_key] = store
         app[clock_key] = now
         kicks: list[UUID] = []

@@ -33,6 +33,7 @@ from haru_protocol import (
 )
 from haru_server._clock import ManualClock
 from haru_server._reconciler import Reconciler
+from haru_server._steps import StepTuning
 from haru_sim import read_trainer_checkpoint
 from haru_supervisor import process_name
 from haru_supervisor.client import SupervisorClient
@@ -931,3 +932,71 @@ async def test_switch_active_fails_cas_lost_when_the_pointer_moved_elsewhere(
     assert after.active_domain_id is None
     # The target was probed (serving) but never routed: the fail cleaned it up.
     assert states(after, "beta")[1] == ["failed", "failed"]
+
+
+async def test_old_active_sleeps_only_after_the_route_guard_on_the_reconcile_clock(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    """``demote_old_sleep`` starts its drain no earlier than flip + lease + margin.
+
+    The wait is a pending step re-evaluated on each tick, so a frozen clock holds it however
+    many ticks run, and advancing the clock past the guard releases it.
+    """
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock)
+    guard_ms = 1_050
+    tuning = StepTuning(
+        settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05, route_guard_s=guard_ms / 1000
+    )
+    reconciler = make_reconciler(store, tuning=tuning)
+    beta = domain_id(seeded, "beta")
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
+    )
+    alpha_sims = fleet.domain("alpha").sims.values()
+    # Chaining runs every step up to the flip in one tick; the demote then waits.
+    for _ in range(3):
+        result = await reconciler.tick("local")
+        assert result.operation is not None
+        assert result.operation.state is OperationState.RUNNING
+        assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    operation = await store.get_operation(promote.id)
+    assert operation is not None
+    assert operation.routing_committed
+    flipped = operation.step_started_at
+    assert flipped is not None
+    switched = [
+        e
+        for e in await store.list_events(seeded.id, limit=1000)
+        if e.type == EventType.ROUTING_SWITCHED
+    ]
+    assert len(switched) == 1
+    assert switched[0].created_at <= flipped
+    assert (await snapshot_of(store)).active_domain_id == beta
+    assert all(not sim.sleeping and sim.sleeps == 0 for sim in alpha_sims)
+
+    clock.advance(ms=guard_ms - 1)
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    assert all(not sim.sleeping and sim.sleeps == 0 for sim in alpha_sims)
+
+    clock.advance(ms=1)
+    results = await helpers.tick_until_settled(reconciler, "local")
+    final = results[-1].operation
+    assert final is not None
+    assert final.state is OperationState.SUCCEEDED, final.error
+    assert all(sim.sleeping and sim.sleeps == 1 for sim in alpha_sims)
+    slept = [
+        e
+        for e in await store.list_events(seeded.id, limit=1000)
+        if e.type == EventType.OPERATION_STEP_DONE
+        and e.payload.get("step") == OperationStep.DEMOTE_OLD_SLEEP.value
+    ]
+    assert len(slept) == 1
+    assert "timedOut" not in slept[0].payload

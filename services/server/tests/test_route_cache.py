@@ -7,6 +7,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 from uuid import UUID
 
 import pytest
@@ -121,7 +122,7 @@ def clock() -> FakeClock:
 
 
 def make_cache(store: ScriptedStore, clock: FakeClock, **kwargs: int) -> RouteCache[FleetSnapshot]:
-    options: dict[str, int] = {"ttl_ms": 2000, "outage_memo_ms": 1000, "pointer_timeout_ms": 50}
+    options: dict[str, Any] = {"ttl_ms": 2000, "outage_memo_ms": 1000, "pointer_timeout_ms": 50}
     options.update(kwargs)
     return RouteCache(store, build=lambda s: s, clock=clock, **options)
 

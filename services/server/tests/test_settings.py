@@ -160,3 +160,22 @@ def test_http_bounds_are_settings() -> None:
     assert (limits.keepalive_timeout_s, limits.max_connections) == (4.0, 64)
     defaults = Settings().http_limits
     assert (defaults.header_timeout_s, defaults.body_idle_timeout_s) == (10.0, 30.0)
+
+
+def test_data_path_variables() -> None:
+    settings = Settings.from_env(
+        {
+            "HARU_ROUTE_LEASE_MS": "0",
+            "HARU_FAILOVER_HOLD_MS": "2500",
+            "HARU_FAILOVER_HOLD_MAX": "8",
+            "HARU_UPSTREAM_IDLE_TIMEOUT_MS": "1000",
+        }
+    )
+    assert settings.route_lease_ms == 0
+    assert settings.failover_hold_ms == 2500
+    assert settings.failover_hold_max == 8
+    assert settings.upstream_idle_timeout_ms == 1000
+    defaults = Settings.from_env({})
+    assert (defaults.route_lease_ms, defaults.failover_hold_ms) == (300, 10_000)
+    with pytest.raises(SettingsError, match="HARU_ROUTE_LEASE_MS"):
+        Settings.from_env({"HARU_ROUTE_LEASE_MS": "-1"})

@@ -19,6 +19,7 @@ from haru_db._errors import (
 from haru_db._events import OperationEvent
 from haru_db._exec import DEFAULT_CALL_TIMEOUT_S
 from haru_db._layout import LayoutApplyResult
+from haru_db._listen import ROUTE_CHANNEL, RouteListener
 from haru_db._migrate import check_schema, current_revision, downgrade, head_revision, upgrade
 from haru_db._operator import load_layout_file, seed_layout_file
 from haru_db._store import StateStore, check_writable
@@ -28,6 +29,8 @@ __all__ = (
     # URLs and settings
     "DEFAULT_CALL_TIMEOUT_S",
     "DEFAULT_DATABASE_FILE",
+    # Route notifications
+    "ROUTE_CHANNEL",
     # Errors
     "ConstraintViolationError",
     "HaruDbError",
@@ -36,6 +39,7 @@ __all__ = (
     "LayoutFileError",
     "MalformedFleetStateError",
     "OperationEvent",
+    "RouteListener",
     "SchemaOutdatedError",
     "SchemaTooNewError",
     "StateStore",

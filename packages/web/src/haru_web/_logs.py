@@ -34,6 +34,9 @@ LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 """``HARU_LOG_LEVEL`` values (case-insensitive; default ``INFO``)."""
 
 request_id_key: Final = web.RequestKey("haru_request_id", str)
+access_logged_key: Final = web.RequestKey("haru_access_logged", bool)
+"""Set by a handler or middleware that wrote a richer access line of its own (the proxy's):
+:class:`AccessLogger` then writes none, so a request is logged once."""
 """The request's id (as echoed in ``X-Request-Id``)."""
 
 _current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -145,6 +148,8 @@ class AccessLogger(AbstractAccessLogger):
     """
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        if request.get(access_logged_key):
+            return
         quiet = request.method in ("GET", "HEAD") and response.status < 400
         level = logging.DEBUG if quiet else logging.INFO
         if not self.logger.isEnabledFor(level):

@@ -70,8 +70,11 @@ async def serving(
     port: int,
     limits: ServerLimits,
     shutdown_timeout: float,
+    reuse_port: bool = False,
 ) -> AsyncIterator[Listening]:
     """Start ``app`` on ``host:port`` with the hardened handler; clean up on exit.
+
+    ``reuse_port`` binds with ``SO_REUSEPORT``, so several processes can share one port.
 
     Raises:
         ListenError: The address could not be bound.
@@ -85,7 +88,7 @@ async def serving(
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
         try:
             await site.start()
         except OSError as exc:

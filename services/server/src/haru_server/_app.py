@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator
 
@@ -33,9 +35,10 @@ from haru_server._keys import (
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
 from haru_server._metrics import ServerMetrics, metrics_key, proxy_access_middleware
 from haru_server._middleware import store_error_middleware
-from haru_server._proxy import install_proxy
+from haru_server._proxy import install_proxy, observe_route_move
 from haru_server._proxy_routes import PROXIED_PATHS
 from haru_server._reconciler import Reconciler, ReconcilerOptions
+from haru_server._route_cache import lease_guard_ms
 from haru_server._routes import routes
 from haru_server._settings import Settings
 
@@ -115,11 +118,21 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
         client = SupervisorClient(
             session, token=settings.supervisor_token_value(), request_id=current_request_id
         )
+        options = app[_reconciler_options_key]
+        # The control path honours the route lease: the old active is drained only once every
+        # process's lease has run out, and a flip made here reaches this process's proxy at once.
+        tuning = dataclasses.replace(
+            options.tuning,
+            route_guard_s=max(
+                options.tuning.route_guard_s, lease_guard_ms(settings.route_lease_ms) / 1000
+            ),
+            route_moved=functools.partial(observe_route_move, app),
+        )
         app[reconciler_key] = Reconciler(
             app[store_key],
             client,
             clock=app[clock_key],
-            options=app[_reconciler_options_key],
+            options=dataclasses.replace(options, tuning=tuning),
             metrics=app[metrics_key],
         )
         yield

@@ -26,7 +26,7 @@ from uuid import UUID
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from haru_protocol import FleetSnapshot, SlotKind, SupervisorStatus, TrainingRunState
-from haru_web import CLIENT_CLOSED_STATUS, ApiError
+from haru_web import CLIENT_CLOSED_STATUS, ApiError, access_logged_key
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 MAX_STANDBY_GAP_S: Final = 60.0
@@ -290,6 +290,7 @@ def proxy_access_middleware(paths: frozenset[str]) -> Middleware:
             return await handler(request)
         note = ProxyNote()
         request[proxy_note_key] = note
+        request[access_logged_key] = True  # _record writes this request's access line
         started = time.monotonic()
         status = 500
         try:

@@ -5,9 +5,18 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embe
 body is capped before it is buffered, parsed only to read ``model`` and forwarded
 byte-identical to the binding's ``servingUrl`` joined with the same path (never any other
 path). The answer streams back chunk by chunk with its status; only ``content-type`` is copied.
-The upstream gets ``HARU_CHAT_HEADER_TIMEOUT_MS`` to send its headers and no bound at all
-afterwards. A client that goes away aborts the upstream request; an upstream that dies
-mid-answer breaks the client's connection (never a clean end of a truncated answer).
+The upstream gets ``HARU_CHAT_HEADER_TIMEOUT_MS`` to send its headers; afterwards only
+silence is bounded: an upstream that sends nothing for ``HARU_UPSTREAM_IDLE_TIMEOUT_MS``
+mid-answer is cut. A client that goes away aborts the upstream request; an upstream that dies
+or goes silent mid-answer breaks the client's connection (never a clean end of a truncated
+answer).
+
+Routing comes from the route cache's lease (``HARU_ROUTE_LEASE_MS``), kept current by
+PostgreSQL NOTIFY where available. During a failover a request that nothing could serve yet
+(no routable active domain, or the active's server refused or timed out the connection, so
+nothing was sent) is held, when the fleet has ``autoFailover`` on, until the pointer moves,
+for at most ``HARU_FAILOVER_HOLD_MS`` and with at most ``HARU_FAILOVER_HOLD_MAX`` held per
+process; a request whose body reached an upstream is never sent again.
 """
 
 from __future__ import annotations
@@ -23,12 +32,13 @@ from uuid import UUID
 
 import aiohttp
 from aiohttp import hdrs, web
-from haru_protocol import REQUEST_ID_HEADER, ErrorCode, parse_fleet_ref
+from haru_db import RouteListener
+from haru_protocol import REQUEST_ID_HEADER, ErrorCode, FleetRoutePointer, parse_fleet_ref
 from haru_web import ApiError, current_request_id
 from yarl import URL
 
 from haru_server._keys import FleetKicker, clock_key, kick_fleet_key, settings_key, store_key
-from haru_server._metrics import note_route, note_upstream
+from haru_server._metrics import metrics_key, note_route, note_upstream
 from haru_server._proxy_routes import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -38,6 +48,7 @@ from haru_server._proxy_routes import (
     model_of,
 )
 from haru_server._route_cache import (
+    DEFAULT_LEASE_IDLE_MS,
     DEFAULT_MAX_FLEETS,
     DEFAULT_OUTAGE_MEMO_MS,
     DEFAULT_POINTER_TIMEOUT_MS,
@@ -50,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 FLEET_HEADER: Final = "X-Haru-Fleet"
 ROUTING_HEADER: Final = "X-Haru-Routing"
+HELD_HEADER: Final = "X-Haru-Held-Ms"
 _STALE: Final = "stale"
 
 # uvicorn (vLLM's server) closes idle keep-alive connections after 5 s; reusing one it is about
@@ -72,6 +84,10 @@ class ProxyTuning:
             (aiohttp does not cancel handlers on disconnect unless told to).
         connect_timeout_ms: Bound on opening an upstream connection (also capped by
             ``HARU_CHAT_HEADER_TIMEOUT_MS``); a connect that takes longer is unreachable.
+        lease_idle_ms: A fleet without requests for this long stops being refreshed.
+        hold_poll_ms: A held request re-routes at least this often (a move it was not woken
+            for, or an active domain that recovered without a move).
+        listen: LISTEN for pointer moves on PostgreSQL (tests cut notifications with False).
         monotonic: Monotonic clock in seconds (injected by tests).
     """
 
@@ -82,11 +98,35 @@ class ProxyTuning:
     kick_interval_ms: int = 1_000
     disconnect_poll_ms: int = 250
     connect_timeout_ms: int = int(_MAX_CONNECT_S * 1000)
+    lease_idle_ms: int = DEFAULT_LEASE_IDLE_MS
+    hold_poll_ms: int = 100
+    listen: bool = True
     monotonic: Callable[[], float] = time.monotonic
 
 
 class _ClientGoneError(Exception):
     """The client closed its connection while its request was being served."""
+
+
+@dataclass(slots=True, eq=False)
+class _HeldItem:
+    released: asyncio.Future[bool]
+    revision: int
+    unroutable: bool
+
+
+def _settle_held(future: asyncio.Future[bool], released: bool) -> None:
+    if not future.done():
+        future.set_result(released)
+
+
+class _NothingSentError(Exception):
+    """No server could take the request and nothing of it was sent: it may be held."""
+
+    def __init__(self, error: ApiError, lookup: RouteLookup[RouteTable]) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.lookup = lookup
 
 
 class _DisconnectWatch:
@@ -185,6 +225,20 @@ class _Proxy:
         self.max_body = settings.chat_max_body_bytes
         self._header_timeout = settings.chat_header_timeout_ms / 1000
         self._poll = tuning.disconnect_poll_ms / 1000
+        self._mono = tuning.monotonic
+        self._hold = settings.failover_hold_ms / 1000
+        self._hold_max = settings.failover_hold_max
+        self._hold_poll = tuning.hold_poll_ms / 1000
+        self.holding = 0
+        """Requests held right now."""
+        self.held_total = 0
+        """Requests that were held and then dispatched."""
+        self.longest_hold_ms = 0
+        self.idle_cuts = 0
+        """Answers cut because their upstream went silent mid-answer."""
+        self.listener: RouteListener | None = None
+        self._held: dict[UUID, list[_HeldItem]] = {}
+        self._releasers: dict[UUID, asyncio.Task[None]] = {}
         self.cache: RouteCache[RouteTable] = RouteCache(
             app[store_key],
             build=RouteTable,
@@ -193,6 +247,8 @@ class _Proxy:
             snapshot_timeout_ms=tuning.snapshot_timeout_ms,
             outage_memo_ms=tuning.outage_memo_ms,
             max_fleets=tuning.max_fleets,
+            lease_ms=settings.route_lease_ms,
+            idle_ms=tuning.lease_idle_ms,
             clock=tuning.monotonic,
         )
         self._kick = _KickDebouncer(
@@ -250,17 +306,7 @@ class _Proxy:
     async def route(self, ref: str) -> RouteLookup[RouteTable]:
         lookup = await self.cache.resolve(ref)
         if not lookup.routes.routable:
-            active = lookup.snapshot.active_domain
-            reason = (
-                "has no active domain"
-                if active is None
-                else f"has its active domain {active.slug!r} in state {active.state.value!r}"
-            )
-            raise ApiError(
-                ErrorCode.NO_ACTIVE_DOMAIN,
-                f"fleet {lookup.routes.fleet_slug!r} {reason}; nothing can serve right now",
-                headers=_routing_headers(lookup),
-            )
+            raise _unroutable(lookup)
         return lookup
 
     # -- handlers ----------------------------------------------------------------------------
@@ -272,19 +318,6 @@ class _Proxy:
         except ConnectionResetError:
             return web.Response(status=499)  # gone while sending its body; logged as 499
         model = model_of(body)
-        lookup = await self.route(ref)
-        routes = lookup.routes
-        url = routes.target(model, path)
-        routed = model if url is not None else None
-        note_route(request, routes.snapshot, model=routed, stale=lookup.stale)
-        if url is None:
-            available = ", ".join(routes.models) or "none"
-            raise ApiError(
-                ErrorCode.MODEL_NOT_FOUND,
-                f"model {model[:200]!r} is not available on fleet {routes.fleet_slug!r}; "
-                f"available models: {available}",
-                headers=_routing_headers(lookup),
-            )
         headers: dict[str, str] = {
             hdrs.CONTENT_TYPE: request.headers.get(hdrs.CONTENT_TYPE, "application/json"),
             # The answer is relayed byte for byte with only content-type copied back, so it
@@ -299,11 +332,11 @@ class _Proxy:
             headers[REQUEST_ID_HEADER] = request_id
         try:
             async with _DisconnectWatch(request, self._poll):
-                sent = time.monotonic()
-                upstream = await self._open(url, body, headers, lookup)
-                note_upstream(request, _origin(url), time.monotonic() - sent)
+                lookup, upstream, held_ms = await self._dispatch(
+                    request, ref, model, path, body, headers
+                )
                 try:
-                    return await self._relay(request, upstream, lookup)
+                    return await self._relay(request, upstream, lookup, held_ms)
                 finally:
                     # A fully read answer returns the connection to the pool; anything else
                     # (client gone, upstream broken, cancelled) closes it, which aborts the
@@ -315,6 +348,139 @@ class _Proxy:
         except _ClientGoneError:
             # Nobody will read this; the app's error middleware logs it as 499.
             return web.Response(status=499)
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        ref: str,
+        model: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+    ) -> tuple[RouteLookup[RouteTable], aiohttp.ClientResponse]:
+        lookup = await self.cache.resolve(ref)
+        routes = lookup.routes
+        url = routes.target(model, path) if routes.routable else None
+        note_route(
+            request, routes.snapshot, model=model if url is not None else None, stale=lookup.stale
+        )
+        if not routes.routable:
+            raise _NothingSentError(_unroutable(lookup), lookup)
+        if url is None:
+            available = ", ".join(routes.models) or "none"
+            raise ApiError(
+                ErrorCode.MODEL_NOT_FOUND,
+                f"model {model[:200]!r} is not available on fleet {routes.fleet_slug!r}; "
+                f"available models: {available}",
+                headers=_routing_headers(lookup),
+            )
+        sent = time.monotonic()
+        upstream = await self._open(url, body, headers, lookup)
+        note_upstream(request, _origin(url), time.monotonic() - sent)
+        return lookup, upstream
+
+    async def _dispatch(
+        self,
+        request: web.Request,
+        ref: str,
+        model: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+    ) -> tuple[RouteLookup[RouteTable], aiohttp.ClientResponse, int | None]:
+        """Open the upstream answer, holding the request through a failover when allowed."""
+        try:
+            lookup, upstream = await self._attempt(request, ref, model, path, body, headers)
+        except _NothingSentError as exc:
+            if not self._may_hold(exc.lookup):
+                raise exc.error from None
+            failed = exc
+        else:
+            return lookup, upstream, None
+        # Held: nothing of this request reached a server, so it may go to the next active.
+        self.holding += 1
+        started = self._mono()
+        try:
+            while True:
+                remaining = started + self._hold - self._mono()
+                if remaining <= 0 or not await self._held_until_release(ref, failed, remaining):
+                    raise _with_held(failed.error, started, self._mono()) from None
+                try:
+                    lookup, upstream = await self._attempt(request, ref, model, path, body, headers)
+                except _NothingSentError as exc:
+                    failed = exc
+                    continue
+                held_ms = int((self._mono() - started) * 1000)
+                self.held_total += 1
+                metrics = request.app.get(metrics_key)
+                if metrics is not None:  # a bare proxy app (tests) has no metrics
+                    metrics.request_held(lookup.routes.fleet_slug)
+                self.longest_hold_ms = max(self.longest_hold_ms, held_ms)
+                return lookup, upstream, held_ms
+        finally:
+            self.holding -= 1
+
+    async def _held_until_release(self, ref: str, failed: _NothingSentError, within: float) -> bool:
+        """Queue behind the fleet's earlier held requests until the releaser lets this one go.
+
+        One releaser task per fleet watches for the move and releases waiters in arrival
+        order (their futures resolve in order, so they dispatch in order). False: the bound
+        ran out first.
+        """
+        loop = asyncio.get_running_loop()
+        fleet_id = failed.lookup.fleet_id
+        item = _HeldItem(
+            loop.create_future(),
+            failed.lookup.snapshot.route_revision,
+            unroutable=not failed.lookup.routes.routable,
+        )
+        queue = self._held.setdefault(fleet_id, [])
+        queue.append(item)
+        if fleet_id not in self._releasers:
+            self._releasers[fleet_id] = loop.create_task(self._release(ref, fleet_id))
+        timer = loop.call_later(within, _settle_held, item.released, False)
+        try:
+            return await item.released
+        finally:
+            timer.cancel()
+            if item in queue:
+                queue.remove(item)
+
+    async def _release(self, ref: str, fleet_id: UUID) -> None:
+        """Release held requests of one fleet, in arrival order, once they can be served."""
+        try:
+            while queue := self._held.get(fleet_id):
+                revision = min(item.revision for item in queue)
+                await self.cache.wait_moved(fleet_id, revision, self._hold_poll)
+                try:
+                    lookup = await self.cache.resolve(ref)
+                except ApiError:
+                    continue
+                now_revision = lookup.snapshot.route_revision
+                for item in list(queue):
+                    if now_revision > item.revision or (item.unroutable and lookup.routes.routable):
+                        queue.remove(item)
+                        _settle_held(item.released, True)
+        finally:
+            self._releasers.pop(fleet_id, None)
+            if not self._held.get(fleet_id):
+                self._held.pop(fleet_id, None)
+
+    @property
+    def releasers(self) -> list[asyncio.Task[None]]:
+        return list(self._releasers.values())
+
+    def _may_hold(self, lookup: RouteLookup[RouteTable]) -> bool:
+        if self._hold <= 0 or not lookup.snapshot.policy.auto_failover:
+            return False
+        if self.holding >= self._hold_max:
+            logger.warning(
+                "fleet %s: %d requests already held (HARU_FAILOVER_HOLD_MAX); failing at once",
+                lookup.routes.fleet_slug,
+                self.holding,
+            )
+            return False
+        return True
 
     async def _open(
         self,
@@ -337,11 +503,13 @@ class _Proxy:
                     _origin(url),
                     exc,
                 )
-            raise ApiError(
+            # Refused, unroutable or a connect timeout: the body was never sent.
+            error = ApiError(
                 ErrorCode.UPSTREAM_UNREACHABLE,
                 f"the model server of fleet {lookup.routes.fleet_slug!r} is unreachable",
                 headers=routing,
-            ) from None
+            )
+            raise _NothingSentError(error, lookup) from None
         except TimeoutError:
             raise ApiError(
                 ErrorCode.UPSTREAM_TIMEOUT,
@@ -368,6 +536,7 @@ class _Proxy:
         request: web.Request,
         upstream: aiohttp.ClientResponse,
         lookup: RouteLookup[RouteTable],
+        held_ms: int | None,
     ) -> web.StreamResponse:
         headers: dict[str, str] = {}
         content_type = upstream.headers.get(hdrs.CONTENT_TYPE)
@@ -375,6 +544,8 @@ class _Proxy:
             headers[hdrs.CONTENT_TYPE] = content_type
         if lookup.stale:
             headers[ROUTING_HEADER] = _STALE
+        if held_ms is not None:
+            headers[HELD_HEADER] = str(held_ms)
         content = upstream.content
         if content.is_eof() and content.exception() is None:
             # The whole answer arrived together with its headers (a small JSON answer): it is
@@ -410,12 +581,22 @@ class _Proxy:
         lookup: RouteLookup[RouteTable],
         exc: BaseException,
     ) -> None:
-        logger.warning(
-            "fleet %s: upstream %s broke mid-answer (%s); breaking the client connection",
-            lookup.routes.fleet_slug,
-            _origin(upstream.url),
-            exc,
-        )
+        if isinstance(exc, aiohttp.ServerTimeoutError):
+            self.idle_cuts += 1
+            logger.warning(
+                "fleet %s: upstream %s sent nothing for HARU_UPSTREAM_IDLE_TIMEOUT_MS "
+                "mid-answer; cut (%d so far), breaking the client connection",
+                lookup.routes.fleet_slug,
+                _origin(upstream.url),
+                self.idle_cuts,
+            )
+        else:
+            logger.warning(
+                "fleet %s: upstream %s broke mid-answer (%s); breaking the client connection",
+                lookup.routes.fleet_slug,
+                _origin(upstream.url),
+                exc,
+            )
         # Close without the final chunk (or with fewer bytes than Content-Length): the client
         # must see a broken answer, never a clean end of a truncated one.
         transport = request.transport
@@ -431,6 +612,26 @@ class _Proxy:
             for name in lookup.routes.models
         ]
         return web.json_response({"object": "list", "data": data}, headers=_routing_headers(lookup))
+
+
+def _unroutable(lookup: RouteLookup[RouteTable]) -> ApiError:
+    active = lookup.snapshot.active_domain
+    reason = (
+        "has no active domain"
+        if active is None
+        else f"has its active domain {active.slug!r} in state {active.state.value!r}"
+    )
+    return ApiError(
+        ErrorCode.NO_ACTIVE_DOMAIN,
+        f"fleet {lookup.routes.fleet_slug!r} {reason}; nothing can serve right now",
+        headers=_routing_headers(lookup),
+    )
+
+
+def _with_held(error: ApiError, started: float, now: float) -> ApiError:
+    """``error`` as answered after a hold that ran out, with the hold's length."""
+    headers = {**error.headers, HELD_HEADER: str(int((now - started) * 1000))}
+    return ApiError(error.code, error.message, status=error.status, headers=headers)
 
 
 def _routing_headers(lookup: RouteLookup[RouteTable]) -> dict[str, str] | None:
@@ -463,23 +664,45 @@ class _ProxyHolder:
         )
         session = aiohttp.ClientSession(
             connector=connector,
-            # No total or read bound: the header bound is applied per request, and a stream may
-            # stay quiet for as long as the model needs.
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=None),
+            # No total bound: the header bound is applied per request, and a stream may run for
+            # as long as the model needs; only silence is bounded (a generous sock_read, which
+            # a stalled upstream turns into ServerTimeoutError mid-answer).
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                sock_connect=connect_s,
+                sock_read=settings.upstream_idle_timeout_ms / 1000,
+            ),
             cookie_jar=aiohttp.DummyCookieJar(),  # never carry one client's cookies to another
             trust_env=False,
         )
         async with session:
             proxy = _Proxy(app, session, self.tuning)
             self.proxy = proxy
+            store = app[store_key]
+            listening: asyncio.Task[None] | None = None
+            if self.tuning.listen and settings.route_lease_ms > 0:
+                proxy.listener = RouteListener(store.url, proxy.cache.observe)
+                if proxy.listener.supported:
+                    listening = asyncio.create_task(proxy.listener.run(), name="route-listener")
             try:
                 yield
             finally:
                 self.proxy = None
+                tasks = [*proxy.releasers, *([listening] if listening else [])]
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
                 await proxy.cache.aclose()
 
 
 proxy_key: Final = web.AppKey("haru_proxy", _ProxyHolder)
+
+
+def observe_route_move(app: web.Application, pointer: FleetRoutePointer) -> None:
+    """A flip made by this process: its own proxy routes with it at once."""
+    holder = app.get(proxy_key)
+    if holder is not None and holder.proxy is not None:
+        holder.proxy.cache.observe(pointer)
 
 
 def _proxy_of(request: web.Request) -> _Proxy:

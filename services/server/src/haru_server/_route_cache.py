@@ -15,6 +15,19 @@ slot health) has not run out; otherwise a fresh snapshot is loaded. The failure 
 - the pointer read returns nothing: 404, and the spelling's index (and the entry it named) is
   forgotten. A read that throws is never confused with one that returns nothing.
 
+With a route lease (``lease_ms`` > 0, ``HARU_ROUTE_LEASE_MS``) requests stop reading the
+pointer: each fleet's pointer is kept in memory with the clock reading at which the read that
+confirmed it started. Requests route with it at once; a background refresher per fleet
+(single-flight, only while the fleet had a request within ``idle_ms``) re-reads it every lease
+and reloads the snapshot when the revision moved or its TTL ran out. A notified move
+(:meth:`RouteCache.observe`: PostgreSQL NOTIFY, or a flip made by this process) replaces the
+pointer at once but never extends the lease. A pointer not confirmed for longer than the
+lease plus the read bound is served marked stale (the refresher's reads are failing: the
+store is unreachable, so the pointer cannot move). A fleet that went idle is dormant: its next
+request reads the pointer like a cold start. A request waits on the store only then, or to
+load the snapshot of a revision it has not seen. ``lease_ms`` = 0 keeps one coalesced pointer
+read per request.
+
 Entries are keyed by fleet id; each accepted spelling (slug, id in any case) is indexed onto
 the id with the database's id-first rule, and a slug that looks like a UUID is never an alias.
 Newer knowledge always wins: loads of one fleet are serialised, a load whose fleet received a
@@ -26,11 +39,12 @@ the last one recorded for that spelling.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 from uuid import UUID
@@ -54,6 +68,26 @@ DEFAULT_OUTAGE_MEMO_MS = 1_000
 at a time afterwards), so an outage costs one bounded wait per second, not one per request."""
 DEFAULT_MAX_FLEETS = 1_024
 """Entries kept (least recently used evicted first)."""
+DEFAULT_ROUTE_LEASE_MS = 300
+"""``HARU_ROUTE_LEASE_MS``: how often a process re-confirms a routed fleet's pointer. A few
+hundred ms: a flip missed by NOTIFY is seen within it, the old active's drain waits it out
+(:func:`lease_guard_ms`), and the store sees about three pointer reads per second per fleet per
+process whatever the request rate."""
+DEFAULT_LEASE_IDLE_MS = 30_000
+"""A fleet without a request for this long stops being refreshed (its next request reads)."""
+LEASE_MARGIN_MS = 250
+"""Added to lease + read bound before the old active is drained: dispatch and clock slack."""
+
+
+def lease_guard_ms(lease_ms: int, pointer_timeout_ms: int = DEFAULT_POINTER_TIMEOUT_MS) -> int:
+    """How long after a flip every process has stopped routing to the old active.
+
+    A process routes with a pointer whose confirming read started at most ``lease_ms`` plus
+    one read (bounded by ``pointer_timeout_ms``) ago; the margin covers the dispatch of a
+    request routed just before that. With ``lease_ms`` = 0 (a read per request) only the read
+    and the margin remain.
+    """
+    return lease_ms + pointer_timeout_ms + LEASE_MARGIN_MS
 
 
 class RouteSource(Protocol):
@@ -97,6 +131,16 @@ class _Entry(Generic[T]):
         return self.snapshot.route_revision
 
 
+@dataclass(slots=True)
+class _Lease:
+    pointer: FleetRoutePointer
+    confirmed_at: float
+    """Clock reading at which the read that last confirmed the pointer started."""
+    seq: int
+    used_at: float
+    refresher: asyncio.Task[None] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class _Outcome:
     pointer: FleetRoutePointer | None
@@ -126,7 +170,10 @@ class RouteCache(Generic[T]):
         snapshot_timeout_ms: Bound on a snapshot load.
         outage_memo_ms: After a failed pointer read, serve stale without reading for this long.
         max_fleets: Entries kept; the least recently used is evicted beyond it.
+        lease_ms: Route lease (0: read the pointer on every request).
+        idle_ms: A leased fleet without requests for this long stops being refreshed.
         clock: Monotonic seconds (injected by tests).
+        sleep: The refresher's pause (injected by tests).
     """
 
     def __init__(
@@ -139,7 +186,10 @@ class RouteCache(Generic[T]):
         snapshot_timeout_ms: int = DEFAULT_SNAPSHOT_TIMEOUT_MS,
         outage_memo_ms: int = DEFAULT_OUTAGE_MEMO_MS,
         max_fleets: int = DEFAULT_MAX_FLEETS,
+        lease_ms: int = 0,
+        idle_ms: int = DEFAULT_LEASE_IDLE_MS,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         if max_fleets < 1:
             raise ValueError(f"max_fleets must be >= 1, got {max_fleets}")
@@ -166,6 +216,12 @@ class RouteCache(Generic[T]):
         self._stale: set[UUID] = set()
         self._abandoned: set[asyncio.Task[Any]] = set()
         self._reads: dict[str, _ReadBatch] = {}
+        self._lease = lease_ms / 1000
+        self._stale_after = self._lease + self._pointer_timeout
+        self._idle = idle_ms / 1000
+        self._sleep = sleep
+        self._leases: dict[UUID, _Lease] = {}
+        self._movers: dict[UUID, list[asyncio.Future[None]]] = {}
 
     # -- introspection (tests, diagnostics) ---------------------------------------------------
 
@@ -182,6 +238,16 @@ class RouteCache(Generic[T]):
         alias = self._aliases.get(parse_fleet_ref(ref).key)
         return None if alias is None else alias[0]
 
+    def leased(self, fleet_id: UUID) -> FleetRoutePointer | None:
+        """The pointer this process routes ``fleet_id`` with while its lease is kept, or None."""
+        lease = self._leases.get(fleet_id)
+        return None if lease is None else lease.pointer
+
+    def refreshing(self, fleet_id: UUID) -> bool:
+        """Whether a background refresher keeps ``fleet_id``'s lease confirmed."""
+        lease = self._leases.get(fleet_id)
+        return lease is not None and lease.refresher is not None
+
     @property
     def in_outage(self) -> bool:
         """Whether the last pointer read failed (and none has succeeded since)."""
@@ -189,7 +255,11 @@ class RouteCache(Generic[T]):
 
     async def aclose(self) -> None:
         """Cancel and wait for the reads in flight or abandoned after their bound (shutdown)."""
-        tasks = [*self._abandoned, *(b.driver for b in self._reads.values() if b.driver)]
+        tasks = [
+            *self._abandoned,
+            *(b.driver for b in self._reads.values() if b.driver),
+            *(lease.refresher for lease in self._leases.values() if lease.refresher),
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -334,12 +404,14 @@ class RouteCache(Generic[T]):
             ApiError: ``fleet_not_found`` (404) when the store says no such fleet exists;
                 ``state_store_unavailable`` (503) when routing cannot be served safely.
         """
-        parsed = parse_fleet_ref(ref)
-        if parsed.names_nothing:
-            # Neither an id nor a slug: no fleet can have it, so the store is not asked.
-            raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref[:100]!r} not found")
-        key = parsed.key
+        key = _cache_key(ref)
+        if self._lease:
+            alias = self._aliases.get(key)
+            lease = None if alias is None else self._leases.get(alias[0])
+            if lease is not None and lease.refresher is not None:
+                return await self._resolve_leased(ref, key, lease)
         probe = self._outage
+        started = self._clock()
         if probe:
             if self._probing or self._clock() < self._outage_until:
                 return self._serve_stale(ref, key, "the state store is unreachable")
@@ -363,6 +435,8 @@ class RouteCache(Generic[T]):
         if pointer is None:
             self._forget(key, seq)
             raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref!r} not found")
+        if self._lease:
+            self._confirm(pointer, started, seq)
         entry = self._entries.get(pointer.id)
         now = self._clock()
         if entry is not None and entry.revision >= pointer.route_revision:
@@ -372,6 +446,132 @@ class RouteCache(Generic[T]):
                 self._learn(entry, pointer, key, seq)
                 return self._stale_hit(entry, pointer.id, "its snapshot failed to load")
         return await self._load(ref, key, pointer, seq)
+
+    async def _resolve_leased(self, ref: str, key: str, lease: _Lease) -> RouteLookup[T]:
+        now = self._clock()
+        lease.used_at = now
+        pointer = lease.pointer
+        entry = self._entries.get(pointer.id)
+        if entry is not None and entry.revision >= pointer.route_revision:
+            if now - lease.confirmed_at > self._stale_after:
+                return self._stale_hit(
+                    entry, pointer.id, "the state store has not confirmed the route lease"
+                )
+            return self._hit(entry, pointer.id, key, lease.seq)
+        return await self._load(ref, key, pointer, lease.seq)
+
+    # -- route leases ---------------------------------------------------------------------------
+
+    def observe(self, pointer: FleetRoutePointer) -> None:
+        """A pointer move learned without a read (NOTIFY, or a flip made by this process).
+
+        Moves a kept lease forward at once (never backwards) without extending it: only a
+        read proves that no later move happened. Fleets this process does not route are
+        ignored (their first request reads).
+        """
+        lease = self._leases.get(pointer.id)
+        if lease is None or pointer.route_revision <= lease.pointer.route_revision:
+            return
+        self._seq += 1
+        lease.pointer = pointer
+        lease.seq = self._seq
+        self._wake_movers(pointer.id)
+
+    async def wait_moved(self, fleet_id: UUID, revision: int, timeout: float) -> None:
+        """Wait until this process learns a revision of ``fleet_id`` above ``revision``.
+
+        Returns after ``timeout`` seconds at the latest.
+        """
+        if self._known_revision(fleet_id) > revision:
+            return
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._movers.setdefault(fleet_id, []).append(waiter)
+        timer = loop.call_later(timeout, _settle, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            waiters = self._movers.get(fleet_id)
+            if waiters is not None and waiter in waiters:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._movers[fleet_id]
+
+    def _known_revision(self, fleet_id: UUID) -> int:
+        lease = self._leases.get(fleet_id)
+        entry = self._entries.get(fleet_id)
+        return max(
+            -1 if lease is None else lease.pointer.route_revision,
+            -1 if entry is None else entry.revision,
+        )
+
+    def _wake_movers(self, fleet_id: UUID) -> None:
+        # In arrival order: the futures' callbacks run FIFO, so held requests resume in order.
+        for waiter in self._movers.pop(fleet_id, ()):
+            _settle(waiter)
+
+    def _confirm(self, pointer: FleetRoutePointer, started: float, seq: int) -> None:
+        lease = self._leases.get(pointer.id)
+        if lease is None:
+            lease = self._leases[pointer.id] = _Lease(pointer, started, seq, used_at=started)
+            moved = False
+        else:
+            moved = pointer.route_revision > lease.pointer.route_revision
+            if pointer.route_revision >= lease.pointer.route_revision:
+                lease.pointer = pointer
+                lease.seq = max(lease.seq, seq)
+            # Even an older revision proves nothing moved past the newer one before `started`.
+            lease.confirmed_at = max(lease.confirmed_at, started)
+        if lease.refresher is None:
+            lease.refresher = asyncio.get_running_loop().create_task(
+                self._refresh(pointer.id, lease), name=f"route-lease-{pointer.id}"
+            )
+        if moved:
+            self._wake_movers(pointer.id)
+
+    async def _refresh(self, fleet_id: UUID, lease: _Lease) -> None:
+        """Re-confirm one fleet's lease every lease interval while the fleet is used."""
+        ref = str(fleet_id)
+        try:
+            started = lease.confirmed_at
+            while self._leases.get(fleet_id) is lease:
+                await self._sleep(max(0.0, self._lease - (self._clock() - started)))
+                started = self._clock()
+                if self._leases.get(fleet_id) is not lease or started - lease.used_at > self._idle:
+                    return
+                if not await self._refresh_once(ref, fleet_id, started):
+                    return
+        finally:
+            lease.refresher = None
+            if self._leases.get(fleet_id) is lease:
+                del self._leases[fleet_id]  # dormant: the next request reads
+
+    async def _refresh_once(self, ref: str, fleet_id: UUID, started: float) -> bool:
+        """One refresher round; False when the lease must end."""
+        try:
+            pointer, seq = await self._read_pointer(ref)
+        except (StateStoreUnavailableError, TimeoutError) as exc:
+            self._enter_outage(exc)
+            return True  # keep serving (stale once the lease runs out) and keep trying
+        except MalformedFleetStateError as exc:
+            self._drop(fleet_id, why=f"its stored state is malformed ({exc})")
+            return False
+        except Exception:
+            logger.exception("route cache: refreshing the lease of fleet %s failed", fleet_id)
+            return True
+        self._leave_outage()
+        if pointer is None or pointer.id != fleet_id:
+            self._drop(fleet_id, why="the store no longer knows it")
+            return False
+        self._confirm(pointer, started, seq)
+        entry = self._entries.get(fleet_id)
+        if entry is not None and (
+            entry.revision < pointer.route_revision or self._clock() - entry.loaded_at >= self._ttl
+        ):
+            with contextlib.suppress(ApiError):  # logged where it is raised
+                await self._load(ref, ref, pointer, seq)
+        return True
 
     def _hit(self, entry: _Entry[T], fleet_id: UUID, key: str, seq: int) -> RouteLookup[T]:
         self._entries.move_to_end(fleet_id)
@@ -432,6 +632,8 @@ class RouteCache(Generic[T]):
             fresh = _Entry(snapshot=snapshot, routes=routes, loaded_at=started)
             if entry is not None:
                 fresh.aliases = entry.aliases
+            if entry is None or entry.revision < fresh.revision:
+                self._wake_movers(fleet_id)
             self._entries[fleet_id] = fresh
             self._entries.move_to_end(fleet_id)
             self._learn(fresh, pointer, key, seq)
@@ -515,6 +717,7 @@ class RouteCache(Generic[T]):
 
     def _drop(self, fleet_id: UUID, *, why: str) -> None:
         self._verdicts[fleet_id] = self._verdicts.get(fleet_id, 0) + 1
+        self._leases.pop(fleet_id, None)  # its refresher sees that and ends
         entry = self._entries.pop(fleet_id, None)
         if entry is None:
             return
@@ -586,3 +789,21 @@ class RouteCache(Generic[T]):
             f"the stored state of fleet {ref!r} failed validation and cannot be served "
             "(see the server log)",
         )
+
+
+def _settle(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _cache_key(ref: str) -> str:
+    """The cache key of a fleet reference (SPEC 7.5's id-first rule, one spelling per fleet).
+
+    Raises:
+        ApiError: ``fleet_not_found`` when ``ref`` is neither an id nor a slug: no fleet can
+            have it, so the store is not asked.
+    """
+    parsed = parse_fleet_ref(ref)
+    if parsed.names_nothing:
+        raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref[:100]!r} not found")
+    return parsed.key

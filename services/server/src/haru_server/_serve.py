@@ -55,6 +55,7 @@ async def run_server(
     *,
     on_listening: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    reuse_port: bool = False,
 ) -> None:
     """Migrate, build the app and serve until SIGINT/SIGTERM (or ``stop`` is set).
 
@@ -62,6 +63,7 @@ async def run_server(
         settings: The parsed environment.
         on_listening: Called with the base URL once the socket is bound.
         stop: Set it to stop the server (signals do the same).
+        reuse_port: Bind with SO_REUSEPORT (one of ``HARU_WORKERS`` processes on one port).
 
     Raises:
         haru_web.ListenError: The port could not be bound.
@@ -76,6 +78,7 @@ async def run_server(
             port=settings.port,
             limits=settings.http_limits,
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+            reuse_port=reuse_port,
         ) as listening:
             logger.info(
                 "haru-server listening on %s:%d (%s)",

@@ -150,6 +150,29 @@ class Settings(BaseSettings):
     )
     """``HARU_HTTP_MAX_CONNECTIONS``: open client connections (lowered to fit the open-file
     limit); at the cap the longest-idle one is closed, or the newcomer gets 503."""
+    route_lease_ms: Annotated[EnvInt, Field(ge=0, le=60_000)] = Field(
+        300, validation_alias=_env("HARU_ROUTE_LEASE_MS", "route_lease_ms")
+    )
+    """``HARU_ROUTE_LEASE_MS``: re-confirm each routed fleet's pointer this often; 0 = read it
+    on every request. Every server process of a deployment must use the same value."""
+    failover_hold_ms: Annotated[EnvInt, Field(ge=0, le=MAX_DURATION_MS)] = Field(
+        10_000, validation_alias=_env("HARU_FAILOVER_HOLD_MS", "failover_hold_ms")
+    )
+    """``HARU_FAILOVER_HOLD_MS``: longest a request is held for a failover; 0 = never hold."""
+    failover_hold_max: Annotated[EnvInt, Field(ge=1, le=1_000_000)] = Field(
+        1_024, validation_alias=_env("HARU_FAILOVER_HOLD_MAX", "failover_hold_max")
+    )
+    """``HARU_FAILOVER_HOLD_MAX``: requests held at once in this process."""
+    upstream_idle_timeout_ms: DurationMs = Field(
+        300_000,
+        validation_alias=_env("HARU_UPSTREAM_IDLE_TIMEOUT_MS", "upstream_idle_timeout_ms"),
+    )
+    """``HARU_UPSTREAM_IDLE_TIMEOUT_MS``: an answer whose upstream sends nothing for this long
+    is cut (the client's connection is broken, never a clean end)."""
+    workers: Annotated[EnvInt, Field(ge=1, le=64)] = Field(
+        1, validation_alias=_env("HARU_WORKERS", "workers")
+    )
+    """``HARU_WORKERS``: server processes sharing the port (SO_REUSEPORT); see the README."""
     metrics_public: bool = Field(
         False, validation_alias=_env("HARU_METRICS_PUBLIC", "metrics_public")
     )

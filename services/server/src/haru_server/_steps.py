@@ -27,6 +27,7 @@ from haru_db import StateStore
 from haru_protocol import (
     DomainSnapshot,
     FailedModel,
+    FleetRoutePointer,
     FleetSnapshot,
     GpuMemoryResponse,
     GpuUsage,
@@ -127,11 +128,17 @@ class StepTuning:
             the same tick instead of one loop interval later. 0 = a single poll.
         first_poll_s: First pause between polls; it doubles up to ``max_poll_s``.
         max_poll_s: Longest pause between polls.
+        route_guard_s: ``demote_old_sleep`` stays pending until this long after the flip (its
+            step start, on the reconcile clock): every process's route lease has run out by
+            then (``haru_server._route_cache.lease_guard_ms``; see the README).
+        route_moved: Told the new pointer after a flip, so this process routes with it at once.
     """
 
     settle_s: float = 1.0
     first_poll_s: float = 0.005
     max_poll_s: float = 0.015
+    route_guard_s: float = 0.0
+    route_moved: Callable[[FleetRoutePointer], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,6 +442,8 @@ async def _switch_active(ctx: StepContext) -> StepResult:
     )
     pointer = await ctx.store.get_fleet_route_pointer(str(fleet.id))
     revision = None if pointer is None else pointer.route_revision
+    if pointer is not None and ctx.tuning.route_moved is not None:
+        ctx.tuning.route_moved(pointer)
     if switched:
         await ctx.store.append_event(
             fleet_id=fleet.id,
@@ -519,6 +528,14 @@ async def _demote_old_sleep(ctx: StepContext) -> StepResult:
     source = ctx.source
     if source is None:
         return Done(OperationStepDone(step=ctx.step, skipped="no previous active domain"))
+    guard = ctx.tuning.route_guard_s
+    flipped = ctx.operation.step_started_at
+    if guard > 0 and flipped is not None:
+        # Processes may route to the old active until their lease runs out: the step stays
+        # pending (re-evaluated on the next tick) until that has passed on the reconcile clock.
+        left = guard - (ctx.now - flipped).total_seconds()
+        if left > 0:
+            return Pending(f"every route lease runs out in {left:.3f} s (route guard)")
     return await _sleep_domain(ctx, source, drain=True)
 
 

@@ -154,14 +154,15 @@ def _guard(func: Callable[[], None]) -> None:
 
 def serve() -> None:
     """Run the control server (configured by the environment, see the README)."""
-    import asyncio
     import os
 
     from haru_db import HaruDbError
     from haru_web import configure_logging
 
+    from haru_server._eventloop import run
     from haru_server._serve import run_server
     from haru_server._settings import Settings, SettingsError
+    from haru_server._workers import serve_workers
 
     try:
         settings = Settings.from_env(os.environ)
@@ -169,7 +170,12 @@ def serve() -> None:
         raise _fail(CliFailure(f"invalid environment: {exc}", code=2)) from None
     configure_logging(log_format=settings.log_format, level=settings.log_level, stream=sys.stderr)
     try:
-        asyncio.run(run_server(settings))
+        if settings.workers > 1:
+            code = serve_workers(settings)
+            if code:
+                raise typer.Exit(code)
+        else:
+            run(run_server(settings))
     except HaruDbError as exc:
         raise _fail(CliFailure(f"cannot start: state store: {exc}", code=1)) from None
     except OSError as exc:
