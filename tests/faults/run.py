@@ -41,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
         ),
         help="PostgreSQL server for pg-replicas (a database per schedule is created there)",
     )
+    parser.add_argument(
+        "--hold",
+        action="store_true",
+        help="the server holds requests during a failover (issue 17): no excuse for failures "
+        "while an unplanned failover has no routable active",
+    )
     parser.add_argument("--summary-json", type=Path, default=None)
     return parser
 
@@ -61,6 +67,7 @@ async def _main(args: argparse.Namespace) -> int:
                     folder,
                     admin_url=args.database_url if variant == "pg-replicas" else None,
                     settle_s=args.settle_s,
+                    hold=args.hold,
                 )
             except Exception as exc:  # noqa: BLE001 - a harness failure is reported, not hidden
                 print(f"seed={seed} variant={variant} HARNESS ERROR {exc!r} ({folder})", flush=True)

@@ -26,7 +26,7 @@ pytestmark = [
     ),
 ]
 
-CI_SEEDS = [("sqlite-single", 3), ("pg-replicas", 1), ("pg-replicas", 2)]
+CI_SEEDS = [("sqlite-single", 100), ("pg-replicas", 1), ("pg-replicas", 100)]
 
 
 @pytest.mark.timeout(420)
