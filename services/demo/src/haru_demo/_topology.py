@@ -133,6 +133,8 @@ class DemoTimings:
         stop_grace_s: SIGTERM to SIGKILL grace when the demo stops a process.
         ready_timeout_s: Bound on each start-up wait.
         policy: The fleet's policy patch (autoFailover on, short budgets).
+        trainer_extra_args: More arguments of the emulated trainer (``--ignore-sigterm``,
+            ``--spawn-child``, ...: the fault-schedule harness uses them).
     """
 
     sleep_latency_ms: int = 50
@@ -146,6 +148,7 @@ class DemoTimings:
     stop_grace_s: float = 5.0
     ready_timeout_s: float = 60.0
     policy: PolicyPatch = DEMO_POLICY
+    trainer_extra_args: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -231,6 +234,7 @@ def trainer_command(timings: DemoTimings) -> tuple[str, ...]:
         str(timings.trainer_step_ms),
         "--checkpoint-every",
         str(timings.trainer_checkpoint_every),
+        *timings.trainer_extra_args,
     )
 
 

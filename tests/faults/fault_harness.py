@@ -1,0 +1,882 @@
+"""Random fault schedules against a whole local fleet, with invariants checked as it runs.
+
+One schedule: a fleet of 2 or 3 domains (real supervisors, emulated vLLM servers and trainers,
+:class:`haru_demo.DemoTopology`), 1 (``sqlite-single``) or 2-3 (``pg-replicas``) ``haru serve``
+processes, constant chat traffic through every replica, and a seeded list of faults. Everything
+the seed decides is printed in the history's first lines, so ``--seed N --variant V`` replays
+the same schedule (timing differs: processes are real).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import signal
+import statistics
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import aiohttp
+from fault_procs import (
+    PgForwarder,
+    Replica,
+    checkpoint_dirs_of,
+    create_database,
+    drop_database,
+    hold_slow_clients,
+    restart_supervisor,
+    trainers_in,
+)
+from haru_db import StateStore
+from haru_demo import DemoTimings, DemoTopology, TopologyOptions, operation_budget_s
+from haru_demo._gpu import trainer_processes
+from haru_protocol import (
+    Cloud,
+    DomainLayout,
+    FleetLayout,
+    InferenceSlotSpec,
+    ModelBinding,
+    Operation,
+    OperationState,
+    Placement,
+    PolicyPatch,
+    TrainingSlotSpec,
+    resolve_policy,
+)
+
+TOKEN = "fault-harness-supervisor-token-0123"
+WRONG_TOKEN = "fault-harness-rotated-token-98765"
+
+POLICY = PolicyPatch(
+    auto_failover=True,
+    heartbeat_stale_ms=2_000,
+    degraded_grace_ms=600,
+    training_stop_grace_ms=800,
+    stop_training_timeout_ms=4_000,
+    verify_gpu_timeout_ms=3_000,
+    wake_timeout_ms=4_000,
+    probe_timeout_ms=3_000,
+    switch_active_timeout_ms=3_000,
+    sleep_timeout_ms=2_000,
+    start_training_timeout_ms=3_000,
+)
+
+TIMINGS = DemoTimings(
+    sleep_latency_ms=20,
+    wake_latency_ms=150,
+    first_token_latency_ms=2,
+    token_latency_ms=1,
+    trainer_step_ms=50,
+    trainer_checkpoint_every=5,
+    reconcile_interval_ms=300,
+    supervisor_shutdown_grace_ms=800,
+    stop_grace_s=3.0,
+    ready_timeout_s=90.0,
+    policy=POLICY,
+)
+
+MODEL = "fault-chat"
+_UNROUTABLE = frozenset({"HTTP 503 no_active_domain", "HTTP 502 upstream_unreachable"})
+_NOTABLE = frozenset(
+    {
+        "operation.auto_failover",
+        "operation.restore_demote",
+        "operation.failed",
+        "operation.promotion_backoff",
+        "operation.step.timeout_best_effort",
+        "domain.state.changed",
+        "domain.degraded.escalated",
+        "domain.supervisor.unauthorized",
+        "slot.state.changed",
+    }
+)
+VARIANTS = ("pg-replicas", "sqlite-single")
+
+
+# ---- the schedule ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    at_s: float
+    kind: str
+    target: str  # a domain slug, a replica index, or "store"
+    duration_s: float = 0.0
+    extra: str = ""
+
+    def describe(self) -> str:
+        more = f" {self.extra}" if self.extra else ""
+        return f"t+{self.at_s:5.1f}s {self.kind} {self.target} for {self.duration_s:.1f}s{more}"
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    seed: int
+    variant: str
+    domains: tuple[str, ...]
+    replicas: int
+    trainer_args: tuple[str, ...]
+    faults: tuple[Fault, ...]
+    fault_window_s: float
+
+    def describe(self) -> list[str]:
+        lines = [
+            f"seed={self.seed} variant={self.variant} domains={','.join(self.domains)} "
+            f"replicas={self.replicas} trainer_args={' '.join(self.trainer_args) or '-'}",
+        ]
+        lines += [f"  fault {f.describe()}" for f in self.faults]
+        return lines
+
+
+_KINDS_ALL = (
+    ("promote", 6),
+    ("demote", 3),
+    ("vllm_crash", 2),
+    ("vllm_hang", 2),
+    ("vllm_error_500", 2),
+    ("vllm_slow_probe", 1),
+    ("vllm_wake_fails", 2),
+    ("vllm_sleeping_garbage", 1),
+    ("supervisor_restart", 2),
+    ("supervisor_outage", 2),
+    ("token_rotation", 1),
+    ("slow_clients", 1),
+)
+_KINDS_PG = (("replica_kill", 3), ("store_cut", 2), ("store_stall", 2))
+
+
+def make_schedule(seed: int, variant: str, *, faults: int = 8, window_s: float = 20.0) -> Schedule:
+    rng = random.Random(f"{variant}:{seed}")
+    domains = ("alpha", "beta", "gamma")[: rng.choice((2, 3))]
+    replicas = rng.choice((2, 3)) if variant == "pg-replicas" else 1
+    trainer_args = tuple(
+        a for a, p in (("--ignore-sigterm", 0.3), ("--spawn-child", 0.3)) if rng.random() < p
+    )
+    kinds = list(_KINDS_ALL) + (list(_KINDS_PG) if variant == "pg-replicas" else [])
+    names = [k for k, _ in kinds]
+    weights = [w for _, w in kinds]
+    chosen: list[Fault] = []
+    for _ in range(faults):
+        kind = rng.choices(names, weights)[0]
+        at = round(rng.uniform(0, window_s), 1)
+        duration = round(rng.uniform(0.5, 4.0), 1)
+        if kind in ("promote", "demote"):
+            target = rng.choice(domains)
+            extra = f"via replica {rng.randrange(replicas)}"
+            duration = 0.0
+        elif kind == "replica_kill":
+            target = str(rng.randrange(replicas))
+            extra = ""
+        elif kind in ("store_cut", "store_stall"):
+            target, extra = "store", ""
+        elif kind == "slow_clients":
+            target, extra = str(rng.randrange(replicas)), "40 connections"
+        else:
+            target, extra = rng.choice(domains), ""
+        chosen.append(Fault(at, kind, target, duration, extra))
+    chosen.sort(key=lambda f: f.at_s)
+    return Schedule(seed, variant, domains, replicas, trainer_args, tuple(chosen), window_s)
+
+
+def fleet_shape(domains: tuple[str, ...]) -> FleetLayout:
+    """A small fleet: each domain has one model on GPU 0 and a training slot on GPU 0."""
+    return FleetLayout(
+        slug="faults",
+        display_name="fault schedule fleet",
+        active_domain_slug=domains[0],
+        policy=POLICY,
+        domains=tuple(
+            DomainLayout(
+                slug=slug,
+                placement=Placement(
+                    cloud=Cloud.AWS, region="local", accelerator="EXAMPLE-GPU", accelerator_count=1
+                ),
+                supervisor_url=f"http://127.0.0.1:{9000 + i}",
+                serving_base_url=f"http://127.0.0.1:{9100 + i}",
+                slots=(
+                    InferenceSlotSpec(
+                        gpu_index=0,
+                        models=(
+                            ModelBinding(name=MODEL, serving_url=f"http://127.0.0.1:{9200 + i}"),
+                        ),
+                    ),
+                    TrainingSlotSpec(
+                        gpu_index=0,
+                        command=("haru-sim-trainer",),
+                        checkpoint_dir=f"/var/lib/haru/checkpoints/{slug}",
+                    ),
+                ),
+            )
+            for i, slug in enumerate(domains)
+        ),
+    )
+
+
+# ---- history ---------------------------------------------------------------------------------
+
+
+class History:
+    """A compact, readable log of one schedule: faults, operations, checks, violations."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.t0 = time.monotonic()
+        self.lines: list[str] = []
+        self.violations: list[str] = []
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def note(self, kind: str, text: str) -> None:
+        self.lines.append(f"{self.now():7.2f} {kind:<10} {text}")
+
+    def violation(self, name: str, text: str) -> None:
+        self.violations.append(f"{name}: {text}")
+        self.note("VIOLATION", f"{name}: {text}")
+
+    def write(self) -> None:
+        self.path.write_text("\n".join(self.lines) + "\n", encoding="utf-8")
+
+
+# ---- traffic ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Outcome:
+    replica: int
+    start: float
+    end: float
+    ok: bool
+    cause: str = ""
+    stale: bool = False
+
+
+class Traffic:
+    """Chat clients on every replica, each outcome recorded (monotonic times of the history)."""
+
+    def __init__(self, replicas: list[Replica], history: History, *, per_replica: int = 2) -> None:
+        self.replicas = replicas
+        self.history = history
+        self.per_replica = per_replica
+        self.outcomes: list[Outcome] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
+
+    def start(self) -> None:
+        for replica in self.replicas:
+            for _ in range(self.per_replica):
+                self._tasks.append(asyncio.create_task(self._client(replica)))
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _client(self, replica: Replica) -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        timeout = aiohttp.ClientTimeout(total=10.0)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while not self._stop.is_set():
+                start = self.history.now()
+                outcome = Outcome(replica.index, start, start, ok=False)
+                try:
+                    async with session.post(
+                        f"{replica.url}/v1/chat/completions", json=body
+                    ) as response:
+                        raw = await response.read()
+                        outcome.stale = response.headers.get("X-Haru-Routing") == "stale"
+                        if response.status == 200:
+                            outcome.ok = bool(json.loads(raw).get("choices"))
+                            outcome.cause = "" if outcome.ok else "empty answer"
+                        else:
+                            code = ""
+                            with contextlib.suppress(ValueError, AttributeError):
+                                code = json.loads(raw).get("error", {}).get("code", "")
+                            outcome.cause = f"HTTP {response.status} {code}".strip()
+                except aiohttp.ClientConnectorError:
+                    outcome.cause = "connect refused"
+                except (aiohttp.ClientError, OSError) as exc:
+                    outcome.cause = f"connection {type(exc).__name__}"
+                except TimeoutError:
+                    outcome.cause = "timeout"
+                outcome.end = self.history.now()
+                self.outcomes.append(outcome)
+                await asyncio.sleep(0.2 if not outcome.ok else 0.05)
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    kind: str
+    target: str
+    start: float
+    end: float = float("inf")
+
+
+@dataclass
+class Result:
+    schedule: Schedule
+    violations: list[str]
+    history_path: Path
+    requests: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    excused: dict[str, int] = field(default_factory=dict)
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+    operations: int = 0
+
+    def summary(self) -> str:
+        status = "OK" if not self.violations else f"{len(self.violations)} VIOLATION(S)"
+        return (
+            f"seed={self.schedule.seed} variant={self.schedule.variant} {status} "
+            f"requests={self.requests} failed={sum(self.failures.values())} "
+            f"(excused {sum(self.excused.values())}: {dict(self.excused)}; "
+            f"unexcused: {dict(self.failures)}) p50={self.p50_ms:.1f}ms p99={self.p99_ms:.1f}ms "
+            f"operations={self.operations} history={self.history_path}"
+        )
+
+
+class Run:
+    def __init__(
+        self, schedule: Schedule, workdir: Path, admin_url: str | None, *, hold: bool = False
+    ) -> None:
+        self.schedule = schedule
+        self.workdir = workdir
+        self.admin_url = admin_url
+        self.history = History(workdir / "history.txt")
+        self.topology: DemoTopology | None = None
+        self.replicas: list[Replica] = []
+        self.forwarder: PgForwarder | None = None
+        self.store: StateStore | None = None
+        self.fleet_id: UUID | None = None
+        self.windows: list[Window] = []
+        self.db_name: str | None = None
+        self.slug_of: dict[UUID, str] = {}
+        self.id_of: dict[str, UUID] = {}
+        self.pointers: list[tuple[float, UUID | None, int]] = []
+        self.awake_counts: dict[tuple[str, int], int] = {}
+        self.requested = 0
+        self.faults_end = 0.0
+        self.hold = hold
+        self.unplanned: list[tuple[float, float]] = []
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        s = self.schedule
+        timings = dataclasses.replace(TIMINGS, trainer_extra_args=s.trainer_args)
+        direct_url: str
+        server_url: str | None = None
+        if s.variant == "pg-replicas":
+            assert self.admin_url is not None, "pg-replicas needs a PostgreSQL URL"
+            self.db_name = f"haru_faults_{os.getpid()}_{s.seed}"
+            direct_url = create_database(self.admin_url, self.db_name)
+            from sqlalchemy.engine import make_url
+
+            target = make_url(direct_url)
+            self.forwarder = PgForwarder(target.host or "127.0.0.1", target.port or 5432)
+            await self.forwarder.start()
+            server_url = target.set(host="127.0.0.1", port=self.forwarder.port).render_as_string(
+                hide_password=False
+            )
+        else:
+            direct_url = str(self.workdir / "fleet" / "haru.db")
+        self.topology = DemoTopology(
+            TopologyOptions(
+                workdir=self.workdir / "fleet",
+                database_url=server_url,
+                timings=timings,
+                supervisor_token=TOKEN,
+                layout=fleet_shape(s.domains),
+            )
+        )
+        await self.topology.start()
+        assert self.topology.server is not None
+        first = Replica(self.topology, 0, server_url)
+        first.process, first.port = self.topology.server, self.topology.server_port
+        self.replicas = [first]
+        for index in range(1, s.replicas):
+            replica = Replica(self.topology, index, server_url)
+            await replica.start()
+            self.replicas.append(replica)
+        self.store = StateStore.open(direct_url)
+        fleet = await self.store.get_fleet_snapshot("faults")
+        assert fleet is not None
+        self.fleet_id = fleet.id
+        self.slug_of = {d.id: d.slug for d in fleet.domains}
+        self.id_of = {d.slug: d.id for d in fleet.domains}
+        self.history.note("start", f"replicas at {[r.url for r in self.replicas]}")
+
+    async def close(self) -> None:
+        if self.store is not None:
+            await self.store.close()
+        for replica in self.replicas[1:]:
+            with contextlib.suppress(Exception):
+                await replica.kill()
+        if self.topology is not None:
+            await self.topology.close()
+        if self.forwarder is not None:
+            await self.forwarder.close()
+        if self.db_name is not None and self.admin_url is not None:
+            with contextlib.suppress(Exception):
+                drop_database(self.admin_url, self.db_name)
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    async def _sim_faults(self, slug: str, faults: dict[str, Any] | None) -> None:
+        assert self.topology is not None
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            for server in self.topology.domains[slug].vllm.values():
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                    if faults is None:
+                        await session.delete(f"{server.url}/_sim/faults")
+                    else:
+                        await session.post(f"{server.url}/_sim/faults", json=faults)
+
+    async def _pointer_slug(self) -> str | None:
+        assert self.store is not None
+        with contextlib.suppress(Exception):
+            pointer = await self.store.get_fleet_route_pointer("faults")
+            if pointer is not None and pointer.active_domain_id is not None:
+                return self.slug_of.get(pointer.active_domain_id)
+        return None
+
+    async def _request(self, kind: str, slug: str, replica: int) -> None:
+        url = f"{self.replicas[replica].url}/v1/fleets/faults/{kind}"
+        self.requested += 1
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
+                session.post(url, json={"targetDomainId": str(self.id_of[slug])}) as response,
+            ):
+                text = (await response.text())[:160]
+                self.history.note(
+                    "request", f"{kind} {slug} via {replica}: {response.status} {text}"
+                )
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            self.history.note("request", f"{kind} {slug} via {replica}: {type(exc).__name__}")
+
+    async def apply(self, fault: Fault) -> None:
+        assert self.topology is not None
+        topo = self.topology
+        self.history.note("fault", fault.describe())
+        window = Window(fault.kind, fault.target, self.history.now())
+        if fault.kind in ("promote", "demote"):
+            await self._request(fault.kind, fault.target, int(fault.extra.rsplit(" ", 1)[1]))
+            return
+        self.windows.append(window)
+        try:
+            await self._apply_for(fault, topo)
+        finally:
+            window.end = self.history.now()
+            self.history.note("fault-end", f"{fault.kind} {fault.target}")
+
+    async def _apply_for(self, fault: Fault, topo: DemoTopology) -> None:
+        d = fault.duration_s
+        slug = fault.target
+        if fault.kind == "vllm_crash":
+            await topo.kill_vllm(slug)
+            await asyncio.sleep(d)
+            # A restarted vLLM comes up in the mode its role implies (an operator's unit file).
+            asleep = await self._pointer_slug() != slug
+            await topo.restart_vllm(slug, asleep=asleep)
+            self.history.note(
+                "fault", f"vllm of {slug} restarted {'asleep' if asleep else 'awake'}"
+            )
+        elif fault.kind.startswith("vllm_"):
+            knob = {
+                "vllm_hang": {"hang": True},
+                "vllm_error_500": {"error_500": True},
+                "vllm_slow_probe": {"slow_first_token_ms": 4_000},
+                "vllm_wake_fails": {"wake_fails": True},
+                "vllm_sleeping_garbage": {"is_sleeping_garbage": True},
+            }[fault.kind]
+            await self._sim_faults(slug, knob)
+            await asyncio.sleep(d)
+            await self._sim_faults(slug, None)
+        elif fault.kind == "supervisor_restart":
+            await restart_supervisor(topo, slug, token=TOKEN)
+        elif fault.kind == "supervisor_outage":
+            supervisor = topo.domains[slug].supervisor
+            assert supervisor is not None
+            supervisor.signal_group(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(d)
+            finally:
+                supervisor.signal_group(signal.SIGCONT)
+        elif fault.kind == "token_rotation":
+            await restart_supervisor(topo, slug, token=WRONG_TOKEN)
+            await asyncio.sleep(d)
+            await restart_supervisor(topo, slug, token=TOKEN)
+        elif fault.kind == "slow_clients":
+            held = await hold_slow_clients(self.replicas[int(slug)].port, 40, d)
+            self.history.note("fault", f"{held} slow connections held")
+        elif fault.kind == "replica_kill":
+            replica = self.replicas[int(slug)]
+            if replica.running:
+                await replica.kill()
+                await asyncio.sleep(d)
+                await replica.start()
+                if replica.index == 0:
+                    topo.server = replica.process
+        elif fault.kind in ("store_cut", "store_stall"):
+            assert self.forwarder is not None
+            (self.forwarder.cut if fault.kind == "store_cut" else self.forwarder.stall)()
+            await asyncio.sleep(d)
+            self.forwarder.restore()
+
+    # -- continuous checks ----------------------------------------------------------------------
+
+    async def monitor(self, stop: asyncio.Event) -> None:
+        assert self.store is not None
+        assert self.fleet_id is not None
+        assert self.topology is not None
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
+            while not stop.is_set():
+                with contextlib.suppress(Exception):
+                    recent = await self.store.list_recent_operations(self.fleet_id, limit=50)
+                    in_flight = [
+                        o
+                        for o in recent
+                        if o.state in (OperationState.PENDING, OperationState.RUNNING)
+                    ]
+                    if len(in_flight) > 1:
+                        self.history.violation(
+                            "one-in-flight", f"{len(in_flight)} in flight: {in_flight}"
+                        )
+                    pointer = await self.store.get_fleet_route_pointer("faults")
+                    if pointer is not None:
+                        last = self.pointers[-1] if self.pointers else None
+                        now = (pointer.active_domain_id, pointer.route_revision)
+                        if last is None or (last[1], last[2]) != now:
+                            self.pointers.append((self.history.now(), *now))
+                            slug = self.slug_of.get(pointer.active_domain_id)  # type: ignore[arg-type]
+                            self.history.note(
+                                "pointer", f"-> {slug} revision {pointer.route_revision}"
+                            )
+                for domain in self.topology.domains.values():
+                    for server in domain.vllm.values():
+                        with contextlib.suppress(Exception):
+                            async with session.get(f"{server.url}/_sim/state") as response:
+                                state = await response.json()
+                            key = (f"{domain.slug}/{server.name}", server.process.pid)
+                            count = int(state["counters"]["arrived_while_sleeping"])
+                            if count > self.awake_counts.get(key, 0):
+                                self.history.violation(
+                                    "forwarded-to-asleep",
+                                    f"{key[0]} (pid {key[1]}) counted {count} request(s) that "
+                                    "arrived while it slept",
+                                )
+                                self.awake_counts[key] = count
+                await asyncio.sleep(0.15)
+
+    # -- the schedule ---------------------------------------------------------------------------
+
+    async def run(self, settle_s: float) -> Result:
+        for line in self.schedule.describe():
+            self.history.note("schedule", line)
+        await self.start()
+        traffic = Traffic(self.replicas, self.history)
+        stop = asyncio.Event()
+        monitor = asyncio.create_task(self.monitor(stop))
+        traffic.start()
+        t0 = self.history.now()
+        tasks = []
+        for fault in self.schedule.faults:
+            delay = t0 + fault.at_s - self.history.now()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(self.apply(fault)))
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for fault, outcome in zip(self.schedule.faults, results, strict=True):
+            if isinstance(outcome, BaseException):
+                self.history.note("harness", f"fault {fault.kind} raised {outcome!r}")
+        self.faults_end = self.history.now()
+        self.history.note("faults", "every fault cleared; settling")
+        settled = await self.settle(settle_s)
+        await traffic.stop()
+        stop.set()
+        await monitor
+        await self.final_checks(settled)
+        return self.result(traffic)
+
+    async def settle(self, bound_s: float) -> str | None:
+        """Wait until the fleet matches its supervisors; returns the last mismatch, or None."""
+        deadline = self.history.now() + bound_s
+        mismatch: str | None = "never checked"
+        while self.history.now() < deadline:
+            mismatch = await self.mismatch()
+            if mismatch is None:
+                self.history.note("settled", f"after {self.history.now() - self.faults_end:.1f}s")
+                return None
+            await asyncio.sleep(0.5)
+        self.history.violation("settle", f"not settled {bound_s:.0f}s after faults: {mismatch}")
+        return mismatch
+
+    async def mismatch(self) -> str | None:  # noqa: C901 - one check per line of the invariant
+        assert self.store is not None
+        assert self.topology is not None
+        try:
+            fleet = await self.store.get_fleet_snapshot("faults")
+            in_flight = await self.store.get_in_flight_operation(self.fleet_id)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - reported as the mismatch
+            return f"store: {exc!r}"
+        if fleet is None:
+            return "fleet missing"
+        if in_flight is not None:
+            return f"operation {in_flight.kind.value} in flight at {in_flight.current_step}"
+        if fleet.active_domain_id is None:
+            return "no active domain"
+        strays = trainer_processes()
+        for domain in fleet.domains:
+            active = domain.id == fleet.active_domain_id
+            if domain.state.value != "ready":
+                return f"{domain.slug} is {domain.state.value}"
+            states = await self.topology.vllm_states(domain.slug)
+            for name, state in states.items():
+                if state is None:
+                    return f"{domain.slug}/{name} does not answer"
+                if bool(state["sleeping"]) == active:
+                    return f"{domain.slug}/{name} sleeping={state['sleeping']} (active={active})"
+            for slot in domain.slots:
+                want = (
+                    ("serving" if active else "sleeping")
+                    if slot.inference_spec
+                    else ("idle" if active else "training")
+                )
+                if slot.state.value != want:
+                    return (
+                        f"{domain.slug} {slot.kind.value} slot is {slot.state.value}, want {want}"
+                    )
+            try:
+                status = await self.topology.training_status(domain.slug)
+            except Exception as exc:  # noqa: BLE001
+                return f"{domain.slug} training status: {exc}"
+            for run in status.slots:
+                running = run.state.value == "running" and bool(run.pids)
+                if running == active:
+                    return f"{domain.slug} training gpu{run.gpu_index} is {run.state.value}"
+            if active:
+                held = trainers_in(strays, checkpoint_dirs_of(self.topology, domain.slug))
+                if held:
+                    return f"{domain.slug} (active) still has trainer processes {held}"
+        return None
+
+    # -- end checks -----------------------------------------------------------------------------
+
+    async def _all_events(self) -> list[Any]:
+        assert self.store is not None
+        assert self.fleet_id is not None
+        events: list[Any] = []
+        after = 0
+        while True:
+            page = await self.store.list_events(self.fleet_id, after=after, limit=500)
+            events += page
+            if len(page) < 500:
+                return events
+            after = page[-1].id
+
+    async def final_checks(self, settled: str | None) -> None:  # noqa: C901 - one per invariant
+        assert self.store is not None
+        assert self.fleet_id is not None
+        events = await self._all_events()
+        ops = await self.store.list_recent_operations(self.fleet_id, limit=10_000)
+        self.operations = ops
+        by_op: dict[UUID, list[Any]] = defaultdict(list)
+        for event in events:
+            if event.operation_id is not None:
+                by_op[event.operation_id].append(event)
+        start_wall = self._start_wall()
+        for event in events:
+            if event.type in _NOTABLE and event.created_at >= start_wall:
+                at = (event.created_at - start_wall).total_seconds()
+                slug = self.slug_of.get(event.domain_id) if event.domain_id else ""
+                payload = json.dumps(event.payload, separators=(",", ":"))[:200]
+                self.history.note("event", f"@{at:6.2f} {event.type} {slug or ''} {payload}")
+        budget = operation_budget_s(resolve_policy(POLICY)) + 3.0
+        t_end = datetime.now(UTC)
+        faults_end_wall = t_end - timedelta(seconds=self.history.now() - self.faults_end)
+        for op in sorted(ops, key=lambda o: o.created_at):
+            evs = by_op[op.id]
+            err = f" {op.error.step.value}:{op.error.code}" if op.error else ""
+            self.history.note(
+                "operation",
+                f"{op.kind.value} -> {self.slug_of.get(op.target_domain_id)} {op.state.value}"
+                f"{err} committed={op.routing_committed} "
+                f"steps={[e.payload.get('step') for e in evs if e.type == 'operation.step.done']}",
+            )
+            terminal = [e for e in evs if e.type in ("operation.succeeded", "operation.failed")]
+            ended = op.state in (OperationState.SUCCEEDED, OperationState.FAILED)
+            if ended and len(terminal) != 1:
+                self.history.violation("terminal-event", f"{op.id} has {len(terminal)}")
+            if op.state is OperationState.FAILED and op.routing_committed:
+                self.history.violation("failed-and-committed", str(op.id))
+            if op.routing_committed:
+                self._check_commit(op, evs)
+            if op.finished_at is None:
+                self.history.violation("never-ended", f"{op.id} {op.kind.value}")
+            elif op.finished_at > faults_end_wall:
+                began = max(op.created_at, faults_end_wall)
+                took = (op.finished_at - began).total_seconds()
+                if took > budget:
+                    self.history.violation(
+                        "over-budget", f"{op.id} ended {took:.1f}s after faults stopped"
+                    )
+        committed = [o for o in ops if o.routing_committed]
+        if len(self.pointers) >= 1:
+            first_rev = self.pointers[0][2]
+            last_rev = self.pointers[-1][2]
+            commits_after = [o for o in committed if o.created_at > self._start_wall()]
+            if last_rev - first_rev > len(commits_after):
+                self.history.violation(
+                    "pointer-moved-without-promote",
+                    f"revision {first_rev}->{last_rev} with {len(commits_after)} commit(s)",
+                )
+            targets = {o.target_domain_id for o in committed}
+            for at, pointer, rev in self.pointers[1:]:
+                if pointer not in targets:
+                    self.history.violation(
+                        "pointer-moved-without-promote", f"t={at:.1f} revision {rev} -> {pointer}"
+                    )
+        self._check_backoff(events, ops)
+
+    def _start_wall(self) -> datetime:
+        return datetime.now(UTC) - timedelta(seconds=self.history.now())
+
+    def _check_commit(self, op: Operation, evs: list[Any]) -> None:
+        steps = [(e.id, e.payload.get("step")) for e in evs if e.type == "operation.step.done"]
+        ids = {step: eid for eid, step in steps}
+        if "probe" not in ids or "wake_vllm" not in ids:
+            self.history.violation("commit-without-probe", f"{op.id}: steps done {steps}")
+        elif "switch_active" in ids and not ids["wake_vllm"] < ids["probe"] < ids["switch_active"]:
+            self.history.violation("commit-order", f"{op.id}: steps done {steps}")
+
+    def _check_backoff(self, events: list[Any], ops: list[Operation]) -> None:
+        by_id = {o.id: o for o in ops}
+        until: dict[UUID, datetime] = {}
+        for event in events:
+            if event.type == "operation.promotion_backoff":
+                until[UUID(event.payload["targetDomainId"])] = datetime.fromisoformat(
+                    event.payload["until"]
+                )
+            elif event.type == "operation.succeeded" and event.operation_id in by_id:
+                op = by_id[event.operation_id]
+                if op.kind.value == "promote":
+                    until.pop(op.target_domain_id, None)
+            elif event.type == "operation.auto_failover" and event.operation_id in by_id:
+                op = by_id[event.operation_id]
+                bound = until.get(op.target_domain_id)
+                if bound is not None and op.created_at < bound - timedelta(milliseconds=50):
+                    self.history.violation(
+                        "backoff",
+                        f"auto promote {op.id} of {self.slug_of.get(op.target_domain_id)} at "
+                        f"{op.created_at.isoformat()} before its backoff ended {bound.isoformat()}",
+                    )
+        auto = [e for e in events if e.type == "operation.auto_failover"]
+        start_wall = self._start_wall()
+        for event in auto:
+            op = by_id.get(event.operation_id)  # type: ignore[arg-type]
+            if op is not None:
+                end = op.finished_at or datetime.now(UTC)
+                self.unplanned.append(
+                    (
+                        (op.created_at - start_wall).total_seconds(),
+                        (end - start_wall).total_seconds(),
+                    )
+                )
+        duration = max(self.history.now(), 1.0)
+        if len(auto) > 4 + duration / 5:
+            self.history.violation(
+                "tick-rate", f"{len(auto)} automatic promotions in {duration:.0f}s"
+            )
+
+    # -- traffic verdicts -----------------------------------------------------------------------
+
+    def excuse(self, outcome: Outcome) -> str | None:
+        """Why a failed request is allowed, or None."""
+        grace = 1.5
+        if not self.hold and outcome.cause in _UNROUTABLE:
+            # Without issue 17's failover hold, a request sent while an unplanned failover has
+            # no routable active fails (the snapshot cache may show the old verdict for its TTL).
+            for start, end in self.unplanned:
+                if start - 0.5 <= outcome.end and outcome.start <= end + 2.5:
+                    return "no routable active during an unplanned failover (no hold on main)"
+        for w in self.windows:
+            if w.start - 0.2 <= outcome.end and outcome.start <= w.end + grace:
+                if w.kind == "replica_kill" and int(w.target) == outcome.replica:
+                    return "replica down (a load balancer retries another)"
+                if w.kind.startswith("vllm_") and w.kind != "vllm_wake_fails":
+                    return f"{w.kind} on {w.target}: no domain could serve"
+                if w.kind in ("store_cut", "store_stall"):
+                    replica = self.replicas[outcome.replica]
+                    if replica.started_at_s and replica.started_at_s >= w.start:
+                        return "store down with a cold cache"
+        return None
+
+    def result(self, traffic: Traffic) -> Result:
+        outcomes = traffic.outcomes
+        failures: Counter[str] = Counter()
+        excused: Counter[str] = Counter()
+        for o in outcomes:
+            if o.ok:
+                continue
+            why = self.excuse(o)
+            if why is None:
+                failures[o.cause] += 1
+                self.history.violation(
+                    "traffic",
+                    f"replica {o.replica} request {o.start:.2f}-{o.end:.2f}s failed: {o.cause}",
+                )
+            else:
+                excused[f"{o.cause} ({why})"] += 1
+        latencies = sorted((o.end - o.start) * 1000 for o in outcomes if o.ok)
+        p50 = statistics.median(latencies) if latencies else 0.0
+        p99 = latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] if latencies else 0.0
+        self.history.note(
+            "traffic",
+            f"{len(outcomes)} requests, {sum(failures.values())} unexcused failures "
+            f"{dict(failures)}, excused {dict(excused)}, p50 {p50:.1f} ms, p99 {p99:.1f} ms",
+        )
+        self.history.write()
+        return Result(
+            self.schedule,
+            list(self.history.violations),
+            self.history.path,
+            requests=len(outcomes),
+            failures=dict(failures),
+            excused=dict(excused),
+            p50_ms=p50,
+            p99_ms=p99,
+            operations=len(getattr(self, "operations", [])),
+        )
+
+
+async def run_schedule(
+    schedule: Schedule,
+    workdir: Path,
+    *,
+    admin_url: str | None,
+    settle_s: float = 45.0,
+    hold: bool = False,
+) -> Result:
+    os.makedirs(workdir, exist_ok=True)
+    run = Run(schedule, workdir, admin_url, hold=hold)
+    try:
+        return await run.run(settle_s)
+    except BaseException as exc:
+        run.history.violation("harness", f"{exc!r}")
+        run.history.write()
+        raise
+    finally:
+        await run.close()
+        run.history.write()

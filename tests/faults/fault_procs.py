@@ -1,0 +1,215 @@
+"""Fault switches of the harness: a PostgreSQL forwarder, replicas, supervisors, slow clients."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import socket
+import sys
+
+import psycopg
+from haru_demo import DemoTopology
+from haru_demo._procs import ChildProcess, spawn
+from haru_demo._topology import _base_env
+from sqlalchemy.engine import make_url
+
+SERVER_LISTENING = re.compile(r"haru-server listening on [^\s:]+:(\d+)")
+SUPERVISOR_LISTENING = re.compile(r"haru-supervisor listening on http://[^\s:]+:(\d+)")
+
+
+class PgForwarder:
+    """127.0.0.1 forwarder in front of PostgreSQL: ``cut`` drops and refuses, ``stall`` holds."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.port = 0
+        self.cut_off = False
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def cut(self) -> None:
+        self.cut_off = True
+        for writer in list(self._writers):
+            writer.transport.abort()
+
+    def stall(self) -> None:
+        self._flowing.clear()
+
+    def restore(self) -> None:
+        self.cut_off = False
+        self._flowing.set()
+
+    async def close(self) -> None:
+        self.cut()
+        self._flowing.set()
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.cut_off:
+            writer.transport.abort()
+            return
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers.update((writer, up_writer))
+        for task in (
+            asyncio.create_task(self._pipe(reader, up_writer)),
+            asyncio.create_task(self._pipe(up_reader, writer)),
+        ):
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, OSError, RuntimeError):
+            while data := await reader.read(65536):
+                await self._flowing.wait()
+                writer.write(data)
+                await writer.drain()
+        self._writers.discard(writer)
+        writer.transport.abort()
+
+
+def create_database(admin_url: str, name: str) -> str:
+    """Create database ``name`` on the server of ``admin_url``; returns its SQLAlchemy URL."""
+    url = make_url(admin_url)
+    libpq = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(libpq, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
+        conn.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
+    return url.set(database=name).render_as_string(hide_password=False)
+
+
+def drop_database(admin_url: str, name: str) -> None:
+    url = make_url(admin_url)
+    libpq = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(libpq, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
+
+
+class Replica:
+    """One ``haru serve`` process of the replicated control plane, restartable on its port."""
+
+    def __init__(self, topology: DemoTopology, index: int, database_url: str | None) -> None:
+        self.topology = topology
+        self.index = index
+        self.database_url = database_url
+        self.port = 0
+        self.process: ChildProcess | None = None
+        self.started_at_s = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.running
+
+    async def start(self) -> None:
+        env = self.topology.server_env()
+        env["PORT"] = str(self.port)
+        if self.database_url is not None:
+            env["DATABASE_URL"] = self.database_url
+        self.process = await spawn(
+            f"server-{self.index}",
+            [sys.executable, "-m", "haru_server", "serve"],
+            env=env,
+            cwd=self.topology.workdir,
+            log_path=self.topology.workdir / "logs" / f"server-{self.index}.log",
+        )
+        match = await self.process.wait_for_line(SERVER_LISTENING, timeout_s=60)
+        self.port = int(match.group(1))
+        self.started_at_s = asyncio.get_running_loop().time()
+
+    async def kill(self) -> None:
+        if self.process is not None:
+            await self.process.kill()
+
+
+def supervisor_env(topology: DemoTopology, slug: str, *, port: int, token: str | None) -> dict:
+    """The environment ``DemoTopology`` gives domain ``slug``'s supervisor, on a fixed port."""
+    folder = topology.workdir / slug
+    env = _base_env()
+    env.update(
+        PORT=str(port),
+        HARU_SUPERVISOR_CONFIG=str(folder / "supervisor.json"),
+        HARU_SUPERVISOR_GPU_SOURCE="nvidia-smi",
+        HARU_SUPERVISOR_SHUTDOWN_GRACE_MS=str(topology.timings.supervisor_shutdown_grace_ms),
+        PATH=os.pathsep.join([str(folder / "bin"), env.get("PATH", os.defpath)]),
+    )
+    if token is not None:
+        env["HARU_SUPERVISOR_TOKEN"] = token
+    return env
+
+
+async def restart_supervisor(
+    topology: DemoTopology, slug: str, *, token: str | None, kill: bool = False
+) -> None:
+    """Stop domain ``slug``'s supervisor (SIGTERM, or SIGKILL with ``kill``) and start it again
+    on the same port, with ``token``."""
+    domain = topology.domains[slug]
+    port = int(domain.supervisor_url.rsplit(":", 1)[1])
+    if domain.supervisor is not None:
+        if kill:
+            await domain.supervisor.kill()
+        else:
+            await domain.supervisor.stop(grace_s=topology.timings.stop_grace_s + 2)
+    folder = topology.workdir / slug
+    process = await spawn(
+        f"supervisor-{slug}",
+        [sys.executable, "-m", "haru_supervisor"],
+        env=supervisor_env(topology, slug, port=port, token=token),
+        cwd=folder,
+        log_path=topology.workdir / "logs" / f"supervisor-{slug}.log",
+    )
+    domain.supervisor = process
+    await process.wait_for_line(SUPERVISOR_LISTENING, timeout_s=60)
+
+
+async def hold_slow_clients(port: int, count: int, hold_s: float) -> int:
+    """Open ``count`` connections sending half a request each, hold them, close them.
+
+    Returns how many connections were accepted.
+    """
+    socks: list[socket.socket] = []
+    loop = asyncio.get_running_loop()
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, ("127.0.0.1", port)), 1.0)
+                await loop.sock_sendall(sock, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            except (OSError, TimeoutError):
+                sock.close()
+                continue
+            socks.append(sock)
+        await asyncio.sleep(hold_s)
+        return len(socks)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def checkpoint_dirs_of(topology: DemoTopology, slug: str) -> set[str]:
+    return {os.path.realpath(p) for p in topology.domains[slug].checkpoint_dirs.values()}
+
+
+def trainers_in(trainers: dict[int, str], directories: set[str]) -> list[int]:
+    """Pids of ``trainers`` (pid -> checkpoint directory) whose directory is one of these."""
+    return sorted(pid for pid, d in trainers.items() if os.path.realpath(d) in directories)

@@ -1,0 +1,48 @@
+"""A small fixed-seed set of random fault schedules (``tests/faults/run.py`` runs many).
+
+Each schedule starts a whole local fleet (real supervisors, emulated vLLM servers and
+trainers, one or more ``haru serve`` processes), so the set takes a few minutes: it runs when
+``HARU_FAULT_SCHEDULES=1`` (``.ci/run`` sets it) and is skipped with that reason otherwise.
+The ``pg-replicas`` schedules need ``HARU_TEST_DATABASE_URL``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fault_harness import make_schedule, run_schedule
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("HARU_FAULT_SCHEDULES") != "1",
+        reason="fault schedules take minutes: set HARU_FAULT_SCHEDULES=1 (.ci/run does)",
+    ),
+]
+
+CI_SEEDS = [("sqlite-single", 100), ("pg-replicas", 1), ("pg-replicas", 100)]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(("variant", "seed"), CI_SEEDS, ids=[f"{v}-{s}" for v, s in CI_SEEDS])
+async def test_fault_schedule_keeps_every_invariant(
+    variant: str, seed: int, tmp_path: Path
+) -> None:
+    admin_url = os.environ.get("HARU_TEST_DATABASE_URL")
+    if variant == "pg-replicas" and not admin_url:
+        if os.environ.get("HARU_REQUIRE_POSTGRES") == "1":
+            pytest.fail("pg-replicas needs HARU_TEST_DATABASE_URL")
+        pytest.skip("pg-replicas needs HARU_TEST_DATABASE_URL")
+    result = await run_schedule(make_schedule(seed, variant), tmp_path, admin_url=admin_url)
+    history = result.history_path.read_text(encoding="utf-8")
+    assert not result.violations, (
+        f"{result.summary()}\nreplay: uv run python tests/faults/run.py --seed {seed} "
+        f"--count 1 --variant {variant}\n{history}"
+    )
+    assert result.requests > 0
