@@ -6,6 +6,13 @@ bounds on slow clients, a connection cap, protocol errors answered in the envelo
 echoing the request, and SIGINT/SIGTERM handling.
 """
 
+from haru_web._bind import (
+    HOST_VAR,
+    OPEN_BIND_VAR,
+    choose_bind_host,
+    is_loopback_bind,
+    normalize_bind_host,
+)
 from haru_web._body import (
     JSON_MEDIA_TYPE,
     VALIDATION_ERRORS_SHOWN,
@@ -46,8 +53,10 @@ __all__ = (
     "DEFAULT_HEADER_TIMEOUT_S",
     "DEFAULT_KEEPALIVE_TIMEOUT_S",
     "DEFAULT_MAX_CONNECTIONS",
+    "HOST_VAR",
     "JSON_MEDIA_TYPE",
     "MIN_TOKEN_LENGTH",
+    "OPEN_BIND_VAR",
     "VALIDATION_ERRORS_SHOWN",
     "ApiError",
     "HardenedAppRunner",
@@ -62,14 +71,17 @@ __all__ = (
     "bearer_middleware",
     "browser_guard_middleware",
     "check_token",
+    "choose_bind_host",
     "connection_cap",
     "describe_protocol_error",
     "describe_validation_error",
     "error_middleware",
     "int_query",
     "is_api_path",
+    "is_loopback_bind",
     "is_loopback_host",
     "json_error",
+    "normalize_bind_host",
     "parse_body",
     "raw_error_bytes",
     "read_body",

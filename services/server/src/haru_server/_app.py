@@ -61,7 +61,9 @@ def create_app(
     app = web.Application(
         middlewares=[
             error_middleware,
-            browser_guard_middleware(open_api=settings.api_token is None),
+            browser_guard_middleware(
+                open_api=settings.api_token is None, check_host=not settings.open_to_network
+            ),
             bearer_middleware(settings.api_token_value()),
             store_error_middleware,
         ]

@@ -50,7 +50,9 @@ def create_app(
     app = web.Application(
         middlewares=[
             error_middleware,
-            browser_guard_middleware(open_api=settings.token is None),
+            browser_guard_middleware(
+                open_api=settings.token is None, check_host=not settings.open_to_network
+            ),
             bearer_middleware(settings.token_value()),
         ],
         client_max_size=MAX_BODY_BYTES,
