@@ -24,6 +24,7 @@ from haru_server._keys import (
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
 from haru_server._middleware import store_error_middleware
 from haru_server._proxy import install_proxy
+from haru_server._ready import ready_routes
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._routes import routes
 from haru_server._settings import Settings
@@ -81,6 +82,7 @@ def create_app(
     app[_busy_interval_key] = busy_interval_s
     app.cleanup_ctx.extend([_store_ctx, _reconciler_ctx, _loop_ctx])
     app.add_routes(routes)
+    app.add_routes(ready_routes)
     install_proxy(app)
     return app
 
