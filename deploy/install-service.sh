@@ -4,7 +4,7 @@
 #   deploy/install-service.sh VENV PACKAGE[:EXTRA,...] [PACKAGE[:EXTRA,...] ...]
 #
 # Run from the repository root (uv.lock pins every version). The Dockerfiles run exactly this,
-# and services/server/tests/test_images.py runs it into a temporary directory and starts the
+# and tests/test_images.py runs it into a temporary directory and starts the
 # result, so the image and the test install the same way. Each PACKAGE is a workspace member
 # (haru-server, haru-supervisor, haru-sim); its workspace dependencies are installed as wheels
 # (not editable), its third-party dependencies at the locked versions with their hashes.
