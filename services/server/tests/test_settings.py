@@ -179,3 +179,58 @@ def test_data_path_variables() -> None:
     assert (defaults.route_lease_ms, defaults.failover_hold_ms) == (300, 10_000)
     with pytest.raises(SettingsError, match="HARU_ROUTE_LEASE_MS"):
         Settings.from_env({"HARU_ROUTE_LEASE_MS": "-1"})
+
+
+TOKEN = "tok-0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    ("env", "host"),
+    [
+        ({"HARU_HOST": "127.0.0.2"}, "127.0.0.2"),
+        ({"HARU_HOST": " [::1] "}, "::1"),
+        ({"HARU_HOST": "LOCALHOST"}, "localhost"),
+        ({"HARU_HOST": "0.0.0.0", "HARU_API_TOKEN": TOKEN}, "0.0.0.0"),
+        ({"HARU_HOST": "10.1.2.3", "HARU_API_TOKEN": TOKEN}, "10.1.2.3"),
+        ({"HARU_HOST": "127.0.0.1", "HARU_API_TOKEN": TOKEN}, "127.0.0.1"),
+        ({"HARU_HOST": "0.0.0.0", "HARU_ALLOW_OPEN_BIND": "1"}, "0.0.0.0"),
+        ({"HARU_HOST": "::", "HARU_ALLOW_OPEN_BIND": "true"}, "::"),
+        ({"HARU_HOST": "", "HARU_ALLOW_OPEN_BIND": "1"}, "127.0.0.1"),
+    ],
+)
+def test_the_listening_address_is_settable(env: dict[str, str], host: str) -> None:
+    settings = Settings.from_env(env)
+    assert settings.host == host
+    exposed = "HARU_API_TOKEN" not in env and host not in {"127.0.0.1", "127.0.0.2", "::1"}
+    assert settings.open_to_network is (exposed and host != "localhost")
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "haru.example.com"])
+@pytest.mark.parametrize("opt_in", [None, "0", "false"])
+def test_an_open_api_is_never_exposed_by_accident(host: str, opt_in: str | None) -> None:
+    env = {"HARU_HOST": host}
+    if opt_in is not None:
+        env["HARU_ALLOW_OPEN_BIND"] = opt_in
+    with pytest.raises(SettingsError) as caught:
+        Settings.from_env(env)
+    message = str(caught.value)
+    assert f"HARU_HOST={host} is not a loopback address" in message
+    assert "HARU_API_TOKEN" in message
+    assert "HARU_ALLOW_OPEN_BIND=1" in message
+
+
+@pytest.mark.parametrize("value", ["not a host", "a..b", "-x.example", "1.2.3.4:80", "x" * 64])
+def test_a_malformed_host_is_a_boot_error(value: str) -> None:
+    with pytest.raises(SettingsError, match=r"^HARU_HOST must be an IP address or a host name"):
+        Settings.from_env({"HARU_HOST": value, "HARU_API_TOKEN": TOKEN})
+
+
+def test_a_malformed_opt_in_is_a_boot_error() -> None:
+    with pytest.raises(SettingsError, match=r"^HARU_ALLOW_OPEN_BIND "):
+        Settings.from_env({"HARU_HOST": "0.0.0.0", "HARU_ALLOW_OPEN_BIND": "perhaps"})
+
+
+def test_direct_construction_applies_the_same_rule() -> None:
+    with pytest.raises(ValidationError, match="not a loopback address"):
+        Settings(bind_host="0.0.0.0")
+    assert Settings(bind_host="0.0.0.0", allow_open_bind=True).host == "0.0.0.0"

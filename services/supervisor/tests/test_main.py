@@ -247,3 +247,34 @@ async def test_an_invalid_config_exits_with_a_usage_error(launch: Any) -> None:
     assert await asyncio.wait_for(supervisor.process.wait(), 15) == 2
     await asyncio.gather(*supervisor.readers)
     assert "HARU_SUPERVISOR_CONFIG: inline JSON is invalid" in supervisor.log
+
+
+async def test_an_open_network_bind_without_the_opt_in_is_refused_at_boot(launch: Any) -> None:
+    config = (
+        '{"slots": [{"kind": "inference", "gpuIndex": 0, "models": [{"name": "m", "port": 9}]}]}'
+    )
+    supervisor = await launch(
+        _base_env(HARU_SUPERVISOR_CONFIG=config, HARU_HOST="0.0.0.0"), wait=False
+    )
+    assert await asyncio.wait_for(supervisor.process.wait(), 15) == 2
+    await asyncio.gather(*supervisor.readers)
+    assert "HARU_HOST=0.0.0.0 is not a loopback address" in supervisor.log
+    assert "HARU_ALLOW_OPEN_BIND=1" in supervisor.log
+
+
+async def test_an_opted_in_open_bind_listens_everywhere_and_warns(launch: Any) -> None:
+    config = (
+        '{"slots": [{"kind": "inference", "gpuIndex": 0, "models": [{"name": "m", "port": 9}]}]}'
+    )
+    env = _base_env(HARU_SUPERVISOR_CONFIG=config, HARU_HOST="0.0.0.0", HARU_ALLOW_OPEN_BIND="1")
+    supervisor = await launch(env)
+    assert supervisor.host == "0.0.0.0"
+    assert "API is OPEN to anyone on the network" in supervisor.log
+    headers = {"Host": "alpha:8701"}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(supervisor.url + "/healthz", headers=headers) as r,
+    ):
+        assert r.status == 200
+    supervisor.process.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(supervisor.process.wait(), 15) == 0

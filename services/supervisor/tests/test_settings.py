@@ -256,3 +256,41 @@ def test_run_as_needs_a_root_supervisor() -> None:
 def test_run_as_an_existing_user_loads_as_root() -> None:
     config = load_config(_with_run_as("nobody"))
     assert config.training_slots[-1].run_as == "nobody"
+
+
+@pytest.mark.parametrize(
+    ("env", "host", "exposed"),
+    [
+        ({"HARU_HOST": "127.0.0.1"}, "127.0.0.1", False),
+        ({"HARU_HOST": "[::1]"}, "::1", False),
+        ({"HARU_HOST": "0.0.0.0", "HARU_SUPERVISOR_TOKEN": "abc123-0123456789"}, "0.0.0.0", False),
+        (
+            {"HARU_HOST": "10.0.0.7", "HARU_SUPERVISOR_TOKEN": "abc123-0123456789"},
+            "10.0.0.7",
+            False,
+        ),
+        ({"HARU_HOST": "0.0.0.0", "HARU_ALLOW_OPEN_BIND": "1"}, "0.0.0.0", True),
+    ],
+)
+def test_the_listening_address_is_settable(env: dict[str, str], host: str, exposed: bool) -> None:
+    settings = load_settings({"HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG), **env})
+    assert settings.host == host
+    assert settings.open_to_network is exposed
+
+
+@pytest.mark.parametrize("opt_in", [None, "0", "no"])
+def test_an_open_supervisor_is_never_exposed_by_accident(opt_in: str | None) -> None:
+    env = {"HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG), "HARU_HOST": "0.0.0.0"}
+    if opt_in is not None:
+        env["HARU_ALLOW_OPEN_BIND"] = opt_in
+    with pytest.raises(SettingsError) as caught:
+        load_settings(env)
+    message = str(caught.value)
+    assert message.startswith("HARU_HOST=0.0.0.0 is not a loopback address")
+    assert "HARU_SUPERVISOR_TOKEN" in message
+    assert "HARU_ALLOW_OPEN_BIND=1" in message
+
+
+def test_a_malformed_supervisor_host_is_a_boot_error() -> None:
+    with pytest.raises(SettingsError, match=r"^HARU_HOST must be an IP address or a host name"):
+        load_settings({"HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG), "HARU_HOST": "a b"})

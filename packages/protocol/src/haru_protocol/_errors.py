@@ -44,6 +44,7 @@ class ErrorCode(StrEnum):
     OVERLOADED = "overloaded"
     HTTP_VERSION_NOT_SUPPORTED = "http_version_not_supported"
     FLEET_NOT_RECONCILED = "fleet_not_reconciled"
+    NOT_READY = "not_ready"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -69,6 +70,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.OVERLOADED: 503,
     ErrorCode.HTTP_VERSION_NOT_SUPPORTED: 505,
     ErrorCode.FLEET_NOT_RECONCILED: 409,
+    ErrorCode.NOT_READY: 503,
 }
 """The usual HTTP status of each code (a route may document a different one)."""
 

@@ -289,3 +289,11 @@ class Health(PeerModel):
     """``GET /healthz``."""
 
     ok: bool = True
+
+
+class Readiness(PeerModel):
+    """``GET /readyz`` when ready (otherwise 503 ``not_ready`` in the error envelope)."""
+
+    ready: bool = True
+    checks: tuple[str, ...] = ()
+    """What was checked, in order (e.g. ``state store``, ``schema at head``)."""

@@ -7,6 +7,13 @@ echoing the request, and SIGINT/SIGTERM handling. One logging setup (text or JSO
 request id in every line about a request) and a per-app Prometheus ``/metrics`` route.
 """
 
+from haru_web._bind import (
+    HOST_VAR,
+    OPEN_BIND_VAR,
+    choose_bind_host,
+    is_loopback_bind,
+    normalize_bind_host,
+)
 from haru_web._body import (
     JSON_MEDIA_TYPE,
     VALIDATION_ERRORS_SHOWN,
@@ -68,11 +75,13 @@ __all__ = (
     "DEFAULT_HEADER_TIMEOUT_S",
     "DEFAULT_KEEPALIVE_TIMEOUT_S",
     "DEFAULT_MAX_CONNECTIONS",
+    "HOST_VAR",
     "JSON_MEDIA_TYPE",
     "LOG_FORMATS",
     "LOG_LEVELS",
     "METRICS_PATH",
     "MIN_TOKEN_LENGTH",
+    "OPEN_BIND_VAR",
     "VALIDATION_ERRORS_SHOWN",
     "AccessLogger",
     "ApiError",
@@ -95,6 +104,7 @@ __all__ = (
     "bearer_middleware",
     "browser_guard_middleware",
     "check_token",
+    "choose_bind_host",
     "configure_logging",
     "connection_cap",
     "current_request_id",
@@ -105,10 +115,12 @@ __all__ = (
     "install_request_ids",
     "int_query",
     "is_api_path",
+    "is_loopback_bind",
     "is_loopback_host",
     "json_error",
     "metrics_guarded",
     "new_request_id",
+    "normalize_bind_host",
     "parse_body",
     "parse_log_format",
     "parse_log_level",

@@ -154,7 +154,7 @@ def _same_origin(origin: str, host: str) -> bool:
     return origin.strip().lower() in {f"http://{host.strip().lower()}"}
 
 
-def browser_guard_middleware(*, open_api: bool) -> Middleware:
+def browser_guard_middleware(*, open_api: bool, check_host: bool = True) -> Middleware:
     """Keep browsers from driving an API that has no token (CSRF and DNS rebinding).
 
     With ``open_api`` (no token configured; the service listens on loopback only), a request
@@ -164,13 +164,17 @@ def browser_guard_middleware(*, open_api: bool) -> Middleware:
     that are not browsers send no ``Origin`` and are not affected. With a token the guard
     does nothing: a browser cannot add the ``Authorization`` header to a cross-site request
     without a CORS preflight, which these services never grant.
+
+    ``check_host=False`` drops the ``Host`` rule (the ``Origin`` rule stays): for a token-less
+    service its operator deliberately exposed on a network (``HARU_ALLOW_OPEN_BIND``), whose
+    clients reach it under a non-loopback name.
     """
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if open_api:
             host = request.headers.get("Host")
-            if host is not None and not is_loopback_host(host):
+            if check_host and host is not None and not is_loopback_host(host):
                 raise ApiError(
                     ErrorCode.FORBIDDEN,
                     "this service has no token and answers loopback host names only",

@@ -94,7 +94,10 @@ async def serving(
         except OSError as exc:
             raise ListenError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
         bound = runner.addresses[0][1]
-        local = "127.0.0.1" if host == "0.0.0.0" else host
+        # A URL this machine can call: the wildcard addresses are reached over loopback.
+        local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        if ":" in local:
+            local = f"[{local}]"
         yield Listening(host=host, port=bound, url=f"http://{local}:{bound}")
     finally:
         await runner.cleanup()

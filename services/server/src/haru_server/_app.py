@@ -37,6 +37,7 @@ from haru_server._metrics import ServerMetrics, metrics_key, proxy_access_middle
 from haru_server._middleware import store_error_middleware
 from haru_server._proxy import install_proxy, observe_route_move
 from haru_server._proxy_routes import PROXIED_PATHS
+from haru_server._ready import ready_routes
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._route_cache import lease_guard_ms
 from haru_server._routes import routes
@@ -77,7 +78,9 @@ def create_app(
             request_id_middleware,
             error_middleware,
             proxy_access_middleware(PROXIED_PATHS),
-            browser_guard_middleware(open_api=settings.api_token is None),
+            browser_guard_middleware(
+                open_api=settings.api_token is None, check_host=not settings.open_to_network
+            ),
             bearer_middleware(
                 settings.api_token_value(), guarded=metrics_guarded(public=settings.metrics_public)
             ),
@@ -101,6 +104,7 @@ def create_app(
     app[_busy_interval_key] = busy_interval_s
     app.cleanup_ctx.extend([_store_ctx, _reconciler_ctx, _loop_ctx])
     app.add_routes(routes)
+    app.add_routes(ready_routes)
     install_proxy(app)
     return app
 

@@ -24,6 +24,9 @@ from haru_server._reconciler import Reconciler
 
 logger = logging.getLogger(__name__)
 
+STALE_GRACE_S = 10.0
+"""Slack (a slow store call, a busy event loop) before a silent loop counts as stalled."""
+
 
 @dataclass(frozen=True, slots=True)
 class LoopOptions:
@@ -70,6 +73,7 @@ class ReconcileLoop:
         self._task: asyncio.Task[None] | None = None
         self._missing: set[str] = set()
         self._store_down = False
+        self._last_pass: float | None = None
 
     @property
     def fleet_ids(self) -> frozenset[UUID]:
@@ -95,6 +99,26 @@ class ReconcileLoop:
             if pointer is not None and pointer.id == fleet_id:
                 return True
         return False
+
+    @property
+    def stale_after_s(self) -> float:
+        """How long without a discovery pass before :meth:`stalled` reports the loop."""
+        return 3 * self._options.interval_s + STALE_GRACE_S
+
+    def stalled(self, now: float) -> str | None:
+        """Why the loop is not ticking at ``now`` (``time.monotonic()``), or None when it is.
+
+        The loop ticks when its task runs and its last discovery pass (one per interval, or
+        at a kick) ended less than :attr:`stale_after_s` ago.
+        """
+        if self._task is None or self._task.done():
+            return "the reconcile loop is not running"
+        if self._last_pass is None:
+            return "the reconcile loop has not completed its first pass"
+        silent = now - self._last_pass
+        if silent > self.stale_after_s:
+            return f"the reconcile loop has not ticked for {silent:.0f} s"
+        return None
 
     def start(self) -> None:
         """Start the discovery task (idempotent)."""
@@ -139,6 +163,7 @@ class ReconcileLoop:
         while not self._stopping.is_set():
             self._discover.clear()
             await self._discover_fleets()
+            self._last_pass = time.monotonic()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._options.interval_s):
                     await self._discover.wait()

@@ -29,11 +29,19 @@ def describe_database(settings: Settings) -> str:
 def announce(settings: Settings) -> None:
     """Log what the operator must know at boot (loudly where it matters)."""
     logger.info("state store: %s", describe_database(settings))
-    if settings.api_token is None:
+    if settings.open_to_network:
+        logger.warning(
+            "!!! HARU_API_TOKEN is unset and HARU_ALLOW_OPEN_BIND lets the server listen on %s: "
+            "the API is OPEN to anyone on the network (no authentication; browsers from "
+            "other origins are still refused). Set HARU_API_TOKEN unless this is on purpose.",
+            settings.host,
+        )
+    elif settings.api_token is None:
         logger.warning(
             "!!! HARU_API_TOKEN is unset: the API is OPEN to anyone who can connect, so the "
-            "server listens on 127.0.0.1 only (browsers are refused: foreign Origin and "
-            "non-loopback Host get 403). Set HARU_API_TOKEN to listen on all interfaces."
+            "server listens on %s only (browsers are refused: foreign Origin and "
+            "non-loopback Host get 403). Set HARU_API_TOKEN to listen on all interfaces.",
+            settings.host,
         )
     if settings.supervisor_token is None:
         logger.warning("HARU_SUPERVISOR_TOKEN is unset: supervisors are called without a token")

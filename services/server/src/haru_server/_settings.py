@@ -15,10 +15,15 @@ from typing import Annotated, Any, Final
 
 from haru_protocol import MAX_DURATION_MS
 from haru_web import (
+    HOST_VAR,
+    OPEN_BIND_VAR,
     LogFormat,
     ServerLimits,
     TokenConfigError,
     check_token,
+    choose_bind_host,
+    is_loopback_bind,
+    normalize_bind_host,
     parse_log_format,
     parse_log_level,
     resolve_token,
@@ -30,6 +35,7 @@ from pydantic import (
     SecretStr,
     ValidationError,
     field_validator,
+    model_validator,
 )
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
@@ -98,6 +104,12 @@ class Settings(BaseSettings):
         8700, validation_alias=_env("PORT", "port")
     )
     """``PORT``: TCP port; 0 picks a free one (the bound port is logged)."""
+    bind_host: str | None = Field(None, validation_alias=_env(HOST_VAR, "bind_host"))
+    """``HARU_HOST``: the address to listen on; None = all interfaces with a token, 127.0.0.1
+    without one. A non-loopback address without a token needs ``HARU_ALLOW_OPEN_BIND``."""
+    allow_open_bind: bool = Field(False, validation_alias=_env(OPEN_BIND_VAR, "allow_open_bind"))
+    """``HARU_ALLOW_OPEN_BIND``: allow a non-loopback ``HARU_HOST`` without ``HARU_API_TOKEN``
+    (an API open to the network, on purpose; a warning is logged at boot)."""
     api_token: SecretStr | None = Field(None, validation_alias=_env(API_TOKEN_VAR, "api_token"))
     """``HARU_API_TOKEN`` (or ``HARU_API_TOKEN_FILE``): bearer token of ``/v1/*``; None =
     open API, bound to 127.0.0.1 only, browsers kept out by the Origin/Host guard."""
@@ -203,6 +215,21 @@ class Settings(BaseSettings):
             return check_token(value, name="the token")
         return value
 
+    @field_validator("bind_host", mode="before")
+    @classmethod
+    def _bind_host(cls, value: object) -> object:
+        return normalize_bind_host(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _no_accidental_open_bind(self) -> Settings:
+        choose_bind_host(
+            self.bind_host,
+            token_set=self.api_token is not None,
+            allow_open=self.allow_open_bind,
+            token_var=API_TOKEN_VAR,
+        )
+        return self
+
     @field_validator("reconcile_fleets", mode="before")
     @classmethod
     def _fleets(cls, value: object) -> object:
@@ -217,8 +244,18 @@ class Settings(BaseSettings):
 
     @property
     def host(self) -> str:
-        """Bind address: all interfaces only when a token guards the API."""
-        return "0.0.0.0" if self.api_token is not None else "127.0.0.1"
+        """Bind address: ``HARU_HOST``, else all interfaces only when a token guards the API."""
+        return choose_bind_host(
+            self.bind_host,
+            token_set=self.api_token is not None,
+            allow_open=self.allow_open_bind,
+            token_var=API_TOKEN_VAR,
+        )
+
+    @property
+    def open_to_network(self) -> bool:
+        """No token, and listening beyond loopback (``HARU_ALLOW_OPEN_BIND``)."""
+        return self.api_token is None and not is_loopback_bind(self.host)
 
     @property
     def http_limits(self) -> ServerLimits:
@@ -284,5 +321,6 @@ def describe_settings_error(exc: ValidationError, names: Mapping[str, str]) -> s
     for error in exc.errors(include_url=False, include_input=False, include_context=False):
         field = ".".join(str(p) for p in error["loc"])
         name = names.get(field, field)
-        parts.append(f"{name} {error['msg'].removeprefix('Value error, ')}")
+        message = error["msg"].removeprefix("Value error, ")
+        parts.append(f"{name} {message}" if name else message)
     return "; ".join(parts)

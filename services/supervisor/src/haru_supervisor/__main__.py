@@ -29,7 +29,8 @@ EXIT_USAGE = 2
 
 _USAGE = (
     "usage: haru-supervisor\n"
-    "Configured by the environment: PORT (default 8701), HARU_SUPERVISOR_TOKEN,\n"
+    "Configured by the environment: PORT (default 8701), HARU_HOST, HARU_ALLOW_OPEN_BIND,\n"
+    "HARU_SUPERVISOR_TOKEN,\n"
     "HARU_SUPERVISOR_TOKEN_FILE (a file holding the token instead),\n"
     "HARU_SUPERVISOR_CONFIG (required: inline JSON or a file path),\n"
     "HARU_SUPERVISOR_GPU_SOURCE (auto|nvml|nvidia-smi), HARU_SUPERVISOR_SHUTDOWN_GRACE_MS,\n"
@@ -45,12 +46,21 @@ _HTTP_SHUTDOWN_TIMEOUT_S = 5.0
 
 async def serve(settings: Settings) -> int:
     """Serve until SIGTERM/SIGINT, then shut down as SPEC 6.5 says; returns the exit status."""
-    if settings.token is None:
+    if settings.open_to_network:
+        logger.warning(
+            "!!! %s is not set and HARU_ALLOW_OPEN_BIND lets the supervisor listen on %s: its "
+            "API is OPEN to anyone on the network (no authentication; browsers from other "
+            "origins are still refused); set a token unless this is on purpose",
+            TOKEN_VAR,
+            settings.host,
+        )
+    elif settings.token is None:
         logger.warning(
             "%s is not set: the supervisor API is OPEN (no authentication) and listens on "
-            "127.0.0.1 only (browsers are refused: foreign Origin and non-loopback Host get "
+            "%s only (browsers are refused: foreign Origin and non-loopback Host get "
             "403); set a token to serve the control plane from another host",
             TOKEN_VAR,
+            settings.host,
         )
     app = create_app(settings)
     try:

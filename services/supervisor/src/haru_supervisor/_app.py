@@ -23,6 +23,7 @@ from haru_supervisor._actions import AdminActions
 from haru_supervisor._gpu import NvmlLoader, load_pynvml, open_gpu_reader
 from haru_supervisor._keys import actions_key, gpu_key, runs_key, settings_key, vllm_key
 from haru_supervisor._metrics import SupervisorMetrics, metrics_key
+from haru_supervisor._ready import ready_routes
 from haru_supervisor._routes import MAX_BODY_BYTES, routes
 from haru_supervisor._settings import Settings
 from haru_supervisor._training import DEFAULT_POLL_S, TrainingRuns
@@ -61,7 +62,9 @@ def create_app(
         middlewares=[
             request_id_middleware,
             error_middleware,
-            browser_guard_middleware(open_api=settings.token is None),
+            browser_guard_middleware(
+                open_api=settings.token is None, check_host=not settings.open_to_network
+            ),
             bearer_middleware(
                 settings.token_value(), guarded=metrics_guarded(public=settings.metrics_public)
             ),
@@ -133,4 +136,5 @@ def create_app(
 
     app.cleanup_ctx.extend([http_ctx, gpu_ctx, training_ctx])
     app.add_routes(routes)
+    app.add_routes(ready_routes)
     return app

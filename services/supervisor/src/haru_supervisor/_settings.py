@@ -16,10 +16,15 @@ from typing import Annotated, Any, Final, Literal, get_args
 
 from haru_protocol import SupervisorConfig, normalize_token
 from haru_web import (
+    HOST_VAR,
+    OPEN_BIND_VAR,
     LogFormat,
     ServerLimits,
     TokenConfigError,
     check_token,
+    choose_bind_host,
+    is_loopback_bind,
+    normalize_bind_host,
     parse_log_format,
     parse_log_level,
     resolve_token,
@@ -126,6 +131,14 @@ class Settings(BaseSettings):
         DEFAULT_PORT, validation_alias=AliasChoices("port", "PORT")
     )
     """``PORT``: TCP port to listen on (0 picks a free one and logs it)."""
+    bind_host: str | None = Field(None, validation_alias=AliasChoices("bind_host", HOST_VAR))
+    """``HARU_HOST``: the address to listen on; None = all interfaces with a token, 127.0.0.1
+    without one. A non-loopback address without a token needs ``HARU_ALLOW_OPEN_BIND``."""
+    allow_open_bind: bool = Field(
+        False, validation_alias=AliasChoices("allow_open_bind", OPEN_BIND_VAR)
+    )
+    """``HARU_ALLOW_OPEN_BIND``: allow a non-loopback ``HARU_HOST`` without a token (an API
+    open to the network, on purpose; a warning is logged at boot)."""
     token: SecretStr | None = Field(None, validation_alias=AliasChoices("token", TOKEN_VAR))
     """``HARU_SUPERVISOR_TOKEN`` (or ``HARU_SUPERVISOR_TOKEN_FILE``): the bearer token of every
     ``/v1/*`` route; None = open API on 127.0.0.1 only, browsers kept out."""
@@ -194,6 +207,21 @@ class Settings(BaseSettings):
                 raise ValueError(str(exc)) from None
         return value
 
+    @field_validator("bind_host", mode="before")
+    @classmethod
+    def _bind_host(cls, value: object) -> object:
+        return normalize_bind_host(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _no_accidental_open_bind(self) -> Settings:
+        choose_bind_host(
+            self.bind_host,
+            token_set=self.token is not None,
+            allow_open=self.allow_open_bind,
+            token_var=TOKEN_VAR,
+        )
+        return self
+
     @model_validator(mode="after")
     def _strip_trainer_env(self) -> Settings:
         env = trainer_base_env(self.trainer_env, self.token_value())
@@ -211,8 +239,18 @@ class Settings(BaseSettings):
 
     @property
     def host(self) -> str:
-        """All interfaces with a token; loopback only without one (SPEC 6.2)."""
-        return "0.0.0.0" if self.token is not None else "127.0.0.1"
+        """``HARU_HOST``, else all interfaces with a token and loopback without one (SPEC 6.2)."""
+        return choose_bind_host(
+            self.bind_host,
+            token_set=self.token is not None,
+            allow_open=self.allow_open_bind,
+            token_var=TOKEN_VAR,
+        )
+
+    @property
+    def open_to_network(self) -> bool:
+        """No token, and listening beyond loopback (``HARU_ALLOW_OPEN_BIND``)."""
+        return self.token is None and not is_loopback_bind(self.host)
 
     @property
     def http_limits(self) -> ServerLimits:
@@ -345,6 +383,8 @@ def _parse_grace(raw: str | None) -> float:
 
 _ENV_VARS: Final = {
     "PORT": "PORT",
+    HOST_VAR: HOST_VAR,
+    OPEN_BIND_VAR: OPEN_BIND_VAR,
     TOKEN_VAR: TOKEN_VAR,
     HEADER_TIMEOUT_VAR: HEADER_TIMEOUT_VAR,
     BODY_IDLE_VAR: BODY_IDLE_VAR,
@@ -356,6 +396,8 @@ _ENV_VARS: Final = {
 }
 _FIELD_VARS: Final = {
     "port": "PORT",
+    "bind_host": HOST_VAR,
+    "allow_open_bind": OPEN_BIND_VAR,
     "token": TOKEN_VAR,
     "http_header_timeout_ms": HEADER_TIMEOUT_VAR,
     "http_body_idle_timeout_ms": BODY_IDLE_VAR,
@@ -398,5 +440,5 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
             message = error["msg"].removeprefix("Value error, ")
             if name == "PORT":
                 message = "must be an integer from 0 to 65535"
-            parts.append(message if message.startswith(name) else f"{name} {message}")
+            parts.append(message if not name or message.startswith(name) else f"{name} {message}")
         raise SettingsError("; ".join(parts)) from None

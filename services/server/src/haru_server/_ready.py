@@ -1,0 +1,50 @@
+"""``GET /readyz``: whether this server should receive traffic (liveness is ``/healthz``).
+
+Ready when the state store answers, its schema is at this code's head revision, and the
+background reconcile loop (when ``HARU_RECONCILE_INTERVAL_MS`` enables it) is ticking.
+Otherwise 503 ``not_ready`` in the error envelope, its message saying why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from aiohttp import web
+from haru_db import HaruDbError, SchemaOutdatedError, SchemaTooNewError, check_schema
+from haru_protocol import ErrorCode, Readiness
+from haru_web import ApiError
+
+from haru_server._keys import loop_key, store_key
+
+ready_routes = web.RouteTableDef()
+
+
+def _not_ready(reason: str) -> ApiError:
+    return ApiError(ErrorCode.NOT_READY, f"not ready: {reason}")
+
+
+@ready_routes.get("/readyz")
+async def readyz(request: web.Request) -> web.Response:
+    store = request.app[store_key]
+    checks = ["state store"]
+    try:
+        await store.ping()
+        checks.append("schema at head")
+        # A fresh connection, bounded like any store call: a newer release may have migrated
+        # the shared database under this process, which must then stop taking traffic.
+        async with asyncio.timeout(store.call_timeout_s):
+            await check_schema(store.url)
+    except (SchemaOutdatedError, SchemaTooNewError) as exc:
+        raise _not_ready(f"state store schema: {exc}") from None
+    except HaruDbError as exc:
+        raise _not_ready(f"state store: {exc}") from None
+    except TimeoutError:
+        raise _not_ready("state store: the schema check timed out") from None
+    loop = request.app[loop_key]
+    if loop is not None:
+        checks.append("reconcile loop")
+        reason = loop.stalled(time.monotonic())
+        if reason is not None:
+            raise _not_ready(reason)
+    return web.json_response(text=Readiness(checks=tuple(checks)).model_dump_json())
