@@ -9,7 +9,13 @@ import aiohttp
 from aiohttp import web
 from haru_db import HaruDbError, StateStore
 from haru_supervisor.client import SupervisorClient
-from haru_web import bearer_middleware, browser_guard_middleware, error_middleware
+from haru_web import (
+    OPENAPI_PATH,
+    bearer_middleware,
+    browser_guard_middleware,
+    error_middleware,
+    openapi_handler,
+)
 
 from haru_server._clock import Clock, utc_now
 from haru_server._keys import (
@@ -27,6 +33,7 @@ from haru_server._proxy import install_proxy
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._routes import routes
 from haru_server._settings import Settings
+from haru_server.openapi import api_table
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +87,7 @@ def create_app(
     app.cleanup_ctx.extend([_store_ctx, _reconciler_ctx, _loop_ctx])
     app.add_routes(routes)
     install_proxy(app)
+    app.router.add_get(OPENAPI_PATH, openapi_handler(api_table()))
     return app
 
 

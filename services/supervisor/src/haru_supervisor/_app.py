@@ -8,7 +8,13 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 from haru_exec import Exec, run_exec
-from haru_web import bearer_middleware, browser_guard_middleware, error_middleware
+from haru_web import (
+    OPENAPI_PATH,
+    bearer_middleware,
+    browser_guard_middleware,
+    error_middleware,
+    openapi_handler,
+)
 
 from haru_supervisor._actions import AdminActions
 from haru_supervisor._gpu import NvmlLoader, load_pynvml, open_gpu_reader
@@ -17,6 +23,7 @@ from haru_supervisor._routes import MAX_BODY_BYTES, routes
 from haru_supervisor._settings import Settings
 from haru_supervisor._training import DEFAULT_POLL_S, TrainingRuns
 from haru_supervisor._vllm import VllmAdminClient, VllmTimeouts
+from haru_supervisor.openapi import api_table
 
 VLLM_KEEPALIVE_S = 2.0
 """How long an idle connection to a local vLLM server is kept (uvicorn closes at 5 s)."""
@@ -102,4 +109,5 @@ def create_app(
 
     app.cleanup_ctx.extend([http_ctx, gpu_ctx, training_ctx])
     app.add_routes(routes)
+    app.router.add_get(OPENAPI_PATH, openapi_handler(api_table()))
     return app
