@@ -247,3 +247,28 @@ async def test_an_invalid_config_exits_with_a_usage_error(launch: Any) -> None:
     assert await asyncio.wait_for(supervisor.process.wait(), 15) == 2
     await asyncio.gather(*supervisor.readers)
     assert "HARU_SUPERVISOR_CONFIG: inline JSON is invalid" in supervisor.log
+
+
+async def test_version_and_help_answer_without_any_configuration() -> None:
+    from importlib import metadata
+
+    async def run(*args: str) -> tuple[int, str, str]:
+        process = await asyncio.create_subprocess_exec(
+            _executable(),
+            *args,
+            env={"PATH": "/usr/bin:/bin"},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(process.communicate(), 30)
+        assert process.returncode is not None
+        return process.returncode, out.decode(), err.decode()
+
+    code, out, _ = await run("--version")
+    assert (code, out) == (0, f"haru-supervisor {metadata.version('haru-supervisor')}\n")
+    code, out, _ = await run("--help")
+    assert code == 0
+    assert "--version" in out
+    code, _, err = await run("--bogus")
+    assert code == 2
+    assert "usage: haru-supervisor" in err
