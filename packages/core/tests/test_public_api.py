@@ -80,6 +80,10 @@ CONTRACT = {
     "routable_models",
     "find_routable_binding",
     "build_route_intent",
+    # Snapshots for orchestrators without a state store
+    "LAYOUT_NAMESPACE",
+    "layout_id",
+    "snapshot_from_layout",
     "HaruCoreError",
     "InvalidTransitionError",
 }

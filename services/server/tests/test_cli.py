@@ -12,8 +12,16 @@ from pathlib import Path
 import pytest
 from haru_db import StateStore
 from haru_demo.localfleet import LocalFleet
-from haru_protocol import example_layout_json
-from haru_server.cli import app
+from haru_protocol import (
+    AlreadyActiveResponse,
+    Event,
+    FleetSnapshot,
+    Operation,
+    OperationKind,
+    OperationState,
+    example_layout_json,
+)
+from haru_server.cli import EXIT_UNREACHABLE, EXIT_WAIT_TIMEOUT, app
 from typer.testing import CliRunner, Result
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
@@ -28,9 +36,21 @@ def invoke(*args: str, env: dict[str, str] | None = None) -> Result:
 
 def test_db_upgrade_and_seed_the_example(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'cli.db'}"
+    behind = invoke_split("db", "current", "--json", "--database-url", url)
+    assert behind.exit_code == 1, behind.output
+    current = json.loads(behind.stdout)
+    assert current["revision"] is None
+    assert current["atHead"] is False
+    assert current["head"]
     upgraded = invoke("db", "upgrade", env={"DATABASE_URL": url})
     assert upgraded.exit_code == 0, upgraded.output
     assert "revision" in upgraded.output
+    at_head = invoke_split("db", "current", "--json", "--database-url", url)
+    assert at_head.exit_code == 0, at_head.output
+    assert json.loads(at_head.stdout) == {**current, "revision": current["head"], "atHead": True}
+    shown = invoke("db", "current", "--database-url", url)
+    assert shown.exit_code == 0
+    assert "at head" in shown.output
     seeded = invoke("seed", "--database-url", url)
     assert seeded.exit_code == 0, seeded.output
     assert "fleet example" in seeded.output
@@ -63,7 +83,7 @@ def test_seed_a_layout_file_and_reject_a_bad_one(tmp_path: Path) -> None:
 
 def test_remote_commands_explain_an_unreachable_server() -> None:
     result = invoke("fleets", "--url", "http://127.0.0.1:1")
-    assert result.exit_code == 1
+    assert result.exit_code == EXIT_UNREACHABLE == 5
     assert "cannot reach the server" in result.output
 
 
@@ -128,6 +148,17 @@ async def run_cli(*args: str) -> Result:
     return await asyncio.to_thread(invoke, *args)
 
 
+def invoke_split(*args: str) -> Result:
+    """Run ``haru ARGS`` with stdout and stderr apart, as a script sees them (narrow COLUMNS)."""
+    runner = CliRunner()
+    env = {**WIDE, "COLUMNS": "40"}
+    return runner.invoke(app, list(args), env=env, catch_exceptions=False)
+
+
+async def run_split(*args: str) -> Result:
+    return await asyncio.to_thread(invoke_split, *args)
+
+
 async def test_remote_commands_against_a_running_server(served: tuple[str, LocalFleet]) -> None:
     base, _fleet = served
     auth = ("--url", base, "--token", "cli-token-0123456789")
@@ -173,3 +204,58 @@ async def test_remote_commands_against_a_running_server(served: tuple[str, Local
     later = await run_cli("events", "local", "--after", "100000", *auth)
     assert later.exit_code == 0
     assert later.output.strip() == ""
+
+
+async def test_json_output_for_scripts_and_the_wait_exit_codes(
+    served: tuple[str, LocalFleet],
+) -> None:
+    base, fleet = served
+    auth = ("--url", base, "--token", "cli-token-0123456789")
+
+    listing = await run_split("fleets", "--json", *auth)
+    assert listing.exit_code == 0, listing.output
+    [entry] = json.loads(listing.stdout)["fleets"]
+    assert entry["slug"] == "local"
+    assert entry["activeDomainSlug"] == "alpha"
+    table = await run_split("fleets", *auth)
+    line = next(line for line in table.stdout.splitlines() if "local" in line)
+    assert "alpha" in line  # the active domain by slug, not by id
+    assert entry["activeDomainId"] not in line
+
+    shown = await run_split("fleet", "show", "local", "--json", *auth)
+    assert shown.exit_code == 0, shown.output
+    snapshot = FleetSnapshot.model_validate_json(shown.stdout)
+    assert {d.slug for d in snapshot.domains} == {"alpha", "beta"}
+    assert shown.stdout.count("\n") == 1  # one document, never hard-wrapped
+
+    # Piped output uses the width it needs (COLUMNS is 40 here): the whole command on one line.
+    plain = await run_split("fleet", "show", "local", *auth)
+    assert " ".join(fleet.training_command) in plain.stdout
+
+    already = await run_split("promote", "local", "alpha", "--json", *auth)
+    assert already.exit_code == 0, already.output
+    assert AlreadyActiveResponse.model_validate_json(already.stdout).route_revision >= 1
+
+    promoted = await run_split("promote", "local", "beta", "--wait", "--json", *auth)
+    assert promoted.exit_code == 0, promoted.output
+    operation = Operation.model_validate_json(promoted.stdout)
+    assert operation.state is OperationState.SUCCEEDED
+    assert operation.kind is OperationKind.PROMOTE
+
+    events = await run_split("events", "local", "--json", *auth)
+    assert events.exit_code == 0, events.output
+    parsed = [Event.model_validate_json(line) for line in events.stdout.splitlines()]
+    assert [e.id for e in parsed] == sorted(e.id for e in parsed)
+    assert "routing.switched" in {str(e.type) for e in parsed}
+
+    # A wake that keeps failing: the operation stays in flight and --wait runs out (exit 4),
+    # still printing the operation as it stands.
+    for sim in fleet.domain("alpha").sims.values():
+        await sim.set_faults(wake_fails=True)
+    timed_out = await run_split(
+        "promote", "local", "alpha", "--wait", "--timeout", "1", "--json", *auth
+    )
+    assert timed_out.exit_code == EXIT_WAIT_TIMEOUT == 4, timed_out.output
+    pending = Operation.model_validate_json(timed_out.stdout)
+    assert pending.state in (OperationState.PENDING, OperationState.RUNNING)
+    assert "still" in timed_out.stderr

@@ -278,3 +278,28 @@ async def test_an_opted_in_open_bind_listens_everywhere_and_warns(launch: Any) -
         assert r.status == 200
     supervisor.process.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(supervisor.process.wait(), 15) == 0
+
+
+async def test_version_and_help_answer_without_any_configuration() -> None:
+    from importlib import metadata
+
+    async def run(*args: str) -> tuple[int, str, str]:
+        process = await asyncio.create_subprocess_exec(
+            _executable(),
+            *args,
+            env={"PATH": "/usr/bin:/bin"},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(process.communicate(), 30)
+        assert process.returncode is not None
+        return process.returncode, out.decode(), err.decode()
+
+    code, out, _ = await run("--version")
+    assert (code, out) == (0, f"haru-supervisor {metadata.version('haru-supervisor')}\n")
+    code, out, _ = await run("--help")
+    assert code == 0
+    assert "--version" in out
+    code, _, err = await run("--bogus")
+    assert code == 2
+    assert "usage: haru-supervisor" in err

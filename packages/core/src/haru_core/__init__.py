@@ -54,6 +54,7 @@ from haru_core._plan import (
     step_remaining_ms,
 )
 from haru_core._routing import build_route_intent, find_routable_binding, routable_models
+from haru_core._snapshot import LAYOUT_NAMESPACE, layout_id, snapshot_from_layout
 from haru_core._states import (
     DOMAIN_TRANSITIONS,
     INFERENCE_TRANSITIONS,
@@ -136,4 +137,8 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     # Errors
     "HaruCoreError",
     "InvalidTransitionError",
+    # Snapshots for orchestrators without a state store
+    "LAYOUT_NAMESPACE",
+    "layout_id",
+    "snapshot_from_layout",
 )

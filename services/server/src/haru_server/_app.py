@@ -12,6 +12,7 @@ from aiohttp import web
 from haru_db import HaruDbError, StateStore
 from haru_supervisor.client import SupervisorClient
 from haru_web import (
+    OPENAPI_PATH,
     add_metrics_route,
     bearer_middleware,
     browser_guard_middleware,
@@ -19,6 +20,7 @@ from haru_web import (
     error_middleware,
     install_request_ids,
     metrics_guarded,
+    openapi_handler,
     request_id_middleware,
 )
 
@@ -42,6 +44,7 @@ from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._route_cache import lease_guard_ms
 from haru_server._routes import routes
 from haru_server._settings import Settings
+from haru_server.openapi import api_table
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,7 @@ def create_app(
     app.add_routes(routes)
     app.add_routes(ready_routes)
     install_proxy(app)
+    app.router.add_get(OPENAPI_PATH, openapi_handler(api_table()))
     return app
 
 

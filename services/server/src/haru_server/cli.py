@@ -6,6 +6,15 @@ Every command that talks to a fleet does so through a running server's control A
 :func:`_register`; installed packages add commands under the ``haru.commands`` entry-point group
 (haru-demo registers ``demo``).
 
+Exit codes (stable, for scripts): 0 success; 1 the server refused the request or another
+failure; 2 usage (bad argument, unknown domain, invalid layout, invalid environment); 3 the
+operation ended without succeeding (``--wait``); 4 ``--wait`` timed out with the operation still
+running; 5 the server could not be reached (connection refused, unresolvable, no answer in time).
+
+Output: read commands take ``--json`` (one JSON document on stdout, events as JSON lines);
+tables use the terminal's width, and the whole width they need when stdout is not a terminal
+(piped output is never truncated).
+
 Cold start: building the CLI (``haru --help``) imports neither the state store (SQLAlchemy,
 Alembic), nor aiohttp, nor the wire models: every command imports what it needs in its body,
 and a registered command's module is imported only when that command runs.
@@ -53,11 +62,36 @@ OPTIONAL_COMMANDS: Final[Mapping[str, tuple[str, str]]] = {
 """Commands that come with another distribution: name -> (distribution, what it does)."""
 
 
+EXIT_OK: Final = 0
+EXIT_ERROR: Final = 1
+"""The server refused the request (an error answer), or another failure."""
+EXIT_USAGE: Final = 2
+"""A bad argument, an unknown domain, an invalid layout or environment."""
+EXIT_OPERATION_FAILED: Final = 3
+"""``--wait``: the operation ended failed or cancelled."""
+EXIT_WAIT_TIMEOUT: Final = 4
+"""``--wait``: the operation was still running when ``--timeout`` ran out."""
+EXIT_UNREACHABLE: Final = 5
+"""The server could not be reached (refused, unresolvable, no answer in time)."""
+
+PIPED_WIDTH: Final = 100_000
+"""Console width when stdout is not a terminal: tables are never truncated or wrapped."""
+
+
 @cache
 def _console() -> Console:
     from rich.console import Console
 
-    return Console(highlight=False)
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console = Console(highlight=False, width=PIPED_WIDTH, soft_wrap=True)
+    return console
+
+
+def _print_json(document: str) -> None:
+    # Straight to stdout: no console markup, highlighting or wrapping of the JSON text.
+    sys.stdout.write(document + "\n")
+    sys.stdout.flush()
 
 
 @cache
@@ -100,14 +134,18 @@ DriveOption = Annotated[
     ),
 ]
 TimeoutOption = Annotated[
-    float, typer.Option("--timeout", min=1.0, help="Seconds to wait before giving up.")
+    float,
+    typer.Option("--timeout", min=1.0, help="Seconds to wait before giving up (exit 4)."),
+]
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print JSON (the server's documents) instead of tables.")
 ]
 
 
 class CliFailure(Exception):  # noqa: N818  # a message for the operator, not a bug
     """Ends the command with a message on stderr and a non-zero status."""
 
-    def __init__(self, message: str, *, code: int = 1) -> None:
+    def __init__(self, message: str, *, code: int = EXIT_ERROR) -> None:
         super().__init__(message)
         self.code = code
 
@@ -123,7 +161,9 @@ def _run(coro: Awaitable[_T]) -> _T:
     try:
         return asyncio.run(main())
     except ControlApiError as exc:
-        raise CliFailure(str(exc)) from exc
+        raise CliFailure(
+            str(exc), code=EXIT_UNREACHABLE if exc.unreachable else EXIT_ERROR
+        ) from exc
 
 
 def _run_db(coro: Awaitable[_T]) -> _T:
@@ -201,6 +241,29 @@ def db_upgrade(database_url: DatabaseOption = None) -> None:
     _guard(body)
 
 
+def db_current(database_url: DatabaseOption = None, as_json: JsonOption = False) -> None:
+    """Show the state store's schema revision and this code's head (exit 1 when behind)."""
+    import json
+
+    from haru_db import current_revision, head_revision, redact_database_url, resolve_database_url
+
+    def body() -> None:
+        revision = _run_db(current_revision(database_url))
+        head = head_revision()
+        where = redact_database_url(resolve_database_url(database_url))
+        if as_json:
+            document = {"database": where, "revision": revision, "head": head}
+            _print_json(json.dumps({**document, "atHead": revision == head}))
+        else:
+            state = "at head" if revision == head else f"head is {head}"
+            shown = "none (never migrated)" if revision is None else revision
+            _console().print(f"{where}: schema at revision [bold]{shown}[/] ({state})")
+        if revision != head:
+            raise typer.Exit(EXIT_ERROR)
+
+    _guard(body)
+
+
 def _load_layout(path: Path | None) -> FleetLayout:
     from haru_protocol import FleetLayout, load_example_layout
     from pydantic import ValidationError
@@ -267,19 +330,37 @@ def _client(url: str, token: str | None) -> ControlClient:
     return ControlClient(url, token=token)
 
 
-def fleets(url: UrlOption = DEFAULT_URL, token: TokenOption = None) -> None:
-    """List the fleets of the server."""
+def fleets(
+    url: UrlOption = DEFAULT_URL, token: TokenOption = None, as_json: JsonOption = False
+) -> None:
+    """List the fleets of the server with their active domain (by slug)."""
+    import json
+
     from rich.table import Table
 
     async def go() -> None:
         async with _client(url, token) as client:
             listing = await client.fleets()
+            slugs: dict[str, str | None] = {}
+            for pointer in listing.fleets:
+                active = None
+                if pointer.active_domain_id is not None:
+                    snapshot = await client.fleet(str(pointer.id))
+                    domain = snapshot.domain(pointer.active_domain_id)
+                    active = None if domain is None else domain.slug
+                slugs[str(pointer.id)] = active
+        if as_json:
+            document = listing.model_dump(mode="json")
+            for entry in document["fleets"]:
+                entry["activeDomainSlug"] = slugs[entry["id"]]
+            _print_json(json.dumps(document))
+            return
         table = Table("slug", "id", "active domain", "route revision")
         for fleet in listing.fleets:
             table.add_row(
                 fleet.slug,
                 str(fleet.id),
-                "-" if fleet.active_domain_id is None else str(fleet.active_domain_id),
+                slugs[str(fleet.id)] or "-",
                 str(fleet.route_revision),
             )
         _console().print(table)
@@ -331,8 +412,10 @@ def render_fleet(fleet: FleetSnapshot) -> list[Table]:
             slots.add_row(
                 domain.slug, str(slot.gpu_index), slot.kind.value, slot.state.value, detail
             )
+    active = fleet.active_domain
     domains.caption = (
-        f"id {fleet.id}  route revision {fleet.route_revision}  "
+        f"id {fleet.id}  active domain {active.slug if active is not None else '-'}  "
+        f"route revision {fleet.route_revision}  "
         f"autoFailover {'on' if fleet.policy.auto_failover else 'off'}"
     )
     return [domains, slots]
@@ -342,12 +425,16 @@ def fleet_show(
     ref: Annotated[str, typer.Argument(help="Fleet slug or id.")],
     url: UrlOption = DEFAULT_URL,
     token: TokenOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Show a fleet's domains and slots with their states."""
 
     async def go() -> None:
         async with _client(url, token) as client:
             fleet = await client.fleet(ref)
+        if as_json:
+            _print_json(fleet.model_dump_json())
+            return
         for table in render_fleet(fleet):
             _console().print(table)
 
@@ -366,6 +453,17 @@ def resolve_domain(fleet: FleetSnapshot, domain: str) -> DomainSnapshot:
     raise CliFailure(f"fleet {fleet.slug!r} has no domain {domain!r} (domains: {known})", code=2)
 
 
+class _WaitTimedOut(CliFailure):
+    """``--wait`` ran out with the operation still in flight (exit 4)."""
+
+    def __init__(self, operation: Operation, timeout_s: float) -> None:
+        super().__init__(
+            f"operation {operation.id} still {operation.state.value} after {timeout_s}s",
+            code=EXIT_WAIT_TIMEOUT,
+        )
+        self.operation = operation
+
+
 async def _follow_operation(
     client: ControlClient,
     ref: str,
@@ -373,8 +471,10 @@ async def _follow_operation(
     *,
     drive: bool,
     timeout_s: float,
+    quiet: bool = False,
 ) -> Operation:
     import asyncio
+    import contextlib
     import time
 
     from haru_core import plan_for
@@ -384,9 +484,10 @@ async def _follow_operation(
     plan = plan_for(operation.kind)
     shown = 0
     deadline = time.monotonic() + timeout_s
-    with console.status(f"{operation.kind.value}: waiting") as status:
+    status = None if quiet else console.status(f"{operation.kind.value}: waiting")
+    with status if status is not None else contextlib.nullcontext():
         while True:
-            if operation.current_step is not None:
+            if operation.current_step is not None and status is not None:
                 reached = plan.index(operation.current_step)
                 succeeded = operation.state is OperationState.SUCCEEDED
                 upto = reached + 1 if succeeded else reached
@@ -397,9 +498,7 @@ async def _follow_operation(
             if operation.state not in (OperationState.PENDING, OperationState.RUNNING):
                 return operation
             if time.monotonic() >= deadline:
-                raise CliFailure(
-                    f"operation {operation.id} still {operation.state.value} after {timeout_s}s"
-                )
+                raise _WaitTimedOut(operation, timeout_s)
             if drive:
                 await client.reconcile(ref)
             else:
@@ -417,8 +516,9 @@ def _request(
     wait: bool,
     drive: bool,
     timeout_s: float,
+    as_json: bool = False,
 ) -> None:
-    from haru_protocol import AlreadyActiveResponse, OperationState
+    from haru_protocol import AcceptedResponse, AlreadyActiveResponse, OperationState
 
     console = _console()
 
@@ -427,6 +527,9 @@ def _request(
             fleet = await client.fleet(ref)
             target = resolve_domain(fleet, domain)
             answer = await client.request_operation(ref, kind, target.id)
+            if as_json and not (wait and isinstance(answer, AcceptedResponse)):
+                _print_json(answer.model_dump_json())
+                return None
             if isinstance(answer, AlreadyActiveResponse):
                 console.print(
                     f"domain [bold]{target.slug}[/] is already active "
@@ -434,20 +537,31 @@ def _request(
                 )
                 return None
             operation = answer.operation
-            console.print(
-                f"{kind.value} of [bold]{target.slug}[/] accepted: operation {operation.id} "
-                f"({operation.state.value})"
-            )
+            if not as_json:
+                console.print(
+                    f"{kind.value} of [bold]{target.slug}[/] accepted: operation {operation.id} "
+                    f"({operation.state.value})"
+                )
             if not wait:
                 return None
-            return await _follow_operation(client, ref, operation, drive=drive, timeout_s=timeout_s)
+            return await _follow_operation(
+                client, ref, operation, drive=drive, timeout_s=timeout_s, quiet=as_json
+            )
 
     def body() -> None:
-        final = _run(go())
+        try:
+            final = _run(go())
+        except _WaitTimedOut as exc:
+            if as_json:
+                _print_json(exc.operation.model_dump_json())
+            raise
         if final is None:
             return
+        if as_json:
+            _print_json(final.model_dump_json())
         if final.state is OperationState.SUCCEEDED:
-            console.print(f"[bold green]{kind.value} succeeded[/]")
+            if not as_json:
+                console.print(f"[bold green]{kind.value} succeeded[/]")
             return
         error = final.error
         reason = (
@@ -455,7 +569,7 @@ def _request(
             if error is not None
             else final.state.value
         )
-        raise CliFailure(f"{kind.value} {final.state.value}: {reason}")
+        raise CliFailure(f"{kind.value} {final.state.value}: {reason}", code=EXIT_OPERATION_FAILED)
 
     _guard(body)
 
@@ -468,6 +582,7 @@ def promote(
     timeout: TimeoutOption = 600.0,
     url: UrlOption = DEFAULT_URL,
     token: TokenOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Promote a standby domain to active."""
     from haru_protocol import OperationKind
@@ -481,6 +596,7 @@ def promote(
         wait=wait,
         drive=drive,
         timeout_s=timeout,
+        as_json=as_json,
     )
 
 
@@ -492,6 +608,7 @@ def demote(
     timeout: TimeoutOption = 600.0,
     url: UrlOption = DEFAULT_URL,
     token: TokenOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Put a standby domain to sleep and start its training."""
     from haru_protocol import OperationKind
@@ -505,6 +622,7 @@ def demote(
         wait=wait,
         drive=drive,
         timeout_s=timeout,
+        as_json=as_json,
     )
 
 
@@ -541,6 +659,9 @@ def events(
     ] = 1.0,
     url: UrlOption = DEFAULT_URL,
     token: TokenOption = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print each event as one JSON line (JSON Lines).")
+    ] = False,
 ) -> None:
     """Print a fleet's audit trail, oldest first."""
     import asyncio
@@ -551,7 +672,10 @@ def events(
             while True:
                 page = await client.events(ref, after=cursor, limit=500)
                 for event in page.events:
-                    _console().print(format_event(event), markup=False)
+                    if as_json:
+                        _print_json(event.model_dump_json())
+                    else:
+                        _console().print(format_event(event), markup=False)
                     cursor = event.id
                 if page.next_after is not None:
                     continue
@@ -729,6 +853,7 @@ def _register(app: typer.Typer) -> None:
     app.command("serve")(serve)
     app.add_typer(db_app, name="db")
     db_app.command("upgrade")(db_upgrade)
+    db_app.command("current")(db_current)
     app.command("seed")(seed)
     app.command("fleets")(fleets)
     app.add_typer(fleet_app, name="fleet")

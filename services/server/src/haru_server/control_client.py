@@ -38,12 +38,21 @@ class ControlApiError(HaruServerError):
     Attributes:
         status: The HTTP status, or None when no answer came.
         code: The error envelope's code, when there was one.
+        unreachable: No answer came (connection refused, name not resolved, no answer in time).
     """
 
-    def __init__(self, message: str, *, status: int | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        unreachable: bool = False,
+    ):
         super().__init__(message)
         self.status = status
         self.code = code
+        self.unreachable = unreachable
 
 
 class ControlClient:
@@ -132,9 +141,11 @@ class ControlClient:
                 raw = await response.read()
                 status = response.status
         except TimeoutError as exc:
-            raise ControlApiError(f"{method} {url}: no answer in time") from exc
+            raise ControlApiError(f"{method} {url}: no answer in time", unreachable=True) from exc
         except aiohttp.ClientError as exc:
-            raise ControlApiError(f"cannot reach the server at {self._base_url}: {exc}") from exc
+            raise ControlApiError(
+                f"cannot reach the server at {self._base_url}: {exc}", unreachable=True
+            ) from exc
         if status >= 400:
             code, message = _envelope(raw)
             raise ControlApiError(

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 
 from haru_web import ListenError, StopSignals, configure_logging, serving
 
@@ -28,7 +29,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 _USAGE = (
-    "usage: haru-supervisor\n"
+    "usage: haru-supervisor [--version | --help]\n"
     "Configured by the environment: PORT (default 8701), HARU_HOST, HARU_ALLOW_OPEN_BIND,\n"
     "HARU_SUPERVISOR_TOKEN,\n"
     "HARU_SUPERVISOR_TOKEN_FILE (a file holding the token instead),\n"
@@ -99,6 +100,9 @@ async def serve(settings: Settings) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point: configure logging, read the environment, serve."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args == ["--version"]:
+        sys.stdout.write(f"haru-supervisor {metadata.version('haru-supervisor')}\n")
+        return EXIT_OK
     if args:
         help_asked = args in (["-h"], ["--help"])
         (sys.stdout if help_asked else sys.stderr).write(_USAGE)

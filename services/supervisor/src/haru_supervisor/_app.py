@@ -10,12 +10,14 @@ import aiohttp
 from aiohttp import web
 from haru_exec import Exec, run_exec
 from haru_web import (
+    OPENAPI_PATH,
     add_metrics_route,
     bearer_middleware,
     browser_guard_middleware,
     error_middleware,
     install_request_ids,
     metrics_guarded,
+    openapi_handler,
     request_id_middleware,
 )
 
@@ -28,6 +30,7 @@ from haru_supervisor._routes import MAX_BODY_BYTES, routes
 from haru_supervisor._settings import Settings
 from haru_supervisor._training import DEFAULT_POLL_S, TrainingRuns
 from haru_supervisor._vllm import VllmAdminClient, VllmTimeouts
+from haru_supervisor.openapi import api_table
 
 VLLM_KEEPALIVE_S = 2.0
 """How long an idle connection to a local vLLM server is kept (uvicorn closes at 5 s)."""
@@ -137,4 +140,5 @@ def create_app(
     app.cleanup_ctx.extend([http_ctx, gpu_ctx, training_ctx])
     app.add_routes(routes)
     app.add_routes(ready_routes)
+    app.router.add_get(OPENAPI_PATH, openapi_handler(api_table()))
     return app

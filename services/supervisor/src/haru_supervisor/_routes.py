@@ -58,7 +58,7 @@ MAX_BODY_BYTES: Final = 64 * 1024
 routes = web.RouteTableDef()
 
 
-class _NoParameters(WireModel):
+class NoParameters(WireModel):
     """Body of an action without parameters: empty or ``{}`` (any key is unknown)."""
 
 
@@ -232,7 +232,7 @@ async def vllm_wake(request: web.Request) -> web.Response:
 @routes.post("/v1/training/start")
 @admin_call("training_start")
 async def training_start(request: web.Request) -> web.Response:
-    await parse_body(request, _NoParameters, limit=MAX_BODY_BYTES, empty_ok=True)
+    await parse_body(request, NoParameters, limit=MAX_BODY_BYTES, empty_ok=True)
     runs = request.app[runs_key]
     actions = request.app[actions_key]
     try:

@@ -1,0 +1,231 @@
+"""The control server's OpenAPI route table: the control API, the inference proxy and health.
+
+Every route the application registers is declared here, one line each (a test compares this
+table with the app's router, both ways). The document is generated from it and the wire
+models; the committed copy is ``services/server/openapi.json``. Regenerate it with::
+
+    uv run python -m haru_server.openapi services/server/openapi.json
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Final
+
+from haru_protocol import (
+    AcceptedResponse,
+    AlreadyActiveResponse,
+    DemoteRequest,
+    EventList,
+    FleetList,
+    FleetSnapshot,
+    Health,
+    Operation,
+    PromoteRequest,
+    Readiness,
+    ReconcileResponse,
+    RouteIntent,
+)
+from haru_web import OPENAPI_PATH, ApiRoute, ApiTable, Param, render_openapi, route
+from pydantic import BaseModel, ConfigDict, Field
+
+from haru_server._proxy import FLEET_HEADER
+from haru_server._proxy_routes import CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH, MODELS_PATH
+from haru_server._routes import EVENTS_DEFAULT_LIMIT, EVENTS_MAX_LIMIT, ReconcileRequest
+
+
+class InferenceRequest(BaseModel):
+    """An OpenAI-compatible request: ``model`` picks the binding, the rest goes upstream as is."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(min_length=1)
+    """The served model name (one of ``GET /v1/models``)."""
+
+
+class ModelCard(BaseModel):
+    """One model the active domain serves."""
+
+    id: str
+    object: str = "model"
+    created: int
+    owned_by: str = "haru"
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``: the active domain's routable models (OpenAI's list shape)."""
+
+    object: str = "list"
+    data: list[ModelCard]
+
+
+_FLEET: Final = Param(
+    name=FLEET_HEADER,
+    where="header",
+    schema={"type": "string", "maxLength": 63},
+    description="Fleet slug or id (else HARU_DEFAULT_FLEET).",
+)
+_STORE: Final = 503  # state_store_unavailable
+_PROXY_ERRORS: Final = (404, 502, 503, 504)
+_STREAMED: Final = ("application/json", "text/event-stream")
+_EVENT_QUERY: Final = (
+    Param(
+        name="after",
+        where="query",
+        schema={"type": "integer", "minimum": 0, "maximum": 2**63 - 1, "default": 0},
+        description="Only events with a larger id.",
+    ),
+    Param(
+        name="limit",
+        where="query",
+        schema={
+            "type": "integer",
+            "minimum": 1,
+            "maximum": EVENTS_MAX_LIMIT,
+            "default": EVENTS_DEFAULT_LIMIT,
+        },
+        description="Page size.",
+    ),
+)
+_FLEETS: Final = "/v1/fleets/{ref}"
+
+
+def _inference(path: str, summary: str) -> ApiRoute:
+    return route(
+        "POST",
+        path,
+        summary,
+        None,
+        body=InferenceRequest,
+        errors=_PROXY_ERRORS,
+        params=(_FLEET,),
+        tag="inference",
+        media_types=_STREAMED,
+        description="Forwarded byte-identical to the active domain's binding of `model`; the "
+        "answer (and an upstream's own error) streams back with its status.",
+    )
+
+
+ROUTES: Final[tuple[ApiRoute, ...]] = (
+    route("GET", "/healthz", "Liveness (never touches the state store)", Health, tag="health"),
+    route("GET", OPENAPI_PATH, "This document", None, tag="health"),
+    route(
+        "GET",
+        "/readyz",
+        "Readiness (503 not_ready with the reason otherwise)",
+        Readiness,
+        errors=(503,),
+        tag="health",
+    ),
+    route(
+        "GET",
+        "/metrics",
+        "Prometheus metrics, text format (behind the token unless HARU_METRICS_PUBLIC=1)",
+        None,
+        errors=(401,),
+        tag="health",
+        media_types=("text/plain",),
+    ),
+    route("GET", "/v1/fleets", "List fleets", FleetList, errors=(_STORE,), tag="control"),
+    route("GET", _FLEETS, "A fleet's snapshot", FleetSnapshot, errors=(404, _STORE), tag="control"),
+    route(
+        "GET",
+        f"{_FLEETS}/route-intent",
+        "Where the proxy routes each model",
+        RouteIntent,
+        errors=(404, _STORE),
+        tag="control",
+    ),
+    route(
+        "POST",
+        f"{_FLEETS}/reconcile",
+        "Run one reconcile tick now",
+        ReconcileResponse,
+        body=ReconcileRequest,
+        body_required=False,
+        errors=(404, _STORE),
+        tag="control",
+    ),
+    ApiRoute(
+        method="POST",
+        path=f"{_FLEETS}/promote",
+        summary="Make a standby domain active",
+        responses={200: AlreadyActiveResponse, 202: AcceptedResponse},
+        body=PromoteRequest,
+        errors=(404, 409, 422, _STORE),
+        tag="control",
+    ),
+    ApiRoute(
+        method="POST",
+        path=f"{_FLEETS}/demote",
+        summary="Put a standby domain to sleep and start its training",
+        responses={200: AlreadyActiveResponse, 202: AcceptedResponse},
+        body=DemoteRequest,
+        errors=(404, 409, 422, _STORE),
+        tag="control",
+    ),
+    route(
+        "GET",
+        f"{_FLEETS}/operations/{{operation_id}}",
+        "One operation",
+        Operation,
+        errors=(404, _STORE),
+        tag="control",
+    ),
+    route(
+        "GET",
+        f"{_FLEETS}/events",
+        "The fleet's audit trail, oldest first",
+        EventList,
+        errors=(400, 404, _STORE),
+        params=_EVENT_QUERY,
+        tag="control",
+    ),
+    _inference(CHAT_PATH, "Chat completion (OpenAI-compatible)"),
+    _inference(COMPLETIONS_PATH, "Completion (OpenAI-compatible)"),
+    _inference(EMBEDDINGS_PATH, "Embeddings (OpenAI-compatible)"),
+    route(
+        "GET",
+        MODELS_PATH,
+        "Models of the active domain",
+        ModelList,
+        errors=(404, 503),
+        params=(_FLEET,),
+        tag="inference",
+    ),
+)
+"""Every route of the control server, in document order."""
+
+
+def api_table() -> ApiTable:
+    """The server's route table with this installation's version."""
+    return ApiTable(
+        title="Haru control server",
+        version=metadata.version("haru-server"),
+        description="Control API (fleets, operations, events, route intent), the "
+        "OpenAI-compatible inference proxy and health. Errors are always "
+        '`{"error": {"code", "message"}}`.',
+        routes=ROUTES,
+        tags={
+            "control": "Fleets, operations and the audit trail (SPEC 7.2).",
+            "inference": "The OpenAI-compatible proxy to the active domain (SPEC 7.5).",
+            "health": "Probes and this document.",
+        },
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the document, or write it to the path given as the only argument."""
+    args = sys.argv[1:] if argv is None else argv
+    text = render_openapi(api_table())
+    if args:
+        Path(args[0]).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

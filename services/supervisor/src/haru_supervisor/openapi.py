@@ -1,0 +1,154 @@
+"""The supervisor's OpenAPI route table (SPEC 6.4).
+
+Every route the application registers is declared here, one line each (a test compares this
+table with the app's router, both ways). The document is generated from it and the wire
+models; the committed copy is ``services/supervisor/openapi.json``. Regenerate it with::
+
+    uv run python -m haru_supervisor.openapi services/supervisor/openapi.json
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Final
+
+from haru_protocol import (
+    GpuMemoryResponse,
+    Health,
+    OkResponse,
+    ProbeRequest,
+    ProbeResponse,
+    Readiness,
+    ReadyResponse,
+    SleepRequest,
+    SupervisorStatus,
+    TrainingStatusResponse,
+    TrainingStopRequest,
+    WakeRequest,
+)
+from haru_web import OPENAPI_PATH, ApiRoute, ApiTable, render_openapi, route
+
+from haru_supervisor._routes import NoParameters
+
+_GPU_ERRORS: Final = (501, 502)
+"""No GPU memory source on this host (501); the source failed (502)."""
+
+ROUTES: Final[tuple[ApiRoute, ...]] = (
+    route("GET", "/healthz", "Liveness", Health, tag="health"),
+    route("GET", OPENAPI_PATH, "This document", None, tag="health"),
+    route(
+        "GET",
+        "/readyz",
+        "Readiness (503 not_ready with the reason otherwise)",
+        Readiness,
+        errors=(503,),
+        tag="health",
+    ),
+    route(
+        "GET",
+        "/metrics",
+        "Prometheus metrics, text format (behind the token unless HARU_METRICS_PUBLIC=1)",
+        None,
+        errors=(401,),
+        tag="health",
+        media_types=("text/plain",),
+    ),
+    route("GET", "/v1/status", "Every slot: models' sleep state, training", SupervisorStatus),
+    route("GET", "/v1/ready", "Every model awake", ReadyResponse),
+    route(
+        "POST",
+        "/v1/vllm/sleep",
+        "Drain and put the local vLLM servers to sleep",
+        OkResponse,
+        body=SleepRequest,
+        body_required=False,
+        errors=(404, 502, 503),
+        tag="vllm",
+    ),
+    route(
+        "POST",
+        "/v1/vllm/wake",
+        "Wake the local vLLM servers (refused while training is not idle)",
+        OkResponse,
+        body=WakeRequest,
+        body_required=False,
+        errors=(404, 409, 502, 503),
+        tag="vllm",
+    ),
+    route(
+        "POST",
+        "/v1/training/start",
+        "Start every training slot's command",
+        OkResponse,
+        body=NoParameters,
+        body_required=False,
+        errors=(503,),
+        tag="training",
+    ),
+    route(
+        "POST",
+        "/v1/training/stop",
+        "Stop every training run (SIGTERM, then SIGKILL after the grace)",
+        OkResponse,
+        status=202,
+        body=TrainingStopRequest,
+        body_required=False,
+        errors=(503,),
+        tag="training",
+    ),
+    route("GET", "/v1/training/status", "Training runs", TrainingStatusResponse, tag="training"),
+    route("GET", "/v1/gpu/memory", "GPU memory", GpuMemoryResponse, errors=_GPU_ERRORS, tag="gpu"),
+    route(
+        "GET",
+        "/v1/gpu/processes",
+        "GPU memory with the processes holding it",
+        GpuMemoryResponse,
+        errors=_GPU_ERRORS,
+        tag="gpu",
+    ),
+    route(
+        "POST",
+        "/v1/probe",
+        "One short completion per model",
+        ProbeResponse,
+        body=ProbeRequest,
+        body_required=False,
+        tag="vllm",
+    ),
+)
+"""Every route of the supervisor, in document order."""
+
+
+def api_table() -> ApiTable:
+    """The supervisor's route table with this installation's version."""
+    return ApiTable(
+        title="Haru supervisor",
+        version=metadata.version("haru-supervisor"),
+        description="The agent on each GPU host: vLLM sleep and wake, training runs, GPU "
+        'memory and probes. Errors are always `{"error": {"code", "message"}}`.',
+        routes=ROUTES,
+        tags={
+            "api": "Status and readiness.",
+            "vllm": "The local vLLM servers.",
+            "training": "The training slots' runs.",
+            "gpu": "GPU memory.",
+            "health": "Probes and this document.",
+        },
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the document, or write it to the path given as the only argument."""
+    args = sys.argv[1:] if argv is None else argv
+    text = render_openapi(api_table())
+    if args:
+        Path(args[0]).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
