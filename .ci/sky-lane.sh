@@ -40,6 +40,7 @@ fi
 # made, and editable installs point at it. With the cache warm this takes a second or two.
 VIRTUAL_ENV="$VENV" uv pip install --quiet \
     -e packages/protocol \
+    -e packages/exec \
     -e "packages/driver-skypilot[sky]" \
     -e packages/driver-skyserve \
     "pytest>=8.3" "pytest-asyncio>=1.0" "pytest-timeout>=2.3" "hypothesis>=6.120"
