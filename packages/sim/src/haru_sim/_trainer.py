@@ -6,8 +6,8 @@ the group, then SIGKILL after a grace. It resumes from the checkpoint in
 ``HARU_CHECKPOINT_DIR``, "trains" one step every ``--step-ms``, checkpoints every
 ``--checkpoint-every`` steps, and on SIGTERM flushes a checkpoint and exits 0.
 
-This runs as a plain blocking process, not inside an event loop: waiting on a
-``threading.Event`` lets a signal handler end a wait at once without burning CPU.
+This runs as a plain blocking process, not inside an event loop: its waits `select` on a
+pipe the signal handler writes to, so a signal ends a wait at once without burning CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -168,15 +169,30 @@ def _parser() -> argparse.ArgumentParser:
 
 
 class _Stop:
-    """Set from a signal handler; the main loop's waits return at once."""
+    """Set from a signal handler; the main loop's waits return at once.
+
+    The handler only records the signal and writes a byte to a pipe the waits ``select`` on.
+    It must take no lock: a ``threading.Event.set()`` in a handler deadlocks when the signal
+    lands while the main thread holds the event's own lock (entering or leaving a wait), and
+    such a trainer then only dies by SIGKILL.
+    """
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
         self.signal_name: str | None = None
 
     def handler(self, signum: int, _frame: FrameType | None) -> None:
         self.signal_name = signal.Signals(signum).name
-        self.event.set()
+        with contextlib.suppress(BlockingIOError):
+            os.write(self._write, b"\0")
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s``; True once a stop signal arrived."""
+        if self.signal_name is not None:
+            return True
+        ready, _, _ = select.select([self._read], [], [], timeout_s)
+        return bool(ready) or self.signal_name is not None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -246,7 +262,7 @@ def _train(
                 _write_checkpoint(checkpoint_dir, step, gpu_index)
             _say(f"finished step={step}")
             return EXIT_OK
-        if stop.event.wait(step_s):
+        if stop.wait(step_s):
             break
         step += 1
         steps_this_run += 1
