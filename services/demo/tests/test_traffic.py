@@ -96,12 +96,16 @@ def _chunk(delta: dict[str, str], finish: str | None) -> str:
     return f"data: {json.dumps(chunk)}\n\n"
 
 
-def stub_app(*, content: str, finish: str, stale: bool) -> web.Application:
+def stub_app(
+    *, content: str, finish: str, stale: bool, held_ms: int | None = None
+) -> web.Application:
     """A stand-in for the proxy: fixed answers, optionally marked as served stale."""
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         headers = {"X-Haru-Routing": "stale"} if stale else {}
+        if held_ms is not None:
+            headers["X-Haru-Held-Ms"] = str(held_ms)
         if not body.get("stream"):
             return web.json_response(_completion(content, finish), headers=headers)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
@@ -165,3 +169,18 @@ def test_windows_count_requests_alive_during_them() -> None:
         ChatTraffic("http://x", fleet=None, models=())
     with pytest.raises(ValueError, match="client"):
         ChatTraffic("http://x", fleet=None, models=("m",), clients=0)
+
+
+async def test_held_answers_are_counted_with_the_longest_hold(
+    aiohttp_server: ServerFactory,
+) -> None:
+    server = await aiohttp_server(stub_app(content="ok", finish="stop", stale=False, held_ms=1234))
+    async with ChatTraffic(
+        str(server.make_url("/")), fleet="example", models=("chat",), clients=2
+    ) as traffic:
+        await until(lambda: {r.stream for r in traffic.records} == {True, False})
+    assert all(r.held_ms == 1234 for r in traffic.records)
+    summary = TrafficSummary.of(traffic.records)
+    assert summary.held == summary.total
+    assert summary.longest_hold_ms == 1234
+    assert TrafficSummary.of([record(1.0, 2.0)]).held == 0

@@ -226,6 +226,13 @@ def _switchover_lines(result: SwitchoverResult) -> list[str]:
         reason = record.error or "?"
         reasons[reason] = reasons.get(reason, 0) + 1
     lines.extend(f"    {count} x {reason}" for reason, count in sorted(reasons.items()))
+    if requests.held:
+        lines.append(
+            _row(
+                "held through it",
+                f"{requests.held} answered after a hold, longest {requests.longest_hold_ms} ms",
+            )
+        )
     if result.old_active_standby is not None:
         lines.append(
             f"  old active back in standby posture: {'yes' if result.old_active_standby else 'NO'}"

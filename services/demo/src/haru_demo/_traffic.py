@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 
 FLEET_HEADER: Final = "X-Haru-Fleet"
 ROUTING_HEADER: Final = "X-Haru-Routing"
+HELD_HEADER: Final = "X-Haru-Held-Ms"
 _GOOD_FINISH: Final = frozenset({"stop", "length"})
 _ERROR_LIMIT: Final = 200
 
@@ -42,6 +43,8 @@ class RequestRecord:
         ok: A complete, non-empty answer that was not aborted.
         stale: The proxy answered from its cached routing (``X-Haru-Routing: stale``).
         error: What went wrong, when not ok.
+        held_ms: How long the proxy held the request through a failover (``X-Haru-Held-Ms``),
+            when it did.
     """
 
     client: int
@@ -52,6 +55,7 @@ class RequestRecord:
     ok: bool
     stale: bool = False
     error: str | None = None
+    held_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +66,9 @@ class TrafficSummary:
     ok: int
     failed: int
     stale: int
+    held: int = 0
+    """Answered requests the proxy held through a failover."""
+    longest_hold_ms: int = 0
 
     @classmethod
     def of(cls, records: Sequence[RequestRecord]) -> TrafficSummary:
@@ -72,6 +79,8 @@ class TrafficSummary:
             ok=ok,
             failed=len(records) - ok,
             stale=sum(1 for r in records if r.stale),
+            held=sum(1 for r in records if r.held_ms is not None),
+            longest_hold_ms=max((r.held_ms or 0 for r in records), default=0),
         )
 
 
@@ -276,6 +285,7 @@ class ChatTraffic:
             ended_at=time.time(),
             ok=ok,
             stale=answer.stale,
+            held_ms=answer.held_ms,
             error=None
             if ok
             else f"bad answer: finish_reason={answer.finish!r}, {len(answer.text)} chars",
@@ -296,6 +306,7 @@ class ChatTraffic:
             stream=True,
         )
         stale = raw.headers.get(ROUTING_HEADER, "").lower() == "stale"
+        held_ms = _held_ms(raw.headers.get(HELD_HEADER))
         chunks = raw.parse()
         if not isinstance(chunks, AsyncStream):
             raise TypeError(f"expected a stream, got {type(chunks).__name__}")
@@ -310,7 +321,7 @@ class ChatTraffic:
                         finish = choice.finish_reason
         finally:
             await chunks.close()
-        return _Answer(text="".join(content), finish=finish, stale=stale)
+        return _Answer(text="".join(content), finish=finish, stale=stale, held_ms=held_ms)
 
     async def _whole(self, model: str, messages: list[dict[str, str]]) -> _Answer:
         raw = await self._open_client().chat.completions.with_raw_response.create(
@@ -319,11 +330,17 @@ class ChatTraffic:
             max_tokens=self.max_tokens,
         )
         stale = raw.headers.get(ROUTING_HEADER, "").lower() == "stale"
+        held_ms = _held_ms(raw.headers.get(HELD_HEADER))
         completion = raw.parse()
         if not completion.choices:
-            return _Answer(text="", finish=None, stale=stale)
+            return _Answer(text="", finish=None, stale=stale, held_ms=held_ms)
         choice = completion.choices[0]
-        return _Answer(text=choice.message.content or "", finish=choice.finish_reason, stale=stale)
+        return _Answer(
+            text=choice.message.content or "",
+            finish=choice.finish_reason,
+            stale=stale,
+            held_ms=held_ms,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,3 +348,8 @@ class _Answer:
     text: str
     finish: str | None
     stale: bool
+    held_ms: int | None = None
+
+
+def _held_ms(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None
