@@ -125,6 +125,9 @@ STORED: dict[str, dict[str, Any]] = {
         "backoffMs": 60000,
         "exhausted": False,
     },
+    "domain.up.requested": {"from": "stopped"},
+    "domain.down.requested": {"from": "ready"},
+    "domain.teardown": {"cluster": "haru-f-a", "ok": True},
 }
 
 

@@ -37,11 +37,14 @@ from haru_protocol import (
     OperationKind,
     OperationState,
 )
+from haru_server import create_app
 from haru_server._clock import ManualClock
 from haru_server._provisioning import Provisioner, ProvisionerOptions
 from haru_server._reconciler import Reconciler, ReconcilerOptions
+from haru_server._settings import Settings
 from haru_server._steps import StepTuning
 from haru_supervisor.client import SupervisorClient
+from pytest_aiohttp import AiohttpClient
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 TOKEN = "tok-provisioning-secret-4711"
@@ -60,11 +63,17 @@ for arg in args:
 with (state / "calls.jsonl").open("a") as log:
     log.write(json.dumps(entry) + "\\n")
 config = json.loads((state / "config.json").read_text())
-clusters_file = state / "clusters.json"
-clusters = json.loads(clusters_file.read_text()) if clusters_file.exists() else {{}}
+# One file per cluster: concurrent launches of two clusters never lose each other's write.
+def path(name):
+    return state / f"cluster-{{name}}.json"
 
-def save():
-    clusters_file.write_text(json.dumps(clusters))
+def load(name):
+    return json.loads(path(name).read_text()) if path(name).exists() else None
+
+def save(name, cluster):
+    tmp = path(name).with_suffix(".tmp")
+    tmp.write_text(json.dumps(cluster))
+    os.replace(tmp, path(name))
 
 if args[:1] == ["launch"]:
     name = args[args.index("-c") + 1]
@@ -74,20 +83,21 @@ if args[:1] == ["launch"]:
         print("Considered resources (1 node):")
         print(behaviour["stderr"], file=sys.stderr)
         sys.exit(behaviour["exit"])
-    clusters[name] = {{"status": "INIT", "reads": 0}}
-    save()
+    save(name, {{"status": "INIT", "reads": 0}})
     if behaviour.get("hang"):
         time.sleep(60)
     print("Job submitted, ID: 1")
+elif args[:1] == ["down"]:
+    path(args[1]).unlink(missing_ok=True)
 elif args[:1] == ["status"] and "--ip" in args:
     name = args[-1]
-    if clusters.get(name, {{}}).get("status") == "UP":
+    if (load(name) or {{}}).get("status") == "UP":
         print("127.0.0.1")
     else:
         print(f"Cluster {{name}} not found.")
 elif args[:1] == ["status"]:
     name = args[1]
-    cluster = clusters.get(name)
+    cluster = load(name)
     if cluster is None:
         print(f"Cluster(s) not found: \\x1b[1m{{name}}\\x1b[0m.")
         print("[]")
@@ -96,7 +106,7 @@ elif args[:1] == ["status"]:
             cluster["reads"] += 1
             if cluster["reads"] >= config.get("up_after", 2):
                 cluster["status"] = "UP"
-            save()
+            save(name, cluster)
         print(json.dumps([{{"name": name, "status": cluster["status"], "nodes": 1,
                            "autostop": -1, "launched_at": 1764460800}}], indent=2))
 else:
@@ -122,16 +132,17 @@ class FakeSky:
         return [c for c in self.calls() if c["argv"][:1] == ["launch"] and name in c["argv"]]
 
     def clusters(self) -> dict[str, Any]:
-        path = self.state / "clusters.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        return {
+            p.name.removeprefix("cluster-").removesuffix(".json"): json.loads(p.read_text())
+            for p in self.state.glob("cluster-*.json")
+        }
 
     def set_status(self, name: str, status: str | None) -> None:
-        clusters = self.clusters()
+        path = self.state / f"cluster-{name}.json"
         if status is None:
-            clusters.pop(name, None)
+            path.unlink(missing_ok=True)
         else:
-            clusters[name] = {"status": status, "reads": 0}
-        (self.state / "clusters.json").write_text(json.dumps(clusters))
+            path.write_text(json.dumps({"status": status, "reads": 0}))
 
     def launch_pid(self, name: str) -> int:
         return int((self.state / f"launch-{name}.pid").read_text())
@@ -529,3 +540,85 @@ async def test_relaunch_switch_off_leaves_a_lost_domain_failed(
     assert domain(await snapshot(store), "beta").state is DomainState.FAILED
     assert len(sky.launches("haru-local-beta")) == 1
     assert await events(store, lost.id, EventType.DOMAIN_RELAUNCH) == []
+
+
+async def test_domain_status_up_and_down_through_the_api(
+    sqlite_store: StateStore, clock: ManualClock, sky: FakeSky, aiohttp_client: AiohttpClient
+) -> None:
+    store = sqlite_store
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    fleet = await snapshot(store)
+    # Both domains launched and addressed as the lifecycle leaves them, then ready.
+    for slug in ("alpha", "beta"):
+        got = domain(fleet, slug)
+        assert await store.claim_launch(got.id, expected_attempt=0, at=clock())
+        assert await store.mark_launched(got.id, attempt=1, at=clock())
+        assert await store.record_domain_address(
+            got.id,
+            attempt=1,
+            supervisor_url="http://127.0.0.1:9",
+            serving_base_url="http://127.0.0.1:9",
+            model_urls={},
+            at=clock(),
+        )
+        assert await store.transition_domain(
+            got.id, from_states=(DomainState.PROVISIONING,), to=DomainState.READY, at=clock()
+        )
+        sky.set_status(f"haru-local-{slug}", "UP")
+    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+
+    response = await client.get("/v1/fleets/local/domains/beta")
+    assert response.status == 200
+    body = await response.json()
+    assert (body["role"], body["clusterName"], body["clusterStatus"]) == (
+        "standby",
+        "haru-local-beta",
+        "UP",
+    )
+    assert body["domain"]["state"] == "ready"
+    response = await client.get("/v1/fleets/local/domains/nope")
+    assert response.status == 404
+    assert (await response.json())["error"]["code"] == "not_found"
+
+    # `down` is refused for the active domain: 409 with a clear message, nothing moves.
+    response = await client.post("/v1/fleets/local/domains/alpha/down")
+    assert response.status == 409
+    error = (await response.json())["error"]
+    assert error["code"] == "operation_conflict"
+    assert "active domain" in error["message"]
+    assert domain(await snapshot(store), "alpha").state is DomainState.READY
+
+    # `down` of the standby: stopping, then `sky down` in the background, then stopped.
+    response = await client.post("/v1/fleets/local/domains/beta/down")
+    assert response.status == 202
+    assert (await response.json())["domain"]["state"] == "stopping"
+    for _ in range(200):
+        await client.post("/v1/fleets/local/reconcile")
+        if domain(await snapshot(store), "beta").state is DomainState.STOPPED:
+            break
+        await asyncio.sleep(0.02)
+    assert domain(await snapshot(store), "beta").state is DomainState.STOPPED
+    assert [c["argv"] for c in sky.calls() if c["argv"][:1] == ["down"]] == [
+        ["down", "haru-local-beta", "-y"]
+    ]
+    assert "haru-local-beta" not in sky.clusters()
+    response = await client.get("/v1/fleets/local/domains/beta")
+    body = await response.json()
+    assert body["clusterStatus"] == "absent"
+    assert [e["type"] for e in body["events"]][-2:] == [
+        "domain.down.requested",
+        "domain.teardown",
+    ]
+
+    # `up` launches it again (attempt 2, as a standby); `up` of a ready domain is refused.
+    response = await client.post("/v1/fleets/local/domains/alpha/up")
+    assert response.status == 409
+    clock.advance(ms=1_000)
+    response = await client.post("/v1/fleets/local/domains/beta/up")
+    assert response.status == 202
+    assert (await response.json())["domain"]["state"] == "provisioning"
+    await client.post("/v1/fleets/local/reconcile")
+    beta = domain(await snapshot(store), "beta")
+    assert beta.launch_attempt == 2
+    started = await events(store, fleet.id, EventType.DOMAIN_LAUNCH_STARTED)
+    assert [(e.payload["attempt"], e.payload["role"]) for e in started] == [(2, "standby")]

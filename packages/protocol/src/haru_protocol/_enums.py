@@ -163,3 +163,6 @@ class EventType(StrEnum):
     DOMAIN_ADDRESS_RECORDED = "domain.address.recorded"
     DOMAIN_CLUSTER_LOST = "domain.cluster.lost"
     DOMAIN_RELAUNCH = "domain.relaunch"
+    DOMAIN_UP_REQUESTED = "domain.up.requested"
+    DOMAIN_DOWN_REQUESTED = "domain.down.requested"
+    DOMAIN_TEARDOWN = "domain.teardown"

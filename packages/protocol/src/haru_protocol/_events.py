@@ -408,6 +408,35 @@ class DomainRelaunch(EventPayload):
     """True: ``relaunchMaxAttempts`` is spent; the domain stays failed."""
 
 
+class DomainUpRequested(EventPayload):
+    """``domain.up.requested``: the operator asked a stopped or failed domain to launch."""
+
+    event_type = EventType.DOMAIN_UP_REQUESTED
+
+    from_state: DomainState = Field(alias="from")
+
+
+class DomainDownRequested(EventPayload):
+    """``domain.down.requested``: the operator asked a standby domain to be torn down."""
+
+    event_type = EventType.DOMAIN_DOWN_REQUESTED
+
+    from_state: DomainState = Field(alias="from")
+
+
+class DomainTeardown(EventPayload):
+    """``domain.teardown``: ``sky down`` of a stopping domain ended (``ok``) or failed (retried)."""
+
+    event_type = EventType.DOMAIN_TEARDOWN
+
+    cluster: str
+    ok: StrictBool
+    message: str | None = _optional()
+    argv: tuple[str, ...] | None = _optional()
+    exit_code: StrictInt | None = _optional()
+    stderr: str | None = _optional()
+
+
 # ---- reading ---------------------------------------------------------------------------------
 
 
@@ -451,6 +480,9 @@ KnownEventPayload = (
     | DomainAddressRecorded
     | DomainClusterLost
     | DomainRelaunch
+    | DomainUpRequested
+    | DomainDownRequested
+    | DomainTeardown
 )
 """Every typed payload (one per :class:`EventType`)."""
 

@@ -31,6 +31,7 @@ from haru_server._keys import (
     clock_key,
     kick_fleet_key,
     loop_key,
+    provisioner_key,
     reconciler_key,
     settings_key,
     store_key,
@@ -146,6 +147,7 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             clock=app[clock_key],
             supervisor_token=settings.supervisor_token_value(),
         )
+        app[provisioner_key] = provisioner
         app[reconciler_key] = Reconciler(
             app[store_key],
             client,

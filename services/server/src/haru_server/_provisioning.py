@@ -22,6 +22,8 @@ Each step is re-runnable after a crash and writes by compare-and-swap:
    flight: after an exponential backoff (from the failure) the domain goes back to
    ``provisioning`` and step 1 relaunches it, at most ``relaunchMaxAttempts`` times in a row
    (the count restarts when the domain is ready again). One event per attempt.
+7. ``stopping`` (``haru domain down``): ``sky down`` runs as a background task; done, the
+   domain is ``stopped`` (``domain.teardown``); failed, an event and a new try next tick.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from haru_protocol import (
     DomainRelaunch,
     DomainSnapshot,
     DomainState,
+    DomainTeardown,
     EventPayload,
     FleetSnapshot,
     Operation,
@@ -103,6 +106,7 @@ class _Memory:
     """What this process knows of one domain beyond the store."""
 
     launch: _Launch | None = None
+    teardown: asyncio.Task[None] | None = None
     status_read_at: float | None = None
     addressed_at: datetime | None = None
     relaunches: int = 0
@@ -178,6 +182,7 @@ class Provisioner:
         Their claims stay: a later process finds the cluster through ``sky status``.
         """
         tasks = [m.launch.task for m in self._memory.values() if m.launch is not None]
+        tasks += [m.teardown for m in self._memory.values() if m.teardown is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -231,6 +236,8 @@ class Provisioner:
                 return await self._watch(fleet, domain, memory)
             case _D.FAILED:
                 return await self._relaunch(fleet, domain, memory, in_flight)
+            case _D.STOPPING:
+                return await self._teardown(fleet, domain, memory)
             case _:
                 return False
 
@@ -564,6 +571,73 @@ class Provisioner:
         )
         back = domain.model_copy(update={"state": _D.PROVISIONING, "state_updated_at": now})
         return await self._launch(fleet, back, memory)
+
+    # ---- step 7: teardown ----------------------------------------------------------------
+
+    async def _teardown(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
+    ) -> bool:
+        name = self._cluster(fleet, domain)
+        launch, memory.launch = memory.launch, None
+        if launch is not None:
+            launch.task.cancel()
+            with contextlib.suppress(BaseException):
+                await launch.task
+        task = memory.teardown
+        if task is None:
+            memory.teardown = asyncio.create_task(
+                self._driver.teardown_domain(name), name=f"haru-down-{name}"
+            )
+            return False
+        if not task.done():
+            return False
+        memory.teardown = None
+        now = self._clock()
+        exc = None if task.cancelled() else task.exception()
+        if task.cancelled() or exc is not None:
+            failure = _failure_from_error(
+                "launch_failed", exc if exc is not None else RuntimeError("cancelled")
+            )
+            logger.error("domain %s: sky down of %s failed: %s", domain.slug, name, failure.message)
+            await self._event(
+                fleet,
+                domain,
+                DomainTeardown(
+                    cluster=name,
+                    ok=False,
+                    message=failure.message,
+                    argv=failure.argv,
+                    exit_code=failure.exit_code,
+                    stderr=failure.stderr,
+                ),
+                now,
+            )
+            return False
+        if await self._store.transition_domain(
+            domain.id, from_states=(_D.STOPPING,), to=_D.STOPPED, at=now
+        ):
+            logger.info("domain %s: cluster %s torn down", domain.slug, name)
+            await self._event(fleet, domain, DomainTeardown(cluster=name, ok=True), now)
+        return True
+
+    # ---- operator ------------------------------------------------------------------------
+
+    async def cluster_status(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot
+    ) -> ClusterInfo | None:
+        """``sky status`` of the domain's cluster now (``None``: SkyPilot does not know it).
+
+        Raises:
+            haru_driver_skypilot.SkyDriverError: the command failed.
+        """
+        return await self._driver.get_domain_status(self._cluster(fleet, domain))
+
+    def forget_relaunches(self, domain_id: UUID) -> None:
+        """Start a fresh relaunch streak (the operator brought the domain up by hand)."""
+        memory = self._memory.get(domain_id)
+        if memory is not None:
+            memory.relaunches = 0
+            memory.exhausted = False
 
     # ---- writes --------------------------------------------------------------------------
 

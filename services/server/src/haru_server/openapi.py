@@ -33,7 +33,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from haru_server._proxy import FLEET_HEADER
 from haru_server._proxy_routes import CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH, MODELS_PATH
-from haru_server._routes import EVENTS_DEFAULT_LIMIT, EVENTS_MAX_LIMIT, ReconcileRequest
+from haru_server._routes import (
+    EVENTS_DEFAULT_LIMIT,
+    EVENTS_MAX_LIMIT,
+    DomainActionRequest,
+    DomainActionResponse,
+    DomainStatusResponse,
+    ReconcileRequest,
+)
 
 
 class InferenceRequest(BaseModel):
@@ -181,6 +188,34 @@ ROUTES: Final[tuple[ApiRoute, ...]] = (
         EventList,
         errors=(400, 404, _STORE),
         params=_EVENT_QUERY,
+        tag="control",
+    ),
+    route(
+        "GET",
+        f"{_FLEETS}/domains/{{domain}}",
+        "A domain's row, its SkyPilot cluster status and its last provisioning events",
+        DomainStatusResponse,
+        errors=(404, _STORE),
+        tag="control",
+    ),
+    ApiRoute(
+        method="POST",
+        path=f"{_FLEETS}/domains/{{domain}}/up",
+        summary="Launch a stopped or failed skypilot domain again",
+        responses={202: DomainActionResponse},
+        body=DomainActionRequest,
+        body_required=False,
+        errors=(404, 409, 422, _STORE),
+        tag="control",
+    ),
+    ApiRoute(
+        method="POST",
+        path=f"{_FLEETS}/domains/{{domain}}/down",
+        summary="Tear a standby skypilot domain down (`sky down`); 409 for the active",
+        responses={200: DomainActionResponse, 202: DomainActionResponse},
+        body=DomainActionRequest,
+        body_required=False,
+        errors=(404, 409, 422, _STORE),
         tag="control",
     ),
     _inference(CHAT_PATH, "Chat completion (OpenAI-compatible)"),
