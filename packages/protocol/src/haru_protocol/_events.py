@@ -338,7 +338,6 @@ ProvisioningFailure = Literal[
     "launch_lost",
     "cluster_up_timeout",
     "cluster_lost",
-    "no_address",
     "supervisor_ready_timeout",
 ]
 """Why a provisioned domain failed before it was ready."""
