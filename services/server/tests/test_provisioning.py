@@ -43,8 +43,10 @@ from haru_server._provisioning import Provisioner, ProvisionerOptions
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._settings import Settings
 from haru_server._steps import StepTuning
+from haru_server.cli import app as cli_app
 from haru_supervisor.client import SupervisorClient
 from pytest_aiohttp import AiohttpClient
+from typer.testing import CliRunner
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 TOKEN = "tok-provisioning-secret-4711"
@@ -576,6 +578,17 @@ async def test_domain_status_up_and_down_through_the_api(
         "UP",
     )
     assert body["domain"]["state"] == "ready"
+    base = str(client.server.make_url("/"))
+    shown = await asyncio.to_thread(
+        CliRunner().invoke, cli_app, ["domain", "status", "local", "beta", "--url", base]
+    )
+    assert shown.exit_code == 0, shown.output
+    assert "cluster haru-local-beta: UP" in shown.output
+    refused = await asyncio.to_thread(
+        CliRunner().invoke, cli_app, ["domain", "down", "local", "alpha", "--url", base]
+    )
+    assert refused.exit_code == 1
+    assert "409" in refused.output
     response = await client.get("/v1/fleets/local/domains/nope")
     assert response.status == 404
     assert (await response.json())["error"]["code"] == "not_found"
@@ -614,9 +627,11 @@ async def test_domain_status_up_and_down_through_the_api(
     response = await client.post("/v1/fleets/local/domains/alpha/up")
     assert response.status == 409
     clock.advance(ms=1_000)
-    response = await client.post("/v1/fleets/local/domains/beta/up")
-    assert response.status == 202
-    assert (await response.json())["domain"]["state"] == "provisioning"
+    up = await asyncio.to_thread(
+        CliRunner().invoke, cli_app, ["domain", "up", "local", "beta", "--url", base]
+    )
+    assert up.exit_code == 0, up.output
+    assert "provisioning" in up.output
     await client.post("/v1/fleets/local/reconcile")
     beta = domain(await snapshot(store), "beta")
     assert beta.launch_attempt == 2

@@ -19,9 +19,12 @@ from haru_protocol import (
     AcceptedResponse,
     AlreadyActiveResponse,
     DemoteRequest,
+    DomainActionRequest,
+    DomainActionResponse,
     DomainDownRequested,
     DomainSnapshot,
     DomainState,
+    DomainStatusResponse,
     DomainUpRequested,
     ErrorCode,
     Event,
@@ -68,10 +71,6 @@ class ReconcileRequest(WireModel):
     """Body of ``POST /v1/fleets/{ref}/reconcile``: empty (or ``{}``); no key is accepted."""
 
 
-class DomainActionRequest(WireModel):
-    """Body of ``POST .../domains/{domain}/up`` and ``/down``: empty (or ``{}``)."""
-
-
 PROVISIONING_EVENTS = frozenset(
     {
         EventType.DOMAIN_LAUNCH_STARTED,
@@ -88,29 +87,6 @@ PROVISIONING_EVENTS = frozenset(
 """The events ``GET .../domains/{domain}`` lists."""
 
 DOMAIN_EVENTS_SHOWN = 20
-
-
-class DomainStatusResponse(PeerModel):
-    """``GET /v1/fleets/{ref}/domains/{domain}``: the row, its cluster, its last events."""
-
-    domain: DomainSnapshot
-    role: Literal["active", "standby"]
-    cluster_name: str | None
-    """The SkyPilot cluster (null for a static domain)."""
-    cluster_status: str | None
-    """What ``sky status`` says now (``absent``: SkyPilot does not know it; null when not
-    provisioned by SkyPilot or the read failed)."""
-    cluster_error: str | None
-    """Why ``sky status`` could not be read, if it could not."""
-    events: tuple[Event, ...]
-    """The domain's last provisioning events (launch, failure, address, loss, relaunch,
-    up, down, teardown), oldest first."""
-
-
-class DomainActionResponse(PeerModel):
-    """``POST .../domains/{domain}/up`` and ``/down``: the domain after the request."""
-
-    domain: DomainSnapshot
 
 
 def _json(model: PeerModel, *, status: int = 200) -> web.Response:

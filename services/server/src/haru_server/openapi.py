@@ -18,6 +18,9 @@ from haru_protocol import (
     AcceptedResponse,
     AlreadyActiveResponse,
     DemoteRequest,
+    DomainActionRequest,
+    DomainActionResponse,
+    DomainStatusResponse,
     EventList,
     FleetList,
     FleetSnapshot,
@@ -33,14 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from haru_server._proxy import FLEET_HEADER
 from haru_server._proxy_routes import CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH, MODELS_PATH
-from haru_server._routes import (
-    EVENTS_DEFAULT_LIMIT,
-    EVENTS_MAX_LIMIT,
-    DomainActionRequest,
-    DomainActionResponse,
-    DomainStatusResponse,
-    ReconcileRequest,
-)
+from haru_server._routes import EVENTS_DEFAULT_LIMIT, EVENTS_MAX_LIMIT, ReconcileRequest
 
 
 class InferenceRequest(BaseModel):
