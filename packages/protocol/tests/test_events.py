@@ -94,6 +94,40 @@ STORED: dict[str, dict[str, Any]] = {
         "slotsCreated": 8,
         "pointerSet": True,
     },
+    "domain.launch.started": {"cluster": "haru-f-a", "attempt": 1, "role": "standby"},
+    "domain.launch.succeeded": {"cluster": "haru-f-a", "attempt": 1, "observed": False},
+    "domain.provisioning.failed": {
+        "cluster": "haru-f-a",
+        "attempt": 1,
+        "reason": "launch_failed",
+        "message": "sky launch exited 1",
+        "argv": ["sky", "launch", "-c", "haru-f-a"],
+        "exitCode": 1,
+        "stderr": "No capacity",
+    },
+    "domain.address.recorded": {
+        "cluster": "haru-f-a",
+        "attempt": 1,
+        "supervisorUrl": "http://10.0.0.9:8701",
+        "servingBaseUrl": "http://10.0.0.9:8000",
+    },
+    "domain.cluster.lost": {
+        "cluster": "haru-f-a",
+        "attempt": 1,
+        "clusterStatus": "STOPPED",
+        "from": "ready",
+        "role": "active",
+    },
+    "domain.relaunch": {
+        "cluster": "haru-f-a",
+        "relaunch": 1,
+        "maxAttempts": 3,
+        "backoffMs": 60000,
+        "exhausted": False,
+    },
+    "domain.up.requested": {"from": "stopped"},
+    "domain.down.requested": {"from": "ready"},
+    "domain.teardown": {"cluster": "haru-f-a", "ok": True},
 }
 
 

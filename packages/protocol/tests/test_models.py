@@ -15,6 +15,7 @@ from haru_protocol import (
     AlreadyActiveResponse,
     Cloud,
     DemoteRequest,
+    DomainActionRequest,
     DomainSnapshot,
     DomainState,
     ErrorBody,
@@ -391,6 +392,7 @@ STRICT_BODIES: list[tuple[type[WireModel], dict[str, Any]]] = [
     (WakeRequest, {"gpuIndex": 1}),
     (TrainingStopRequest, {"graceMs": 10}),
     (ProbeRequest, {"prompt": "x"}),
+    (DomainActionRequest, {}),
 ]
 
 

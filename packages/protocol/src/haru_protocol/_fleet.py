@@ -254,6 +254,33 @@ class EventList(PeerModel):
     """Pass as ``after`` to continue; null when the page was the last one."""
 
 
+class DomainActionRequest(WireModel):
+    """Body of ``POST .../domains/{domain}/up`` and ``/down``: empty (or ``{}``)."""
+
+
+class DomainStatusResponse(PeerModel):
+    """``GET /v1/fleets/{ref}/domains/{domain}``: the row, its cluster, its last events."""
+
+    domain: DomainSnapshot
+    role: Literal["active", "standby"]
+    cluster_name: str | None
+    """The SkyPilot cluster (null for a static domain)."""
+    cluster_status: str | None
+    """What ``sky status`` says now (``absent``: SkyPilot does not know it; null when not
+    provisioned by SkyPilot or the read failed)."""
+    cluster_error: str | None
+    """Why ``sky status`` could not be read, if it could not."""
+    events: tuple[Event, ...]
+    """The domain's last provisioning events (launch, failure, address, loss, relaunch,
+    up, down, teardown), oldest first."""
+
+
+class DomainActionResponse(PeerModel):
+    """``POST .../domains/{domain}/up`` and ``/down``: the domain after the request."""
+
+    domain: DomainSnapshot
+
+
 class RouteModel(PeerModel):
     """A model binding in the route intent."""
 

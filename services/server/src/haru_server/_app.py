@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 from haru_db import HaruDbError, StateStore
+from haru_driver_skypilot import SkyPilotDriver
 from haru_supervisor.client import SupervisorClient
 from haru_web import (
     OPENAPI_PATH,
@@ -30,6 +31,7 @@ from haru_server._keys import (
     clock_key,
     kick_fleet_key,
     loop_key,
+    provisioner_key,
     reconciler_key,
     settings_key,
     store_key,
@@ -37,6 +39,7 @@ from haru_server._keys import (
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
 from haru_server._metrics import ServerMetrics, metrics_key, proxy_access_middleware
 from haru_server._middleware import store_error_middleware
+from haru_server._provisioning import Provisioner
 from haru_server._proxy import install_proxy, observe_route_move
 from haru_server._proxy_routes import PROXIED_PATHS
 from haru_server._ready import ready_routes
@@ -136,14 +139,27 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             ),
             route_moved=functools.partial(observe_route_move, app),
         )
+        # `skypilot` domains are launched through the `sky` CLI on PATH; a fleet without
+        # them never runs it.
+        provisioner = Provisioner(
+            app[store_key],
+            SkyPilotDriver(),
+            clock=app[clock_key],
+            supervisor_token=settings.supervisor_token_value(),
+        )
+        app[provisioner_key] = provisioner
         app[reconciler_key] = Reconciler(
             app[store_key],
             client,
             clock=app[clock_key],
             options=dataclasses.replace(options, tuning=tuning),
             metrics=app[metrics_key],
+            provisioner=provisioner,
         )
-        yield
+        try:
+            yield
+        finally:
+            await provisioner.close()
 
 
 async def _loop_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -10,6 +10,7 @@ from haru_db import StateStore
 
 from haru_server._clock import Clock as Clock
 from haru_server._loop import ReconcileLoop
+from haru_server._provisioning import Provisioner
 from haru_server._reconciler import Reconciler
 from haru_server._settings import Settings
 
@@ -24,3 +25,5 @@ reconciler_key = web.AppKey("reconciler", Reconciler)
 """Runs reconcile ticks (set at start-up, once the supervisor client session exists)."""
 loop_key: web.AppKey[ReconcileLoop | None] = web.AppKey("reconcile_loop")
 """The background loop, or None when ``HARU_RECONCILE_INTERVAL_MS`` is unset."""
+provisioner_key = web.AppKey("provisioner", Provisioner)
+"""Drives ``skypilot`` domains; the domain routes read cluster status through it."""

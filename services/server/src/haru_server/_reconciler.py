@@ -73,6 +73,7 @@ from haru_web import request_id_scope
 from haru_server._clock import Clock
 from haru_server._errors import FleetNotFoundError
 from haru_server._metrics import ServerMetrics
+from haru_server._provisioning import Provisioner
 from haru_server._steps import (
     Done,
     Failed,
@@ -141,6 +142,8 @@ class Reconciler:
         clock: The application clock (budgets and ``state_updated_at`` use it).
         options: Tuning.
         metrics: The app's metrics (a private set when None).
+        provisioner: Drives the ``skypilot`` domains (launch, UP, address, loss, relaunch);
+            None leaves them to the operator.
     """
 
     def __init__(
@@ -151,7 +154,9 @@ class Reconciler:
         clock: Clock,
         options: ReconcilerOptions | None = None,
         metrics: ServerMetrics | None = None,
+        provisioner: Provisioner | None = None,
     ) -> None:
+        self._provisioner = provisioner
         self._metrics = metrics if metrics is not None else ServerMetrics()
         self._store = store
         self._client = client
@@ -203,6 +208,8 @@ class Reconciler:
         fleet = await self._heartbeats(fleet, driving)
         self._metrics.fleet_seen(fleet)
         operation = await self._store.get_in_flight_operation(fleet.id)
+        if self._provisioner is not None and await self._provisioner.step(fleet, operation):
+            fleet = await self._load(str(fleet.id))
         if operation is None:
             fleet = await self.annotate(fleet)
             fleet = await self._escalate(fleet)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Literal
 from uuid import UUID
 
 from aiohttp import web
@@ -13,12 +14,22 @@ from haru_core import (
     decide_demotion,
     decide_promotion,
 )
+from haru_driver_skypilot import SkyDriverError, cluster_name
 from haru_protocol import (
     AcceptedResponse,
     AlreadyActiveResponse,
     DemoteRequest,
+    DomainActionRequest,
+    DomainActionResponse,
+    DomainDownRequested,
+    DomainSnapshot,
+    DomainState,
+    DomainStatusResponse,
+    DomainUpRequested,
     ErrorCode,
+    Event,
     EventList,
+    EventType,
     FleetList,
     FleetRef,
     FleetRoutePointer,
@@ -29,6 +40,7 @@ from haru_protocol import (
     OperationRequestedPromote,
     PeerModel,
     PromoteRequest,
+    Provider,
     ReconcileResponse,
     WireModel,
     parse_fleet_ref,
@@ -36,7 +48,14 @@ from haru_protocol import (
 from haru_web import ApiError, int_query, parse_body
 
 from haru_server._errors import FleetNotFoundError
-from haru_server._keys import clock_key, kick_fleet_key, loop_key, reconciler_key, store_key
+from haru_server._keys import (
+    clock_key,
+    kick_fleet_key,
+    loop_key,
+    provisioner_key,
+    reconciler_key,
+    store_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +69,24 @@ CONTROL_BODY_LIMIT = 16 * 1024
 
 class ReconcileRequest(WireModel):
     """Body of ``POST /v1/fleets/{ref}/reconcile``: empty (or ``{}``); no key is accepted."""
+
+
+PROVISIONING_EVENTS = frozenset(
+    {
+        EventType.DOMAIN_LAUNCH_STARTED,
+        EventType.DOMAIN_LAUNCH_SUCCEEDED,
+        EventType.DOMAIN_PROVISIONING_FAILED,
+        EventType.DOMAIN_ADDRESS_RECORDED,
+        EventType.DOMAIN_CLUSTER_LOST,
+        EventType.DOMAIN_RELAUNCH,
+        EventType.DOMAIN_UP_REQUESTED,
+        EventType.DOMAIN_DOWN_REQUESTED,
+        EventType.DOMAIN_TEARDOWN,
+    }
+)
+"""The events ``GET .../domains/{domain}`` lists."""
+
+DOMAIN_EVENTS_SHOWN = 20
 
 
 def _json(model: PeerModel, *, status: int = 200) -> web.Response:
@@ -240,3 +277,131 @@ async def list_events(request: web.Request) -> web.Response:
     events = await request.app[store_key].list_events(pointer.id, after=after, limit=limit)
     next_after = events[-1].id if len(events) == limit else None
     return _json(EventList(events=tuple(events), next_after=next_after))
+
+
+# ---- provisioned domains: status, up, down ---------------------------------------------------
+
+
+def _domain_of(fleet: FleetSnapshot, request: web.Request) -> DomainSnapshot:
+    raw = request.match_info["domain"]
+    for domain in fleet.domains:
+        if raw in (domain.slug, str(domain.id)):
+            return domain
+    raise ApiError(ErrorCode.NOT_FOUND, f"domain {raw[:100]!r} not found in fleet {fleet.slug!r}")
+
+
+def _provisioned(fleet: FleetSnapshot, domain: DomainSnapshot, action: str) -> None:
+    if domain.provider is not Provider.SKYPILOT:
+        raise ApiError(
+            ErrorCode.INVALID_TARGET,
+            f"domain {domain.slug!r} is a {domain.provider.value} domain: `{action}` drives "
+            "only skypilot domains",
+        )
+
+
+async def _domain_events(
+    request: web.Request, fleet: FleetSnapshot, domain_id: UUID
+) -> list[Event]:
+    store = request.app[store_key]
+    found: list[Event] = []
+    after = 0
+    while True:
+        page = await store.list_events(fleet.id, after=after, limit=EVENTS_MAX_LIMIT)
+        found += [e for e in page if e.domain_id == domain_id and e.type in PROVISIONING_EVENTS]
+        found = found[-DOMAIN_EVENTS_SHOWN:]
+        if len(page) < EVENTS_MAX_LIMIT:
+            return found
+        after = page[-1].id
+
+
+@routes.get("/v1/fleets/{ref}/domains/{domain}")
+async def domain_status(request: web.Request) -> web.Response:
+    fleet = await _snapshot(request)
+    domain = _domain_of(fleet, request)
+    name = status = error = None
+    if domain.provider is Provider.SKYPILOT:
+        name = cluster_name(fleet.slug, domain.slug)
+        try:
+            info = await request.app[provisioner_key].cluster_status(fleet, domain)
+        except SkyDriverError as exc:
+            error = str(exc)[:1024]
+        else:
+            status = "absent" if info is None else info.status.value
+    role: Literal["active", "standby"] = (
+        "active" if fleet.active_domain_id == domain.id else "standby"
+    )
+    return _json(
+        DomainStatusResponse(
+            domain=domain,
+            role=role,
+            cluster_name=name,
+            cluster_status=status,
+            cluster_error=error,
+            events=tuple(await _domain_events(request, fleet, domain.id)),
+        )
+    )
+
+
+async def _domain_action(
+    request: web.Request, fleet: FleetSnapshot, domain: DomainSnapshot, to: DomainState
+) -> web.Response:
+    store = request.app[store_key]
+    now = request.app[clock_key]()
+    if not await store.transition_domain(domain.id, from_states=(domain.state,), to=to, at=now):
+        raise ApiError(
+            ErrorCode.OPERATION_CONFLICT,
+            f"domain {domain.slug!r} changed state meanwhile; read it again and retry",
+        )
+    payload = (
+        DomainUpRequested(from_state=domain.state)
+        if to is DomainState.PROVISIONING
+        else DomainDownRequested(from_state=domain.state)
+    )
+    await store.append_event(fleet_id=fleet.id, payload=payload, at=now, domain_id=domain.id)
+    logger.info("fleet %s: domain %s %s -> %s", fleet.slug, domain.slug, domain.state, to)
+    request.app[kick_fleet_key](fleet.id)
+    after = await _snapshot(request)
+    return _json(DomainActionResponse(domain=_domain_of(after, request)), status=202)
+
+
+@routes.post("/v1/fleets/{ref}/domains/{domain}/up")
+async def domain_up(request: web.Request) -> web.Response:
+    await parse_body(request, DomainActionRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
+    fleet = await _snapshot(request)
+    domain = _domain_of(fleet, request)
+    _provisioned(fleet, domain, "up")
+    if domain.state not in (DomainState.STOPPED, DomainState.FAILED):
+        raise ApiError(
+            ErrorCode.OPERATION_CONFLICT,
+            f"domain {domain.slug!r} is {domain.state.value}: `up` launches a stopped or "
+            "failed domain",
+        )
+    request.app[provisioner_key].forget_relaunches(domain.id)
+    return await _domain_action(request, fleet, domain, DomainState.PROVISIONING)
+
+
+@routes.post("/v1/fleets/{ref}/domains/{domain}/down")
+async def domain_down(request: web.Request) -> web.Response:
+    await parse_body(request, DomainActionRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
+    fleet = await _snapshot(request)
+    domain = _domain_of(fleet, request)
+    _provisioned(fleet, domain, "down")
+    if fleet.active_domain_id == domain.id:
+        raise ApiError(
+            ErrorCode.OPERATION_CONFLICT,
+            f"domain {domain.slug!r} is the active domain of fleet {fleet.slug!r}: promote "
+            "another domain first, then take this one down",
+        )
+    operation = await request.app[store_key].get_in_flight_operation(fleet.id)
+    if operation is not None and domain.id in (
+        operation.target_domain_id,
+        operation.source_domain_id,
+    ):
+        raise ApiError(
+            ErrorCode.OPERATION_CONFLICT,
+            f"operation {operation.id} ({operation.kind.value}) drives domain "
+            f"{domain.slug!r}; retry when it has finished",
+        )
+    if domain.state in (DomainState.STOPPING, DomainState.STOPPED):
+        return _json(DomainActionResponse(domain=domain), status=200)
+    return await _domain_action(request, fleet, domain, DomainState.STOPPING)

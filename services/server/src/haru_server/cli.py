@@ -626,6 +626,80 @@ def demote(
     )
 
 
+# ---- provisioned domains ---------------------------------------------------------------------
+
+
+def domain_status(
+    ref: Annotated[str, typer.Argument(help="Fleet slug or id.")],
+    domain: Annotated[str, typer.Argument(help="Domain slug or id.")],
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Show a domain's row, its SkyPilot cluster status and its last provisioning events."""
+    console = _console()
+
+    async def go() -> None:
+        async with _client(url, token) as client:
+            answer = await client.domain_status(ref, domain)
+        if as_json:
+            _print_json(answer.model_dump_json())
+            return
+        row = answer.domain
+        console.print(
+            f"domain [bold]{row.slug}[/] ({row.provider.value}, {answer.role}): "
+            f"{row.state.value}, launch attempt {row.launch_attempt}"
+        )
+        console.print(f"supervisor: {row.supervisor_url or '-'}")
+        if answer.cluster_name is not None:
+            shown = answer.cluster_status or f"unknown ({answer.cluster_error})"
+            console.print(f"cluster {answer.cluster_name}: {shown}")
+        for event in answer.events:
+            console.print(format_event(event), markup=False, highlight=False)
+
+    _guard(lambda: _run(go()))
+
+
+def _domain_action(
+    action: str, ref: str, domain: str, url: str, token: str | None, as_json: bool
+) -> None:
+    console = _console()
+
+    async def go() -> None:
+        async with _client(url, token) as client:
+            answer = await client.domain_action(ref, domain, action)
+        if as_json:
+            _print_json(answer.model_dump_json())
+            return
+        console.print(
+            f"domain [bold]{answer.domain.slug}[/] {action} accepted: {answer.domain.state.value}"
+        )
+
+    _guard(lambda: _run(go()))
+
+
+def domain_up(
+    ref: Annotated[str, typer.Argument(help="Fleet slug or id.")],
+    domain: Annotated[str, typer.Argument(help="Stopped or failed skypilot domain.")],
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Launch a stopped or failed skypilot domain again (the reconciler runs `sky launch`)."""
+    _domain_action("up", ref, domain, url, token, as_json)
+
+
+def domain_down(
+    ref: Annotated[str, typer.Argument(help="Fleet slug or id.")],
+    domain: Annotated[str, typer.Argument(help="Standby skypilot domain.")],
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Tear a standby skypilot domain down (`sky down`); refused for the active domain."""
+    _domain_action("down", ref, domain, url, token, as_json)
+
+
 # ---- events ----------------------------------------------------------------------------------
 
 
@@ -858,6 +932,11 @@ def _register(app: typer.Typer) -> None:
     app.command("fleets")(fleets)
     app.add_typer(fleet_app, name="fleet")
     fleet_app.command("show")(fleet_show)
+    domain_app = typer.Typer(help="Provisioned (skypilot) domains.", no_args_is_help=True)
+    app.add_typer(domain_app, name="domain")
+    domain_app.command("status")(domain_status)
+    domain_app.command("up")(domain_up)
+    domain_app.command("down")(domain_down)
     app.command("promote")(promote)
     app.command("demote")(demote)
     app.command("events")(events)

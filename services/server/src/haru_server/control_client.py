@@ -11,6 +11,8 @@ import aiohttp
 from haru_protocol import (
     AcceptedResponse,
     AlreadyActiveResponse,
+    DomainActionResponse,
+    DomainStatusResponse,
     EventList,
     FleetList,
     FleetSnapshot,
@@ -109,6 +111,18 @@ class ControlClient:
         raw = await self._call("POST", f"{_fleet_path(ref)}/reconcile", body={})
         return parse_or_raise(ReconcileResponse, raw)
 
+    async def domain_status(self, ref: str, domain: str) -> DomainStatusResponse:
+        """``GET /v1/fleets/{ref}/domains/{domain}``."""
+        raw = await self._call("GET", f"{_fleet_path(ref)}/domains/{_segment(domain)}")
+        return parse_or_raise(DomainStatusResponse, raw)
+
+    async def domain_action(self, ref: str, domain: str, action: str) -> DomainActionResponse:
+        """``POST /v1/fleets/{ref}/domains/{domain}/up`` or ``/down``."""
+        raw = await self._call(
+            "POST", f"{_fleet_path(ref)}/domains/{_segment(domain)}/{action}", body={}
+        )
+        return parse_or_raise(DomainActionResponse, raw)
+
     async def request_operation(
         self, ref: str, kind: OperationKind, target_domain_id: UUID
     ) -> AlreadyActiveResponse | AcceptedResponse:
@@ -154,6 +168,12 @@ class ControlClient:
                 code=code,
             )
         return raw
+
+
+def _segment(value: str) -> str:
+    if not value or "/" in value or value in (".", ".."):
+        raise ControlApiError(f"invalid domain reference {value!r}")
+    return value
 
 
 def _fleet_path(ref: str) -> str:

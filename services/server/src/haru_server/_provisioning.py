@@ -1,0 +1,682 @@
+"""The lifecycle of ``skypilot`` domains, driven by the reconcile tick.
+
+Each step is re-runnable after a crash and writes by compare-and-swap:
+
+1. ``provisioning`` with no claim for the current attempt: :meth:`StateStore.claim_launch`
+   (attempt N to N + 1; of racing processes one wins), then ``sky launch -d`` runs as a
+   background task owned by this process, so the tick never waits for it. Its outcome is
+   recorded with :meth:`StateStore.mark_launched`, or the domain fails with an event carrying
+   the argv, exit code and bounded stderr. A launch past ``launchTimeoutMs`` is cancelled (its
+   process group killed) and the domain fails.
+2. A claim without ``launched_at`` and no task here (the server restarted, or another process
+   launched): ``sky status`` decides. UP counts as launched; anything else waits until the
+   launch budget is spent, then the domain fails. The same attempt is never launched twice.
+3. Launched, no address: wait for ``sky status`` UP within ``clusterUpTimeoutMs`` (counted
+   from the launch's start), then ``sky status --ip`` and
+   :meth:`StateStore.record_domain_address` (supervisor, gateway and per-model URLs).
+4. Addressed: the heartbeat moves the domain to ``ready`` once the supervisor answers;
+   past ``supervisorReadyTimeoutMs`` the domain fails.
+5. ``ready``/``degraded``: a cluster that ``sky status`` reports STOPPED or does not know any
+   more is lost: the domain fails (auto-failover follows as for any failed active).
+6. ``failed`` after a launch, cluster STOPPED or gone, ``relaunch`` on, no operation in
+   flight: after an exponential backoff (from the failure) the domain goes back to
+   ``provisioning`` and step 1 relaunches it, at most ``relaunchMaxAttempts`` times in a row
+   (the count restarts when the domain is ready again). One event per attempt.
+7. ``stopping`` (``haru domain down``): ``sky down`` runs as a background task; done, the
+   domain is ``stopped`` (``domain.teardown``); failed, an event and a new try next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Literal
+from uuid import UUID
+
+from haru_db import StateStore
+from haru_driver_skypilot import (
+    TOKEN_SECRET,
+    ClusterInfo,
+    ClusterStatus,
+    DomainDriver,
+    SkyCliError,
+    SkyCommandError,
+    SkyDriverError,
+    SkyTimeoutError,
+    cluster_name,
+    domain_task,
+    model_ports,
+    serving_path,
+)
+from haru_protocol import (
+    DomainAddressRecorded,
+    DomainClusterLost,
+    DomainLaunchStarted,
+    DomainLaunchSucceeded,
+    DomainProvisioningFailed,
+    DomainRelaunch,
+    DomainSnapshot,
+    DomainState,
+    DomainTeardown,
+    EventPayload,
+    FleetSnapshot,
+    Operation,
+    Provider,
+    Provisioning,
+    ProvisioningFailure,
+)
+
+from haru_server._clock import Clock
+
+logger = logging.getLogger(__name__)
+
+MESSAGE_LIMIT = 1024
+"""Longest message kept in a ``domain.provisioning.failed`` event."""
+
+_D = DomainState
+_LOST = "absent"
+"""``clusterStatus`` of a cluster that ``sky status`` does not know."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProvisionerOptions:
+    """Tuning of the provisioned-domain lifecycle.
+
+    Attributes:
+        status_interval_s: Least seconds between two ``sky status`` reads of one domain
+            (each read spawns ``sky``; the tick waits for it). 0 reads every tick.
+    """
+
+    status_interval_s: float = 10.0
+
+
+@dataclass(slots=True)
+class _Launch:
+    attempt: int
+    task: asyncio.Task[None]
+
+
+@dataclass(slots=True)
+class _Memory:
+    """What this process knows of one domain beyond the store."""
+
+    launch: _Launch | None = None
+    teardown: asyncio.Task[None] | None = None
+    status_read_at: float | None = None
+    addressed_at: datetime | None = None
+    relaunches: int = 0
+    exhausted: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    reason: ProvisioningFailure
+    message: str
+    argv: tuple[str, ...] | None = None
+    exit_code: int | None = None
+    stderr: str | None = None
+    cluster_status: str | None = None
+
+
+def _failure_from_error(reason: ProvisioningFailure, exc: BaseException) -> _Failure:
+    message = (str(exc) or type(exc).__name__)[:MESSAGE_LIMIT]
+    if isinstance(exc, SkyCliError):
+        return _Failure(reason, message, exc.argv, exc.returncode, exc.stderr or exc.stdout_tail)
+    if isinstance(exc, SkyCommandError):
+        return _Failure(reason, message, exc.argv)
+    return _Failure(reason, message)
+
+
+def _url(host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def _ms(value: int) -> timedelta:
+    return timedelta(milliseconds=value)
+
+
+def _role(fleet: FleetSnapshot, domain: DomainSnapshot) -> Literal["active", "standby"]:
+    return "active" if fleet.active_domain_id == domain.id else "standby"
+
+
+class Provisioner:
+    """Drives the ``skypilot`` domains of a fleet one step per tick.
+
+    Args:
+        store: The state store.
+        driver: The SkyPilot driver (production: :class:`haru_driver_skypilot.SkyPilotDriver`;
+            tests run it against a fake ``sky``).
+        clock: The application clock (budgets are measured on it).
+        supervisor_token: The token the launched supervisors require; passed to ``sky`` as
+            the secret ``HARU_SUPERVISOR_TOKEN``, never written anywhere.
+        options: Tuning.
+    """
+
+    def __init__(
+        self,
+        store: StateStore,
+        driver: DomainDriver,
+        *,
+        clock: Clock,
+        supervisor_token: str | None,
+        options: ProvisionerOptions | None = None,
+    ) -> None:
+        self._store = store
+        self._driver = driver
+        self._clock = clock
+        self._secrets: Mapping[str, str] = (
+            {} if supervisor_token is None else {TOKEN_SECRET: supervisor_token}
+        )
+        self._options = options or ProvisionerOptions()
+        self._memory: dict[UUID, _Memory] = {}
+
+    async def close(self) -> None:
+        """Cancel the launches this process still runs (their ``sky`` process groups die).
+
+        Their claims stay: a later process finds the cluster through ``sky status``.
+        """
+        tasks = [m.launch.task for m in self._memory.values() if m.launch is not None]
+        tasks += [m.teardown for m in self._memory.values() if m.teardown is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(BaseException):
+                await task
+
+    def launching(self, domain_id: UUID) -> bool:
+        """Whether this process runs a launch of the domain right now."""
+        memory = self._memory.get(domain_id)
+        return memory is not None and memory.launch is not None and not memory.launch.task.done()
+
+    async def step(self, fleet: FleetSnapshot, in_flight: Operation | None) -> bool:
+        """Advance every ``skypilot`` domain of ``fleet`` by at most one step.
+
+        A ``sky`` command that fails while reading status is logged and retried next tick
+        (never a verdict on its own).
+
+        Returns:
+            Whether something was written (the caller re-reads the fleet).
+        """
+        landed = False
+        for domain in fleet.domains:
+            if domain.provider is not Provider.SKYPILOT:
+                continue
+            try:
+                landed |= await self._domain(fleet, domain, in_flight)
+            except SkyDriverError as exc:
+                logger.warning("domain %s: SkyPilot status read failed: %s", domain.slug, exc)
+        return landed
+
+    # ---- one domain ----------------------------------------------------------------------
+
+    async def _domain(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, in_flight: Operation | None
+    ) -> bool:
+        memory = self._memory.setdefault(domain.id, _Memory())
+        match domain.state:
+            case _D.PROVISIONING:
+                if self._claim_pending(domain):
+                    return await self._launch(fleet, domain, memory)
+                if domain.launched_at is None:
+                    return await self._await_launch(fleet, domain, memory)
+                if domain.supervisor_url is None:
+                    return await self._await_up(fleet, domain, memory)
+                return await self._await_supervisor(fleet, domain, memory)
+            case _D.READY | _D.DEGRADED:
+                if domain.state is _D.READY:
+                    memory.relaunches = 0
+                    memory.exhausted = False
+                memory.addressed_at = None
+                return await self._watch(fleet, domain, memory)
+            case _D.FAILED:
+                return await self._relaunch(fleet, domain, memory, in_flight)
+            case _D.STOPPING:
+                return await self._teardown(fleet, domain, memory)
+            case _:
+                return False
+
+    @staticmethod
+    def _claim_pending(domain: DomainSnapshot) -> bool:
+        # Never launched, or back in `provisioning` (a relaunch, `up`) since the last claim.
+        started = domain.launch_started_at
+        return domain.launch_attempt == 0 or (
+            started is not None and started < domain.state_updated_at
+        )
+
+    def _cluster(self, fleet: FleetSnapshot, domain: DomainSnapshot) -> str:
+        return cluster_name(fleet.slug, domain.slug)
+
+    def _settings(self, domain: DomainSnapshot) -> Provisioning:
+        return domain.provisioning if domain.provisioning is not None else Provisioning()
+
+    async def _status(self, name: str, memory: _Memory) -> tuple[bool, ClusterInfo | None]:
+        """``(read, info)``: ``read`` is False when the last read is too recent."""
+        mono = time.monotonic()
+        last = memory.status_read_at
+        if last is not None and mono - last < self._options.status_interval_s:
+            return False, None
+        memory.status_read_at = mono
+        return True, await self._driver.get_domain_status(name)
+
+    # ---- step 1: claim and launch --------------------------------------------------------
+
+    async def _launch(self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory) -> bool:
+        now = self._clock()
+        attempt = domain.launch_attempt + 1
+        name = self._cluster(fleet, domain)
+        if not await self._store.claim_launch(
+            domain.id, expected_attempt=domain.launch_attempt, at=now
+        ):
+            return True  # another process claimed it (or the row moved): re-read
+        role = _role(fleet, domain)
+        logger.info("domain %s: launching cluster %s (attempt %d)", domain.slug, name, attempt)
+        await self._event(
+            fleet,
+            domain,
+            DomainLaunchStarted(cluster=name, attempt=attempt, role=role),
+            now,
+        )
+        try:
+            spec = domain_task(
+                name,
+                domain.placement,
+                [slot.spec for slot in domain.slots],
+                self._settings(domain),
+                start_asleep=role == "standby",
+            )
+        except SkyDriverError as exc:
+            await self._fail(fleet, domain, attempt, _failure_from_error("launch_failed", exc), now)
+            return True
+        task = asyncio.create_task(
+            self._driver.launch_domain(spec, secrets=self._secrets),
+            name=f"haru-launch-{name}-{attempt}",
+        )
+        memory.launch = _Launch(attempt, task)
+        memory.addressed_at = None
+        return True
+
+    # ---- step 2: the launch's outcome ----------------------------------------------------
+
+    async def _await_launch(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
+    ) -> bool:
+        now = self._clock()
+        attempt = domain.launch_attempt
+        name = self._cluster(fleet, domain)
+        started = domain.launch_started_at or now
+        overdue = now - started > _ms(fleet.policy.launch_timeout_ms)
+        launch = memory.launch
+        if launch is not None and launch.attempt == attempt:
+            if launch.task.done():
+                memory.launch = None
+                if launch.task.cancelled():
+                    failure = _Failure("launch_failed", "the launch was cancelled")
+                    await self._fail(fleet, domain, attempt, failure, now)
+                    return True
+                exc = launch.task.exception()
+                if exc is None:
+                    return await self._launched(fleet, domain, name, now, observed=False)
+                reason: ProvisioningFailure = (
+                    "launch_timeout" if isinstance(exc, SkyTimeoutError) else "launch_failed"
+                )
+                await self._fail(fleet, domain, attempt, _failure_from_error(reason, exc), now)
+                return True
+            if not overdue:
+                return False
+            memory.launch = None
+            launch.task.cancel()
+            with contextlib.suppress(BaseException):
+                await launch.task
+            failure = _Failure(
+                "launch_timeout",
+                f"`sky launch` of {name} ran past launchTimeoutMs "
+                f"({fleet.policy.launch_timeout_ms} ms) and was stopped",
+            )
+            await self._fail(fleet, domain, attempt, failure, now)
+            return True
+        # A claim this process does not run: it restarted, or another process launches.
+        # Never launch this attempt again; SkyPilot says whether it went through.
+        read, info = await self._status(name, memory)
+        if read and info is not None and info.status is ClusterStatus.UP:
+            return await self._launched(fleet, domain, name, now, observed=True)
+        if not overdue:
+            return False
+        shown = _LOST if info is None else info.status.value
+        failure = _Failure(
+            "launch_lost",
+            f"no outcome of launch attempt {attempt} of {name} within launchTimeoutMs "
+            f"({fleet.policy.launch_timeout_ms} ms); sky status: {shown}",
+            cluster_status=shown if read else None,
+        )
+        await self._fail(fleet, domain, attempt, failure, now)
+        return True
+
+    async def _launched(
+        self,
+        fleet: FleetSnapshot,
+        domain: DomainSnapshot,
+        name: str,
+        now: datetime,
+        *,
+        observed: bool,
+    ) -> bool:
+        attempt = domain.launch_attempt
+        if await self._store.mark_launched(domain.id, attempt=attempt, at=now):
+            logger.info("domain %s: cluster %s launched", domain.slug, name)
+            await self._event(
+                fleet,
+                domain,
+                DomainLaunchSucceeded(cluster=name, attempt=attempt, observed=observed),
+                now,
+            )
+        return True
+
+    # ---- step 3: UP, then the head's address ---------------------------------------------
+
+    async def _await_up(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
+    ) -> bool:
+        now = self._clock()
+        attempt = domain.launch_attempt
+        name = self._cluster(fleet, domain)
+        started = domain.launch_started_at or now
+        if now - started > _ms(fleet.policy.cluster_up_timeout_ms):
+            failure = _Failure(
+                "cluster_up_timeout",
+                f"cluster {name} was not UP within clusterUpTimeoutMs "
+                f"({fleet.policy.cluster_up_timeout_ms} ms) of its launch",
+            )
+            await self._fail(fleet, domain, attempt, failure, now)
+            return True
+        read, info = await self._status(name, memory)
+        if not read:
+            return False
+        if info is None or info.status is ClusterStatus.STOPPED:
+            shown = _LOST if info is None else info.status.value
+            failure = _Failure(
+                "cluster_lost", f"cluster {name} is {shown} after its launch", cluster_status=shown
+            )
+            await self._fail(fleet, domain, attempt, failure, now)
+            return True
+        if info.status is not ClusterStatus.UP:
+            return False
+        host = await self._driver.get_head_ip(name)
+        if host is None:
+            return False
+        settings = self._settings(domain)
+        supervisor_url = _url(host, settings.supervisor_port)
+        serving_base_url = _url(host, settings.gateway_port)
+        model_urls = {
+            port.name: serving_base_url + serving_path(port.name)
+            for port in model_ports([slot.spec for slot in domain.slots], settings)
+        }
+        recorded = await self._store.record_domain_address(
+            domain.id,
+            attempt=attempt,
+            supervisor_url=supervisor_url,
+            serving_base_url=serving_base_url,
+            model_urls=model_urls,
+            at=now,
+        )
+        if recorded:
+            memory.addressed_at = now
+            logger.info("domain %s: cluster %s is UP at %s", domain.slug, name, host)
+            await self._event(
+                fleet,
+                domain,
+                DomainAddressRecorded(
+                    cluster=name,
+                    attempt=attempt,
+                    supervisor_url=supervisor_url,
+                    serving_base_url=serving_base_url,
+                ),
+                now,
+            )
+        return True
+
+    # ---- step 4: the supervisor's first heartbeat ----------------------------------------
+
+    async def _await_supervisor(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
+    ) -> bool:
+        now = self._clock()
+        name = self._cluster(fleet, domain)
+        if memory.addressed_at is None:
+            # Recorded by an earlier process: the budget counts from when this one saw it.
+            memory.addressed_at = now
+        budget = fleet.policy.supervisor_ready_timeout_ms
+        if now - memory.addressed_at > _ms(budget):
+            failure = _Failure(
+                "supervisor_ready_timeout",
+                f"the supervisor of {name} sent no good heartbeat within "
+                f"supervisorReadyTimeoutMs ({budget} ms) of the address being recorded",
+            )
+            await self._fail(fleet, domain, domain.launch_attempt, failure, now)
+            return True
+        read, info = await self._status(name, memory)
+        if read and (info is None or info.status is ClusterStatus.STOPPED):
+            shown = _LOST if info is None else info.status.value
+            failure = _Failure(
+                "cluster_lost", f"cluster {name} is {shown} while starting", cluster_status=shown
+            )
+            await self._fail(fleet, domain, domain.launch_attempt, failure, now)
+            return True
+        return False
+
+    # ---- step 5: loss of a launched cluster ----------------------------------------------
+
+    async def _watch(self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory) -> bool:
+        if domain.launched_at is None:
+            return False
+        name = self._cluster(fleet, domain)
+        read, info = await self._status(name, memory)
+        if not read or (info is not None and info.status is not ClusterStatus.STOPPED):
+            return False
+        now = self._clock()
+        shown = _LOST if info is None else info.status.value
+        moved = await self._store.transition_domain(
+            domain.id, from_states=(domain.state,), to=_D.FAILED, at=now
+        )
+        if moved:
+            logger.warning("domain %s: cluster %s is %s: domain failed", domain.slug, name, shown)
+            await self._event(
+                fleet,
+                domain,
+                DomainClusterLost(
+                    cluster=name,
+                    attempt=domain.launch_attempt,
+                    cluster_status=shown,
+                    from_state=domain.state,
+                    role=_role(fleet, domain),
+                ),
+                now,
+            )
+        return True
+
+    # ---- step 6: relaunch ----------------------------------------------------------------
+
+    async def _relaunch(
+        self,
+        fleet: FleetSnapshot,
+        domain: DomainSnapshot,
+        memory: _Memory,
+        in_flight: Operation | None,
+    ) -> bool:
+        settings = self._settings(domain)
+        if not settings.relaunch or domain.launched_at is None or in_flight is not None:
+            return False
+        now = self._clock()
+        name = self._cluster(fleet, domain)
+        policy = fleet.policy
+        if memory.relaunches >= policy.relaunch_max_attempts:
+            if not memory.exhausted:
+                memory.exhausted = True
+                logger.error(
+                    "domain %s: %d relaunches of %s spent; it stays failed",
+                    domain.slug,
+                    memory.relaunches,
+                    name,
+                )
+                await self._event(
+                    fleet,
+                    domain,
+                    DomainRelaunch(
+                        cluster=name,
+                        relaunch=memory.relaunches,
+                        max_attempts=policy.relaunch_max_attempts,
+                        backoff_ms=0,
+                        exhausted=True,
+                    ),
+                    now,
+                )
+            return False
+        backoff_ms = min(
+            policy.relaunch_backoff_base_ms * 2**memory.relaunches,
+            policy.relaunch_backoff_max_ms,
+        )
+        if now < domain.state_updated_at + _ms(backoff_ms):
+            return False
+        read, info = await self._status(name, memory)
+        if not read or (info is not None and info.status is not ClusterStatus.STOPPED):
+            # Still there (UP/INIT): not lost; what failed is for the heartbeat or the operator.
+            return False
+        if not await self._store.transition_domain(
+            domain.id, from_states=(_D.FAILED,), to=_D.PROVISIONING, at=now
+        ):
+            return True
+        memory.relaunches += 1
+        logger.warning(
+            "domain %s: relaunching %s (%d of %d)",
+            domain.slug,
+            name,
+            memory.relaunches,
+            policy.relaunch_max_attempts,
+        )
+        await self._event(
+            fleet,
+            domain,
+            DomainRelaunch(
+                cluster=name,
+                relaunch=memory.relaunches,
+                max_attempts=policy.relaunch_max_attempts,
+                backoff_ms=backoff_ms,
+            ),
+            now,
+        )
+        back = domain.model_copy(update={"state": _D.PROVISIONING, "state_updated_at": now})
+        return await self._launch(fleet, back, memory)
+
+    # ---- step 7: teardown ----------------------------------------------------------------
+
+    async def _teardown(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
+    ) -> bool:
+        name = self._cluster(fleet, domain)
+        launch, memory.launch = memory.launch, None
+        if launch is not None:
+            launch.task.cancel()
+            with contextlib.suppress(BaseException):
+                await launch.task
+        task = memory.teardown
+        if task is None:
+            memory.teardown = asyncio.create_task(
+                self._driver.teardown_domain(name), name=f"haru-down-{name}"
+            )
+            return False
+        if not task.done():
+            return False
+        memory.teardown = None
+        now = self._clock()
+        exc = None if task.cancelled() else task.exception()
+        if task.cancelled() or exc is not None:
+            failure = _failure_from_error(
+                "launch_failed", exc if exc is not None else RuntimeError("cancelled")
+            )
+            logger.error("domain %s: sky down of %s failed: %s", domain.slug, name, failure.message)
+            await self._event(
+                fleet,
+                domain,
+                DomainTeardown(
+                    cluster=name,
+                    ok=False,
+                    message=failure.message,
+                    argv=failure.argv,
+                    exit_code=failure.exit_code,
+                    stderr=failure.stderr,
+                ),
+                now,
+            )
+            return False
+        if await self._store.transition_domain(
+            domain.id, from_states=(_D.STOPPING,), to=_D.STOPPED, at=now
+        ):
+            logger.info("domain %s: cluster %s torn down", domain.slug, name)
+            await self._event(fleet, domain, DomainTeardown(cluster=name, ok=True), now)
+        return True
+
+    # ---- operator ------------------------------------------------------------------------
+
+    async def cluster_status(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot
+    ) -> ClusterInfo | None:
+        """``sky status`` of the domain's cluster now (``None``: SkyPilot does not know it).
+
+        Raises:
+            haru_driver_skypilot.SkyDriverError: the command failed.
+        """
+        return await self._driver.get_domain_status(self._cluster(fleet, domain))
+
+    def forget_relaunches(self, domain_id: UUID) -> None:
+        """Start a fresh relaunch streak (the operator brought the domain up by hand)."""
+        memory = self._memory.get(domain_id)
+        if memory is not None:
+            memory.relaunches = 0
+            memory.exhausted = False
+
+    # ---- writes --------------------------------------------------------------------------
+
+    async def _fail(
+        self,
+        fleet: FleetSnapshot,
+        domain: DomainSnapshot,
+        attempt: int,
+        failure: _Failure,
+        now: datetime,
+    ) -> None:
+        name = self._cluster(fleet, domain)
+        moved = await self._store.transition_domain(
+            domain.id, from_states=(domain.state,), to=_D.FAILED, at=now
+        )
+        if not moved:
+            return
+        logger.error(
+            "domain %s: provisioning failed (%s): %s", domain.slug, failure.reason, failure.message
+        )
+        await self._event(
+            fleet,
+            domain,
+            DomainProvisioningFailed(
+                cluster=name,
+                attempt=attempt,
+                reason=failure.reason,
+                message=failure.message,
+                argv=failure.argv,
+                exit_code=failure.exit_code,
+                stderr=failure.stderr,
+                cluster_status=failure.cluster_status,
+            ),
+            now,
+        )
+
+    async def _event(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, payload: EventPayload, now: datetime
+    ) -> None:
+        await self._store.append_event(
+            fleet_id=fleet.id, payload=payload, at=now, domain_id=domain.id
+        )

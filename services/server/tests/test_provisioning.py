@@ -1,0 +1,639 @@
+"""The lifecycle of ``skypilot`` domains in the reconcile tick, against a fake ``sky``.
+
+The fake ``sky`` is a real executable on a temp PATH, run through the real driver and runner:
+it records each argv, answers ``status NAME -o json`` like SkyPilot 0.14 (``[]`` after a
+``Cluster(s) not found`` line for an unknown cluster; INIT until the Nth read, then UP;
+STOPPED once preempted), ``status --ip NAME`` with 127.0.0.1, and fails or hangs a launch
+on request. Where heartbeats matter, the "cluster" is a local fleet: real supervisors on
+127.0.0.1 whose ports the layout names as ``supervisorPort``. Budgets run on the injected
+clock; the store is real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+from uuid import UUID
+
+import aiohttp
+import pytest
+from haru_db import StateStore
+from haru_demo.localfleet import LocalFleet
+from haru_driver_skypilot import TOKEN_SECRET, SkyPilotDriver, SkyRunner
+from haru_protocol import (
+    DomainSnapshot,
+    DomainState,
+    Event,
+    EventType,
+    FleetLayout,
+    FleetSnapshot,
+    OperationKind,
+    OperationState,
+)
+from haru_server import create_app
+from haru_server._clock import ManualClock
+from haru_server._provisioning import Provisioner, ProvisionerOptions
+from haru_server._reconciler import Reconciler, ReconcilerOptions
+from haru_server._settings import Settings
+from haru_server._steps import StepTuning
+from haru_server.cli import app as cli_app
+from haru_supervisor.client import SupervisorClient
+from pytest_aiohttp import AiohttpClient
+from typer.testing import CliRunner
+
+MakeFleet = Callable[..., Awaitable[LocalFleet]]
+TOKEN = "tok-provisioning-secret-4711"
+
+FAKE_SKY = """\
+#!{python}
+# Fake `sky` (SkyPilot 0.14 CLI, the commands Haru uses). State in $FAKE_SKY_STATE.
+import json, os, pathlib, sys, time
+
+state = pathlib.Path(os.environ["FAKE_SKY_STATE"])
+args = sys.argv[1:]
+entry = {{"argv": args, "secret": os.environ.get("HARU_SUPERVISOR_TOKEN")}}
+for arg in args:
+    if arg.endswith(".yaml") and os.path.isfile(arg):
+        entry["yaml"] = pathlib.Path(arg).read_text()
+with (state / "calls.jsonl").open("a") as log:
+    log.write(json.dumps(entry) + "\\n")
+config = json.loads((state / "config.json").read_text())
+# One file per cluster: concurrent launches of two clusters never lose each other's write.
+def path(name):
+    return state / f"cluster-{{name}}.json"
+
+def load(name):
+    return json.loads(path(name).read_text()) if path(name).exists() else None
+
+def save(name, cluster):
+    tmp = path(name).with_suffix(".tmp")
+    tmp.write_text(json.dumps(cluster))
+    os.replace(tmp, path(name))
+
+if args[:1] == ["launch"]:
+    name = args[args.index("-c") + 1]
+    behaviour = config.get("launch", {{}}).get(name, {{}})
+    (state / f"launch-{{name}}.pid").write_text(str(os.getpid()))
+    if "exit" in behaviour:
+        print("Considered resources (1 node):")
+        print(behaviour["stderr"], file=sys.stderr)
+        sys.exit(behaviour["exit"])
+    save(name, {{"status": "INIT", "reads": 0}})
+    if behaviour.get("hang"):
+        time.sleep(60)
+    print("Job submitted, ID: 1")
+elif args[:1] == ["down"]:
+    path(args[1]).unlink(missing_ok=True)
+elif args[:1] == ["status"] and "--ip" in args:
+    name = args[-1]
+    if (load(name) or {{}}).get("status") == "UP":
+        print("127.0.0.1")
+    else:
+        print(f"Cluster {{name}} not found.")
+elif args[:1] == ["status"]:
+    name = args[1]
+    cluster = load(name)
+    if cluster is None:
+        print(f"Cluster(s) not found: \\x1b[1m{{name}}\\x1b[0m.")
+        print("[]")
+    else:
+        if cluster["status"] == "INIT":
+            cluster["reads"] += 1
+            if cluster["reads"] >= config.get("up_after", 2):
+                cluster["status"] = "UP"
+            save(name, cluster)
+        print(json.dumps([{{"name": name, "status": cluster["status"], "nodes": 1,
+                           "autostop": -1, "launched_at": 1764460800}}], indent=2))
+else:
+    print(f"Error: No such command '{{args[0]}}'.", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+class FakeSky:
+    def __init__(self, state: Path) -> None:
+        self.state = state
+
+    def configure(self, **config: Any) -> None:
+        (self.state / "config.json").write_text(json.dumps(config))
+
+    def calls(self) -> list[dict[str, Any]]:
+        path = self.state / "calls.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def launches(self, name: str) -> list[dict[str, Any]]:
+        return [c for c in self.calls() if c["argv"][:1] == ["launch"] and name in c["argv"]]
+
+    def clusters(self) -> dict[str, Any]:
+        return {
+            p.name.removeprefix("cluster-").removesuffix(".json"): json.loads(p.read_text())
+            for p in self.state.glob("cluster-*.json")
+        }
+
+    def set_status(self, name: str, status: str | None) -> None:
+        path = self.state / f"cluster-{name}.json"
+        if status is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(json.dumps({"status": status, "reads": 0}))
+
+    def launch_pid(self, name: str) -> int:
+        return int((self.state / f"launch-{name}.pid").read_text())
+
+
+@pytest.fixture
+def sky(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSky:
+    bin_dir = tmp_path / "bin"
+    state = tmp_path / "sky-state"
+    bin_dir.mkdir()
+    state.mkdir()
+    script = bin_dir / "sky"
+    script.write_text(FAKE_SKY.format(python=sys.executable))
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("FAKE_SKY_STATE", str(state))
+    fake = FakeSky(state)
+    fake.configure()
+    return fake
+
+
+@pytest.fixture
+async def make_reconciler(clock: ManualClock, http: aiohttp.ClientSession) -> Any:
+    made: list[Provisioner] = []
+
+    def make(store: StateStore) -> tuple[Reconciler, Provisioner]:
+        provisioner = Provisioner(
+            store,
+            SkyPilotDriver(SkyRunner(retry_delay=0)),
+            clock=clock,
+            supervisor_token=TOKEN,
+            options=ProvisionerOptions(status_interval_s=0),
+        )
+        made.append(provisioner)
+        reconciler = Reconciler(
+            store,
+            SupervisorClient(http, token=None),
+            clock=clock,
+            options=ReconcilerOptions(
+                tuning=StepTuning(settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05),
+                heartbeat_timeout_s=2.0,
+            ),
+            provisioner=provisioner,
+        )
+        return reconciler, provisioner
+
+    yield make
+    for provisioner in made:
+        await provisioner.close()
+
+
+def provisioned_layout(fleet: LocalFleet, **policy: Any) -> FleetLayout:
+    """The local fleet's layout with every domain a ``skypilot`` one, no URL typed in.
+
+    Each domain's ``supervisorPort`` is its local supervisor's, so the address the fake
+    ``sky status --ip`` reports (127.0.0.1) leads the heartbeat to it.
+    """
+    document = fleet.layout().model_dump(mode="json", by_alias=True, exclude_none=True)
+    for domain in document["domains"]:
+        port = urlsplit(fleet.domain(domain["slug"]).supervisor_url).port
+        domain["provider"] = "skypilot"
+        domain.pop("supervisorUrl", None)
+        domain.pop("servingBaseUrl", None)
+        domain["provisioning"] = {"supervisorPort": port, "gatewayPort": 8000}
+        for slot in domain["slots"]:
+            for model in slot.get("models", ()):
+                model.pop("servingUrl", None)
+    document["policy"] = {"autoFailover": True, **policy}
+    return FleetLayout.model_validate(document)
+
+
+def bare_layout(**policy: Any) -> FleetLayout:
+    """Two ``skypilot`` domains and nothing running behind them."""
+    domains = [
+        {
+            "slug": slug,
+            "provider": "skypilot",
+            "placement": {"cloud": "gcp", "region": "us-central1", "accelerator": "L4"},
+            "slots": [{"kind": "inference", "gpuIndex": 0, "models": [{"name": f"{slug}-m"}]}],
+        }
+        for slug in ("alpha", "beta")
+    ]
+    return FleetLayout.model_validate(
+        {"slug": "local", "activeDomainSlug": "alpha", "domains": domains, "policy": policy}
+    )
+
+
+async def snapshot(store: StateStore) -> FleetSnapshot:
+    found = await store.get_fleet_snapshot("local")
+    assert found is not None
+    return found
+
+
+def domain(fleet: FleetSnapshot, slug: str) -> DomainSnapshot:
+    return next(d for d in fleet.domains if d.slug == slug)
+
+
+async def events(store: StateStore, fleet_id: UUID, type_: str | None = None) -> list[Event]:
+    found = await store.list_events(fleet_id, limit=1000)
+    return [e for e in found if type_ is None or e.type == type_]
+
+
+async def tick_until(
+    reconciler: Reconciler,
+    store: StateStore,
+    done: Callable[[FleetSnapshot], bool],
+    *,
+    max_ticks: int = 200,
+) -> FleetSnapshot:
+    """Tick (yielding to the background launches between ticks) until ``done``."""
+    current = await snapshot(store)
+    for _ in range(max_ticks):
+        await reconciler.tick("local")
+        current = await snapshot(store)
+        if done(current):
+            return current
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not done after {max_ticks} ticks: {current}")
+
+
+def in_state(slug: str, state: DomainState) -> Callable[[FleetSnapshot], bool]:
+    return lambda fleet: domain(fleet, slug).state is state
+
+
+async def test_layout_to_ready_with_no_hand_typed_url(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: Any,
+    clock: ManualClock,
+    sky: FakeSky,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    layout = provisioned_layout(fleet)
+    await store.apply_fleet_layout(layout, at=clock())
+    reconciler, _ = make_reconciler(store)
+    seeded = await snapshot(store)
+    assert all(d.supervisor_url is None for d in seeded.domains)
+
+    def ready(fleet_: FleetSnapshot) -> bool:
+        return all(d.state is DomainState.READY for d in fleet_.domains)
+
+    done = await tick_until(reconciler, store, ready)
+    for slug in ("alpha", "beta"):
+        got = domain(done, slug)
+        assert str(got.supervisor_url) == fleet.domain(slug).supervisor_url
+        assert str(got.serving_base_url) == "http://127.0.0.1:8000"
+        assert got.launch_attempt == 1
+        assert got.launched_at is not None
+        urls = [str(m.serving_url) for s in got.slots for m in getattr(s.spec, "models", ())]
+        assert urls
+        assert all(u.startswith("http://127.0.0.1:8000/m/") for u in urls)
+        launches = sky.launches(f"haru-local-{slug}")
+        assert len(launches) == 1
+        argv = launches[0]["argv"]
+        assert argv[:5] == ["launch", "-c", f"haru-local-{slug}", "-y", "-d"]
+        assert argv[5:7] == ["--secret", TOKEN_SECRET]
+        # The token reaches `sky` through its environment only.
+        assert launches[0]["secret"] == TOKEN
+        assert TOKEN not in json.dumps(argv)
+        assert TOKEN not in launches[0]["yaml"]
+    types = [e.type for e in await events(store, done.id) if e.domain_id == domain(done, "beta").id]
+    assert types[:3] == [
+        EventType.DOMAIN_LAUNCH_STARTED,
+        EventType.DOMAIN_LAUNCH_SUCCEEDED,
+        EventType.DOMAIN_ADDRESS_RECORDED,
+    ]
+    assert EventType.DOMAIN_STATE_CHANGED in types
+    started = await events(store, done.id, EventType.DOMAIN_LAUNCH_STARTED)
+    roles = {e.domain_id: e.payload["role"] for e in started}
+    assert roles == {domain(done, "alpha").id: "active", domain(done, "beta").id: "standby"}
+    assert TOKEN not in json.dumps([e.payload for e in await events(store, done.id)])
+
+
+async def test_launch_failure_fails_the_domain_with_the_command_in_an_event(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    sky.configure(
+        launch={"haru-local-alpha": {"exit": 3, "stderr": "No launchable resource found."}}
+    )
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    reconciler, _ = make_reconciler(store)
+    failed = await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    [event] = [
+        e
+        for e in await events(store, failed.id, EventType.DOMAIN_PROVISIONING_FAILED)
+        if e.domain_id == domain(failed, "alpha").id
+    ]
+    assert event.payload["reason"] == "launch_failed"
+    assert event.payload["exitCode"] == 3
+    assert "No launchable resource found." in event.payload["stderr"]
+    assert event.payload["argv"][1:4] == ["launch", "-c", "haru-local-alpha"]
+    assert event.payload["attempt"] == 1
+    # A launch that never went through is not relaunched on its own.
+    clock.advance(ms=failed.policy.relaunch_backoff_max_ms + 1)
+    for _ in range(3):
+        await reconciler.tick("local")
+    assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
+    assert len(sky.launches("haru-local-alpha")) == 1
+
+
+async def test_launch_past_its_budget_is_killed_and_fails_the_domain(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    sky.configure(launch={"haru-local-alpha": {"hang": True}})
+    await store.apply_fleet_layout(bare_layout(launchTimeoutMs=60_000), at=clock())
+    reconciler, provisioner = make_reconciler(store)
+    await reconciler.tick("local")
+    fleet = await snapshot(store)
+    alpha = domain(fleet, "alpha")
+    async with asyncio.timeout(10):
+        while "haru-local-alpha" not in sky.clusters():
+            await asyncio.sleep(0.02)
+    pid = sky.launch_pid("haru-local-alpha")
+    await reconciler.tick("local")
+    assert provisioner.launching(alpha.id)
+    assert domain(await snapshot(store), "alpha").state is DomainState.PROVISIONING
+    clock.advance(ms=60_001)
+    await reconciler.tick("local")
+    assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
+    assert not provisioner.launching(alpha.id)
+    [event] = [
+        e
+        for e in await events(store, fleet.id, EventType.DOMAIN_PROVISIONING_FAILED)
+        if e.domain_id == alpha.id
+    ]
+    assert event.payload["reason"] == "launch_timeout"
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+async def test_restart_mid_launch_never_launches_the_same_attempt_again(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    # The launch creates the cluster, then the server dies before `sky launch` returns.
+    sky.configure(launch={"haru-local-alpha": {"hang": True}}, up_after=3)
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    first, first_provisioner = make_reconciler(store)
+    await first.tick("local")
+    async with asyncio.timeout(10):
+        while "haru-local-alpha" not in sky.clusters():
+            await asyncio.sleep(0.02)
+    await first_provisioner.close()  # the crash: the launch's process group dies with it
+    fleet = await snapshot(store)
+    assert domain(fleet, "alpha").launch_attempt == 1
+    assert domain(fleet, "alpha").launched_at is None
+    second, _ = make_reconciler(store)
+    done = await tick_until(second, store, lambda f: domain(f, "alpha").supervisor_url is not None)
+    assert len(sky.launches("haru-local-alpha")) == 1
+    alpha = domain(done, "alpha")
+    assert alpha.launch_attempt == 1
+    assert str(alpha.supervisor_url) == "http://127.0.0.1:8701"
+    succeeded = [
+        e
+        for e in await events(store, done.id, EventType.DOMAIN_LAUNCH_SUCCEEDED)
+        if e.domain_id == alpha.id
+    ]
+    assert [e.payload["observed"] for e in succeeded] == [True]
+
+
+async def test_claim_without_outcome_and_no_cluster_fails_after_the_launch_budget(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    await store.apply_fleet_layout(bare_layout(launchTimeoutMs=60_000), at=clock())
+    fleet = await snapshot(store)
+    alpha = domain(fleet, "alpha")
+    # A process claimed the launch and died before `sky` ever ran.
+    assert await store.claim_launch(alpha.id, expected_attempt=0, at=clock())
+    reconciler, _ = make_reconciler(store)
+    await reconciler.tick("local")
+    assert domain(await snapshot(store), "alpha").state is DomainState.PROVISIONING
+    clock.advance(ms=60_001)
+    await reconciler.tick("local")
+    assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
+    assert sky.launches("haru-local-alpha") == []
+    [event] = [
+        e
+        for e in await events(store, fleet.id, EventType.DOMAIN_PROVISIONING_FAILED)
+        if e.domain_id == alpha.id
+    ]
+    assert event.payload["reason"] == "launch_lost"
+    assert event.payload["clusterStatus"] == "absent"
+
+
+async def test_cluster_up_budget(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    sky.configure(up_after=10_000)
+    await store.apply_fleet_layout(bare_layout(clusterUpTimeoutMs=120_000), at=clock())
+    reconciler, _ = make_reconciler(store)
+    await tick_until(reconciler, store, lambda f: domain(f, "alpha").launched_at is not None)
+    clock.advance(ms=120_001)
+    failed = await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    reasons = [
+        e.payload["reason"]
+        for e in await events(store, failed.id, EventType.DOMAIN_PROVISIONING_FAILED)
+    ]
+    assert "cluster_up_timeout" in reasons
+
+
+async def test_preempted_active_fails_over_then_relaunches_as_standby(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: Any,
+    clock: ManualClock,
+    sky: FakeSky,
+) -> None:
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    await store.apply_fleet_layout(
+        provisioned_layout(fleet, relaunchBackoffBaseMs=60_000, relaunchMaxAttempts=1),
+        at=clock(),
+    )
+    reconciler, _ = make_reconciler(store)
+    ready = await tick_until(
+        reconciler, store, lambda f: all(d.state is DomainState.READY for d in f.domains)
+    )
+    alpha_id = domain(ready, "alpha").id
+    beta_id = domain(ready, "beta").id
+    # Spot preemption: SkyPilot reports the cluster STOPPED, its supervisor is gone.
+    sky.set_status("haru-local-alpha", "STOPPED")
+    await fleet.stop_supervisor("alpha")
+    result = await reconciler.tick("local")
+    after = await snapshot(store)
+    assert domain(after, "alpha").state is DomainState.FAILED
+    [lost] = await events(store, ready.id, EventType.DOMAIN_CLUSTER_LOST)
+    assert lost.domain_id == alpha_id
+    assert (lost.payload["clusterStatus"], lost.payload["role"]) == ("STOPPED", "active")
+    assert result.operation is not None
+    assert result.operation.kind is OperationKind.PROMOTE
+    assert result.operation.target_domain_id == beta_id
+    # The promotion runs to its end (the unreachable old active's sleep is best effort).
+    for _ in range(100):
+        result = await reconciler.tick("local")
+        if result.operation is not None and result.operation.state is OperationState.SUCCEEDED:
+            break
+        clock.advance(ms=1_000)
+        await asyncio.sleep(0.02)
+    assert (await snapshot(store)).active_domain_id == beta_id
+    # No relaunch before the backoff since the failure has passed.
+    assert len(sky.launches("haru-local-alpha")) == 1
+    clock.advance(ms=60_000)
+    await reconciler.tick("local")
+    relaunched = await snapshot(store)
+    assert domain(relaunched, "alpha").state is DomainState.PROVISIONING
+    assert domain(relaunched, "alpha").launch_attempt == 2
+    [relaunch] = await events(store, ready.id, EventType.DOMAIN_RELAUNCH)
+    assert (relaunch.payload["relaunch"], relaunch.payload["maxAttempts"]) == (1, 1)
+    started = [
+        e
+        for e in await events(store, ready.id, EventType.DOMAIN_LAUNCH_STARTED)
+        if e.domain_id == alpha_id
+    ]
+    assert [(e.payload["attempt"], e.payload["role"]) for e in started] == [
+        (1, "active"),
+        (2, "standby"),
+    ]
+    async with asyncio.timeout(10):
+        while len(sky.launches("haru-local-alpha")) < 2:
+            await asyncio.sleep(0.02)
+    # It is lost again: relaunchMaxAttempts (1) is spent, so it stays failed, said once.
+    await tick_until(reconciler, store, lambda f: domain(f, "alpha").launched_at is not None)
+    sky.set_status("haru-local-alpha", None)
+    await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    clock.advance(ms=10 * 60_000)
+    for _ in range(3):
+        await reconciler.tick("local")
+    assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
+    relaunches = await events(store, ready.id, EventType.DOMAIN_RELAUNCH)
+    assert [e.payload["exhausted"] for e in relaunches] == [False, True]
+    assert len(sky.launches("haru-local-alpha")) == 2
+
+
+async def test_relaunch_switch_off_leaves_a_lost_domain_failed(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    layout = bare_layout(relaunchBackoffBaseMs=1_000)
+    document = layout.model_dump(mode="json", by_alias=True, exclude_none=True)
+    document["domains"][1]["provisioning"] = {"relaunch": False}
+    await store.apply_fleet_layout(FleetLayout.model_validate(document), at=clock())
+    reconciler, _ = make_reconciler(store)
+    await tick_until(reconciler, store, lambda f: domain(f, "beta").supervisor_url is not None)
+    sky.set_status("haru-local-beta", "STOPPED")
+    # Still provisioning (no supervisor answers here): the loss fails it all the same.
+    lost = await tick_until(reconciler, store, in_state("beta", DomainState.FAILED))
+    clock.advance(ms=3_600_000)
+    for _ in range(3):
+        await reconciler.tick("local")
+    assert domain(await snapshot(store), "beta").state is DomainState.FAILED
+    assert len(sky.launches("haru-local-beta")) == 1
+    assert await events(store, lost.id, EventType.DOMAIN_RELAUNCH) == []
+
+
+async def test_domain_status_up_and_down_through_the_api(
+    sqlite_store: StateStore, clock: ManualClock, sky: FakeSky, aiohttp_client: AiohttpClient
+) -> None:
+    store = sqlite_store
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    fleet = await snapshot(store)
+    # Both domains launched and addressed as the lifecycle leaves them, then ready.
+    for slug in ("alpha", "beta"):
+        got = domain(fleet, slug)
+        assert await store.claim_launch(got.id, expected_attempt=0, at=clock())
+        assert await store.mark_launched(got.id, attempt=1, at=clock())
+        assert await store.record_domain_address(
+            got.id,
+            attempt=1,
+            supervisor_url="http://127.0.0.1:9",
+            serving_base_url="http://127.0.0.1:9",
+            model_urls={},
+            at=clock(),
+        )
+        assert await store.transition_domain(
+            got.id, from_states=(DomainState.PROVISIONING,), to=DomainState.READY, at=clock()
+        )
+        sky.set_status(f"haru-local-{slug}", "UP")
+    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+
+    response = await client.get("/v1/fleets/local/domains/beta")
+    assert response.status == 200
+    body = await response.json()
+    assert (body["role"], body["clusterName"], body["clusterStatus"]) == (
+        "standby",
+        "haru-local-beta",
+        "UP",
+    )
+    assert body["domain"]["state"] == "ready"
+    base = str(client.server.make_url("/"))
+    shown = await asyncio.to_thread(
+        CliRunner().invoke, cli_app, ["domain", "status", "local", "beta", "--url", base]
+    )
+    assert shown.exit_code == 0, shown.output
+    assert "cluster haru-local-beta: UP" in shown.output
+    refused = await asyncio.to_thread(
+        CliRunner().invoke, cli_app, ["domain", "down", "local", "alpha", "--url", base]
+    )
+    assert refused.exit_code == 1
+    assert "409" in refused.output
+    response = await client.get("/v1/fleets/local/domains/nope")
+    assert response.status == 404
+    assert (await response.json())["error"]["code"] == "not_found"
+
+    # `down` is refused for the active domain: 409 with a clear message, nothing moves.
+    response = await client.post("/v1/fleets/local/domains/alpha/down")
+    assert response.status == 409
+    error = (await response.json())["error"]
+    assert error["code"] == "operation_conflict"
+    assert "active domain" in error["message"]
+    assert domain(await snapshot(store), "alpha").state is DomainState.READY
+
+    # `down` of the standby: stopping, then `sky down` in the background, then stopped.
+    response = await client.post("/v1/fleets/local/domains/beta/down")
+    assert response.status == 202
+    assert (await response.json())["domain"]["state"] == "stopping"
+    for _ in range(200):
+        await client.post("/v1/fleets/local/reconcile")
+        if domain(await snapshot(store), "beta").state is DomainState.STOPPED:
+            break
+        await asyncio.sleep(0.02)
+    assert domain(await snapshot(store), "beta").state is DomainState.STOPPED
+    assert [c["argv"] for c in sky.calls() if c["argv"][:1] == ["down"]] == [
+        ["down", "haru-local-beta", "-y"]
+    ]
+    assert "haru-local-beta" not in sky.clusters()
+    response = await client.get("/v1/fleets/local/domains/beta")
+    body = await response.json()
+    assert body["clusterStatus"] == "absent"
+    assert [e["type"] for e in body["events"]][-2:] == [
+        "domain.down.requested",
+        "domain.teardown",
+    ]
+
+    # `up` launches it again (attempt 2, as a standby); `up` of a ready domain is refused.
+    response = await client.post("/v1/fleets/local/domains/alpha/up")
+    assert response.status == 409
+    clock.advance(ms=1_000)
+    up = await asyncio.to_thread(
+        CliRunner().invoke, cli_app, ["domain", "up", "local", "beta", "--url", base]
+    )
+    assert up.exit_code == 0, up.output
+    assert "provisioning" in up.output
+    await client.post("/v1/fleets/local/reconcile")
+    beta = domain(await snapshot(store), "beta")
+    assert beta.launch_attempt == 2
+    started = await events(store, fleet.id, EventType.DOMAIN_LAUNCH_STARTED)
+    assert [(e.payload["attempt"], e.payload["role"]) for e in started] == [(2, "standby")]
