@@ -23,6 +23,7 @@ from haru_web._body import (
     read_body,
     require_json,
 )
+from haru_web._env import EnvInt, EnvLogLevel
 from haru_web._envelope import json_error, raw_error_bytes, render_api_error
 from haru_web._errors import ApiError, HaruWebError, ListenError
 from haru_web._handler import HardenedRequestHandler, describe_protocol_error
@@ -101,6 +102,8 @@ __all__ = (
     "ApiRoute",
     "ApiTable",
     "BeforeScrape",
+    "EnvInt",
+    "EnvLogLevel",
     "HardenedAppRunner",
     "HardenedRequestHandler",
     "HaruWebError",

@@ -9,7 +9,6 @@ secrets (``SecretStr``: never in a repr, a log line or an error) of at least 16 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Final
 
@@ -17,6 +16,8 @@ from haru_protocol import MAX_DURATION_MS
 from haru_web import (
     HOST_VAR,
     OPEN_BIND_VAR,
+    EnvInt,
+    EnvLogLevel,
     LogFormat,
     ServerLimits,
     TokenConfigError,
@@ -25,7 +26,6 @@ from haru_web import (
     is_loopback_bind,
     normalize_bind_host,
     parse_log_format,
-    parse_log_level,
     resolve_token,
 )
 from pydantic import (
@@ -41,8 +41,6 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, Setting
 
 from haru_server._errors import HaruServerError
 
-_DIGITS: Final = re.compile(r"[0-9]+")
-
 API_TOKEN_VAR: Final = "HARU_API_TOKEN"  # noqa: S105  (a variable name, not a secret)
 SUPERVISOR_TOKEN_VAR: Final = "HARU_SUPERVISOR_TOKEN"  # noqa: S105
 
@@ -51,20 +49,6 @@ class SettingsError(HaruServerError, ValueError):
     """An environment variable holds a value the server cannot use (a boot error)."""
 
 
-def _ascii_int(value: object) -> object:
-    if isinstance(value, str):
-        text = value.strip()
-        if _DIGITS.fullmatch(text) is None or len(text) > 20:
-            raise ValueError("must be a non-negative integer in ASCII digits")
-        return int(text)
-    return value
-
-
-def _log_level(value: object) -> object:
-    return parse_log_level(value) if isinstance(value, str) else value
-
-
-EnvInt = Annotated[int, BeforeValidator(_ascii_int)]
 DurationMs = Annotated[EnvInt, Field(ge=1, le=MAX_DURATION_MS)]
 
 
@@ -194,7 +178,7 @@ class Settings(BaseSettings):
         "text", validation_alias=_env("HARU_LOG_FORMAT", "log_format")
     )
     """``HARU_LOG_FORMAT``: ``text`` (default) or ``json`` (one JSON object per line)."""
-    log_level: Annotated[int, BeforeValidator(_log_level)] = Field(
+    log_level: EnvLogLevel = Field(
         logging.INFO, validation_alias=_env("HARU_LOG_LEVEL", "log_level")
     )
     """``HARU_LOG_LEVEL``: DEBUG, INFO (default), WARNING, ERROR or CRITICAL."""

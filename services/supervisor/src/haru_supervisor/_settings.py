@@ -18,6 +18,8 @@ from haru_protocol import SupervisorConfig, normalize_token
 from haru_web import (
     HOST_VAR,
     OPEN_BIND_VAR,
+    EnvInt,
+    EnvLogLevel,
     LogFormat,
     ServerLimits,
     TokenConfigError,
@@ -26,7 +28,6 @@ from haru_web import (
     is_loopback_bind,
     normalize_bind_host,
     parse_log_format,
-    parse_log_level,
     resolve_token,
 )
 from pydantic import (
@@ -90,21 +91,7 @@ class _MappingEnv(EnvSettingsSource):
         return dict(self._environ)
 
 
-def _ascii_int(value: object) -> object:
-    if isinstance(value, str):
-        text = value.strip()
-        if re.fullmatch(r"[0-9]{1,20}", text) is None:
-            raise ValueError("must be a non-negative integer in ASCII digits")
-        return int(text)
-    return value
-
-
-def _log_level(value: object) -> object:
-    return parse_log_level(value) if isinstance(value, str) else value
-
-
-_EnvInt = Annotated[int, BeforeValidator(_ascii_int)]
-_DurationMs = Annotated[_EnvInt, Field(ge=1, le=2_147_483_647)]
+_DurationMs = Annotated[EnvInt, Field(ge=1, le=2_147_483_647)]
 
 
 class Settings(BaseSettings):
@@ -127,7 +114,7 @@ class Settings(BaseSettings):
 
     config: SupervisorConfig
     """The parsed ``HARU_SUPERVISOR_CONFIG`` document."""
-    port: Annotated[_EnvInt, Field(ge=0, le=65535)] = Field(
+    port: Annotated[EnvInt, Field(ge=0, le=65535)] = Field(
         DEFAULT_PORT, validation_alias=AliasChoices("port", "PORT")
     )
     """``PORT``: TCP port to listen on (0 picks a free one and logs it)."""
@@ -171,7 +158,7 @@ class Settings(BaseSettings):
         75_000, validation_alias=AliasChoices("http_keepalive_timeout_ms", KEEPALIVE_VAR)
     )
     """``HARU_HTTP_KEEPALIVE_TIMEOUT_MS``: idle keep-alive connections are closed after it."""
-    http_max_connections: Annotated[_EnvInt, Field(ge=1, le=1_000_000)] = Field(
+    http_max_connections: Annotated[EnvInt, Field(ge=1, le=1_000_000)] = Field(
         512, validation_alias=AliasChoices("http_max_connections", MAX_CONNECTIONS_VAR)
     )
     """``HARU_HTTP_MAX_CONNECTIONS``: open client connections (see haru-web)."""
@@ -183,7 +170,7 @@ class Settings(BaseSettings):
         "text", validation_alias=AliasChoices("log_format", LOG_FORMAT_VAR)
     )
     """``HARU_LOG_FORMAT``: ``text`` (default) or ``json``."""
-    log_level: Annotated[int, BeforeValidator(_log_level)] = Field(
+    log_level: EnvLogLevel = Field(
         logging.INFO, validation_alias=AliasChoices("log_level", LOG_LEVEL_VAR)
     )
     """``HARU_LOG_LEVEL``: DEBUG, INFO (default), WARNING, ERROR or CRITICAL."""

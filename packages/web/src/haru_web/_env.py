@@ -1,0 +1,33 @@
+"""Field types both services' settings share (parsed from the environment)."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Final
+
+from pydantic import BeforeValidator
+
+from haru_web._logs import parse_log_level
+
+_DIGITS: Final = re.compile(r"[0-9]{1,20}")
+
+
+def _ascii_int(value: object) -> object:
+    if isinstance(value, str):
+        text = value.strip()
+        if _DIGITS.fullmatch(text) is None:
+            raise ValueError("must be a non-negative integer in ASCII digits")
+        return int(text)
+    return value
+
+
+def _log_level(value: object) -> object:
+    return parse_log_level(value) if isinstance(value, str) else value
+
+
+EnvInt = Annotated[int, BeforeValidator(_ascii_int)]
+"""An integer that, from the environment, must be ASCII digits only (no sign, ``_``, or
+non-ASCII digits that ``int()`` would accept)."""
+
+EnvLogLevel = Annotated[int, BeforeValidator(_log_level)]
+"""A :mod:`logging` level; from the environment one of :data:`LOG_LEVELS`."""
