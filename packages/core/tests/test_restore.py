@@ -202,38 +202,56 @@ def test_backoff_none_without_a_finished_demote(make: FleetFactory) -> None:
     target = make.domain_id("beta")
     assert restore_backoff(POLICY, target, ()) is None
     # The newest finished operation of the target is a promote: the chain is empty.
-    ops = (op(make, -30, S), op(make, -20, S, kind=P), op(make, -1, OperationState.RUNNING))
+    ops = (
+        op(make, -40, S),
+        op(make, -30, S),
+        op(make, -20, S, kind=P),
+        op(make, -1, OperationState.RUNNING),
+    )
     assert restore_backoff(POLICY, target, ops) is None
     # Other targets' demotes do not count.
-    assert restore_backoff(POLICY, target, (op(make, -1, S, target="alpha"),)) is None
+    alpha_ops = (op(make, -2, S, target="alpha"), op(make, -1, S, target="alpha"))
+    assert restore_backoff(POLICY, target, alpha_ops) is None
 
 
 @pytest.mark.parametrize(
     ("states", "delay_ms"),
-    [((S,), 1_000), ((F,), 1_000), ((S, F), 2_000), ((F, S, F, S), 8_000), ((S,) * 9, 10_000)],
+    [
+        ((S,), None),  # the demote that put it in posture: the first restore waits nothing
+        ((F,), None),
+        ((S, S), 1_000),
+        ((S, F), 1_000),
+        ((S, F, S), 2_000),
+        ((F, S, F, S, F), 8_000),
+        ((S,) * 9, 10_000),
+    ],
 )
-def test_backoff_doubles_with_consecutive_demotes(
-    make: FleetFactory, states: tuple[OperationState, ...], delay_ms: int
+def test_backoff_doubles_with_consecutive_restores(
+    make: FleetFactory, states: tuple[OperationState, ...], delay_ms: int | None
 ) -> None:
     target = make.domain_id("beta")
     # A promote of the target long before, then the demotes; the newest ends at now - 0.5 s.
     ops = [op(make, -1_000, S, kind=P)]
     ops += [op(make, -0.5 - (len(states) - i - 1) * 5, st) for i, st in enumerate(states)]
     backoff = restore_backoff(POLICY, target, reversed(ops))
+    if delay_ms is None:
+        assert backoff is None
+        return
     assert backoff is not None
-    assert backoff.consecutive_failures == len(states)
+    assert backoff.consecutive_failures == len(states) - 1
     assert backoff.delay_ms == delay_ms
     assert backoff.until == make.now - timedelta(seconds=0.5) + timedelta(milliseconds=delay_ms)
 
 
 def test_detect_waits_for_the_backoff(make: FleetFactory) -> None:
     fleet = two_domains(make)
-    last = op(make, -0.5, S)  # one demote ended 0.5 s ago: wait 1 s after it
-    assert detect_restore(fleet, (last,), now=make.now) is None
+    # Demoted by its operator, then one restore that ended 0.5 s ago: wait 1 s after it.
+    ops = (op(make, -60, S), op(make, -0.5, S))
+    assert detect_restore(fleet, ops, now=make.now) is None
     later = make.now + timedelta(milliseconds=500)
-    assert detect_restore(fleet, (last,), now=later) is not None
-    # An old demote (an operator's, long ago) delays nothing.
-    assert detect_restore(fleet, (op(make, -3_600, S),), now=make.now) is not None
+    assert detect_restore(fleet, ops, now=later) is not None
+    # The first loss after the demote that put it in posture is restored at once.
+    assert detect_restore(fleet, (op(make, -0.1, S),), now=make.now) is not None
 
 
 def test_detect_skips_a_target_backing_off_for_another(make: FleetFactory) -> None:
@@ -241,7 +259,8 @@ def test_detect_skips_a_target_backing_off_for_another(make: FleetFactory) -> No
     beta = make.domain("beta", slots=standby_slots(make))
     gamma = make.domain("gamma", slots=standby_slots(make))
     fleet = make.fleet(alpha, beta, gamma, active="alpha", policy=POLICY)
-    ops = (op(make, -0.1, F, target="beta"), op(make, -600, S, target="gamma"))
+    beta_ops = (op(make, -60, S, target="beta"), op(make, -0.1, F, target="beta"))
+    ops = (*beta_ops, op(make, -600, S, target="gamma"))
     decision = detect_restore(fleet, ops, now=make.now)
     assert decision is not None
     assert decision.target_domain_id == make.domain_id("gamma")

@@ -78,12 +78,14 @@ def restore_backoff(
 
     Finished operations of the target count newest first: consecutive demotes (succeeded or
     failed: a trainer that starts and dies again is as much a loop as one that never starts)
-    until a promote of it. ``n`` of them pause ``promotionBackoffBaseMs * 2^(n-1)`` (bounded by
-    ``promotionBackoffMaxMs``) from the end of the newest. A first loss of training after an
-    operator's demote long ago therefore waits nothing; a loop waits ever longer.
+    until a promote of it. The first of them (the demote that put it in posture) pauses
+    nothing; ``n >= 2`` pause ``promotionBackoffBaseMs * 2^(n-2)`` (bounded by
+    ``promotionBackoffMaxMs``) from the end of the newest. So a first loss of training is
+    restored at once, and a loop waits ever longer.
 
     Returns:
-        The backoff, or None when the target's newest finished operation is not a demote.
+        The backoff (``consecutive_failures``: the restore demotes so far), or None when the
+        target's newest finished operations hold fewer than two consecutive demotes.
     """
     finished = sorted(
         (
@@ -101,13 +103,14 @@ def restore_backoff(
         if op.kind is not OperationKind.DEMOTE:
             break
         demotes += 1
-    if demotes == 0:
+    restores = demotes - 1
+    if restores < 1:
         return None
     last = finished[0].finished_at or finished[0].created_at  # finished: filtered above
-    delay = backoff_delay_ms(policy, demotes)
+    delay = backoff_delay_ms(policy, restores)
     return PromotionBackoff(
         target_domain_id=target_domain_id,
-        consecutive_failures=demotes,
+        consecutive_failures=restores,
         delay_ms=delay,
         until=last + timedelta(milliseconds=delay),
     )
