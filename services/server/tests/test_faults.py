@@ -296,6 +296,7 @@ async def test_standby_whose_training_stopped_gets_it_back_with_backoff(
         # What the supervisor's graceful restart does; the stop is asynchronous (SIGTERM,
         # then SIGKILL after the grace): wait for the supervisor to report every run idle.
         await client.stop_training(beta_url, timeout_s=10, grace_ms=2_000)
+        runs: list[Any] = []
         for _ in range(200):
             status = await client.status(beta_url, timeout_s=5)
             runs = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
