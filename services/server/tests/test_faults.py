@@ -7,6 +7,7 @@ Budgets run on an injected clock.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 from uuid import UUID
@@ -249,3 +250,86 @@ async def test_demote_old_sleep_timed_out_across_a_restart_restores_standby_post
     assert all(r is not None and r.state is TrainingRunState.RUNNING for r in runs)
     restore = await events_of(store, seeded.id, EventType.OPERATION_RESTORE_DEMOTE)
     assert [p["reason"] for p in restore] == ["demote_old_sleep timed out"]
+
+
+async def test_standby_whose_training_stopped_gets_it_back_with_backoff(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+    http: aiohttp.ClientSession,
+) -> None:
+    # Fault schedule sqlite-single:1: a supervisor restart on a standby stopped its trainers;
+    # the heartbeat recorded the training slots idle and nothing ever restarted them.
+    store = sqlite_store
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    beta = domain_id(seeded, "beta")
+    beta_url = fleet.domain("beta").supervisor_url
+    client = SupervisorClient(http, token=None)
+    reconciler = make_reconciler(store)
+    await reconciler.tick("local")
+    # A fresh standby never trained: its first demote stays the operator's call.
+    assert await store.list_recent_operations(seeded.id) == []
+    await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.DEMOTE, target_domain_id=beta, at=clock()
+    )
+    await helpers.tick_until_settled(reconciler, "local")
+    assert slot_states(await snapshot_of(store), "beta", SlotKind.TRAINING) == [
+        "training",
+        "training",
+    ]
+
+    async def demotes() -> list[OperationState]:
+        ops = await store.list_recent_operations(seeded.id)
+        return [o.state for o in reversed(ops) if o.kind is OperationKind.DEMOTE]
+
+    async def training_running() -> bool:
+        status = await client.status(beta_url, timeout_s=5)
+        runs = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
+        return bool(runs) and all(
+            r is not None and r.state is TrainingRunState.RUNNING and r.pids for r in runs
+        )
+
+    async def stop_trainers() -> None:
+        # What the supervisor's graceful restart does; the stop is asynchronous (SIGTERM,
+        # then SIGKILL after the grace): wait for the supervisor to report every run idle.
+        await client.stop_training(beta_url, timeout_s=10, grace_ms=2_000)
+        runs: list[Any] = []
+        for _ in range(200):
+            status = await client.status(beta_url, timeout_s=5)
+            runs = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
+            if all(r is not None and r.state is TrainingRunState.IDLE for r in runs):
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"trainers of beta still running: {runs}")
+
+    await stop_trainers()
+    # The first loss of training after the demote that put it in posture: restored at once.
+    await helpers.tick_until_settled(reconciler, "local")
+    assert await demotes() == [OperationState.SUCCEEDED, OperationState.SUCCEEDED]
+    after = await snapshot_of(store)
+    assert slot_states(after, "beta", SlotKind.INFERENCE) == ["sleeping", "sleeping"]
+    assert slot_states(after, "beta", SlotKind.TRAINING) == ["training", "training"]
+    assert await training_running()
+    restore = await events_of(store, seeded.id, EventType.OPERATION_RESTORE_DEMOTE)
+    assert restore == [
+        {"causeOperationId": None, "targetDomainId": str(beta), "reason": "training_idle"}
+    ]
+    # A trainer that keeps stopping is restarted ever more slowly (30 s, then 60 s by
+    # default), never at tick rate.
+    for pause_ms in (30_000, 60_000):
+        await stop_trainers()
+        count = len(await demotes())
+        clock.advance(ms=pause_ms - 1_000)
+        await helpers.tick_until_settled(reconciler, "local")
+        assert len(await demotes()) == count
+        assert slot_states(await snapshot_of(store), "beta", SlotKind.TRAINING) == [
+            "idle",
+            "idle",
+        ]
+        clock.advance(ms=1_001)
+        await helpers.tick_until_settled(reconciler, "local")
+        assert len(await demotes()) == count + 1
+        assert await training_running()

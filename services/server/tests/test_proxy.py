@@ -928,7 +928,12 @@ async def test_models_lists_only_eligible_models(
     async with http.get(f"{proxy.v1}/models", headers={"X-Haru-Fleet": "prod"}) as resp:
         assert resp.status == 200
         assert await resp.json() == {"object": "list", "data": []}
+    # A model the active binds on a failed slot is an outage (503), not an unknown model.
     status, _, answer = await post(http, proxy, chat_body())
+    assert status == 503
+    assert error_code(answer) == "no_active_domain"
+    assert "'chat-small'" in json.loads(answer)["error"]["message"]
+    status, _, answer = await post(http, proxy, chat_body(model="chat-huge"))
     assert status == 404
     assert "available models: none" in json.loads(answer)["error"]["message"]
 
@@ -1252,6 +1257,69 @@ async def test_a_held_request_fails_at_its_bound_with_the_error_it_would_have_go
     assert error_code(body) == "no_active_domain"
     assert int(headers["X-Haru-Held-Ms"]) >= 30
     assert proxy_of(proxy).holding == 0
+
+
+async def fail_first_slot(store: StateStore, domain_id: UUID) -> UUID:
+    snapshot = await store.get_fleet_snapshot("prod")
+    assert snapshot is not None
+    domain = snapshot.domain(domain_id)
+    assert domain is not None
+    slot = next(s for s in domain.slots if s.kind is SlotKind.INFERENCE)
+    assert await store.transition_slot(
+        slot.id,
+        kind=SlotKind.INFERENCE,
+        from_states=[InferenceSlotState.SERVING],
+        to=InferenceSlotState.FAILED,
+        at=now(),
+    )
+    return slot.id
+
+
+async def test_a_model_on_a_failed_slot_is_held_until_its_slot_serves_again(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    http: aiohttp.ClientSession,
+) -> None:
+    # Fault schedules: /is_sleeping answered garbage on the active, its slot went failed, and
+    # the proxy answered 404 model_not_found for a model whose server was serving.
+    setup = await auto_failover_setup(sqlite_store, stack)
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000, snapshot_cache_ttl_ms=1)
+    slot_id = await fail_first_slot(sqlite_store, setup.fleet.alpha_id)
+    running = proxy_of(proxy)
+    held = asyncio.create_task(post(http, proxy, chat_body()))
+    await eventually(lambda: running.holding == 1, within=30)
+    # The heartbeat sees the models awake again: no pointer move, the slot serves again.
+    assert await sqlite_store.transition_slot(
+        slot_id,
+        kind=SlotKind.INFERENCE,
+        from_states=[InferenceSlotState.FAILED],
+        to=InferenceSlotState.SERVING,
+        at=now(),
+    )
+    status, headers, _ = await held
+    assert status == 200
+    assert int(headers["X-Haru-Held-Ms"]) >= 0
+    assert served(setup.alpha) == 1
+    assert running.holding == 0
+
+
+async def test_a_model_on_a_failed_slot_is_held_through_the_failover(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    http: aiohttp.ClientSession,
+) -> None:
+    setup = await auto_failover_setup(sqlite_store, stack)
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000)
+    await fail_first_slot(sqlite_store, setup.fleet.alpha_id)
+    running = proxy_of(proxy)
+    held = asyncio.create_task(post(http, proxy, chat_body()))
+    await eventually(lambda: running.holding == 1, within=30)
+    await promote(sqlite_store, setup.fleet)
+    assert (await held)[0] == 200
+    assert served(setup.beta) == 1
+    assert served(setup.alpha) == 0
 
 
 async def test_holds_respect_the_cap_and_need_auto_failover(

@@ -53,6 +53,15 @@ from haru_core._plan import (
     step_budget_ms,
     step_remaining_ms,
 )
+from haru_core._restore import (
+    RESTORE_REASON_TRAINING_IDLE,
+    RestoreDecision,
+    detect_restore,
+    is_out_of_posture,
+    reached_standby_posture,
+    restore_backoff,
+    restore_candidates,
+)
 from haru_core._routing import build_route_intent, find_routable_binding, routable_models
 from haru_core._snapshot import LAYOUT_NAMESPACE, layout_id, snapshot_from_layout
 from haru_core._states import (
@@ -121,6 +130,14 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "backoff_delay_ms",
     "promotion_backoff",
     "in_backoff",
+    # Standby posture (restore demotes)
+    "RESTORE_REASON_TRAINING_IDLE",
+    "RestoreDecision",
+    "is_out_of_posture",
+    "restore_candidates",
+    "reached_standby_posture",
+    "restore_backoff",
+    "detect_restore",
     # Heartbeat verdicts (SPEC 7.3 step 1)
     "SlotChange",
     "DomainChange",

@@ -109,11 +109,12 @@ class OperationRestoreDemote(EventPayload):
 
     event_type = EventType.OPERATION_RESTORE_DEMOTE
 
-    cause_operation_id: UUID
-    """The operation whose failure or timeout left the domain out of posture."""
+    cause_operation_id: UUID | None = None
+    """The operation whose failure or timeout left the domain out of posture; null when the
+    domain left it by itself (its training stopped: reason ``training_idle``)."""
     target_domain_id: UUID
     reason: str
-    """The failure code, or which best-effort step timed out."""
+    """The failure code, which best-effort step timed out, or ``training_idle``."""
 
 
 class OperationStarted(EventPayload):

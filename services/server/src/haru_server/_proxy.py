@@ -113,6 +113,7 @@ class _HeldItem:
     released: asyncio.Future[bool]
     revision: int
     unroutable: bool
+    model: str
 
 
 def _settle_held(future: asyncio.Future[bool], released: bool) -> None:
@@ -366,6 +367,8 @@ class _Proxy:
         )
         if not routes.routable:
             raise _NothingSentError(_unroutable(lookup), lookup)
+        if url is None and routes.unserved(model):
+            raise _NothingSentError(_unserved(lookup, model), lookup)
         if url is None:
             available = ", ".join(routes.models) or "none"
             raise ApiError(
@@ -403,7 +406,10 @@ class _Proxy:
         try:
             while True:
                 remaining = started + self._hold - self._mono()
-                if remaining <= 0 or not await self._held_until_release(ref, failed, remaining):
+                released = remaining > 0 and await self._held_until_release(
+                    ref, model, failed, remaining
+                )
+                if not released:
                     raise _with_held(failed.error, started, self._mono()) from None
                 try:
                     lookup, upstream = await self._attempt(request, ref, model, path, body, headers)
@@ -420,7 +426,9 @@ class _Proxy:
         finally:
             self.holding -= 1
 
-    async def _held_until_release(self, ref: str, failed: _NothingSentError, within: float) -> bool:
+    async def _held_until_release(
+        self, ref: str, model: str, failed: _NothingSentError, within: float
+    ) -> bool:
         """Queue behind the fleet's earlier held requests until the releaser lets this one go.
 
         One releaser task per fleet watches for the move and releases waiters in arrival
@@ -429,10 +437,12 @@ class _Proxy:
         """
         loop = asyncio.get_running_loop()
         fleet_id = failed.lookup.fleet_id
+        routes = failed.lookup.routes
         item = _HeldItem(
             loop.create_future(),
             failed.lookup.snapshot.route_revision,
-            unroutable=not failed.lookup.routes.routable,
+            unroutable=not routes.routable or routes.unserved(model),
+            model=model,
         )
         queue = self._held.setdefault(fleet_id, [])
         queue.append(item)
@@ -458,7 +468,9 @@ class _Proxy:
                     continue
                 now_revision = lookup.snapshot.route_revision
                 for item in list(queue):
-                    if now_revision > item.revision or (item.unroutable and lookup.routes.routable):
+                    routes = lookup.routes
+                    servable = routes.routable and not routes.unserved(item.model)
+                    if now_revision > item.revision or (item.unroutable and servable):
                         queue.remove(item)
                         _settle_held(item.released, True)
         finally:
@@ -624,6 +636,17 @@ def _unroutable(lookup: RouteLookup[RouteTable]) -> ApiError:
     return ApiError(
         ErrorCode.NO_ACTIVE_DOMAIN,
         f"fleet {lookup.routes.fleet_slug!r} {reason}; nothing can serve right now",
+        headers=_routing_headers(lookup),
+    )
+
+
+def _unserved(lookup: RouteLookup[RouteTable], model: str) -> ApiError:
+    active = lookup.snapshot.active_domain
+    where = "" if active is None else f" of active domain {active.slug!r}"
+    return ApiError(
+        ErrorCode.NO_ACTIVE_DOMAIN,
+        f"model {model[:200]!r} of fleet {lookup.routes.fleet_slug!r} is bound but its "
+        f"slot{where} is not serving; nothing can serve it right now",
         headers=_routing_headers(lookup),
     )
 

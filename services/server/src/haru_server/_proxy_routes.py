@@ -40,9 +40,10 @@ class RouteTable:
         fleet_slug: The fleet's slug (for messages).
         routable: The active domain exists and is ready or degraded.
         models: Names of the active domain's eligible models, in layout order.
+        bound: Names of every model the active domain binds, eligible or not.
     """
 
-    __slots__ = ("_targets", "fleet_slug", "models", "routable", "snapshot")
+    __slots__ = ("_targets", "bound", "fleet_slug", "models", "routable", "snapshot")
 
     def __init__(self, snapshot: FleetSnapshot) -> None:
         self.snapshot = snapshot
@@ -51,8 +52,10 @@ class RouteTable:
         self.routable = active is not None and active.state in ROUTABLE_DOMAIN_STATES
         self.models: tuple[str, ...] = tuple(m.name for m in routable_models(snapshot))
         self._targets: dict[str, dict[str, URL]] = {}
+        self.bound: frozenset[str] = frozenset()
         if active is None:
             return
+        self.bound = frozenset(b.name for b in inference_bindings(active))
         for bound in inference_bindings(active):
             binding = find_routable_binding(snapshot, bound.name)
             if binding is None or binding.serving_url is None:
@@ -69,6 +72,14 @@ class RouteTable:
                 )
                 continue
             self._targets[binding.name] = urls
+
+    def unserved(self, model: str) -> bool:
+        """Whether the routable active binds ``model`` but no eligible slot serves it now.
+
+        Its slot is failed (a crashed or unanswering vLLM server) or mid-transition: the model
+        exists, so this is an outage to wait out (503, holdable), not an unknown model (404).
+        """
+        return self.routable and model in self.bound and model not in self._targets
 
     def target(self, model: str, path: str) -> URL | None:
         """The upstream URL of ``path`` for ``model``, or None when it is not eligible."""

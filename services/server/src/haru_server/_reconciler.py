@@ -22,12 +22,14 @@ from haru_core import (
     decide_demotion,
     detect_degraded_escalation,
     detect_failover,
+    detect_restore,
     domain_change_on_heartbeat,
     first_step,
     is_best_effort,
     is_step_overdue,
     next_step,
     promotion_backoff,
+    restore_candidates,
     slot_health_changes,
     step_budget_ms,
     step_remaining_ms,
@@ -214,6 +216,8 @@ class Reconciler:
             fleet = await self.annotate(fleet)
             fleet = await self._escalate(fleet)
             operation = await self._failover(fleet)
+            if operation is None:
+                operation = await self._restore_posture(fleet)
         if operation is None:
             return TickResult(fleet.id, None, in_flight=False)
         operation, queued = await self._advance(fleet, operation)
@@ -465,6 +469,47 @@ class Reconciler:
                     reason=decision.reason,
                     active_domain_id=decision.active_domain_id,
                     target_domain_id=decision.target_domain_id,
+                ),
+                at=now,
+                domain_id=decision.target_domain_id,
+                operation_id=operation.id,
+            )
+        return operation
+
+    async def _restore_posture(self, fleet: FleetSnapshot) -> Operation | None:
+        """Queue a demote of a standby whose training stopped by itself (backed off per target).
+
+        A supervisor restart stops a standby's trainers; the heartbeat mirrors its training
+        slot to ``idle``, and without this nothing would start them again.
+        """
+        if not restore_candidates(fleet):
+            return None
+        now = self._clock()
+        recent = await self._store.list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
+        decision = detect_restore(fleet, recent, now=now)
+        if decision is None:
+            return None
+        operation, created = await self._store.create_operation(
+            fleet_id=fleet.id,
+            kind=OperationKind.DEMOTE,
+            target_domain_id=decision.target_domain_id,
+            at=now,
+        )
+        if created:
+            logger.warning(
+                "fleet %s: standby %s is asleep with its training stopped; demote %s queued "
+                "to restart it (%s)",
+                fleet.slug,
+                decision.target_domain_id,
+                operation.id,
+                decision.reason,
+            )
+            await self._store.append_event(
+                fleet_id=fleet.id,
+                payload=OperationRestoreDemote(
+                    cause_operation_id=None,
+                    target_domain_id=decision.target_domain_id,
+                    reason=decision.reason,
                 ),
                 at=now,
                 domain_id=decision.target_domain_id,
