@@ -244,8 +244,10 @@ async def test_database_outage_serves_stale_without_failing_then_recovers(
     assert len(during) >= OUTAGE_REQUESTS
     failures = [r for r in traffic.records if not r.ok]
     assert not failures, failures
-    # Every answer during the outage came from the routing cache.
-    assert all(r.stale for r in during if r.started_at > cut_at + 0.3)
+    # Every answer during the outage came from the routing cache; once the route lease
+    # (HARU_ROUTE_LEASE_MS, 300 ms) plus the pointer read's bound (250 ms) has run out without
+    # a confirming read, the answers say so (X-Haru-Routing: stale).
+    assert all(r.stale for r in during if r.started_at > cut_at + 1.0)
     assert not any(r.stale for r in traffic.records if r.ended_at < cut_at)
     # The control plane works again: heartbeats land in the store after the outage.
     fleet = await topology.wait_for_fleet(
