@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final, Literal
 
 from aiohttp import web
@@ -249,6 +251,16 @@ def openapi_document(table: ApiTable) -> dict[str, Any]:
 def render_openapi(table: ApiTable) -> str:
     """The document as the committed file holds it: indented JSON with a final newline."""
     return json.dumps(openapi_document(table), indent=2, ensure_ascii=False) + "\n"
+
+
+def openapi_command(table: ApiTable, argv: Sequence[str]) -> int:
+    """A service's regenerate command: print the document, or write it to ``argv[0]``."""
+    text = render_openapi(table)
+    if argv:
+        Path(argv[0]).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
 
 
 def registered_routes(app: web.Application) -> set[tuple[str, str]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 from importlib import metadata
-from pathlib import Path
 from typing import Final
 
 from haru_protocol import (
@@ -31,7 +30,7 @@ from haru_protocol import (
     ReconcileResponse,
     RouteIntent,
 )
-from haru_web import OPENAPI_PATH, ApiRoute, ApiTable, Param, render_openapi, route
+from haru_web import OPENAPI_PATH, ApiRoute, ApiTable, Param, openapi_command, route
 from pydantic import BaseModel, ConfigDict, Field
 
 from haru_server._proxy import FLEET_HEADER
@@ -249,13 +248,7 @@ def api_table() -> ApiTable:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the document, or write it to the path given as the only argument."""
-    args = sys.argv[1:] if argv is None else argv
-    text = render_openapi(api_table())
-    if args:
-        Path(args[0]).write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
-    return 0
+    return openapi_command(api_table(), sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

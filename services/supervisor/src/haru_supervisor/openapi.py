@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 from importlib import metadata
-from pathlib import Path
 from typing import Final
 
 from haru_protocol import (
@@ -28,7 +27,7 @@ from haru_protocol import (
     TrainingStopRequest,
     WakeRequest,
 )
-from haru_web import OPENAPI_PATH, ApiRoute, ApiTable, render_openapi, route
+from haru_web import OPENAPI_PATH, ApiRoute, ApiTable, openapi_command, route
 
 from haru_supervisor._routes import NoParameters
 
@@ -141,13 +140,7 @@ def api_table() -> ApiTable:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the document, or write it to the path given as the only argument."""
-    args = sys.argv[1:] if argv is None else argv
-    text = render_openapi(api_table())
-    if args:
-        Path(args[0]).write_text(text, encoding="utf-8")
-    else:
-        sys.stdout.write(text)
-    return 0
+    return openapi_command(api_table(), sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
