@@ -61,8 +61,10 @@ from haru_protocol import (
     OperationStepDone,
     OperationStepTimeoutBestEffort,
     OperationSucceeded,
+    SlotKind,
     SlotStateChanged,
     SupervisorStatus,
+    TrainingRunState,
 )
 from haru_supervisor.client import (
     HEARTBEAT_TIMEOUT_S,
@@ -476,6 +478,28 @@ class Reconciler:
             )
         return operation
 
+    async def _training_idle_now(self, fleet: FleetSnapshot, domain_id: UUID) -> bool:
+        """Whether the supervisor says, now, that a training run of the domain is idle.
+
+        The recorded `idle` may come from a racing reconciler's heartbeat that polled before a
+        demote started training and landed after it recorded `training`; a restore demote acts
+        only on a fresh proof (the next heartbeat repairs the stale record).
+        """
+        domain = fleet.domain(domain_id)
+        if domain is None or domain.supervisor_url is None:
+            return False
+        try:
+            status = await self._client.status(
+                domain.supervisor_url, timeout_s=self._options.heartbeat_timeout_s
+            )
+        except SupervisorCallError:
+            return False
+        return any(
+            slot.training is not None and slot.training.state is TrainingRunState.IDLE
+            for slot in status.slots
+            if slot.kind is SlotKind.TRAINING
+        )
+
     async def _restore_posture(self, fleet: FleetSnapshot) -> Operation | None:
         """Queue a demote of a standby whose training stopped by itself (backed off per target).
 
@@ -487,7 +511,7 @@ class Reconciler:
         now = self._clock()
         recent = await self._store.list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
         decision = detect_restore(fleet, recent, now=now)
-        if decision is None:
+        if decision is None or not await self._training_idle_now(fleet, decision.target_domain_id):
             return None
         operation, created = await self._store.create_operation(
             fleet_id=fleet.id,
