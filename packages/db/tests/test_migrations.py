@@ -35,7 +35,7 @@ TABLES = {"fleets", "domains", "slots", "operations", "events"}
 SQLITE_TRIGGERS = {
     "trg_operations_promote_failed_cleanup",
     "trg_fleets_switch_commits_routing",
-    "trg_operations_append_pending_events",
+    "trg_operations_pending_writes",
 }
 
 
@@ -214,5 +214,6 @@ def test_the_wheel_ships_the_migrations_and_the_pytest_plugin(tmp_path: Path) ->
         "haru_db/migrations/versions/v0002_operation_events.py",
         "haru_db/migrations/versions/v0003_domain_provisioning.py",
         "haru_db/migrations/versions/v0004_route_notify.py",
+        "haru_db/migrations/versions/v0005_operation_mirrors.py",
         "haru_db/py.typed",
     } <= names

@@ -50,15 +50,56 @@ async def test_a_read_is_one_statement_and_no_transaction(
     assert seen == ["SELECT", "SELECT"]
 
 
-async def test_writes_still_take_the_sqlite_write_lock_up_front(
+async def test_a_write_is_one_statement_in_autocommit(
+    store: StateStore, fleet: FleetSnapshot, now: datetime
+) -> None:
+    autocommit: list[bool] = []
+    target = store._ex.engine.sync_engine
+
+    def note(conn: Any, *_args: Any) -> None:
+        driver = conn.connection.driver_connection
+        # psycopg: the autocommit attribute; aiosqlite: no transaction open around it.
+        flag = getattr(driver, "autocommit", None)
+        autocommit.append(bool(flag) if flag is not None else not driver.in_transaction)
+
+    event.listen(target, "before_cursor_execute", note)
+    try:
+        with _statements(store) as seen:
+            await store.append_event(fleet_id=fleet.id, type="x", payload={}, at=now)
+            assert await store.mark_domains_seen([d.id for d in fleet.domains], at=now)
+    finally:
+        event.remove(target, "before_cursor_execute", note)
+    assert seen == ["INSERT", "UPDATE"]
+    assert autocommit == [True, True]
+
+
+async def test_a_sqlite_write_waits_for_another_writers_lock(
     sqlite_store: StateStore, make_layout: Any, now: datetime
 ) -> None:
+    # Without BEGIN IMMEDIATE, the single statement takes the write lock as it starts and
+    # waits on the busy timeout, as BEGIN IMMEDIATE did: it neither fails with SQLITE_BUSY nor
+    # writes over the other transaction.
     await sqlite_store.apply_fleet_layout(make_layout(), at=now)
     pointer = await sqlite_store.get_fleet_route_pointer("fleet")
     assert pointer is not None
-    with _statements(sqlite_store) as seen:
-        await sqlite_store.append_event(fleet_id=pointer.id, type="x", payload={}, at=now)
-    assert seen == ["BEGIN IMMEDIATE", "INSERT"]
+    path = make_url(sqlite_store.url).database
+    assert path is not None
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")
+        other.execute("UPDATE fleets SET route_revision = route_revision + 1")
+        write = asyncio.ensure_future(
+            sqlite_store.append_event(fleet_id=pointer.id, type="x", payload={}, at=now)
+        )
+        await asyncio.sleep(0.1)
+        assert not write.done()
+        other.execute("COMMIT")
+    finally:
+        other.close()
+    assert await asyncio.wait_for(write, timeout=READ_BOUND_S) > 0
+    after = await sqlite_store.get_fleet_route_pointer("fleet")
+    assert after is not None
+    assert after.route_revision == pointer.route_revision + 1
 
 
 async def test_a_sqlite_read_beside_an_open_write_sees_the_last_commit(

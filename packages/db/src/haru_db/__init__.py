@@ -21,6 +21,7 @@ from haru_db._exec import DEFAULT_CALL_TIMEOUT_S
 from haru_db._layout import LayoutApplyResult
 from haru_db._listen import ROUTE_CHANNEL, RouteListener
 from haru_db._migrate import check_schema, current_revision, downgrade, head_revision, upgrade
+from haru_db._mirrors import SlotMirror
 from haru_db._operator import load_layout_file, seed_layout_file
 from haru_db._store import StateStore, check_writable
 from haru_db._urls import DEFAULT_DATABASE_FILE, redact_database_url, resolve_database_url
@@ -42,6 +43,7 @@ __all__ = (
     "RouteListener",
     "SchemaOutdatedError",
     "SchemaTooNewError",
+    "SlotMirror",
     "StateStore",
     "StateStoreReadOnlyError",
     "StateStoreUnavailableError",

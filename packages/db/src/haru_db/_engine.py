@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import math
+import select
 import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import sqlalchemy.exc as sa_exc
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, make_url
@@ -34,8 +37,13 @@ POSTGRES_KEEPALIVES = {
 }
 """TCP keepalives: a peer that vanished (no FIN, no RST) is detected in about 11 s."""
 
+WRITE_PING_IDLE_S = 1.0
+"""A pooled PostgreSQL connection idle longer than this is pinged before a write uses it."""
+
 _WRITE_OPTION = "haru_write"
 _READ_OPTION = "haru_read"
+_SINGLE_OPTION = "haru_single_write"
+_CHECKED_IN_AT = "haru_checked_in_at"
 
 
 def create_engine(
@@ -80,6 +88,23 @@ def writer(engine: AsyncEngine) -> AsyncEngine:
     read lock cannot be upgraded. PostgreSQL ignores the option.
     """
     return engine.execution_options(**{_WRITE_OPTION: True})
+
+
+def statement_writer(engine: AsyncEngine) -> AsyncEngine:
+    """A view of ``engine`` (same pool) for writes that are ONE statement, at one round trip.
+
+    Every write of the store is a single statement (a compare-and-swap whose side effects ride
+    in the same statement: CTEs on PostgreSQL, triggers on SQLite), and a single statement is
+    its own transaction: atomic, and it commits when it completes. So no ``BEGIN``/``COMMIT``
+    is sent around it: on PostgreSQL the connection is in ``AUTOCOMMIT``; on SQLite the
+    connection stays in autocommit mode, where a writing statement takes the write lock as it
+    starts (waiting on the busy timeout, exactly as ``BEGIN IMMEDIATE`` would). Never run
+    several statements on one such connection expecting them to commit together: use
+    :func:`writer` for that.
+    """
+    if engine.dialect.name == "postgresql":
+        return engine.execution_options(**{_SINGLE_OPTION: True}, isolation_level="AUTOCOMMIT")
+    return engine.execution_options(**{_SINGLE_OPTION: True})
 
 
 def reader(engine: AsyncEngine) -> AsyncEngine:
@@ -129,9 +154,10 @@ def _sqlite_engine(url: str, *, busy_timeout_ms: int) -> AsyncEngine:
     @event.listens_for(engine.sync_engine, "begin")
     def _on_begin(connection: Connection) -> None:
         options = connection.get_execution_options()
-        if options.get(_READ_OPTION, False):
-            # A lone SELECT in autocommit mode is its own consistent read transaction; an
-            # explicit BEGIN would only add a round trip to aiosqlite's worker thread.
+        if options.get(_READ_OPTION, False) or options.get(_SINGLE_OPTION, False):
+            # A lone statement in autocommit mode is its own transaction (a lone SELECT one
+            # consistent read, a lone write one atomic commit); an explicit BEGIN would only
+            # add round trips to aiosqlite's worker thread.
             return
         connection.exec_driver_sql("BEGIN IMMEDIATE" if options.get(_WRITE_OPTION) else "BEGIN")
 
@@ -173,19 +199,39 @@ def _postgres_engine(
         },
     )
 
+    @event.listens_for(engine.sync_engine.pool, "checkin")
+    def _note_checkin(_dbapi_connection: Any, record: Any) -> None:
+        record.info[_CHECKED_IN_AT] = time.monotonic()
+
     @event.listens_for(engine.sync_engine, "engine_connect")
     def _ping_unless_reader(connection: Connection) -> None:
         # A write is a compare-and-swap: failing on a dead connection after the statement may
-        # have been sent would leave its outcome unknown, so the connection is proven alive
-        # before any statement, as pool_pre_ping did. A failed ping invalidates the connection
-        # (raising here would strand the checked-out connection); the first statement then
-        # checks out a fresh one, and reports the failure itself if the server is really gone.
-        if connection.get_execution_options().get(_READ_OPTION, False):
+        # have been sent would leave its outcome unknown, so a connection is proven alive
+        # before a write, as pool_pre_ping did: by a ping when it sat idle in the pool (where a
+        # server restart or a scaled-to-zero endpoint drops it), or when its socket has
+        # something to read (an idle PostgreSQL connection is sent nothing but the server's
+        # goodbye: a terminated backend's FATAL, or the close itself). One returned moments
+        # ago with a quiet socket (a promotion's writes follow each other within
+        # milliseconds) is used as it is: pinging it would double the write's round trips. A
+        # failed ping invalidates the connection (raising here would strand the checked-out
+        # connection); the first statement then checks out a fresh one, and reports the
+        # failure itself if the server is really gone.
+        options = connection.get_execution_options()
+        if options.get(_READ_OPTION, False):
             return
-        dialect = connection.dialect
-        dbapi_connection = connection.connection.dbapi_connection
+        fairy = connection.connection
+        dbapi_connection = fairy.dbapi_connection
         if dbapi_connection is None:
             return
+        checked_in = fairy.info.get(_CHECKED_IN_AT)
+        if (
+            options.get(_SINGLE_OPTION, False)
+            and checked_in is not None
+            and time.monotonic() - checked_in < WRITE_PING_IDLE_S
+            and _quiet(fairy.driver_connection)
+        ):
+            return
+        dialect = connection.dialect
         try:
             dialect.do_ping(dbapi_connection)
         except dialect.loaded_dbapi.Error as exc:
@@ -211,6 +257,18 @@ def _postgres_engine(
             dbapi_connection.commit()
 
     return engine
+
+
+def _quiet(driver_connection: Any) -> bool:
+    """True when an idle psycopg connection is open and its socket has nothing to read."""
+    try:
+        if driver_connection.closed:
+            return False
+        fd = driver_connection.pgconn.socket
+        readable, _, _ = select.select([fd], [], [], 0)
+    except (AttributeError, OSError, ValueError, psycopg.Error):
+        return False
+    return not readable
 
 
 @contextmanager

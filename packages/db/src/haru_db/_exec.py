@@ -22,7 +22,7 @@ from haru_core import Machine, assert_transition
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from haru_db._engine import reader, translate_errors, writer
+from haru_db._engine import reader, statement_writer, translate_errors
 from haru_db._errors import StateStoreUnavailableError
 from haru_db._rows import Row, malformed
 from haru_db._urls import Dialect, dialect_of, redact_database_url
@@ -47,7 +47,7 @@ class Executor:
         self.url = url
         self.dialect: Dialect = dialect_of(url)
         self.call_timeout_s = call_timeout_s
-        self._writer = writer(engine)
+        self._writer = statement_writer(engine)
         self._reader = reader(engine)
         self._abandoned: set[asyncio.Task[Any]] = set()
 
@@ -87,9 +87,13 @@ class Executor:
         await self.engine.dispose()
 
     async def write(self, stmt: sa.Executable) -> list[Row]:
-        """Run one write statement in its own transaction; the rows it returned."""
+        """Run one write statement as its own transaction; the rows it returned.
+
+        The statement commits as it completes (:func:`~haru_db._engine.statement_writer`):
+        one round trip, no ``BEGIN``/``COMMIT`` around it.
+        """
         with translate_errors(self.url):
-            async with self._writer.begin() as conn:
+            async with self._writer.connect() as conn:
                 result = await conn.execute(stmt)
                 with malformed("stored row"):
                     return [dict(r) for r in result.mappings().all()] if result.returns_rows else []

@@ -4,9 +4,11 @@ Each write is one statement. Two writes touch another table in that same stateme
 ``fail_operation`` on a promote applies :data:`~haru_db._cleanup.PROMOTE_FAIL_CLEANUP` to its
 target's slots, and ``switch_active`` moves the pointer and marks its operation
 ``routing_committed``; claim, advance and complete may append events (an
-:class:`~haru_db._events.OperationEvent` list) only when their CAS lands. PostgreSQL runs these
-as data-modifying CTEs (:mod:`haru_db._postgres`); SQLite fires triggers created by the
-migrations, and ``BEGIN IMMEDIATE`` serialises its writers.
+:class:`~haru_db._events.OperationEvent` list) and move their step's slot states (a
+:class:`~haru_db._mirrors.SlotMirror` on exit and on entry) only when their CAS lands.
+PostgreSQL runs these as data-modifying CTEs (:mod:`haru_db._postgres`); SQLite fires triggers
+created by the migrations, and a writing statement takes SQLite's write lock as it starts,
+which serialises its writers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from haru_db._cleanup import PROMOTE_FAIL_CLEANUP
 from haru_db._errors import HaruDbError
 from haru_db._events import OperationEvent
 from haru_db._exec import Executor, aware
+from haru_db._mirrors import SlotMirror, mirror_documents
 from haru_db._rows import operation_from_row
 from haru_db._tables import IN_FLIGHT_STATES, fleets, operations
 
@@ -98,15 +101,28 @@ async def _cas(
     events: Sequence[OperationEvent],
     *,
     at: datetime,
+    exit_mirror: SlotMirror | None = None,
+    entry_mirror: SlotMirror | None = None,
 ) -> bool:
-    """Run an operation CAS, appending ``events`` in the same statement when it lands."""
-    if not events:
+    """Run an operation CAS, with its slot mirrors and events in the same statement.
+
+    Only when the CAS lands: ``exit_mirror`` is applied, ``events`` appended and
+    ``entry_mirror`` applied, in that order.
+    """
+    mirrors = mirror_documents(exit_mirror, entry_mirror)
+    if not events and mirrors is None:
         return bool(await ex.write(update.returning(operations.c.id)))
     documents = [event.document() for event in events]
     if ex.dialect == "postgresql":
-        return bool(await ex.write(_postgres.update_with_events(update, documents, at=at)))
-    # trg_operations_append_pending_events appends them (and clears the column).
-    return bool(await ex.write(update.values(pending_events=documents).returning(operations.c.id)))
+        stmt = _postgres.update_with_writes(update, documents, mirrors, at=at)
+        return bool(await ex.write(stmt))
+    # trg_operations_pending_writes applies them (and clears both columns).
+    values: dict[str, Any] = {}
+    if documents:
+        values["pending_events"] = documents
+    if mirrors is not None:
+        values["pending_mirrors"] = mirrors
+    return bool(await ex.write(update.values(**values).returning(operations.c.id)))
 
 
 async def claim_operation(
@@ -116,6 +132,7 @@ async def claim_operation(
     first_step: OperationStep,
     at: datetime,
     events: Sequence[OperationEvent],
+    entry_mirror: SlotMirror | None = None,
 ) -> bool:
     at = aware(at)
     stmt = (
@@ -128,7 +145,7 @@ async def claim_operation(
             updated_at=at,
         )
     )
-    return await _cas(ex, stmt, events, at=at)
+    return await _cas(ex, stmt, events, at=at, entry_mirror=entry_mirror)
 
 
 async def advance_step(
@@ -139,6 +156,8 @@ async def advance_step(
     to_step: OperationStep,
     at: datetime,
     events: Sequence[OperationEvent],
+    exit_mirror: SlotMirror | None = None,
+    entry_mirror: SlotMirror | None = None,
 ) -> bool:
     at = aware(at)
     stmt = (
@@ -150,7 +169,7 @@ async def advance_step(
         )
         .values(current_step=str(to_step), step_started_at=at, updated_at=at)
     )
-    return await _cas(ex, stmt, events, at=at)
+    return await _cas(ex, stmt, events, at=at, exit_mirror=exit_mirror, entry_mirror=entry_mirror)
 
 
 async def complete_operation(
@@ -160,6 +179,7 @@ async def complete_operation(
     from_step: OperationStep,
     at: datetime,
     events: Sequence[OperationEvent],
+    exit_mirror: SlotMirror | None = None,
 ) -> bool:
     at = aware(at)
     stmt = (
@@ -171,7 +191,7 @@ async def complete_operation(
         )
         .values(state=OperationState.SUCCEEDED.value, finished_at=at, updated_at=at)
     )
-    return await _cas(ex, stmt, events, at=at)
+    return await _cas(ex, stmt, events, at=at, exit_mirror=exit_mirror)
 
 
 async def fail_operation(

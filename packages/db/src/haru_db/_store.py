@@ -51,9 +51,10 @@ from haru_db._errors import StateStoreReadOnlyError
 from haru_db._events import OperationEvent
 from haru_db._exec import DEFAULT_CALL_TIMEOUT_S, Executor
 from haru_db._layout import LayoutApplyResult
+from haru_db._mirrors import SlotMirror
 from haru_db._urls import Dialect, redact_database_url, resolve_database_url
 
-__all__ = ("LayoutApplyResult", "OperationEvent", "StateStore", "check_writable")
+__all__ = ("LayoutApplyResult", "OperationEvent", "SlotMirror", "StateStore", "check_writable")
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -212,6 +213,20 @@ class StateStore:
         return await _transitions.mark_domain_seen(self._ex, domain_id, at=at)
 
     @_bounded
+    async def mark_domains_seen(
+        self, domain_ids: Collection[UUID], *, at: datetime
+    ) -> frozenset[UUID]:
+        """Record a heartbeat at ``at`` for each of ``domain_ids``, in one statement.
+
+        As :meth:`mark_domain_seen` for each domain: a domain whose stored heartbeat is newer
+        than ``at`` keeps it.
+
+        Returns:
+            The domains whose heartbeat was recorded.
+        """
+        return await _transitions.mark_domains_seen(self._ex, domain_ids, at=at)
+
+    @_bounded
     async def claim_launch(self, domain_id: UUID, *, expected_attempt: int, at: datetime) -> bool:
         """Claim the next launch of a provisioned domain (``launch_attempt`` N to N + 1).
 
@@ -312,14 +327,21 @@ class StateStore:
         first_step: OperationStep,
         at: datetime,
         events: Sequence[OperationEvent] = (),
+        entry_mirror: SlotMirror | None = None,
     ) -> bool:
         """Start a pending operation at ``first_step`` (pending -> running).
 
-        ``events`` are appended in the same statement, only when the claim lands (see
-        :class:`OperationEvent`).
+        ``events`` are appended, then ``entry_mirror`` (the first step's first slot move) is
+        applied, in the same statement, only when the claim lands (see :class:`OperationEvent`
+        and :class:`SlotMirror`).
         """
         return await _operations.claim_operation(
-            self._ex, operation_id, first_step=first_step, at=at, events=events
+            self._ex,
+            operation_id,
+            first_step=first_step,
+            at=at,
+            events=events,
+            entry_mirror=entry_mirror,
         )
 
     @_bounded
@@ -331,14 +353,29 @@ class StateStore:
         to_step: OperationStep,
         at: datetime,
         events: Sequence[OperationEvent] = (),
+        exit_mirror: SlotMirror | None = None,
+        entry_mirror: SlotMirror | None = None,
     ) -> bool:
         """Move a running operation from ``from_step`` to ``to_step`` (restarting the budget).
 
-        ``events`` (typically the step's ``operation.step.done``) are appended in the same
-        statement, only when the advance lands.
+        Only when the advance lands, the same statement applies ``exit_mirror`` (the slot move
+        that ``from_step``'s proof justifies), appends ``events`` (typically the step's
+        ``operation.step.done``, which gets the exit mirror's count under its ``count_into``
+        key) and applies ``entry_mirror`` (``to_step``'s first slot move), in that order.
+
+        Raises:
+            ValueError: Both mirrors move the same slots.
+            haru_core.InvalidTransitionError: A mirror's from-state cannot move to its state.
         """
         return await _operations.advance_step(
-            self._ex, operation_id, from_step=from_step, to_step=to_step, at=at, events=events
+            self._ex,
+            operation_id,
+            from_step=from_step,
+            to_step=to_step,
+            at=at,
+            events=events,
+            exit_mirror=exit_mirror,
+            entry_mirror=entry_mirror,
         )
 
     @_bounded
@@ -349,13 +386,20 @@ class StateStore:
         from_step: OperationStep,
         at: datetime,
         events: Sequence[OperationEvent] = (),
+        exit_mirror: SlotMirror | None = None,
     ) -> bool:
         """Finish a running operation at ``from_step`` as succeeded.
 
-        ``events`` are appended in the same statement, in order, only when it lands.
+        Only when it lands, the same statement applies ``exit_mirror`` and appends ``events``
+        in order (as :meth:`advance_step`).
         """
         return await _operations.complete_operation(
-            self._ex, operation_id, from_step=from_step, at=at, events=events
+            self._ex,
+            operation_id,
+            from_step=from_step,
+            at=at,
+            events=events,
+            exit_mirror=exit_mirror,
         )
 
     @_bounded

@@ -233,10 +233,12 @@ operations = sa.Table(
     sa.Column("routing_committed", sa.Boolean(), nullable=False, server_default=sa.false()),
     *_timestamps(),
     sa.Column("finished_at", UtcDateTime(), nullable=True),
-    # Events an operation CAS appends in its own statement. Only SQLite uses it: the trigger
-    # trg_operations_append_pending_events inserts them and clears the column in that same
-    # statement, so it is NULL between statements. PostgreSQL uses a CTE instead.
+    # Events an operation CAS appends, and slot states it moves, in its own statement. Only
+    # SQLite uses them: the trigger trg_operations_pending_writes applies them and clears both
+    # columns in that same statement, so they are NULL between statements. PostgreSQL uses
+    # CTEs instead.
     sa.Column("pending_events", sa.JSON(), nullable=True),
+    sa.Column("pending_mirrors", sa.JSON(), nullable=True),
     sa.ForeignKeyConstraint(["fleet_id", "target_domain_id"], ["domains.fleet_id", "domains.id"]),
     sa.ForeignKeyConstraint(["fleet_id", "source_domain_id"], ["domains.fleet_id", "domains.id"]),
     sa.CheckConstraint(_in("kind", (k.value for k in OperationKind)), name="kind_valid"),

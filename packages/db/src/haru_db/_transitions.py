@@ -84,17 +84,25 @@ async def transition_domain_slots(
 
 
 async def mark_domain_seen(ex: Executor, domain_id: UUID, *, at: datetime) -> bool:
+    return domain_id in await mark_domains_seen(ex, (domain_id,), at=at)
+
+
+async def mark_domains_seen(
+    ex: Executor, domain_ids: Collection[UUID], *, at: datetime
+) -> frozenset[UUID]:
     at = aware(at)
+    if not domain_ids:
+        return frozenset()
     stmt = (
         sa.update(domains)
         .where(
-            domains.c.id == domain_id,
+            domains.c.id.in_(tuple(domain_ids)),
             sa.or_(domains.c.last_seen_at.is_(None), domains.c.last_seen_at <= at),
         )
         .values(last_seen_at=at, updated_at=at)
         .returning(domains.c.id)
     )
-    return bool(await ex.write(stmt))
+    return frozenset(row["id"] for row in await ex.write(stmt))
 
 
 async def escalate_domain_if_fleet_idle(

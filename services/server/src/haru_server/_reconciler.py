@@ -34,7 +34,7 @@ from haru_core import (
     step_budget_ms,
     step_remaining_ms,
 )
-from haru_db import OperationEvent, StateStore, StateStoreUnavailableError
+from haru_db import OperationEvent, SlotMirror, StateStore, StateStoreUnavailableError
 from haru_protocol import (
     DomainDegradedEscalated,
     DomainHeartbeatFailed,
@@ -85,6 +85,7 @@ from haru_server._steps import (
     StepContext,
     StepResult,
     StepTuning,
+    entry_mirror,
     run_step,
 )
 
@@ -102,6 +103,10 @@ class _Refused:
     """A heartbeat the supervisor answered 401/403: the token is wrong, the domain unjudged."""
 
     message: str
+
+
+IN_FLIGHT_REUSE_S = 0.25
+"""A tick reuses its in-flight read across a heartbeat round at most this long."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,9 +214,17 @@ class Reconciler:
 
     async def _tick(self, fleet: FleetSnapshot) -> TickResult:
         driving = await self._store.get_in_flight_operation(fleet.id)
+        read_at = time.monotonic()
         fleet = await self._heartbeats(fleet, driving)
         self._metrics.fleet_seen(fleet)
-        operation = await self._store.get_in_flight_operation(fleet.id)
+        operation = driving
+        if time.monotonic() - read_at > IN_FLIGHT_REUSE_S:
+            # A slow heartbeat round: pick up what other processes did meanwhile. A quick one
+            # reuses the read (a promotion's first tick saves a round trip); acting on a
+            # slightly old view is safe, because every write that follows is a CAS guarded by
+            # the state it expects, and an operation created meanwhile is found by the
+            # one-in-flight rule and driven by the next tick.
+            operation = await self._store.get_in_flight_operation(fleet.id)
         if self._provisioner is not None and await self._provisioner.step(fleet, operation):
             fleet = await self._load(str(fleet.id))
         if operation is None:
@@ -326,7 +339,7 @@ class Reconciler:
         answers = await asyncio.gather(*(self._poll(d, url) for d, url in polled))
         now = self._clock()
         landed = False
-        seen: set[UUID] = set()
+        verdicts: list[tuple[DomainSnapshot, SupervisorStatus | None, bool]] = []
         for (domain, _), answer in zip(polled, answers, strict=True):
             refused = answer if isinstance(answer, _Refused) else None
             await self._auth_verdict(fleet, domain, refused, now)
@@ -339,14 +352,18 @@ class Reconciler:
                 landed |= await self._mirror_slots(
                     fleet, domain, status, now, busy=domain.id in busy
                 )
-                if await self._store.mark_domain_seen(domain.id, at=now):
-                    seen.add(domain.id)
-                else:
-                    # A newer heartbeat (another process, a clock ahead) is stored: judging
-                    # staleness from this snapshot's older value would be wrong. Re-read.
-                    landed = True
+            verdicts.append((domain, status, refused is not None))
+        # Slot health first, then the heartbeats (SPEC 7.3), every answering domain's in one
+        # statement.
+        answered = [domain.id for domain, status, _ in verdicts if status is not None]
+        seen = await self._store.mark_domains_seen(answered, at=now) if answered else frozenset()
+        if len(seen) < len(answered):
+            # A newer heartbeat (another process, a clock ahead) is stored: judging staleness
+            # from this snapshot's older value would be wrong. Re-read.
+            landed = True
+        for domain, status, unauthorized in verdicts:
             landed |= await self._judge_domain(
-                fleet, domain, status, now, unauthorized=refused is not None
+                fleet, domain, status, now, unauthorized=unauthorized
             )
         if landed:
             return await self._load(str(fleet.id))
@@ -550,17 +567,21 @@ class Reconciler:
             The operation's state after the tick, and whether a follow-up operation was queued.
         """
         chain_end = time.monotonic() + self._options.chain_budget_s
+        # The step whose first slot move rode the CAS that started it (run next, this tick).
+        entered: OperationStep | None = None
         while True:
             if operation.state is OperationState.PENDING:
                 claimed = await self._claim(fleet, operation)
                 if claimed is None:
                     return await self._reread(operation), False
                 operation = claimed
+                entered = operation.current_step
             step = operation.current_step
             if operation.state is not OperationState.RUNNING or step is None:
                 return operation, False
-            result = await self._resolve(fleet, operation, step)
+            result = await self._resolve(fleet, operation, step, entered=step is entered)
             operation, progressed, queued = await self._apply(fleet, operation, step, result)
+            entered = operation.current_step if progressed else None
             if queued or not progressed or operation.state is not OperationState.RUNNING:
                 return operation, queued
             if not self._options.chaining or time.monotonic() >= chain_end:
@@ -577,7 +598,11 @@ class Reconciler:
             OperationStarted(kind=operation.kind, target_domain_id=operation.target_domain_id)
         )
         if not await self._store.claim_operation(
-            operation.id, first_step=step, at=now, events=(started,)
+            operation.id,
+            first_step=step,
+            at=now,
+            events=(started,),
+            entry_mirror=self._entry_mirror(fleet, operation, step),
         ):
             return None
         self._metrics.operation_started(operation.kind.value)
@@ -585,12 +610,21 @@ class Reconciler:
             update={"state": OperationState.RUNNING, "current_step": step, "step_started_at": now}
         )
 
+    @staticmethod
+    def _entry_mirror(
+        fleet: FleetSnapshot, operation: Operation, step: OperationStep | None
+    ) -> SlotMirror | None:
+        target = fleet.domain(operation.target_domain_id)
+        if step is None or target is None:
+            return None
+        return entry_mirror(step, target)
+
     async def _reread(self, operation: Operation) -> Operation:
         fresh = await self._store.get_operation(operation.id)
         return operation if fresh is None else fresh
 
     async def _resolve(
-        self, fleet: FleetSnapshot, operation: Operation, step: OperationStep
+        self, fleet: FleetSnapshot, operation: Operation, step: OperationStep, *, entered: bool
     ) -> StepResult:
         now = self._clock()
         started = operation.step_started_at or now
@@ -615,6 +649,7 @@ class Reconciler:
             now=now,
             remaining_ms=remaining,
             deadline=time.monotonic() + remaining / 1000,
+            entered=entered,
         )
         return await run_step(ctx)
 
@@ -681,6 +716,7 @@ class Reconciler:
                 from_step=step,
                 at=now,
                 events=(step_done, succeeded) if inline else (),
+                exit_mirror=result.mirror,
             )
         else:
             landed = await self._store.advance_step(
@@ -689,6 +725,8 @@ class Reconciler:
                 to_step=following,
                 at=now,
                 events=(step_done,) if inline else (),
+                exit_mirror=result.mirror,
+                entry_mirror=self._entry_mirror(fleet, operation, following),
             )
         if not landed:
             return await self._reread(operation), False, False

@@ -8,7 +8,9 @@ which fails the step ``supervisor_unauthorized``. Source-side steps (``demote_ol
 fail. Every supervisor call is bounded by what remains of the step's budget.
 
 Executors only mirror slot states (guarded CAS from-lists that the proof justifies); moving
-the operation itself is the reconciler's job (one CAS per step result).
+the operation itself is the reconciler's job (one CAS per step result). A step's last slot move
+(the one its proof justifies) is returned with :class:`Done` and rides that CAS; a step's first
+move (:func:`entry_mirror`) rides the CAS that started the step when the same tick runs it.
 """
 
 from __future__ import annotations
@@ -16,14 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TypeVar
 from uuid import UUID
 
 from haru_core import inference_bindings, model_sleep_states, training_slots
-from haru_db import StateStore
+from haru_db import SlotMirror, StateStore
 from haru_protocol import (
     DomainSnapshot,
     FailedModel,
@@ -78,11 +80,14 @@ class Done:
         detail: The ``operation.step.done`` event, with the facts that prove the step.
         complete: End the operation after this step even if the plan has more steps.
         degrade_source: A best-effort step timed out: degrade the source domain.
+        mirror: The slot move the proof justifies, applied by the same statement as the
+            operation's CAS (its count lands in ``detail`` under the mirror's ``count_into``).
     """
 
     detail: OperationStepDone
     complete: bool = False
     degrade_source: bool = False
+    mirror: SlotMirror | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +161,8 @@ class StepContext:
     remaining_ms: int
     deadline: float
     """``time.monotonic()`` at which the step's budget runs out."""
+    entered: bool = False
+    """The CAS that started this step already applied its :func:`entry_mirror`."""
 
     def bound(self, cap_s: float | None = None) -> float:
         """Seconds a supervisor call may take: what remains of the budget, capped."""
@@ -272,16 +279,47 @@ async def _status(ctx: StepContext, domain: DomainSnapshot) -> SupervisorStatus:
     )
 
 
-async def _mirror(
-    ctx: StepContext,
-    domain: DomainSnapshot,
-    kind: SlotKind,
-    from_states: Collection[str],
-    to: str,
-) -> int:
+async def _apply(ctx: StepContext, domain: DomainSnapshot, mirror: SlotMirror) -> int:
+    """Apply a step's first slot move on its own (the CAS that started the step did not)."""
     return await ctx.store.transition_domain_slots(
-        domain.id, kind=kind, from_states=from_states, to=to, at=ctx.now
+        domain.id, kind=mirror.kind, from_states=mirror.from_states, to=mirror.to, at=ctx.now
     )
+
+
+def _field(name: str) -> str:
+    """The wire name of an ``operation.step.done`` field (where a mirror's count goes)."""
+    alias = OperationStepDone.model_fields[name].serialization_alias
+    return alias if alias is not None else name
+
+
+_STOPPING = SlotMirror(SlotKind.TRAINING, (_TS.TRAINING,), _TS.STOPPING)
+_IDLE = SlotMirror(
+    SlotKind.TRAINING,
+    (_TS.STOPPING, _TS.TRAINING),
+    _TS.IDLE,
+    count_into=_field("training_slots_idle"),
+)
+_WAKING = SlotMirror(SlotKind.INFERENCE, (_I.SLEEPING, _I.FAILED), _I.WAKING)
+_PROBING = SlotMirror(SlotKind.INFERENCE, (_I.WAKING,), _I.PROBING)
+_SERVING = SlotMirror(SlotKind.INFERENCE, (_I.PROBING,), _I.SERVING)
+
+
+def entry_mirror(step: OperationStep, target: DomainSnapshot) -> SlotMirror | None:
+    """The first slot move of ``step`` on ``target``, or None when the step starts with none.
+
+    ``stop_training`` mirrors the training slots to ``stopping`` and ``wake_vllm`` the
+    inference slots to ``waking``, both before calling the supervisor, and only when the
+    executor would get that far (training slots, inference bindings, a supervisor URL). The
+    reconciler sends it with the CAS that starts the step when the same tick runs the step
+    (``StepContext.entered``); a step run by a later tick mirrors it itself.
+    """
+    if target.supervisor_url is None:
+        return None
+    if step is _S.STOP_TRAINING and training_slots(target):
+        return _STOPPING
+    if step is _S.WAKE_VLLM and inference_bindings(target):
+        return _WAKING
+    return None
 
 
 # ---- executors -------------------------------------------------------------------------------
@@ -292,7 +330,8 @@ async def _stop_training(ctx: StepContext) -> StepResult:
     if not training_slots(target):
         return Done(OperationStepDone(step=ctx.step, skipped="no training slots"))
     url = _supervisor_url(target)
-    await _mirror(ctx, target, SlotKind.TRAINING, (_TS.TRAINING,), _TS.STOPPING)
+    if not ctx.entered:
+        await _apply(ctx, target, _STOPPING)
     grace = ctx.fleet.policy.training_stop_grace_ms
     await _call(
         ctx,
@@ -307,8 +346,7 @@ async def _stop_training(ctx: StepContext) -> StepResult:
     )
     if busy:
         return Pending(f"training still running on GPU(s) {busy}")
-    moved = await _mirror(ctx, target, SlotKind.TRAINING, (_TS.STOPPING, _TS.TRAINING), _TS.IDLE)
-    return Done(OperationStepDone(step=ctx.step, training_slots_idle=moved))
+    return Done(OperationStepDone(step=ctx.step), mirror=_IDLE)
 
 
 HOLDERS_TIMEOUT_S = 2.0
@@ -377,7 +415,8 @@ async def _wake_vllm(ctx: StepContext) -> StepResult:
             f"domain {target.slug!r} has no inference slot with a model binding",
         )
     url = _supervisor_url(target)
-    await _mirror(ctx, target, SlotKind.INFERENCE, (_I.SLEEPING, _I.FAILED), _I.WAKING)
+    if not ctx.entered:
+        await _apply(ctx, target, _WAKING)
     # Waking an awake vLLM is a harmless no-op, so no status read first (sleep differs:
     # sleeping again aborts queued requests).
     await _call(ctx, ctx.client.wake(url, timeout_s=ctx.bound()), target_side=True)
@@ -389,9 +428,8 @@ async def _wake_vllm(ctx: StepContext) -> StepResult:
     )
     if asleep:
         return Pending(f"model(s) not proven awake: {asleep}")
-    await _mirror(ctx, target, SlotKind.INFERENCE, (_I.WAKING,), _I.PROBING)
     models = tuple(b.name for b in inference_bindings(target))
-    return Done(OperationStepDone(step=ctx.step, models=models))
+    return Done(OperationStepDone(step=ctx.step, models=models), mirror=_PROBING)
 
 
 async def _probe(ctx: StepContext) -> StepResult:
@@ -421,8 +459,7 @@ async def _probe(ctx: StepContext) -> StepResult:
     if failed:
         problems = ", ".join(f"{f.model} ({f.error})" for f in failed)
         return Failed(OperationErrorCode.PROBE_FAILED, "probe failed: " + problems, tuple(failed))
-    await _mirror(ctx, target, SlotKind.INFERENCE, (_I.PROBING,), _I.SERVING)
-    return Done(OperationStepDone(step=ctx.step, latency_ms=latencies))
+    return Done(OperationStepDone(step=ctx.step, latency_ms=latencies), mirror=_SERVING)
 
 
 async def _switch_active(ctx: StepContext) -> StepResult:
@@ -488,10 +525,14 @@ async def _sleep_domain(ctx: StepContext, domain: DomainSnapshot, *, drain: bool
         )
     if awake:
         return Pending(f"model(s) not proven asleep on {domain.slug!r}: {awake}")
-    moved = await _mirror(ctx, domain, SlotKind.INFERENCE, _SLEEP_MIRROR_FROM, _I.SLEEPING)
-    return Done(
-        OperationStepDone(step=ctx.step, domain_id=domain.id, inference_slots_sleeping=moved)
+    mirror = SlotMirror(
+        SlotKind.INFERENCE,
+        _SLEEP_MIRROR_FROM,
+        _I.SLEEPING,
+        on_source=not target_side,
+        count_into=_field("inference_slots_sleeping"),
     )
+    return Done(OperationStepDone(step=ctx.step, domain_id=domain.id), mirror=mirror)
 
 
 async def _train_domain(ctx: StepContext, domain: DomainSnapshot) -> StepResult:
@@ -518,10 +559,14 @@ async def _train_domain(ctx: StepContext, domain: DomainSnapshot) -> StepResult:
         )
     if idle:
         return Pending(f"training not proven running on {domain.slug!r} GPU(s) {idle}")
-    moved = await _mirror(ctx, domain, SlotKind.TRAINING, (_TS.IDLE, _TS.STOPPING), _TS.TRAINING)
-    return Done(
-        OperationStepDone(step=ctx.step, domain_id=domain.id, training_slots_training=moved)
+    mirror = SlotMirror(
+        SlotKind.TRAINING,
+        (_TS.IDLE, _TS.STOPPING),
+        _TS.TRAINING,
+        on_source=not target_side,
+        count_into=_field("training_slots_training"),
     )
+    return Done(OperationStepDone(step=ctx.step, domain_id=domain.id), mirror=mirror)
 
 
 async def _demote_old_sleep(ctx: StepContext) -> StepResult:
