@@ -146,8 +146,9 @@ def run_script(
         "export VLLM_SERVER_DEV_MODE=1",
         'VLLM="${HARU_VLLM:-vllm}"',
         'PYTHON="${HARU_PYTHON:-python3}"',
-        'SUPERVISOR="${HARU_SUPERVISOR:-haru-supervisor}"',
     ]
+    if supervisor:
+        lines.append('SUPERVISOR="${HARU_SUPERVISOR:-haru-supervisor}"')
     port_of = {p.name: p.port for p in ports}
     for slot in slots:
         if not isinstance(slot, InferenceSlotSpec):
