@@ -88,7 +88,7 @@ def test_endpoint_url_refuses_what_is_no_endpoint(shown: str) -> None:
 
 
 class _Health(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self.send_response(200 if self.path == "/health" else 404)
         self.send_header("content-length", "0")
         self.end_headers()
