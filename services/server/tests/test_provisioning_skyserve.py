@@ -531,14 +531,16 @@ async def test_lost_active_service_fails_over_relaunches_and_goes_down(
         beta_id,
     )
     promotion = result.operation.id
+    state = result.operation.state
     for _ in range(100):
         await reconciler.tick("local")
         operation = await store.get_operation(promotion)
         assert operation is not None
-        if operation.state is not OperationState.RUNNING:
+        state = operation.state
+        if state is not OperationState.RUNNING:
             break
         await asyncio.sleep(0.02)
-    assert operation.state is OperationState.SUCCEEDED
+    assert state is OperationState.SUCCEEDED
     assert (await snapshot(store)).active_domain_id == beta_id
     # The old active is a service: nothing to put to sleep or train on, both steps skipped.
     done = [
@@ -646,8 +648,8 @@ def test_seed_refuses_what_a_skyserve_domain_cannot_do(tmp_path: Path) -> None:
             "supervisorPort asks for a Haru supervisor",
         ),
     ]
+    path = tmp_path / "layout.json"
     for document, message in cases:
-        path = tmp_path / "layout.json"
         path.write_text(json.dumps({"slug": "local", **document}))
         result = CliRunner().invoke(cli_app, ["seed", str(path), "--database-url", url])
         assert result.exit_code == 2, result.output
