@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 from haru_driver_skypilot import TaskSpec, cluster_name, task_config
-from haru_driver_skyserve import ServiceSpec, render_service_yaml, service_config
-from haru_protocol import Cloud, Placement
+from haru_driver_skyserve import ServiceSpec, domain_service, render_service_yaml, service_config
+from haru_protocol import Cloud, DomainLayout, Placement
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 
@@ -57,7 +57,44 @@ def golden_specs() -> dict[str, ServiceSpec]:
             replicas=3,
             service_port=8080,
         ),
+        # What the reconciler launches for a skyserve domain (haru_driver_skyserve.domain_service).
+        "domain-service": _domain_service(),
     }
+
+
+def skyserve_domain() -> DomainLayout:
+    """A skyserve domain: two models on GPU 0, one on GPU 1, two replicas."""
+    return DomainLayout.model_validate(
+        {
+            "slug": "alpha",
+            "provider": "skyserve",
+            "placement": {
+                "cloud": "aws",
+                "region": "us-east-1",
+                "accelerator": "EXAMPLE-GPU",
+                "acceleratorCount": 2,
+            },
+            "provisioning": {"vllmVersion": "0.33.0", "replicas": 2, "gatewayPort": 8080},
+            "slots": [
+                {
+                    "kind": "inference",
+                    "gpuIndex": 0,
+                    "models": [
+                        {"name": "example-chat-small", "source": "example-org/chat-small"},
+                        {"name": "example-chat-medium"},
+                    ],
+                },
+                {"kind": "inference", "gpuIndex": 1, "models": [{"name": "example-chat-large"}]},
+            ],
+        }
+    )
+
+
+def _domain_service() -> ServiceSpec:
+    domain = skyserve_domain()
+    return domain_service(
+        cluster_name("demo", domain.slug), domain.placement, domain.slots, domain.settings
+    )
 
 
 GOLDEN = golden_specs()

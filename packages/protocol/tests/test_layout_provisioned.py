@@ -161,11 +161,53 @@ def test_port_clashes_are_rejected() -> None:
 
 def test_skyserve_refuses_training_slots() -> None:
     doc = sky_doc()
-    doc["domains"][1]["provider"] = "skyserve"
+    doc["domains"][0]["provider"] = "skyserve"
     rejected(doc, "a SkyServe service cannot train")
+    doc["domains"][0]["slots"] = doc["domains"][0]["slots"][:1]
+    doc["domains"][0]["provisioning"] = {"replicas": 2}
+    assert check(doc).domains[0].settings.replicas == 2
+
+
+def skyserve_doc() -> dict[str, Any]:
+    """alpha: a skyserve active (inference only); beta: a skypilot standby that trains."""
+    doc = sky_doc()
+    doc["domains"][0]["provider"] = "skyserve"
+    doc["domains"][0]["slots"] = doc["domains"][0]["slots"][:1]
+    return doc
+
+
+def test_skyserve_domain_can_only_be_the_active() -> None:
+    assert check(skyserve_doc()).domains[0].provider is Provider.SKYSERVE
+    doc = skyserve_doc()
+    doc["activeDomainSlug"] = "beta"
+    rejected(doc, r"skyserve domain\(s\) \['alpha'\] would be standbys")
+    doc = skyserve_doc()
+    del doc["activeDomainSlug"]
+    rejected(doc, "can only be the activeDomainSlug")
+    doc = skyserve_doc()
+    doc["domains"][1]["provider"] = "skyserve"
     doc["domains"][1]["slots"] = doc["domains"][1]["slots"][:1]
-    doc["domains"][1]["provisioning"] = {"replicas": 2}
-    assert check(doc).domains[1].settings.replicas == 2
+    rejected(doc, r"\['beta'\] would be standbys")
+
+
+def test_skyserve_refuses_gpus_a_replica_does_not_have() -> None:
+    doc = skyserve_doc()
+    doc["domains"][0]["slots"][0]["gpuIndex"] = 1
+    rejected(doc, r"gpuIndex \[1\] does not exist on a replica with acceleratorCount 1")
+    doc["domains"][0]["placement"]["acceleratorCount"] = 2
+    assert check(doc).domains[0].slots[0].gpu_index == 1
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("supervisorPort", 8701), ("supervisorPackage", "haru-supervisor")]
+)
+def test_skyserve_refuses_supervisor_settings(key: str, value: object) -> None:
+    doc = skyserve_doc()
+    doc["domains"][0]["provisioning"] = {key: value}
+    rejected(doc, f"{key} asks for a Haru supervisor, and SkyServe replicas run none")
+    # The other provisioning keys are the service's.
+    doc["domains"][0]["provisioning"] = {"gatewayPort": 9000, "replicas": 3}
+    assert check(doc).domains[0].settings.gateway_port == 9000
 
 
 def test_replicas_only_on_skyserve() -> None:

@@ -60,7 +60,7 @@ async def record_domain_address(
     domain_id: UUID,
     *,
     attempt: int,
-    supervisor_url: str,
+    supervisor_url: str | None,
     serving_base_url: str,
     model_urls: Mapping[str, str],
     at: datetime,

@@ -249,7 +249,7 @@ class StateStore:
         domain_id: UUID,
         *,
         attempt: int,
-        supervisor_url: str,
+        supervisor_url: str | None,
         serving_base_url: str,
         model_urls: Mapping[str, str],
         at: datetime,
@@ -257,7 +257,8 @@ class StateStore:
         """Record the supervisor, serving base and per-model URLs of launch ``attempt``.
 
         One statement, guarded on the domain still provisioning that attempt. Snapshots fill
-        each binding's ``servingUrl`` from ``model_urls``.
+        each binding's ``servingUrl`` from ``model_urls``. ``supervisor_url`` is None for a
+        ``skyserve`` domain (its replicas run no supervisor).
         """
         return await _provisioning.record_domain_address(
             self._ex,

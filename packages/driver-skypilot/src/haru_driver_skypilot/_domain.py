@@ -106,9 +106,11 @@ def _heredoc(path: str, text: str, marker: str) -> list[str]:
     return [f"cat > {path} <<'{marker}'", *text.splitlines(), marker]
 
 
-def setup_script(settings: Provisioning) -> str:
-    """``setup``: install the pinned vLLM and haru-supervisor (once per cluster)."""
-    packages = [f"vllm=={settings.vllm_version}", settings.supervisor_package]
+def setup_script(settings: Provisioning, *, supervisor: bool = True) -> str:
+    """``setup``: install the pinned vLLM and (``supervisor``) haru-supervisor, once per machine."""
+    packages = [f"vllm=={settings.vllm_version}"]
+    if supervisor:
+        packages.append(settings.supervisor_package)
     return "\n".join(
         [
             "set -euo pipefail",
@@ -117,26 +119,36 @@ def setup_script(settings: Provisioning) -> str:
     )
 
 
-def run_script(slots: Sequence[SlotSpec], settings: Provisioning, *, start_asleep: bool) -> str:
-    """``run``: the domain's processes; the supervisor runs in the foreground last."""
-    config = supervisor_config(slots, settings).model_dump_json(exclude_none=True)
+def run_script(
+    slots: Sequence[SlotSpec],
+    settings: Provisioning,
+    *,
+    start_asleep: bool,
+    supervisor: bool = True,
+) -> str:
+    """``run``: the domain's processes; the supervisor runs in the foreground last.
+
+    Without ``supervisor`` (a SkyServe replica) no supervisor config is written and the
+    gateway runs in the foreground instead.
+    """
     ports = model_ports(slots, settings)
-    lines = [
-        "set -euo pipefail",
-        f'HARU_DIR="{STATE_DIR}"',
-        'mkdir -p "$HARU_DIR"',
-        *_heredoc(
+    lines = ["set -euo pipefail", f'HARU_DIR="{STATE_DIR}"', 'mkdir -p "$HARU_DIR"']
+    if supervisor:
+        config = supervisor_config(slots, settings).model_dump_json(exclude_none=True)
+        lines += _heredoc(
             '"$HARU_DIR/supervisor.json"',
             json.dumps(json.loads(config), indent=2),
             "HARU_CONFIG_EOF",
-        ),
+        )
+    lines += [
         *_heredoc('"$HARU_DIR/haru_node.py"', node_helper_source(), "HARU_NODE_EOF"),
         # vLLM mounts /sleep, /wake_up and /is_sleeping only in dev mode.
         "export VLLM_SERVER_DEV_MODE=1",
         'VLLM="${HARU_VLLM:-vllm}"',
         'PYTHON="${HARU_PYTHON:-python3}"',
-        'SUPERVISOR="${HARU_SUPERVISOR:-haru-supervisor}"',
     ]
+    if supervisor:
+        lines.append('SUPERVISOR="${HARU_SUPERVISOR:-haru-supervisor}"')
     port_of = {p.name: p.port for p in ports}
     for slot in slots:
         if not isinstance(slot, InferenceSlotSpec):
@@ -163,10 +175,13 @@ def run_script(slots: Sequence[SlotSpec], settings: Provisioning, *, start_aslee
                 f'{" ".join(shlex.quote(a) for a in argv)} > "$HARU_DIR"/{log} 2>&1 &'
             )
     routes = " ".join(f"--route {shlex.quote(f'{p.name}={p.port}')}" for p in ports)
-    lines.append(
-        f'nohup "$PYTHON" "$HARU_DIR/haru_node.py" gateway --listen {settings.gateway_port} '
-        f'{routes} > "$HARU_DIR/gateway.log" 2>&1 &'
+    gateway = (
+        f'"$PYTHON" "$HARU_DIR/haru_node.py" gateway --listen {settings.gateway_port} {routes}'
     )
+    if not supervisor:
+        lines.append(f"exec {gateway}")
+        return "\n".join(lines)
+    lines.append(f'nohup {gateway} > "$HARU_DIR/gateway.log" 2>&1 &')
     if start_asleep and ports:
         wanted = " ".join(f"--port {p.port}" for p in ports)
         lines.append(

@@ -5,6 +5,8 @@
     the inference paths only (``/v1/chat/completions``, ``/v1/completions``,
     ``/v1/embeddings``, ``/v1/models``), streaming the answer, so vLLM's dev-mode admin routes
     (``/sleep``, ``/wake_up``, ...) are never reachable from outside the machine.
+    ``GET /health`` answers 200 once every routed server answers its ``/health`` (503 and
+    the names of the others before): a SkyServe replica's readiness probe.
 ``python3 haru_node.py sleep-when-ready --port PORT ... [--timeout S]``
     Wait until each local vLLM server answers ``/health``, then put it to sleep (level 1):
     a standby's servers start asleep.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import sys
 import time
 import urllib.error
@@ -41,7 +44,21 @@ def _handler(routes: dict[str, int]) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
+        def _health(self) -> None:
+            # Every model's server answers /health: what a SkyServe readiness probe asks.
+            down = sorted(name for name, port in routes.items() if not _healthy(port))
+            status = 503 if down else 200
+            body = json.dumps({"ok": not down, "notHealthy": down}).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
         def _forward(self) -> None:
+            if self.command == "GET" and self.path.split("?", 1)[0] == "/health":
+                self._health()
+                return
             parts = self.path.split("?", 1)[0].split("/", 3)
             if len(parts) < 4 or parts[1] != "m" or parts[2] not in routes:
                 self._refuse(404, "unknown model")

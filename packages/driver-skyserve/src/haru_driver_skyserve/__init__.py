@@ -8,6 +8,7 @@ failures raise haru_driver_skypilot's typed errors. Services depend on the
 :class:`ServiceDriver` protocol so tests can inject fakes.
 """
 
+from haru_driver_skyserve._domain import READINESS_PATH, domain_service, endpoint_url
 from haru_driver_skyserve._driver import ServiceDriver, SkyServeDriver
 from haru_driver_skyserve._render import render_service_yaml, service_config
 from haru_driver_skyserve._spec import ServiceSpec
@@ -25,6 +26,10 @@ __all__ = (  # noqa: RUF022
     "ServiceSpec",
     "render_service_yaml",
     "service_config",
+    # Provisioned domains (layout to service)
+    "domain_service",
+    "endpoint_url",
+    "READINESS_PATH",
     # Status
     "ServiceInfo",
     "ServiceStatus",

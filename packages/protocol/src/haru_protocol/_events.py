@@ -238,7 +238,7 @@ class _DomainChange(EventPayload):
 
 
 class DomainStateChanged(_DomainChange):
-    """``domain.state.changed``: a heartbeat moved a domain's state."""
+    """``domain.state.changed``: a heartbeat (or a ``skyserve`` service's status) moved it."""
 
     event_type = EventType.DOMAIN_STATE_CHANGED
 
@@ -290,7 +290,7 @@ class SlotStateChanged(EventPayload):
     """An inference or training slot state, depending on ``kind``."""
     to_state: str = Field(alias="to")
     cause: str
-    """What observed it (``heartbeat``)."""
+    """What observed it (``heartbeat``; ``service``: a ``skyserve`` domain's service status)."""
 
 
 class FleetLayoutApplied(EventPayload):
@@ -364,14 +364,16 @@ class DomainProvisioningFailed(EventPayload):
 
 
 class DomainAddressRecorded(EventPayload):
-    """``domain.address.recorded``: the cluster is UP and its head's URLs are recorded."""
+    """``domain.address.recorded``: the cluster is UP (or the service READY): URLs recorded."""
 
     event_type = EventType.DOMAIN_ADDRESS_RECORDED
 
     cluster: str
     attempt: StrictInt
-    supervisor_url: str
+    supervisor_url: str | None
+    """None for a ``skyserve`` domain (its replicas run no Haru supervisor)."""
     serving_base_url: str
+    """The head's gateway, or a SkyServe service's endpoint."""
 
 
 class DomainClusterLost(EventPayload):

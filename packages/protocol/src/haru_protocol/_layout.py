@@ -355,12 +355,7 @@ class DomainLayout(WireModel):
                 f"machine is up; remove {', '.join(given)}"
             )
         if self.provider is Provider.SKYSERVE:
-            if any(isinstance(s, TrainingSlotSpec) for s in self.slots):
-                raise ValueError(
-                    f"domain {self.slug!r} (skyserve): a SkyServe service cannot train (its "
-                    "replicas sit behind one load balancer and cannot be put to sleep one by "
-                    "one); use provider `skypilot` for a standby that trains"
-                )
+            self._check_skyserve()
         elif self.provisioning is not None and self.provisioning.replicas != 1:
             raise ValueError(f"domain {self.slug!r}: `replicas` applies to skyserve domains only")
         settings = self.settings
@@ -375,6 +370,41 @@ class DomainLayout(WireModel):
             raise ValueError(
                 f"domain {self.slug!r}: supervisorPort, gatewayPort and the vLLM ports "
                 f"({settings.vllm_base_port}..{settings.vllm_base_port + count - 1}) must differ"
+            )
+
+    def _check_skyserve(self) -> None:
+        # What Haru's promotion needs that a SkyServe service cannot give (driver-skyserve
+        # README, "What a SkyServe domain supports"): its replicas sit behind one load
+        # balancer, run no Haru supervisor, and can neither sleep nor train one by one.
+        where = f"domain {self.slug!r} (skyserve)"
+        if any(isinstance(s, TrainingSlotSpec) for s in self.slots):
+            raise ValueError(
+                f"{where}: a SkyServe service cannot train (its replicas sit behind one load "
+                "balancer and cannot be put to sleep one by one); use provider `skypilot` for "
+                "a standby that trains"
+            )
+        count = self.placement.accelerator_count
+        pinned = sorted({s.gpu_index for s in self.slots if s.gpu_index >= count})
+        if pinned:
+            raise ValueError(
+                f"{where}: gpuIndex {pinned!r} does not exist on a replica with "
+                f"acceleratorCount {count} (every replica pins its models to GPUs 0.."
+                f"{count - 1})"
+            )
+        asked = (
+            []
+            if self.provisioning is None
+            else sorted(
+                {"supervisor_port", "supervisor_package"} & self.provisioning.model_fields_set
+            )
+        )
+        if asked:
+            names = ", ".join(
+                "supervisorPort" if k == "supervisor_port" else "supervisorPackage" for k in asked
+            )
+            raise ValueError(
+                f"{where}: {names} asks for a Haru supervisor, and SkyServe replicas run none "
+                "(the load balancer exposes only the serving gateway)"
             )
 
     @property
@@ -416,4 +446,16 @@ class FleetLayout(WireModel):
                 raise ValueError(
                     f"activeDomainSlug {self.active_domain_slug!r} has no inference slot"
                 )
+        standbys = [
+            d.slug
+            for d in self.domains
+            if d.provider is Provider.SKYSERVE and d.slug != self.active_domain_slug
+        ]
+        if standbys:
+            raise ValueError(
+                f"skyserve domain(s) {standbys!r} would be standbys: a standby is put to sleep "
+                "(and trains) and is promoted by waking and probing it through its supervisor, "
+                "and a SkyServe service can do none of that; a skyserve domain can only be the "
+                "activeDomainSlug (use provider `skypilot` for standbys)"
+            )
         return self

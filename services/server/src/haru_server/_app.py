@@ -11,6 +11,7 @@ import aiohttp
 from aiohttp import web
 from haru_db import HaruDbError, StateStore
 from haru_driver_skypilot import SkyPilotDriver
+from haru_driver_skyserve import SkyServeDriver
 from haru_supervisor.client import SupervisorClient
 from haru_web import (
     OPENAPI_PATH,
@@ -139,13 +140,14 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             ),
             route_moved=functools.partial(observe_route_move, app),
         )
-        # `skypilot` domains are launched through the `sky` CLI on PATH; a fleet without
-        # them never runs it.
+        # `skypilot` and `skyserve` domains are launched through the `sky` CLI on PATH; a
+        # fleet without them never runs it.
         provisioner = Provisioner(
             app[store_key],
             SkyPilotDriver(),
             clock=app[clock_key],
             supervisor_token=settings.supervisor_token_value(),
+            service_driver=SkyServeDriver(),
         )
         app[provisioner_key] = provisioner
         app[reconciler_key] = Reconciler(

@@ -1,6 +1,9 @@
-"""The lifecycle of ``skypilot`` domains, driven by the reconcile tick.
+"""The lifecycle of provisioned (``skypilot`` and ``skyserve``) domains, driven by the tick.
 
-Each step is re-runnable after a crash and writes by compare-and-swap:
+One step machine for both providers; a :class:`~haru_server._backends.Backend` supplies what
+differs (``sky launch``/``sky status``/``sky down`` of a cluster, or ``sky serve
+up``/``status``/``down`` of a service; see the bottom of this docstring). Each step is
+re-runnable after a crash and writes by compare-and-swap:
 
 1. ``provisioning`` with no claim for the current attempt: :meth:`StateStore.claim_launch`
    (attempt N to N + 1; of racing processes one wins), then ``sky launch -d`` runs as a
@@ -24,6 +27,14 @@ Each step is re-runnable after a crash and writes by compare-and-swap:
    (the count restarts when the domain is ready again). One event per attempt.
 7. ``stopping`` (``haru domain down``): ``sky down`` runs as a background task; done, the
    domain is ``stopped`` (``domain.teardown``); failed, an event and a new try next tick.
+
+A ``skyserve`` domain differs in: the launch is ``sky serve up`` (the same service whatever
+the role: replicas never sleep); "launched" is a service SkyServe knows and has not lost;
+step 3 waits for the service to be READY with the layout's ``replicas`` READY replicas and
+an endpoint, which becomes the serving base URL (no supervisor URL); step 4 needs no
+heartbeat: its inference slots go to ``serving`` and the domain to ``ready`` at once; a
+service FAILED, FAILED_CLEANUP, CONTROLLER_FAILED, NO_REPLICA, SHUTTING_DOWN or gone is
+lost (its slots go to ``failed``); teardown is ``sky serve down``.
 """
 
 from __future__ import annotations
@@ -42,17 +53,14 @@ from haru_db import StateStore
 from haru_driver_skypilot import (
     TOKEN_SECRET,
     ClusterInfo,
-    ClusterStatus,
     DomainDriver,
     SkyCliError,
     SkyCommandError,
     SkyDriverError,
     SkyTimeoutError,
     cluster_name,
-    domain_task,
-    model_ports,
-    serving_path,
 )
+from haru_driver_skyserve import ServiceDriver
 from haru_protocol import (
     DomainAddressRecorded,
     DomainClusterLost,
@@ -62,15 +70,20 @@ from haru_protocol import (
     DomainRelaunch,
     DomainSnapshot,
     DomainState,
+    DomainStateChanged,
     DomainTeardown,
     EventPayload,
     FleetSnapshot,
+    InferenceSlotState,
     Operation,
     Provider,
     Provisioning,
     ProvisioningFailure,
+    SlotKind,
+    SlotStateChanged,
 )
 
+from haru_server._backends import Backend, ClusterBackend, Observed, ServiceBackend
 from haru_server._clock import Clock
 
 logger = logging.getLogger(__name__)
@@ -79,8 +92,7 @@ MESSAGE_LIMIT = 1024
 """Longest message kept in a ``domain.provisioning.failed`` event."""
 
 _D = DomainState
-_LOST = "absent"
-"""``clusterStatus`` of a cluster that ``sky status`` does not know."""
+_I = InferenceSlotState
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,11 +144,6 @@ def _failure_from_error(reason: ProvisioningFailure, exc: BaseException) -> _Fai
     return _Failure(reason, message)
 
 
-def _url(host: str, port: int) -> str:
-    shown = f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{port}"
-
-
 def _ms(value: int) -> timedelta:
     return timedelta(milliseconds=value)
 
@@ -146,7 +153,7 @@ def _role(fleet: FleetSnapshot, domain: DomainSnapshot) -> Literal["active", "st
 
 
 class Provisioner:
-    """Drives the ``skypilot`` domains of a fleet one step per tick.
+    """Drives the provisioned domains of a fleet one step per tick.
 
     Args:
         store: The state store.
@@ -156,6 +163,9 @@ class Provisioner:
         supervisor_token: The token the launched supervisors require; passed to ``sky`` as
             the secret ``HARU_SUPERVISOR_TOKEN``, never written anywhere.
         options: Tuning.
+        service_driver: The SkyServe driver (production:
+            :class:`haru_driver_skyserve.SkyServeDriver`); without one, ``skyserve`` domains
+            are left alone.
     """
 
     def __init__(
@@ -166,9 +176,13 @@ class Provisioner:
         clock: Clock,
         supervisor_token: str | None,
         options: ProvisionerOptions | None = None,
+        service_driver: ServiceDriver | None = None,
     ) -> None:
         self._store = store
         self._driver = driver
+        self._backends: dict[Provider, Backend] = {Provider.SKYPILOT: ClusterBackend(driver)}
+        if service_driver is not None:
+            self._backends[Provider.SKYSERVE] = ServiceBackend(service_driver)
         self._clock = clock
         self._secrets: Mapping[str, str] = (
             {} if supervisor_token is None else {TOKEN_SECRET: supervisor_token}
@@ -195,7 +209,7 @@ class Provisioner:
         return memory is not None and memory.launch is not None and not memory.launch.task.done()
 
     async def step(self, fleet: FleetSnapshot, in_flight: Operation | None) -> bool:
-        """Advance every ``skypilot`` domain of ``fleet`` by at most one step.
+        """Advance every provisioned domain of ``fleet`` by at most one step.
 
         A ``sky`` command that fails while reading status is logged and retried next tick
         (never a verdict on its own).
@@ -205,7 +219,7 @@ class Provisioner:
         """
         landed = False
         for domain in fleet.domains:
-            if domain.provider is not Provider.SKYPILOT:
+            if domain.provider not in self._backends:
                 continue
             try:
                 landed |= await self._domain(fleet, domain, in_flight)
@@ -225,8 +239,10 @@ class Provisioner:
                     return await self._launch(fleet, domain, memory)
                 if domain.launched_at is None:
                     return await self._await_launch(fleet, domain, memory)
-                if domain.supervisor_url is None:
+                if domain.serving_base_url is None:
                     return await self._await_up(fleet, domain, memory)
+                if not self._backend(domain).has_supervisor:
+                    return await self._service_ready(fleet, domain)
                 return await self._await_supervisor(fleet, domain, memory)
             case _D.READY | _D.DEGRADED:
                 if domain.state is _D.READY:
@@ -255,14 +271,17 @@ class Provisioner:
     def _settings(self, domain: DomainSnapshot) -> Provisioning:
         return domain.provisioning if domain.provisioning is not None else Provisioning()
 
-    async def _status(self, name: str, memory: _Memory) -> tuple[bool, ClusterInfo | None]:
-        """``(read, info)``: ``read`` is False when the last read is too recent."""
+    def _backend(self, domain: DomainSnapshot) -> Backend:
+        return self._backends[domain.provider]
+
+    async def _status(self, domain: DomainSnapshot, name: str, memory: _Memory) -> Observed | None:
+        """What SkyPilot says of ``name`` now; None when the last read is too recent."""
         mono = time.monotonic()
         last = memory.status_read_at
         if last is not None and mono - last < self._options.status_interval_s:
-            return False, None
+            return None
         memory.status_read_at = mono
-        return True, await self._driver.get_domain_status(name)
+        return await self._backend(domain).observe(name, self._settings(domain))
 
     # ---- step 1: claim and launch --------------------------------------------------------
 
@@ -283,20 +302,13 @@ class Provisioner:
             now,
         )
         try:
-            spec = domain_task(
-                name,
-                domain.placement,
-                [slot.spec for slot in domain.slots],
-                self._settings(domain),
-                start_asleep=role == "standby",
+            launch = self._backend(domain).launch(
+                name, domain, self._settings(domain), role=role, secrets=self._secrets
             )
         except SkyDriverError as exc:
             await self._fail(fleet, domain, attempt, _failure_from_error("launch_failed", exc), now)
             return True
-        task = asyncio.create_task(
-            self._driver.launch_domain(spec, secrets=self._secrets),
-            name=f"haru-launch-{name}-{attempt}",
-        )
+        task = asyncio.create_task(launch, name=f"haru-launch-{name}-{attempt}")
         memory.launch = _Launch(attempt, task)
         memory.addressed_at = None
         return True
@@ -335,24 +347,24 @@ class Provisioner:
                 await launch.task
             failure = _Failure(
                 "launch_timeout",
-                f"`sky launch` of {name} ran past launchTimeoutMs "
+                f"`{self._backend(domain).launch_command}` of {name} ran past launchTimeoutMs "
                 f"({fleet.policy.launch_timeout_ms} ms) and was stopped",
             )
             await self._fail(fleet, domain, attempt, failure, now)
             return True
         # A claim this process does not run: it restarted, or another process launches.
         # Never launch this attempt again; SkyPilot says whether it went through.
-        read, info = await self._status(name, memory)
-        if read and info is not None and info.status is ClusterStatus.UP:
+        seen = await self._status(domain, name, memory)
+        if seen is not None and seen.launched:
             return await self._launched(fleet, domain, name, now, observed=True)
         if not overdue:
             return False
-        shown = _LOST if info is None else info.status.value
+        shown = None if seen is None else seen.shown
         failure = _Failure(
             "launch_lost",
             f"no outcome of launch attempt {attempt} of {name} within launchTimeoutMs "
-            f"({fleet.policy.launch_timeout_ms} ms); sky status: {shown}",
-            cluster_status=shown if read else None,
+            f"({fleet.policy.launch_timeout_ms} ms); sky status: {shown or 'not read'}",
+            cluster_status=shown,
         )
         await self._fail(fleet, domain, attempt, failure, now)
         return True
@@ -386,59 +398,111 @@ class Provisioner:
         attempt = domain.launch_attempt
         name = self._cluster(fleet, domain)
         started = domain.launch_started_at or now
+        backend = self._backend(domain)
+        settings = self._settings(domain)
         if now - started > _ms(fleet.policy.cluster_up_timeout_ms):
             failure = _Failure(
                 "cluster_up_timeout",
-                f"cluster {name} was not UP within clusterUpTimeoutMs "
-                f"({fleet.policy.cluster_up_timeout_ms} ms) of its launch",
+                f"{backend.noun} {name} was not {backend.awaited(settings)} within "
+                f"clusterUpTimeoutMs ({fleet.policy.cluster_up_timeout_ms} ms) of its launch",
             )
             await self._fail(fleet, domain, attempt, failure, now)
             return True
-        read, info = await self._status(name, memory)
-        if not read:
+        seen = await self._status(domain, name, memory)
+        if seen is None:
             return False
-        if info is None or info.status is ClusterStatus.STOPPED:
-            shown = _LOST if info is None else info.status.value
+        if seen.lost:
             failure = _Failure(
-                "cluster_lost", f"cluster {name} is {shown} after its launch", cluster_status=shown
+                "cluster_lost",
+                f"{backend.noun} {name} is {seen.shown} after its launch",
+                cluster_status=seen.shown,
             )
             await self._fail(fleet, domain, attempt, failure, now)
             return True
-        if info.status is not ClusterStatus.UP:
+        if not seen.addressable:
             return False
-        host = await self._driver.get_head_ip(name)
-        if host is None:
+        address = await backend.address(name, domain, settings, seen)
+        if address is None:
             return False
-        settings = self._settings(domain)
-        supervisor_url = _url(host, settings.supervisor_port)
-        serving_base_url = _url(host, settings.gateway_port)
-        model_urls = {
-            port.name: serving_base_url + serving_path(port.name)
-            for port in model_ports([slot.spec for slot in domain.slots], settings)
-        }
         recorded = await self._store.record_domain_address(
             domain.id,
             attempt=attempt,
-            supervisor_url=supervisor_url,
-            serving_base_url=serving_base_url,
-            model_urls=model_urls,
+            supervisor_url=address.supervisor_url,
+            serving_base_url=address.serving_base_url,
+            model_urls=address.model_urls,
             at=now,
         )
         if recorded:
             memory.addressed_at = now
-            logger.info("domain %s: cluster %s is UP at %s", domain.slug, name, host)
+            logger.info(
+                "domain %s: %s %s is %s at %s",
+                domain.slug,
+                backend.noun,
+                name,
+                seen.shown,
+                address.serving_base_url,
+            )
             await self._event(
                 fleet,
                 domain,
                 DomainAddressRecorded(
                     cluster=name,
                     attempt=attempt,
-                    supervisor_url=supervisor_url,
-                    serving_base_url=serving_base_url,
+                    supervisor_url=address.supervisor_url,
+                    serving_base_url=address.serving_base_url,
                 ),
                 now,
             )
         return True
+
+    # ---- step 4 of a skyserve domain: READY replicas are its readiness -------------------
+
+    async def _service_ready(self, fleet: FleetSnapshot, domain: DomainSnapshot) -> bool:
+        """Serve the slots, then the domain is ``ready`` (re-runnable: slots first)."""
+        now = self._clock()
+        await self._mirror_slots(fleet, domain, (_I.STARTING, _I.FAILED), _I.SERVING, now)
+        if not await self._store.transition_domain(
+            domain.id, from_states=(_D.PROVISIONING,), to=_D.READY, at=now
+        ):
+            return True
+        logger.info("domain %s: service ready", domain.slug)
+        await self._event(
+            fleet,
+            domain,
+            DomainStateChanged(
+                from_state=_D.PROVISIONING, to_state=_D.READY, role=_role(fleet, domain)
+            ),
+            now,
+        )
+        return True
+
+    async def _mirror_slots(
+        self,
+        fleet: FleetSnapshot,
+        domain: DomainSnapshot,
+        from_states: tuple[InferenceSlotState, ...],
+        to: InferenceSlotState,
+        now: datetime,
+    ) -> None:
+        """Move a supervisorless domain's inference slots as its service status says."""
+        for slot in domain.slots:
+            if slot.kind is not SlotKind.INFERENCE or slot.state not in from_states:
+                continue
+            if await self._store.transition_slot(
+                slot.id, kind=slot.kind, from_states=(slot.state,), to=to, at=now
+            ):
+                await self._store.append_event(
+                    fleet_id=fleet.id,
+                    payload=SlotStateChanged(
+                        kind=slot.kind,
+                        from_state=slot.state.value,
+                        to_state=to.value,
+                        cause="service",
+                    ),
+                    at=now,
+                    domain_id=domain.id,
+                    slot_id=slot.id,
+                )
 
     # ---- step 4: the supervisor's first heartbeat ----------------------------------------
 
@@ -459,11 +523,12 @@ class Provisioner:
             )
             await self._fail(fleet, domain, domain.launch_attempt, failure, now)
             return True
-        read, info = await self._status(name, memory)
-        if read and (info is None or info.status is ClusterStatus.STOPPED):
-            shown = _LOST if info is None else info.status.value
+        seen = await self._status(domain, name, memory)
+        if seen is not None and seen.lost:
             failure = _Failure(
-                "cluster_lost", f"cluster {name} is {shown} while starting", cluster_status=shown
+                "cluster_lost",
+                f"cluster {name} is {seen.shown} while starting",
+                cluster_status=seen.shown,
             )
             await self._fail(fleet, domain, domain.launch_attempt, failure, now)
             return True
@@ -475,16 +540,22 @@ class Provisioner:
         if domain.launched_at is None:
             return False
         name = self._cluster(fleet, domain)
-        read, info = await self._status(name, memory)
-        if not read or (info is not None and info.status is not ClusterStatus.STOPPED):
+        seen = await self._status(domain, name, memory)
+        if seen is None or not seen.lost:
             return False
         now = self._clock()
-        shown = _LOST if info is None else info.status.value
+        shown = seen.shown
+        backend = self._backend(domain)
         moved = await self._store.transition_domain(
             domain.id, from_states=(domain.state,), to=_D.FAILED, at=now
         )
         if moved:
-            logger.warning("domain %s: cluster %s is %s: domain failed", domain.slug, name, shown)
+            if not backend.has_supervisor:
+                # No heartbeat will say it: the service's slots serve no more.
+                await self._mirror_slots(fleet, domain, (_I.SERVING,), _I.FAILED, now)
+            logger.warning(
+                "domain %s: %s %s is %s: domain failed", domain.slug, backend.noun, name, shown
+            )
             await self._event(
                 fleet,
                 domain,
@@ -542,8 +613,8 @@ class Provisioner:
         )
         if now < domain.state_updated_at + _ms(backoff_ms):
             return False
-        read, info = await self._status(name, memory)
-        if not read or (info is not None and info.status is not ClusterStatus.STOPPED):
+        seen = await self._status(domain, name, memory)
+        if seen is None or not seen.lost:
             # Still there (UP/INIT): not lost; what failed is for the heartbeat or the operator.
             return False
         if not await self._store.transition_domain(
@@ -586,7 +657,7 @@ class Provisioner:
         task = memory.teardown
         if task is None:
             memory.teardown = asyncio.create_task(
-                self._driver.teardown_domain(name), name=f"haru-down-{name}"
+                self._backend(domain).teardown(name), name=f"haru-down-{name}"
             )
             return False
         if not task.done():
@@ -598,7 +669,13 @@ class Provisioner:
             failure = _failure_from_error(
                 "launch_failed", exc if exc is not None else RuntimeError("cancelled")
             )
-            logger.error("domain %s: sky down of %s failed: %s", domain.slug, name, failure.message)
+            logger.error(
+                "domain %s: %s of %s failed: %s",
+                domain.slug,
+                self._backend(domain).teardown_command,
+                name,
+                failure.message,
+            )
             await self._event(
                 fleet,
                 domain,
@@ -631,6 +708,23 @@ class Provisioner:
             haru_driver_skypilot.SkyDriverError: the command failed.
         """
         return await self._driver.get_domain_status(self._cluster(fleet, domain))
+
+    def drives(self, domain: DomainSnapshot) -> bool:
+        """Whether this provisioner drives ``domain`` (its provider has a backend here)."""
+        return domain.provider in self._backends
+
+    async def observe(self, fleet: FleetSnapshot, domain: DomainSnapshot) -> Observed:
+        """SkyPilot's status of the domain's cluster or service now.
+
+        ``shown`` is ``absent`` when SkyPilot does not know it.
+
+        Raises:
+            KeyError: the domain's provider is not driven here (see :meth:`drives`).
+            haru_driver_skypilot.SkyDriverError: the command failed.
+        """
+        return await self._backend(domain).observe(
+            self._cluster(fleet, domain), self._settings(domain)
+        )
 
     def forget_relaunches(self, domain_id: UUID) -> None:
         """Start a fresh relaunch streak (the operator brought the domain up by hand)."""

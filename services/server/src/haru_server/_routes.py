@@ -40,7 +40,6 @@ from haru_protocol import (
     OperationRequestedPromote,
     PeerModel,
     PromoteRequest,
-    Provider,
     ReconcileResponse,
     WireModel,
     parse_fleet_ref,
@@ -290,12 +289,12 @@ def _domain_of(fleet: FleetSnapshot, request: web.Request) -> DomainSnapshot:
     raise ApiError(ErrorCode.NOT_FOUND, f"domain {raw[:100]!r} not found in fleet {fleet.slug!r}")
 
 
-def _provisioned(fleet: FleetSnapshot, domain: DomainSnapshot, action: str) -> None:
-    if domain.provider is not Provider.SKYPILOT:
+def _provisioned(request: web.Request, domain: DomainSnapshot, action: str) -> None:
+    if not request.app[provisioner_key].drives(domain):
         raise ApiError(
             ErrorCode.INVALID_TARGET,
             f"domain {domain.slug!r} is a {domain.provider.value} domain: `{action}` drives "
-            "only skypilot domains",
+            "only skypilot and skyserve domains",
         )
 
 
@@ -319,14 +318,15 @@ async def domain_status(request: web.Request) -> web.Response:
     fleet = await _snapshot(request)
     domain = _domain_of(fleet, request)
     name = status = error = None
-    if domain.provider is Provider.SKYPILOT:
+    provisioner = request.app[provisioner_key]
+    if provisioner.drives(domain):
         name = cluster_name(fleet.slug, domain.slug)
         try:
-            info = await request.app[provisioner_key].cluster_status(fleet, domain)
+            observed = await provisioner.observe(fleet, domain)
         except SkyDriverError as exc:
             error = str(exc)[:1024]
         else:
-            status = "absent" if info is None else info.status.value
+            status = observed.shown
     role: Literal["active", "standby"] = (
         "active" if fleet.active_domain_id == domain.id else "standby"
     )
@@ -369,7 +369,7 @@ async def domain_up(request: web.Request) -> web.Response:
     await parse_body(request, DomainActionRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
     fleet = await _snapshot(request)
     domain = _domain_of(fleet, request)
-    _provisioned(fleet, domain, "up")
+    _provisioned(request, domain, "up")
     if domain.state not in (DomainState.STOPPED, DomainState.FAILED):
         raise ApiError(
             ErrorCode.OPERATION_CONFLICT,
@@ -385,7 +385,7 @@ async def domain_down(request: web.Request) -> web.Response:
     await parse_body(request, DomainActionRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
     fleet = await _snapshot(request)
     domain = _domain_of(fleet, request)
-    _provisioned(fleet, domain, "down")
+    _provisioned(request, domain, "down")
     if fleet.active_domain_id == domain.id:
         raise ApiError(
             ErrorCode.OPERATION_CONFLICT,

@@ -38,6 +38,7 @@ from haru_protocol import (
     OperationErrorCode,
     OperationStep,
     OperationStepDone,
+    Provider,
     RoutingSwitched,
     SlotKind,
     SupervisorStatus,
@@ -569,10 +570,15 @@ async def _train_domain(ctx: StepContext, domain: DomainSnapshot) -> StepResult:
     return Done(OperationStepDone(step=ctx.step, domain_id=domain.id), mirror=mirror)
 
 
+_ALWAYS_AWAKE = "the previous active is a skyserve domain (always awake, no supervisor)"
+
+
 async def _demote_old_sleep(ctx: StepContext) -> StepResult:
     source = ctx.source
     if source is None:
         return Done(OperationStepDone(step=ctx.step, skipped="no previous active domain"))
+    if source.provider is Provider.SKYSERVE:
+        return Done(OperationStepDone(step=ctx.step, domain_id=source.id, skipped=_ALWAYS_AWAKE))
     guard = ctx.tuning.route_guard_s
     flipped = ctx.operation.step_started_at
     if guard > 0 and flipped is not None:
@@ -588,6 +594,8 @@ async def _demote_old_train(ctx: StepContext) -> StepResult:
     source = ctx.source
     if source is None:
         return Done(OperationStepDone(step=ctx.step, skipped="no previous active domain"))
+    if source.provider is Provider.SKYSERVE:
+        return Done(OperationStepDone(step=ctx.step, domain_id=source.id, skipped=_ALWAYS_AWAKE))
     return await _train_domain(ctx, source)
 
 

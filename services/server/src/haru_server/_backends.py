@@ -1,0 +1,249 @@
+"""What the provisioner drives per provider: a SkyPilot cluster or a SkyServe service.
+
+:class:`~haru_server._provisioning.Provisioner` runs one step machine (claim, launch, await
+the launch, await the address, await readiness, watch for loss, relaunch, teardown) for
+every provisioned domain; a :class:`Backend` supplies what differs between providers: the
+launch, how ``sky`` status reads (normalised to :class:`Observed`), the address, teardown,
+and whether a supervisor must answer before the domain is ready.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from haru_driver_skypilot import (
+    ClusterStatus,
+    DomainDriver,
+    domain_task,
+    model_ports,
+    serving_path,
+)
+from haru_driver_skyserve import ServiceDriver, ServiceStatus, domain_service, endpoint_url
+from haru_protocol import DomainSnapshot, Provider, Provisioning, SlotSpec
+
+ABSENT = "absent"
+"""``clusterStatus`` of a cluster or service that SkyPilot does not know."""
+
+_SERVICE_LOST = frozenset(
+    {
+        ServiceStatus.FAILED,
+        ServiceStatus.FAILED_CLEANUP,
+        ServiceStatus.CONTROLLER_FAILED,
+        ServiceStatus.NO_REPLICA,
+        ServiceStatus.SHUTTING_DOWN,
+    }
+)
+"""Service statuses that count as lost: no replica serves and SkyServe will not bring one
+back by itself (failed replicas, a failed controller, none left, or going away)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """What one ``sky status`` / ``sky serve status`` read says, normalised.
+
+    Attributes:
+        shown: The status as SkyPilot spells it (``absent`` when it does not know the name).
+        launched: The launch went through (a process that did not run it need not relaunch).
+        addressable: Ready to record the address: the cluster is UP, or the service is READY
+            with the layout's number of READY replicas and an endpoint.
+        lost: Stopped, preempted or gone (the domain fails; a relaunch may follow).
+        endpoint: A service's endpoint as printed (``HOST:PORT`` or a URL).
+        ready_replicas: A service's READY replicas.
+    """
+
+    shown: str
+    launched: bool
+    addressable: bool
+    lost: bool
+    endpoint: str | None = None
+    ready_replicas: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Address:
+    """The URLs recorded on a domain and its model bindings."""
+
+    supervisor_url: str | None
+    serving_base_url: str
+    model_urls: Mapping[str, str]
+
+
+def http_url(host: str, port: int) -> str:
+    """``http://HOST:PORT`` (an IPv6 address in brackets)."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
+def _model_urls(base: str, slots: Sequence[SlotSpec], settings: Provisioning) -> dict[str, str]:
+    return {port.name: base + serving_path(port.name) for port in model_ports(slots, settings)}
+
+
+def _specs(domain: DomainSnapshot) -> list[SlotSpec]:
+    return [slot.spec for slot in domain.slots]
+
+
+class Backend(Protocol):
+    """One provider's part of the provisioned-domain lifecycle."""
+
+    provider: Provider
+    noun: Literal["cluster", "service"]
+    """What SkyPilot runs for the domain (messages and events)."""
+    launch_command: str
+    teardown_command: str
+    has_supervisor: bool
+    """Whether the domain is ready only once its supervisor heartbeats (else: once addressed)."""
+
+    def launch(
+        self,
+        name: str,
+        domain: DomainSnapshot,
+        settings: Provisioning,
+        *,
+        role: Literal["active", "standby"],
+        secrets: Mapping[str, str],
+    ) -> Coroutine[Any, Any, None]:
+        """Render the domain (raising the driver's errors now) and return the launch to run."""
+        ...
+
+    async def observe(self, name: str, settings: Provisioning) -> Observed:
+        """Read SkyPilot's status of ``name``."""
+        ...
+
+    async def address(
+        self, name: str, domain: DomainSnapshot, settings: Provisioning, observed: Observed
+    ) -> Address | None:
+        """The domain's URLs once ``observed`` is addressable (None: not known yet)."""
+        ...
+
+    async def teardown(self, name: str) -> None:
+        """Tear the cluster or service down."""
+        ...
+
+    def awaited(self, settings: Provisioning) -> str:
+        """What ``clusterUpTimeoutMs`` waits for, in words."""
+        ...
+
+
+class ClusterBackend:
+    """``skypilot`` domains: one cluster, ``sky launch -d`` / ``sky status`` / ``sky down``."""
+
+    provider = Provider.SKYPILOT
+    noun: Literal["cluster", "service"] = "cluster"
+    launch_command = "sky launch"
+    teardown_command = "sky down"
+    has_supervisor = True
+
+    def __init__(self, driver: DomainDriver) -> None:
+        self.driver = driver
+
+    def launch(
+        self,
+        name: str,
+        domain: DomainSnapshot,
+        settings: Provisioning,
+        *,
+        role: Literal["active", "standby"],
+        secrets: Mapping[str, str],
+    ) -> Coroutine[Any, Any, None]:
+        spec = domain_task(
+            name, domain.placement, _specs(domain), settings, start_asleep=role == "standby"
+        )
+        return self.driver.launch_domain(spec, secrets=secrets)
+
+    async def observe(self, name: str, settings: Provisioning) -> Observed:
+        info = await self.driver.get_domain_status(name)
+        if info is None:
+            return Observed(ABSENT, launched=False, addressable=False, lost=True)
+        up = info.status is ClusterStatus.UP
+        lost = info.status is ClusterStatus.STOPPED
+        return Observed(info.status.value, launched=up, addressable=up, lost=lost)
+
+    async def address(
+        self, name: str, domain: DomainSnapshot, settings: Provisioning, observed: Observed
+    ) -> Address | None:
+        host = await self.driver.get_head_ip(name)
+        if host is None:
+            return None
+        base = http_url(host, settings.gateway_port)
+        return Address(
+            supervisor_url=http_url(host, settings.supervisor_port),
+            serving_base_url=base,
+            model_urls=_model_urls(base, _specs(domain), settings),
+        )
+
+    async def teardown(self, name: str) -> None:
+        await self.driver.teardown_domain(name)
+
+    def awaited(self, settings: Provisioning) -> str:
+        return "UP"
+
+
+class ServiceBackend:
+    """``skyserve`` domains: one service, ``sky serve up`` / ``status`` / ``down``.
+
+    The domain is ready once the service has ``replicas`` READY replicas and an endpoint;
+    the endpoint is its serving base URL. No supervisor: nothing heartbeats, nothing sleeps.
+    """
+
+    provider = Provider.SKYSERVE
+    noun: Literal["cluster", "service"] = "service"
+    launch_command = "sky serve up"
+    teardown_command = "sky serve down"
+    has_supervisor = False
+
+    def __init__(self, driver: ServiceDriver) -> None:
+        self.driver = driver
+
+    def launch(
+        self,
+        name: str,
+        domain: DomainSnapshot,
+        settings: Provisioning,
+        *,
+        role: Literal["active", "standby"],
+        secrets: Mapping[str, str],
+    ) -> Coroutine[Any, Any, None]:
+        # Same service whatever the role: a SkyServe replica never sleeps, and runs no
+        # supervisor (so it needs no token).
+        spec = domain_service(name, domain.placement, _specs(domain), settings)
+        return self.driver.launch_service(spec)
+
+    async def observe(self, name: str, settings: Provisioning) -> Observed:
+        info = await self.driver.get_service_status(name)
+        if info is None:
+            return Observed(ABSENT, launched=False, addressable=False, lost=True)
+        lost = info.status in _SERVICE_LOST
+        ready = info.ready_replicas or 0
+        addressable = (
+            info.status is ServiceStatus.READY
+            and ready >= settings.replicas
+            and info.endpoint is not None
+        )
+        return Observed(
+            info.status.value,
+            launched=not lost,
+            addressable=addressable,
+            lost=lost,
+            endpoint=info.endpoint,
+            ready_replicas=info.ready_replicas,
+        )
+
+    async def address(
+        self, name: str, domain: DomainSnapshot, settings: Provisioning, observed: Observed
+    ) -> Address | None:
+        if observed.endpoint is None:
+            return None
+        base = endpoint_url(observed.endpoint)
+        return Address(
+            supervisor_url=None,
+            serving_base_url=base,
+            model_urls=_model_urls(base, _specs(domain), settings),
+        )
+
+    async def teardown(self, name: str) -> None:
+        await self.driver.teardown_service(name)
+
+    def awaited(self, settings: Provisioning) -> str:
+        return f"READY with {settings.replicas} READY replica(s) and an endpoint"
