@@ -21,7 +21,9 @@ Each step is re-runnable after a crash and writes by compare-and-swap:
 6. ``failed`` after a launch, cluster STOPPED or gone, ``relaunch`` on, no operation in
    flight: after an exponential backoff (from the failure) the domain goes back to
    ``provisioning`` and step 1 relaunches it, at most ``relaunchMaxAttempts`` times in a row
-   (the count restarts when the domain is ready again). One event per attempt.
+   (the count restarts when the domain is ready again or the operator runs ``haru domain
+   up``). One event per attempt; the streak is counted from those events, so a restarted
+   server continues it.
 7. ``stopping`` (``haru domain down``): ``sky down`` runs as a background task; done, the
    domain is ``stopped`` (``domain.teardown``); failed, an event and a new try next tick.
 """
@@ -62,8 +64,11 @@ from haru_protocol import (
     DomainRelaunch,
     DomainSnapshot,
     DomainState,
+    DomainStateChanged,
     DomainTeardown,
+    DomainUpRequested,
     EventPayload,
+    EventType,
     FleetSnapshot,
     Operation,
     Provider,
@@ -79,6 +84,11 @@ MESSAGE_LIMIT = 1024
 """Longest message kept in a ``domain.provisioning.failed`` event."""
 
 _D = DomainState
+_STREAK_EVENTS = frozenset(
+    {EventType.DOMAIN_RELAUNCH, EventType.DOMAIN_STATE_CHANGED, EventType.DOMAIN_UP_REQUESTED}
+)
+"""The events a relaunch streak is read from: relaunches, back to a ``ready`` or an ``up``."""
+_STREAK_PAGE = 100
 _LOST = "absent"
 """``clusterStatus`` of a cluster that ``sky status`` does not know."""
 
@@ -102,6 +112,19 @@ class _Launch:
 
 
 @dataclass(slots=True)
+class _Streak:
+    """The relaunch streak of a failed domain, read from the store once per failure.
+
+    ``since`` is the ``state_updated_at`` it was read at: a newer one (the domain moved)
+    makes it stale.
+    """
+
+    since: datetime
+    relaunches: int
+    exhausted: bool
+
+
+@dataclass(slots=True)
 class _Memory:
     """What this process knows of one domain beyond the store."""
 
@@ -109,8 +132,7 @@ class _Memory:
     teardown: asyncio.Task[None] | None = None
     status_read_at: float | None = None
     addressed_at: datetime | None = None
-    relaunches: int = 0
-    exhausted: bool = False
+    streak: _Streak | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,9 +251,6 @@ class Provisioner:
                     return await self._await_up(fleet, domain, memory)
                 return await self._await_supervisor(fleet, domain, memory)
             case _D.READY | _D.DEGRADED:
-                if domain.state is _D.READY:
-                    memory.relaunches = 0
-                    memory.exhausted = False
                 memory.addressed_at = None
                 return await self._watch(fleet, domain, memory)
             case _D.FAILED:
@@ -514,13 +533,14 @@ class Provisioner:
         now = self._clock()
         name = self._cluster(fleet, domain)
         policy = fleet.policy
-        if memory.relaunches >= policy.relaunch_max_attempts:
-            if not memory.exhausted:
-                memory.exhausted = True
+        streak = await self._streak(fleet, domain, memory)
+        if streak.relaunches >= policy.relaunch_max_attempts:
+            if not streak.exhausted:
+                streak.exhausted = True
                 logger.error(
                     "domain %s: %d relaunches of %s spent; it stays failed",
                     domain.slug,
-                    memory.relaunches,
+                    streak.relaunches,
                     name,
                 )
                 await self._event(
@@ -528,7 +548,7 @@ class Provisioner:
                     domain,
                     DomainRelaunch(
                         cluster=name,
-                        relaunch=memory.relaunches,
+                        relaunch=streak.relaunches,
                         max_attempts=policy.relaunch_max_attempts,
                         backoff_ms=0,
                         exhausted=True,
@@ -537,7 +557,7 @@ class Provisioner:
                 )
             return False
         backoff_ms = min(
-            policy.relaunch_backoff_base_ms * 2**memory.relaunches,
+            policy.relaunch_backoff_base_ms * 2**streak.relaunches,
             policy.relaunch_backoff_max_ms,
         )
         if now < domain.state_updated_at + _ms(backoff_ms):
@@ -550,12 +570,13 @@ class Provisioner:
             domain.id, from_states=(_D.FAILED,), to=_D.PROVISIONING, at=now
         ):
             return True
-        memory.relaunches += 1
+        memory.streak = None
+        relaunch = streak.relaunches + 1
         logger.warning(
             "domain %s: relaunching %s (%d of %d)",
             domain.slug,
             name,
-            memory.relaunches,
+            relaunch,
             policy.relaunch_max_attempts,
         )
         await self._event(
@@ -563,7 +584,7 @@ class Provisioner:
             domain,
             DomainRelaunch(
                 cluster=name,
-                relaunch=memory.relaunches,
+                relaunch=relaunch,
                 max_attempts=policy.relaunch_max_attempts,
                 backoff_ms=backoff_ms,
             ),
@@ -571,6 +592,39 @@ class Provisioner:
         )
         back = domain.model_copy(update={"state": _D.PROVISIONING, "state_updated_at": now})
         return await self._launch(fleet, back, memory)
+
+    async def _streak(self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory) -> _Streak:
+        """The relaunches (and whether giving up was said) since the domain was last ready.
+
+        Counted from the store's events, newest first, back to the last ``ready`` or
+        ``haru domain up``, so a server restart continues the streak and its bound.
+        """
+        cached = memory.streak
+        if cached is not None and cached.since == domain.state_updated_at:
+            return cached
+        relaunches = 0
+        exhausted = False
+        before: int | None = None
+        reset = False
+        while not reset:
+            page = await self._store.list_domain_events(
+                fleet.id, domain.id, types=_STREAK_EVENTS, before=before, limit=_STREAK_PAGE
+            )
+            for event in page:
+                data = event.data
+                if isinstance(data, DomainUpRequested) or (
+                    isinstance(data, DomainStateChanged) and data.to_state is _D.READY
+                ):
+                    reset = True
+                    break
+                if isinstance(data, DomainRelaunch):
+                    exhausted |= data.exhausted
+                    relaunches += not data.exhausted
+            if len(page) < _STREAK_PAGE:
+                break
+            before = page[-1].id
+        memory.streak = _Streak(domain.state_updated_at, relaunches, exhausted)
+        return memory.streak
 
     # ---- step 7: teardown ----------------------------------------------------------------
 
@@ -631,13 +685,6 @@ class Provisioner:
             haru_driver_skypilot.SkyDriverError: the command failed.
         """
         return await self._driver.get_domain_status(self._cluster(fleet, domain))
-
-    def forget_relaunches(self, domain_id: UUID) -> None:
-        """Start a fresh relaunch streak (the operator brought the domain up by hand)."""
-        memory = self._memory.get(domain_id)
-        if memory is not None:
-            memory.relaunches = 0
-            memory.exhausted = False
 
     # ---- writes --------------------------------------------------------------------------
 
