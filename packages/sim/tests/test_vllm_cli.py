@@ -302,7 +302,7 @@ def test_serve_refuses_what_vllm_refuses(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from haru_sim.vllm import main
+    from haru_sim._vllm_cli import main
 
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
     for key, value in env.items():
@@ -322,5 +322,7 @@ def test_serve_defaults_follow_vllm() -> None:
         8000,
     )
     assert config.dev_mode is False
-    config, _, _ = serve_config(["m", "--reasoning-parser", "qwen3"], environ={"VLLM_SERVER_DEV_MODE": "1"})
+    config, _, _ = serve_config(
+        ["m", "--reasoning-parser", "qwen3"], environ={"VLLM_SERVER_DEV_MODE": "1"}
+    )
     assert (config.dev_mode, config.reasoning_field) == (True, "reasoning")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess  # noqa: TID251 -- a synchronous fake CLI, no event loop
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -116,7 +116,7 @@ def _launch(state: Path, args: list[str]) -> int:
         **{NODE_VAR: str(node)},
     )
     with (node / "run.log").open("ab") as log:
-        subprocess.Popen(  # noqa: S603 -- the task's own script, as SkyPilot runs it
+        subprocess.Popen(
             ["bash", "-c", task["run"]],  # noqa: S607
             cwd=home,
             env=env,

@@ -653,8 +653,10 @@ async def test_the_relaunch_streak_survives_a_server_restart(
         await tick_until(
             reconciler,
             store,
-            lambda f: domain(f, "alpha").launch_attempt == attempt
-            and domain(f, "alpha").supervisor_url is not None,
+            lambda f: (
+                domain(f, "alpha").launch_attempt == attempt
+                and domain(f, "alpha").supervisor_url is not None
+            ),
         )
         sky.set_status(name, None)  # preempted: SkyPilot forgets the cluster
         await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))

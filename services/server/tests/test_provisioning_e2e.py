@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import stat
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -39,6 +40,7 @@ from haru_protocol import (
 from haru_server import create_app
 from haru_server._settings import Settings
 from haru_server.cli import app as cli_app
+from pydantic import SecretStr
 from pytest_aiohttp import AiohttpServer
 from typer.testing import CliRunner
 
@@ -56,7 +58,7 @@ DEADLINE_S = 60.0
 def _free(port: int) -> bool:
     with socket.socket() as probe:
         try:
-            probe.bind(("0.0.0.0", port))  # noqa: S104 -- the gateway and supervisor bind it
+            probe.bind(("0.0.0.0", port))
         except OSError:
             return False
     return True
@@ -96,14 +98,10 @@ class Sky:
         assert await proc.wait() == 0
 
     def kill_all(self) -> None:
-        sys.path.insert(0, str(FAKE_SKY.parent))
-        try:
-            import fake_sky_node
-        finally:
-            sys.path.remove(str(FAKE_SKY.parent))
+        """What ``sky down`` does to every node this test launched (nothing may outlive it)."""
         nodes = self.state / "nodes"
-        for node in nodes.iterdir() if nodes.exists() else ():
-            fake_sky_node.kill_node(node)
+        for node in sorted(nodes.iterdir()) if nodes.exists() else ():
+            subprocess.run([sys.executable, str(FAKE_SKY), "down", node.name], check=True)
 
 
 @pytest.fixture
@@ -244,7 +242,7 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
     tmp_path: Path, sky: Sky, aiohttp_server: AiohttpServer, http: aiohttp.ClientSession
 ) -> None:
     taken: set[int] = set()
-    document = {
+    document: dict[str, Any] = {
         "slug": "local",
         "activeDomainSlug": "alpha",
         # The failover's best-effort sleep of the lost active spends its budget before the
@@ -263,7 +261,7 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
 
     settings = Settings(
         database_url=database,
-        supervisor_token=TOKEN,
+        supervisor_token=SecretStr(TOKEN),
         default_fleet="local",
         reconcile_interval_ms=100,
         sky_status_interval_ms=0,
@@ -312,9 +310,11 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
     await control.haru("promote", "local", "beta", "--wait", "--timeout", "60")
     fleet = await control.wait(
         "beta serving, alpha in standby posture",
-        lambda f: f.active_domain_id == by_slug(f, "beta").id
-        and serving(by_slug(f, "beta"))
-        and standby_posture(by_slug(f, "alpha")),
+        lambda f: (
+            f.active_domain_id == by_slug(f, "beta").id
+            and serving(by_slug(f, "beta"))
+            and standby_posture(by_slug(f, "alpha"))
+        ),
     )
     assert await control.chat("chat-large", "hello beta") == "hello beta"
 
@@ -348,8 +348,10 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
     await control.haru("promote", "local", "beta", "--wait", "--timeout", "60")
     fleet = await control.wait(
         "beta active again",
-        lambda f: f.active_domain_id == by_slug(f, "beta").id
-        and serving(by_slug(f, "beta"))
-        and standby_posture(by_slug(f, "alpha")),
+        lambda f: (
+            f.active_domain_id == by_slug(f, "beta").id
+            and serving(by_slug(f, "beta"))
+            and standby_posture(by_slug(f, "alpha"))
+        ),
     )
     assert await control.chat("chat-small", "back on beta") == "back on beta"

@@ -166,4 +166,4 @@ def serve_config(
         reasoning_field="reasoning" if args.reasoning_parser else None,
         faults=Faults(),
     )
-    return config, args.host if args.host is not None else "0.0.0.0", args.port  # noqa: S104
+    return config, args.host if args.host is not None else "0.0.0.0", args.port

@@ -593,7 +593,9 @@ class Provisioner:
         back = domain.model_copy(update={"state": _D.PROVISIONING, "state_updated_at": now})
         return await self._launch(fleet, back, memory)
 
-    async def _streak(self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory) -> _Streak:
+    async def _streak(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
+    ) -> _Streak:
         """The relaunches (and whether giving up was said) since the domain was last ready.
 
         Counted from the store's events, newest first, back to the last ``ready`` or
