@@ -74,6 +74,7 @@ CONTRACT = {
     "is_out_of_posture",
     "restore_candidates",
     "reached_standby_posture",
+    "launched_as_standby",
     "restore_backoff",
     "detect_restore",
     "SlotChange",

@@ -12,6 +12,7 @@ from haru_core import (
     RestoreDecision,
     detect_restore,
     is_out_of_posture,
+    launched_as_standby,
     reached_standby_posture,
     restore_backoff,
     restore_candidates,
@@ -24,6 +25,7 @@ from haru_protocol import (
     OperationKind,
     OperationState,
     Policy,
+    Provider,
     TrainingSlotState,
 )
 
@@ -108,6 +110,30 @@ def test_a_standby_never_demoted_is_left_to_the_operator(make: FleetFactory) -> 
     fleet = two_domains(make)
     assert detect_restore(fleet, (), now=make.now) is None
     assert detect_restore(fleet, (op(make, -60, S, target="alpha"),), now=make.now) is None
+
+
+def test_a_standby_haru_launched_gets_its_first_demote(make: FleetFactory) -> None:
+    # A provisioned standby: its launch put vLLM to sleep, nothing started its training yet.
+    fleet = two_domains(make)
+    beta = fleet.domain(make.domain_id("beta"))
+    assert beta is not None
+    assert not launched_as_standby(beta)
+    launched = beta.model_copy(
+        update={"provider": Provider.SKYPILOT, "launch_attempt": 1, "launched_at": make.now}
+    )
+    assert launched_as_standby(launched)
+    provisioned = fleet.model_copy(
+        update={"domains": tuple(launched if d.id == beta.id else d for d in fleet.domains)}
+    )
+    assert detect_restore(provisioned, (), now=make.now) == RestoreDecision(
+        target_domain_id=beta.id, reason=RESTORE_REASON_TRAINING_IDLE
+    )
+    # Not before its launch went through (a claim alone proves nothing ran).
+    claimed = launched.model_copy(update={"launched_at": None})
+    pending = fleet.model_copy(
+        update={"domains": tuple(claimed if d.id == beta.id else d for d in fleet.domains)}
+    )
+    assert detect_restore(pending, (), now=make.now) is None
 
 
 def source_promote(

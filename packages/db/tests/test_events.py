@@ -91,3 +91,37 @@ async def test_bad_events_are_refused(
         await store.list_events(fleet.id, limit=1001)
     with pytest.raises(ValueError, match="after"):
         await store.list_events(fleet.id, after=-1)
+
+
+async def test_list_domain_events_newest_first_by_type(
+    store: StateStore, fleet: FleetSnapshot, now: datetime
+) -> None:
+    alpha, beta = fleet.domains[0].id, fleet.domains[1].id
+    wanted = []
+    for n in range(4):
+        wanted.append(
+            await store.append_event(
+                fleet_id=fleet.id, type="test.a", payload={"n": n}, at=now, domain_id=beta
+            )
+        )
+        await store.append_event(
+            fleet_id=fleet.id, type="test.b", payload={"n": n}, at=now, domain_id=beta
+        )
+        await store.append_event(
+            fleet_id=fleet.id, type="test.a", payload={"n": n}, at=now, domain_id=alpha
+        )
+    newest = list(reversed(wanted))
+    found = await store.list_domain_events(fleet.id, beta, types={"test.a"})
+    assert [e.id for e in found] == newest
+    page = await store.list_domain_events(fleet.id, beta, types={"test.a"}, limit=2)
+    assert [e.id for e in page] == newest[:2]
+    rest = await store.list_domain_events(
+        fleet.id, beta, types={"test.a"}, before=page[-1].id, limit=2
+    )
+    assert [e.id for e in rest] == newest[2:]
+    both = await store.list_domain_events(fleet.id, beta, types={"test.a", "test.b"})
+    assert len(both) == 8
+    assert await store.list_domain_events(fleet.id, beta, types=()) == []
+    assert await store.list_domain_events(uuid4(), beta, types={"test.a"}) == []
+    with pytest.raises(ValueError, match="limit"):
+        await store.list_domain_events(fleet.id, beta, types={"test.a"}, limit=0)

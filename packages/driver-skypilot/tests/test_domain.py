@@ -19,6 +19,7 @@ from haru_driver_skypilot import (
     TOKEN_SECRET,
     SkyPilotDriver,
     SkyRunner,
+    domain_task,
     example_domain_layout,
     example_domain_task,
     model_ports,
@@ -220,3 +221,20 @@ def test_model_ports_count_up_in_layout_order() -> None:
     ]
     config = supervisor_config(domain.slots, domain.settings)
     assert [m.port for s in config.inference_slots for m in s.models] == [8100, 8101, 8102]
+
+
+def test_setup_installs_the_pinned_packages_unless_the_image_has_them() -> None:
+    domain = example_domain_layout()
+    task = example_domain_task(start_asleep=False)
+    assert task.setup is not None
+    assert "pip install --upgrade vllm==0.33.0 haru-supervisor==0.1.0" in task.setup
+    assert "setup" in yaml.safe_load(render_task_yaml(task))
+    document = domain.model_dump(mode="json", by_alias=True, exclude_none=True)
+    document["provisioning"]["install"] = False
+    image = type(domain).model_validate(document)
+    prebuilt = domain_task(
+        "haru-demo-beta", image.placement, image.slots, image.settings, start_asleep=False
+    )
+    assert prebuilt.setup is None
+    assert "setup" not in yaml.safe_load(render_task_yaml(prebuilt))
+    assert prebuilt.run == task.run

@@ -217,3 +217,112 @@ def test_parse_listen_line() -> None:
     assert parse_listen_line("haru-sim-vllm listening on [::1]:9\n") == ("::1", 9)
     assert parse_listen_line("haru-sim-vllm control on 127.0.0.1:8000") is None
     assert parse_listen_line("something else") is None
+
+
+async def test_serve_takes_the_vllm_command_line(
+    processes: list[SimProcess], http: aiohttp.ClientSession
+) -> None:
+    argv = [
+        "serve",
+        "example-org/chat-small",
+        "--served-model-name",
+        "chat-small",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--enable-sleep-mode",
+        "--gpu-memory-utilization",
+        "0.45",
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--max-model-len",
+        "64",
+    ]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        str(CONSOLE_SCRIPT),
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+        env=env,
+    )
+    sim = SimProcess(proc)
+    processes.append(sim)
+    host, port = await sim.read_until_listening()
+    url = f"http://{host}:{port}"
+    async with http.get(f"{url}/v1/models") as resp:
+        [card] = (await resp.json())["data"]
+    assert (card["id"], card["root"], card["max_model_len"]) == (
+        "chat-small",
+        "example-org/chat-small",
+        64,
+    )
+    async with http.post(f"{url}/sleep?level=1") as resp:
+        assert await resp.json() == {"status": "sleeping", "level": 1}
+
+    # Without VLLM_SERVER_DEV_MODE the admin routes are not mounted, as in vLLM.
+    env.pop("VLLM_SERVER_DEV_MODE")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "haru_sim.vllm",
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+        env=env,
+    )
+    plain = SimProcess(proc)
+    processes.append(plain)
+    host, port = await plain.read_until_listening()
+    async with http.post(f"http://{host}:{port}/sleep") as resp:
+        assert resp.status == 404
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "code", "message"),
+    [
+        (["m", "--no-such-flag"], {}, 2, "unrecognized arguments: --no-such-flag"),
+        (["m", "--swap-spaces", "4"], {}, 2, "unrecognized arguments"),
+        (["m", "--model", "n"], {}, 2, "positional argument"),
+        (["m", "--gpu-memory-utilization", "1.5"], {}, 1, "gpu_memory_utilization"),
+        (["m", "--gpu-memory-utilization", "0"], {}, 1, "gpu_memory_utilization"),
+        (["m"], {"VLLM_SERVER_DEV_MODE": "true"}, 1, "invalid literal for int()"),
+        (["m", "--served-model-name", "a", "a"], {}, 2, "unique"),
+    ],
+)
+def test_serve_refuses_what_vllm_refuses(
+    argv: list[str],
+    env: dict[str, str],
+    code: int,
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from haru_sim._vllm_cli import main
+
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["serve", *argv]) == code
+    assert message in capsys.readouterr().err
+
+
+def test_serve_defaults_follow_vllm() -> None:
+    from haru_sim._vllm_serve import DEFAULT_MODEL, serve_config
+
+    config, host, port = serve_config([], environ={})
+    assert (config.served_model_names, config.model, host, port) == (
+        (DEFAULT_MODEL,),
+        DEFAULT_MODEL,
+        "0.0.0.0",
+        8000,
+    )
+    assert config.dev_mode is False
+    config, _, _ = serve_config(
+        ["m", "--reasoning-parser", "qwen3"], environ={"VLLM_SERVER_DEV_MODE": "1"}
+    )
+    assert (config.dev_mode, config.reasoning_field) == (True, "reasoning")

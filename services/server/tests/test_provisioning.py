@@ -30,6 +30,7 @@ from haru_driver_skypilot import TOKEN_SECRET, SkyPilotDriver, SkyRunner
 from haru_protocol import (
     DomainSnapshot,
     DomainState,
+    DomainUpRequested,
     Event,
     EventType,
     FleetLayout,
@@ -637,3 +638,86 @@ async def test_domain_status_up_and_down_through_the_api(
     assert beta.launch_attempt == 2
     started = await events(store, fleet.id, EventType.DOMAIN_LAUNCH_STARTED)
     assert [(e.payload["attempt"], e.payload["role"]) for e in started] == [(2, "standby")]
+
+
+async def test_the_relaunch_streak_survives_a_server_restart(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    await store.apply_fleet_layout(
+        bare_layout(relaunchBackoffBaseMs=1_000, relaunchMaxAttempts=2), at=clock()
+    )
+    name = "haru-local-alpha"
+
+    async def launched_then_lost(reconciler: Reconciler, attempt: int) -> None:
+        await tick_until(
+            reconciler,
+            store,
+            lambda f: (
+                domain(f, "alpha").launch_attempt == attempt
+                and domain(f, "alpha").supervisor_url is not None
+            ),
+        )
+        sky.set_status(name, None)  # preempted: SkyPilot forgets the cluster
+        await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+
+    first, first_provisioner = make_reconciler(store)
+    await launched_then_lost(first, 1)
+    clock.advance(ms=1_000)
+    await first.tick("local")
+    assert domain(await snapshot(store), "alpha").launch_attempt == 2
+    await launched_then_lost(first, 2)
+    await first_provisioner.close()
+
+    # A new server process: relaunch 2 of 2, after the doubled backoff, not a fresh streak.
+    second, second_provisioner = make_reconciler(store)
+    clock.advance(ms=1_999)
+    for _ in range(3):
+        await second.tick("local")
+    assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
+    clock.advance(ms=1)
+    await second.tick("local")
+    assert domain(await snapshot(store), "alpha").launch_attempt == 3
+    fleet = await snapshot(store)
+    relaunches = await events(store, fleet.id, EventType.DOMAIN_RELAUNCH)
+    assert [(e.payload["relaunch"], e.payload["backoffMs"]) for e in relaunches] == [
+        (1, 1_000),
+        (2, 2_000),
+    ]
+    await launched_then_lost(second, 3)
+    await second_provisioner.close()
+
+    # Spent: a third process neither relaunches nor says so twice.
+    for _ in range(2):
+        third, third_provisioner = make_reconciler(store)
+        clock.advance(ms=3_600_000)
+        for _ in range(3):
+            await third.tick("local")
+        await third_provisioner.close()
+    assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
+    assert len(sky.launches(name)) == 3
+    relaunches = await events(store, fleet.id, EventType.DOMAIN_RELAUNCH)
+    assert [(e.payload["relaunch"], e.payload["exhausted"]) for e in relaunches] == [
+        (1, False),
+        (2, False),
+        (2, True),
+    ]
+
+    # `haru domain up` starts a fresh streak: its next loss is relaunched again.
+    alpha = domain(await snapshot(store), "alpha")
+    assert await store.transition_domain(
+        alpha.id, from_states=(DomainState.FAILED,), to=DomainState.PROVISIONING, at=clock()
+    )
+    await store.append_event(
+        fleet_id=fleet.id,
+        payload=DomainUpRequested(from_state=DomainState.FAILED),
+        at=clock(),
+        domain_id=alpha.id,
+    )
+    fourth, _ = make_reconciler(store)
+    await launched_then_lost(fourth, 4)
+    clock.advance(ms=1_000)
+    await fourth.tick("local")
+    assert domain(await snapshot(store), "alpha").launch_attempt == 5
+    relaunches = await events(store, fleet.id, EventType.DOMAIN_RELAUNCH)
+    assert (relaunches[-1].payload["relaunch"], relaunches[-1].payload["backoffMs"]) == (1, 1_000)

@@ -181,6 +181,13 @@ def test_data_path_variables() -> None:
         Settings.from_env({"HARU_ROUTE_LEASE_MS": "-1"})
 
 
+def test_sky_status_interval() -> None:
+    assert Settings.from_env({}).sky_status_interval_ms == 10_000
+    assert Settings.from_env({"HARU_SKY_STATUS_INTERVAL_MS": "0"}).sky_status_interval_ms == 0
+    with pytest.raises(SettingsError, match="HARU_SKY_STATUS_INTERVAL_MS"):
+        Settings.from_env({"HARU_SKY_STATUS_INTERVAL_MS": "-1"})
+
+
 TOKEN = "tok-0123456789abcdef"
 
 

@@ -3,7 +3,8 @@
 A standby's posture is vLLM asleep and training running. A supervisor restart stops its
 trainers (and a trainer may die); the heartbeat then mirrors the training slot to ``idle`` and
 no operation would ever start it again. :func:`detect_restore` finds such a standby so the
-reconciler can queue a demote (which proves vLLM asleep and starts training), and
+reconciler can queue a demote (which proves vLLM asleep and starts training; a provisioned
+standby gets its first one the same way once its launch made it ready), and
 :func:`restore_backoff` spaces those demotes per target so a trainer that cannot start is not
 retried at tick rate.
 """
@@ -24,6 +25,7 @@ from haru_protocol import (
     OperationKind,
     OperationState,
     Policy,
+    Provider,
     TrainingSlotState,
 )
 
@@ -147,19 +149,30 @@ def reached_standby_posture(domain_id: UUID, operations: Iterable[Operation]) ->
     )
 
 
+def launched_as_standby(domain: DomainSnapshot) -> bool:
+    """Whether Haru launched ``domain`` (a provisioned one) and it is a standby now.
+
+    Haru launched it to take its place in the fleet: a standby's place is the full posture,
+    training included, so its first demote is Haru's, not the operator's (the launch put its
+    vLLM servers to sleep; nothing else starts its training).
+    """
+    return domain.provider is not Provider.STATIC and domain.launched_at is not None
+
+
 def detect_restore(
     fleet: FleetSnapshot, operations: Iterable[Operation], *, now: datetime
 ) -> RestoreDecision | None:
     """The first standby that lost its training and whose restore demotes do not back off.
 
     A candidate is out of posture (:func:`is_out_of_posture`) after having reached it
-    (:func:`reached_standby_posture`). The caller checks that no operation is in flight (the
+    (:func:`reached_standby_posture`), or was launched by Haru as a standby
+    (:func:`launched_as_standby`). The caller checks that no operation is in flight (the
     demote would otherwise race it) and passes the fleet's recent operations.
     """
     require_aware("now", now)
     recent = tuple(operations)
     for domain in restore_candidates(fleet):
-        if not reached_standby_posture(domain.id, recent):
+        if not (launched_as_standby(domain) or reached_standby_posture(domain.id, recent)):
             continue
         backoff = restore_backoff(fleet.policy, domain.id, recent)
         if not in_backoff(None if backoff is None else backoff.until, now=now):

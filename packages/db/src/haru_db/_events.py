@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -129,4 +129,27 @@ async def list_events(ex: Executor, fleet_id: UUID, *, after: int, limit: int) -
         .order_by(events.c.id)
         .limit(limit)
     )
+    return [event_from_row(row) for row in await ex.read(stmt)]
+
+
+async def list_domain_events(
+    ex: Executor,
+    fleet_id: UUID,
+    domain_id: UUID,
+    *,
+    types: Collection[str],
+    before: int | None,
+    limit: int,
+) -> list[Event]:
+    if before is not None and before < 1:
+        raise ValueError("before must be positive")
+    if not 1 <= limit <= MAX_EVENT_PAGE:
+        raise ValueError(f"limit must be between 1 and {MAX_EVENT_PAGE}")
+    if not types:
+        return []
+    where = [events.c.fleet_id == fleet_id, events.c.domain_id == domain_id]
+    where.append(events.c.type.in_(sorted(types)))
+    if before is not None:
+        where.append(events.c.id < before)
+    stmt = sa.select(events).where(*where).order_by(events.c.id.desc()).limit(limit)
     return [event_from_row(row) for row in await ex.read(stmt)]

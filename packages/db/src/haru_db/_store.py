@@ -503,6 +503,25 @@ class StateStore:
         """Events of a fleet with ``id > after``, oldest first, at most ``limit`` (<= 1000)."""
         return await _events.list_events(self._ex, fleet_id, after=after, limit=limit)
 
+    @_bounded
+    async def list_domain_events(
+        self,
+        fleet_id: UUID,
+        domain_id: UUID,
+        *,
+        types: Collection[str],
+        before: int | None = None,
+        limit: int = 100,
+    ) -> list[Event]:
+        """Events of one domain whose type is in ``types``, NEWEST first, at most ``limit``.
+
+        Pass the smallest id seen as ``before`` for the next page. The fleet id keeps the
+        scan on the fleet's events index.
+        """
+        return await _events.list_domain_events(
+            self._ex, fleet_id, domain_id, types=types, before=before, limit=limit
+        )
+
     # ---- layout ----------------------------------------------------------------------------
 
     @_bounded

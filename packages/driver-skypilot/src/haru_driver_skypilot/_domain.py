@@ -1,6 +1,7 @@
 """From a provisioned domain of the layout to the SkyPilot task that runs it.
 
-The task's ``setup`` installs the pinned vLLM and haru-supervisor; its ``run`` writes the
+The task's ``setup`` installs the pinned vLLM and haru-supervisor (no ``setup`` when the layout
+says ``install: false``: the image has them); its ``run`` writes the
 supervisor config (generated from the same slots) and the node helper, starts one vLLM server
 per model (dev mode and sleep mode on, the model's served name, 127.0.0.1, its GPU pinned with
 ``CUDA_VISIBLE_DEVICES``, its memory share), the serving gateway (the only public route to
@@ -219,7 +220,7 @@ def domain_task(
     return TaskSpec(
         name=name,
         placement=placement,
-        setup=setup_script(settings),
+        setup=setup_script(settings) if settings.install else None,
         run=run_script(slots, settings, start_asleep=start_asleep),
         ports=(settings.supervisor_port, settings.gateway_port),
         envs={"SKYPILOT_DISABLE_USAGE_COLLECTION": "1"},

@@ -277,6 +277,10 @@ class Provisioning(WireModel):
     ``/m/<model>/...`` to that model's vLLM server, so vLLM's admin routes stay on 127.0.0.1."""
     vllm_base_port: Port = 8100
     """The vLLM servers listen on 127.0.0.1, ports counted up from this one."""
+    install: Flag = True
+    """``setup`` installs vLLM (``vllmVersion``) and ``supervisorPackage`` with pip; ``false``
+    when the machine image already has ``vllm`` and ``haru-supervisor`` on its ``PATH`` (the
+    task then has no ``setup`` and fetches nothing)."""
     relaunch: Flag = True
     """Relaunch the cluster when SkyPilot reports it lost (preempted, stopped, gone)."""
     replicas: Annotated[StrictInt, Field(ge=1, le=100)] = 1

@@ -14,6 +14,7 @@ from typing import Final
 from haru_sim._config import Faults, VllmSimConfig
 from haru_sim._errors import SimConfigError
 from haru_sim._sim import VllmSim
+from haru_sim._vllm_serve import ServeArgumentError, serve_config
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +162,31 @@ async def _serve(config: VllmSimConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_main(argv: Sequence[str]) -> int:
+    try:
+        config, host, port = serve_config(argv)
+    except ServeArgumentError as exc:
+        sys.stderr.write(f"vllm serve: error: {exc}\n")
+        return exc.exit_code
+    except SimConfigError as exc:
+        sys.stderr.write(f"vllm serve: error: {exc}\n")
+        return 2
+    logging.basicConfig(level="WARNING", stream=sys.stderr)
+    args = argparse.Namespace(host=host, port=port, control_port=None)
+    return asyncio.run(_serve(config, args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the emulated vLLM server until SIGTERM or SIGINT; returns the exit status."""
+    """Run the emulated vLLM server until SIGTERM or SIGINT; returns the exit status.
+
+    ``serve MODEL [flags]`` reads the rest as real ``vllm serve`` does (see
+    :mod:`haru_sim._vllm_serve`), so a ``vllm`` wrapper can stand in for vLLM.
+    """
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    if arguments[:1] == ["serve"]:
+        return _serve_main(arguments[1:])
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(arguments)
     try:
         config = _config(args)
     except SimConfigError as exc:

@@ -9,6 +9,7 @@ variant (emulated vLLM servers and supervisors in the caller's event loop) that 
 benchmarks use.
 """
 
+from haru_demo._gpu import EmulatedGpu, GpuModel, write_nvidia_smi
 from haru_demo._procs import DemoError, find_stray_trainers, log_tail
 from haru_demo._scenario import fetch_events, operation_budget_s, promote_budget_s
 from haru_demo._topology import (
@@ -38,6 +39,10 @@ __all__ = (  # noqa: RUF022 -- grouped by topic
     "fetch_events",
     "promote_budget_s",
     "operation_budget_s",
+    # Emulated GPUs
+    "EmulatedGpu",
+    "GpuModel",
+    "write_nvidia_smi",
     # Processes and errors
     "DemoError",
     "find_stray_trainers",

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import urllib.error
 import urllib.request
@@ -72,6 +73,30 @@ class EmulatedGpu:
 def dump_gpus(gpus: Sequence[EmulatedGpu]) -> str:
     """The GPU document the wrapper script points at."""
     return json.dumps({"gpus": [asdict(g) for g in gpus]}, indent=2)
+
+
+def write_nvidia_smi(bin_dir: Path, gpus: Sequence[EmulatedGpu]) -> Path:
+    """Write the emulated ``nvidia-smi`` for ``gpus`` into ``bin_dir`` (put it first on a PATH).
+
+    The wrapper runs this module as a script in isolated mode without site-packages: it needs
+    only the standard library, and importing the haru_demo package would cost a second per
+    GPU query. The GPU document sits next to it as ``gpus.json``.
+
+    Returns:
+        The wrapper's path.
+    """
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    gpu_path = bin_dir / "gpus.json"
+    gpu_path.write_text(dump_gpus(gpus), encoding="utf-8")
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        f"exec {shlex.quote(sys.executable)} -I -S {shlex.quote(str(Path(__file__)))} "
+        f'{shlex.quote(str(gpu_path))} "$@"\n',
+        encoding="utf-8",
+    )
+    smi.chmod(0o755)
+    return smi
 
 
 def _int(value: Any, what: str, *, low: int = 0) -> int:

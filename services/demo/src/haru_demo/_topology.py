@@ -31,7 +31,6 @@ import dataclasses
 import logging
 import os
 import re
-import shlex
 import socket
 import sys
 import time
@@ -71,7 +70,7 @@ from haru_protocol import (
 from haru_server.control_client import ControlApiError, ControlClient
 
 from haru_demo import _gpu
-from haru_demo._gpu import GPU_TOTAL_MIB, EmulatedGpu, GpuModel, dump_gpus
+from haru_demo._gpu import GPU_TOTAL_MIB, EmulatedGpu, GpuModel, write_nvidia_smi
 from haru_demo._procs import (
     ChildProcess,
     DemoError,
@@ -524,19 +523,7 @@ class DemoTopology:
             SupervisorConfig(slots=tuple(slots)).model_dump_json(indent=2, exclude_none=True),
             encoding="utf-8",
         )
-        gpu_path = folder / "gpus.json"
-        gpu_path.write_text(dump_gpus([gpus[i] for i in sorted(gpus)]), encoding="utf-8")
-        smi = bin_dir / "nvidia-smi"
-        # The module runs as a plain script in isolated mode without site-packages: it needs
-        # only the standard library, and importing the haru_demo package would cost a second
-        # per GPU query.
-        smi.write_text(
-            "#!/bin/sh\n"
-            f"exec {shlex.quote(sys.executable)} -I -S {shlex.quote(str(GPU_SCRIPT))} "
-            f'{shlex.quote(str(gpu_path))} "$@"\n',
-            encoding="utf-8",
-        )
-        smi.chmod(0o755)
+        write_nvidia_smi(bin_dir, [gpus[i] for i in sorted(gpus)])
         env = _base_env()
         env.update(
             PORT="0",

@@ -40,7 +40,7 @@ from haru_server._keys import (
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
 from haru_server._metrics import ServerMetrics, metrics_key, proxy_access_middleware
 from haru_server._middleware import store_error_middleware
-from haru_server._provisioning import Provisioner
+from haru_server._provisioning import Provisioner, ProvisionerOptions
 from haru_server._proxy import install_proxy, observe_route_move
 from haru_server._proxy_routes import PROXIED_PATHS
 from haru_server._ready import ready_routes
@@ -148,6 +148,7 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             clock=app[clock_key],
             supervisor_token=settings.supervisor_token_value(),
             service_driver=SkyServeDriver(),
+            options=ProvisionerOptions(status_interval_s=settings.sky_status_interval_ms / 1000),
         )
         app[provisioner_key] = provisioner
         app[reconciler_key] = Reconciler(

@@ -24,7 +24,9 @@ re-runnable after a crash and writes by compare-and-swap:
 6. ``failed`` after a launch, cluster STOPPED or gone, ``relaunch`` on, no operation in
    flight: after an exponential backoff (from the failure) the domain goes back to
    ``provisioning`` and step 1 relaunches it, at most ``relaunchMaxAttempts`` times in a row
-   (the count restarts when the domain is ready again). One event per attempt.
+   (the count restarts when the domain is ready again or the operator runs ``haru domain
+   up``). One event per attempt; the streak is counted from those events, so a restarted
+   server continues it.
 7. ``stopping`` (``haru domain down``): ``sky down`` runs as a background task; done, the
    domain is ``stopped`` (``domain.teardown``); failed, an event and a new try next tick.
 
@@ -72,7 +74,9 @@ from haru_protocol import (
     DomainState,
     DomainStateChanged,
     DomainTeardown,
+    DomainUpRequested,
     EventPayload,
+    EventType,
     FleetSnapshot,
     InferenceSlotState,
     Operation,
@@ -93,6 +97,11 @@ MESSAGE_LIMIT = 1024
 
 _D = DomainState
 _I = InferenceSlotState
+_STREAK_EVENTS = frozenset(
+    {EventType.DOMAIN_RELAUNCH, EventType.DOMAIN_STATE_CHANGED, EventType.DOMAIN_UP_REQUESTED}
+)
+"""The events a relaunch streak is read from: relaunches, back to a ``ready`` or an ``up``."""
+_STREAK_PAGE = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +123,19 @@ class _Launch:
 
 
 @dataclass(slots=True)
+class _Streak:
+    """The relaunch streak of a failed domain, read from the store once per failure.
+
+    ``since`` is the ``state_updated_at`` it was read at: a newer one (the domain moved)
+    makes it stale.
+    """
+
+    since: datetime
+    relaunches: int
+    exhausted: bool
+
+
+@dataclass(slots=True)
 class _Memory:
     """What this process knows of one domain beyond the store."""
 
@@ -121,8 +143,7 @@ class _Memory:
     teardown: asyncio.Task[None] | None = None
     status_read_at: float | None = None
     addressed_at: datetime | None = None
-    relaunches: int = 0
-    exhausted: bool = False
+    streak: _Streak | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,9 +266,6 @@ class Provisioner:
                     return await self._service_ready(fleet, domain)
                 return await self._await_supervisor(fleet, domain, memory)
             case _D.READY | _D.DEGRADED:
-                if domain.state is _D.READY:
-                    memory.relaunches = 0
-                    memory.exhausted = False
                 memory.addressed_at = None
                 return await self._watch(fleet, domain, memory)
             case _D.FAILED:
@@ -585,13 +603,14 @@ class Provisioner:
         now = self._clock()
         name = self._cluster(fleet, domain)
         policy = fleet.policy
-        if memory.relaunches >= policy.relaunch_max_attempts:
-            if not memory.exhausted:
-                memory.exhausted = True
+        streak = await self._streak(fleet, domain, memory)
+        if streak.relaunches >= policy.relaunch_max_attempts:
+            if not streak.exhausted:
+                streak.exhausted = True
                 logger.error(
                     "domain %s: %d relaunches of %s spent; it stays failed",
                     domain.slug,
-                    memory.relaunches,
+                    streak.relaunches,
                     name,
                 )
                 await self._event(
@@ -599,7 +618,7 @@ class Provisioner:
                     domain,
                     DomainRelaunch(
                         cluster=name,
-                        relaunch=memory.relaunches,
+                        relaunch=streak.relaunches,
                         max_attempts=policy.relaunch_max_attempts,
                         backoff_ms=0,
                         exhausted=True,
@@ -608,7 +627,7 @@ class Provisioner:
                 )
             return False
         backoff_ms = min(
-            policy.relaunch_backoff_base_ms * 2**memory.relaunches,
+            policy.relaunch_backoff_base_ms * 2**streak.relaunches,
             policy.relaunch_backoff_max_ms,
         )
         if now < domain.state_updated_at + _ms(backoff_ms):
@@ -621,12 +640,13 @@ class Provisioner:
             domain.id, from_states=(_D.FAILED,), to=_D.PROVISIONING, at=now
         ):
             return True
-        memory.relaunches += 1
+        memory.streak = None
+        relaunch = streak.relaunches + 1
         logger.warning(
             "domain %s: relaunching %s (%d of %d)",
             domain.slug,
             name,
-            memory.relaunches,
+            relaunch,
             policy.relaunch_max_attempts,
         )
         await self._event(
@@ -634,7 +654,7 @@ class Provisioner:
             domain,
             DomainRelaunch(
                 cluster=name,
-                relaunch=memory.relaunches,
+                relaunch=relaunch,
                 max_attempts=policy.relaunch_max_attempts,
                 backoff_ms=backoff_ms,
             ),
@@ -642,6 +662,41 @@ class Provisioner:
         )
         back = domain.model_copy(update={"state": _D.PROVISIONING, "state_updated_at": now})
         return await self._launch(fleet, back, memory)
+
+    async def _streak(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
+    ) -> _Streak:
+        """The relaunches (and whether giving up was said) since the domain was last ready.
+
+        Counted from the store's events, newest first, back to the last ``ready`` or
+        ``haru domain up``, so a server restart continues the streak and its bound.
+        """
+        cached = memory.streak
+        if cached is not None and cached.since == domain.state_updated_at:
+            return cached
+        relaunches = 0
+        exhausted = False
+        before: int | None = None
+        reset = False
+        while not reset:
+            page = await self._store.list_domain_events(
+                fleet.id, domain.id, types=_STREAK_EVENTS, before=before, limit=_STREAK_PAGE
+            )
+            for event in page:
+                data = event.data
+                if isinstance(data, DomainUpRequested) or (
+                    isinstance(data, DomainStateChanged) and data.to_state is _D.READY
+                ):
+                    reset = True
+                    break
+                if isinstance(data, DomainRelaunch):
+                    exhausted |= data.exhausted
+                    relaunches += not data.exhausted
+            if len(page) < _STREAK_PAGE:
+                break
+            before = page[-1].id
+        memory.streak = _Streak(domain.state_updated_at, relaunches, exhausted)
+        return memory.streak
 
     # ---- step 7: teardown ----------------------------------------------------------------
 
@@ -725,13 +780,6 @@ class Provisioner:
         return await self._backend(domain).observe(
             self._cluster(fleet, domain), self._settings(domain)
         )
-
-    def forget_relaunches(self, domain_id: UUID) -> None:
-        """Start a fresh relaunch streak (the operator brought the domain up by hand)."""
-        memory = self._memory.get(domain_id)
-        if memory is not None:
-            memory.relaunches = 0
-            memory.exhausted = False
 
     # ---- writes --------------------------------------------------------------------------
 

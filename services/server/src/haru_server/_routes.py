@@ -376,7 +376,6 @@ async def domain_up(request: web.Request) -> web.Response:
             f"domain {domain.slug!r} is {domain.state.value}: `up` launches a stopped or "
             "failed domain",
         )
-    request.app[provisioner_key].forget_relaunches(domain.id)
     return await _domain_action(request, fleet, domain, DomainState.PROVISIONING)
 
 

@@ -165,6 +165,12 @@ class Settings(BaseSettings):
     )
     """``HARU_UPSTREAM_IDLE_TIMEOUT_MS``: an answer whose upstream sends nothing for this long
     is cut (the client's connection is broken, never a clean end)."""
+    sky_status_interval_ms: Annotated[EnvInt, Field(ge=0, le=MAX_DURATION_MS)] = Field(
+        10_000, validation_alias=_env("HARU_SKY_STATUS_INTERVAL_MS", "sky_status_interval_ms")
+    )
+    """``HARU_SKY_STATUS_INTERVAL_MS``: least time between two ``sky status`` reads of one
+    ``skypilot`` domain (each spawns ``sky``; the tick waits for it); 0 = every tick. Bounds
+    how soon a preempted cluster is noticed."""
     workers: Annotated[EnvInt, Field(ge=1, le=64)] = Field(
         1, validation_alias=_env("HARU_WORKERS", "workers")
     )

@@ -1,0 +1,189 @@
+"""A fake ``sky`` whose clusters are this machine: ``launch`` really runs the task's ``run``.
+
+Run as ``python fake_sky_node.py ARGS...`` by a ``sky`` wrapper first on the server's PATH;
+it answers the commands Haru uses like SkyPilot 0.14's CLI:
+
+- ``launch -c NAME -y -d [--secret NAME]... TASK.yaml``: reads the rendered task, refuses one
+  with a ``setup`` (it would install from the network; the layout says ``install: false``:
+  the "image" is this machine's virtualenv), then starts ``bash -c <run>`` detached (``-d``),
+  as SkyPilot's job would: in its own session, with the task's ``envs``, the secrets taken
+  from its own environment (where the driver put them), ``HOME`` = the node's directory (so
+  two clusters on one machine keep their ``~/.haru`` apart) and ``PATH`` = the node's
+  ``bin`` (the emulated ``nvidia-smi``), the shims (``vllm`` = the emulator) and the
+  virtualenv. The cluster is UP once the job is submitted.
+- ``status NAME -o json`` (with the ``Cluster(s) not found`` line and ``[]`` for an unknown
+  cluster) and ``status --ip NAME`` (127.0.0.1 when UP).
+- ``down NAME -y``: every process of the node dies, the cluster is gone.
+- ``fake-preempt NAME`` (not a SkyPilot command; the test's hand): a spot preemption. Every
+  process of the node is SIGKILLed and SkyPilot no longer knows the cluster.
+
+A node's processes are found through ``/proc/<pid>/environ`` (``FAKE_SKY_NODE``), which every
+descendant inherits, trainers in their own sessions included: a lost machine loses them all.
+Every call is appended to ``calls.jsonl`` in ``$FAKE_SKY_STATE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+NODE_VAR = "FAKE_SKY_NODE"
+
+
+def _state() -> Path:
+    return Path(os.environ["FAKE_SKY_STATE"])
+
+
+def node_dir(state: Path, name: str) -> Path:
+    """Where the cluster ``name`` lives: ``home/`` (its ``HOME``), ``bin/``, ``run.log``."""
+    return state / "nodes" / name
+
+
+def _cluster_file(state: Path, name: str) -> Path:
+    return state / f"cluster-{name}.json"
+
+
+def _save(state: Path, name: str, cluster: dict[str, Any]) -> None:
+    path = _cluster_file(state, name)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cluster))
+    os.replace(tmp, path)
+
+
+def node_pids(node: Path) -> list[int]:
+    """Live processes started for ``node`` (their environment names it)."""
+    marker = f"{NODE_VAR}={node}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if marker in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_node(node: Path) -> int:
+    """SIGKILL every process of ``node`` (a few passes: a dying parent may have just forked)."""
+    killed = 0
+    for _ in range(5):
+        pids = node_pids(node)
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+    return killed
+
+
+def _launch(state: Path, args: list[str]) -> int:
+    name = args[args.index("-c") + 1]
+    task = yaml.safe_load(Path(args[-1]).read_text())
+    if task.get("setup"):
+        sys.stderr.write(
+            "fake sky: this task has a `setup` (it would install from the network); "
+            "give the domain `install: false`\n"
+        )
+        return 1
+    node = node_dir(state, name)
+    home = node / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    kill_node(node)  # a relaunch on the same "machine" starts from nothing
+    secrets = [args[i + 1] for i, arg in enumerate(args) if arg == "--secret"]
+    env = {k: v for k, v in os.environ.items() if k not in secrets}
+    env.update({str(k): str(v) for k, v in (task.get("envs") or {}).items()})
+    for secret in secrets:
+        env[secret] = os.environ[secret]
+    shims = os.environ["FAKE_SKY_SHIMS"]
+    env.update(
+        HOME=str(home),
+        PATH=os.pathsep.join(
+            [str(node / "bin"), shims, str(Path(sys.executable).parent), env.get("PATH", "")]
+        ),
+        **{NODE_VAR: str(node)},
+    )
+    with (node / "run.log").open("ab") as log:
+        subprocess.Popen(
+            ["bash", "-c", task["run"]],  # noqa: S607
+            cwd=home,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    _save(state, name, {"status": "UP"})
+    sys.stdout.write("Job submitted, ID: 1\n")
+    return 0
+
+
+def _status(state: Path, args: list[str]) -> int:
+    if "--ip" in args:
+        name = args[-1]
+        path = _cluster_file(state, name)
+        if path.exists() and json.loads(path.read_text())["status"] == "UP":
+            sys.stdout.write("127.0.0.1\n")
+        else:
+            sys.stdout.write(f"Cluster {name} not found.\n")
+        return 0
+    name = args[1]
+    path = _cluster_file(state, name)
+    if not path.exists():
+        sys.stdout.write(f"Cluster(s) not found: \x1b[1m{name}\x1b[0m.\n[]\n")
+        return 0
+    cluster = json.loads(path.read_text())
+    row = {
+        "name": name,
+        "status": cluster["status"],
+        "nodes": 1,
+        "autostop": -1,
+        "launched_at": 1764460800,
+    }
+    sys.stdout.write(json.dumps([row], indent=2) + "\n")
+    return 0
+
+
+def _gone(state: Path, name: str) -> int:
+    kill_node(node_dir(state, name))
+    _cluster_file(state, name).unlink(missing_ok=True)
+    return 0
+
+
+def main(args: list[str]) -> int:
+    """The fake CLI; returns the exit status."""
+    state = _state()
+    with (state / "calls.jsonl").open("a") as calls:
+        entry: dict[str, Any] = {"argv": args}
+        for arg in args:
+            if arg.endswith(".yaml") and os.path.isfile(arg):
+                entry["yaml"] = Path(arg).read_text()
+        calls.write(json.dumps(entry) + "\n")
+    match args[:1]:
+        case ["launch"]:
+            return _launch(state, args)
+        case ["status"]:
+            return _status(state, args)
+        case ["down"]:
+            return _gone(state, args[1])
+        case ["fake-preempt"]:
+            return _gone(state, args[1])
+        case _:
+            sys.stderr.write(f"Error: No such command '{args[0] if args else ''}'.\n")
+            return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

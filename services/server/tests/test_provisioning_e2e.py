@@ -1,0 +1,357 @@
+"""End to end: two ``skypilot`` domains from ``haru seed`` to a serving fleet, a promotion and
+the preemption of the active, with the rendered ``run`` script really running on 127.0.0.1.
+
+The fake ``sky`` (``fake_sky_node.py``) runs each launched task's ``run`` unchanged: the
+supervisor config, the node helper (gateway, sleeper) and ``vllm serve ...`` per model come
+from the renderer, with a ``vllm`` wrapper first on the PATH that starts the emulator
+(``haru-sim-vllm serve``, which reads ``vllm serve``'s command line), the real
+``haru-supervisor`` and an emulated ``nvidia-smi`` whose memory follows the emulated servers
+and trainers. The server runs in this process on a real port with its reconcile loop; the
+operator's commands go through the ``haru`` CLI. Nothing in the layout names a URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from haru_demo import EmulatedGpu, GpuModel, write_nvidia_smi
+from haru_driver_skypilot import cluster_name, model_ports
+from haru_protocol import (
+    DomainLayout,
+    DomainSnapshot,
+    DomainState,
+    EventType,
+    FleetSnapshot,
+    InferenceSlotSpec,
+    InferenceSlotState,
+    TrainingSlotState,
+)
+from haru_server import create_app
+from haru_server._settings import Settings
+from haru_server.cli import app as cli_app
+from pydantic import SecretStr
+from pytest_aiohttp import AiohttpServer
+from typer.testing import CliRunner
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the fake sky finds a node's processes in /proc"
+)
+
+TOKEN = "tok-e2e-supervisor-secret-0815"
+FAKE_SKY = Path(__file__).with_name("fake_sky_node.py")
+MODELS = (("chat-small", "example-org/chat-small"), ("chat-large", None))
+AWAKE_MIB = 30_000
+DEADLINE_S = 60.0
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int, taken: set[int]) -> list[int]:
+    """``count`` consecutive free TCP ports none of which is in ``taken``."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        start = probe.getsockname()[1]
+    for base in range(start, start + 2_000):
+        block = list(range(base, base + count))
+        if block[-1] < 65_536 and all(p not in taken and _free(p) for p in block):
+            taken.update(block)
+            return block
+    raise AssertionError("no free port block")
+
+
+class Sky:
+    """The fake ``sky`` of one test: its state directory and its hand (preemption)."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+
+    def calls(self) -> list[dict[str, Any]]:
+        path = self.state / "calls.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def launches(self, name: str) -> list[dict[str, Any]]:
+        return [c for c in self.calls() if c["argv"][:1] == ["launch"] and name in c["argv"]]
+
+    def node(self, name: str) -> Path:
+        return self.state / "nodes" / name
+
+    async def run(self, *argv: str) -> None:
+        proc = await asyncio.create_subprocess_exec(sys.executable, str(FAKE_SKY), *argv)
+        assert await proc.wait() == 0
+
+    def kill_all(self) -> None:
+        """What ``sky down`` does to every node this test launched (nothing may outlive it)."""
+        nodes = self.state / "nodes"
+        for node in sorted(nodes.iterdir()) if nodes.exists() else ():
+            subprocess.run([sys.executable, str(FAKE_SKY), "down", node.name], check=True)
+
+
+@pytest.fixture
+def sky(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Sky]:
+    bin_dir = tmp_path / "bin"
+    shims = tmp_path / "shims"
+    state = tmp_path / "sky-state"
+    for folder in (bin_dir, shims, state):
+        folder.mkdir()
+    wrappers = {
+        bin_dir / "sky": f'exec "{sys.executable}" "{FAKE_SKY}" "$@"',
+        # `vllm serve ...` of the run script starts the emulator with the same command line.
+        shims / "vllm": f'exec "{sys.executable}" -m haru_sim.vllm "$@"',
+    }
+    for path, line in wrappers.items():
+        path.write_text(f"#!/bin/sh\n{line}\n")
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.setenv("FAKE_SKY_STATE", str(state))
+    monkeypatch.setenv("FAKE_SKY_SHIMS", str(shims))
+    fake = Sky(state)
+    yield fake
+    fake.kill_all()
+
+
+def domain_document(slug: str, tmp_path: Path, taken: set[int]) -> dict[str, Any]:
+    supervisor_port, gateway_port = free_ports(1, taken)[0], free_ports(1, taken)[0]
+    base = free_ports(len(MODELS), taken)[0]
+    models: list[dict[str, Any]] = []
+    for name, source in MODELS:
+        models.append({"name": name} if source is None else {"name": name, "source": source})
+    trainer = [sys.executable, "-m", "haru_sim.trainer", "--step-ms", "20"]
+    return {
+        "slug": slug,
+        "provider": "skypilot",
+        "placement": {
+            "cloud": "gcp",
+            "region": "us-central1",
+            "accelerator": "L4",
+            "useSpot": True,
+        },
+        "provisioning": {
+            "install": False,
+            "supervisorPort": supervisor_port,
+            "gatewayPort": gateway_port,
+            "vllmBasePort": base,
+        },
+        "slots": [
+            {"kind": "inference", "gpuIndex": 0, "models": models},
+            {
+                "kind": "training",
+                "gpuIndex": 0,
+                "command": trainer,
+                "checkpointDir": str(tmp_path / "checkpoints" / slug),
+            },
+        ],
+    }
+
+
+def give_nodes_a_gpu(sky: Sky, document: dict[str, Any]) -> None:
+    """Each node's emulated ``nvidia-smi``: its models' ports (from the layout) and trainer."""
+    for raw in document["domains"]:
+        domain = DomainLayout.model_validate(raw)
+        ports = model_ports(domain.slots, domain.settings)
+        gpu = EmulatedGpu(
+            index=0,
+            models=tuple(GpuModel(name=p.name, port=p.port, awake_mib=AWAKE_MIB) for p in ports),
+            checkpoint_dir=raw["slots"][1]["checkpointDir"],
+        )
+        write_nvidia_smi(sky.node(cluster_name("local", domain.slug)) / "bin", [gpu])
+
+
+def by_slug(fleet: FleetSnapshot, slug: str) -> DomainSnapshot:
+    return next(d for d in fleet.domains if d.slug == slug)
+
+
+def serving(domain: DomainSnapshot) -> bool:
+    return domain.state is DomainState.READY and all(
+        s.state is InferenceSlotState.SERVING for s in domain.slots if s.kind == "inference"
+    )
+
+
+def standby_posture(domain: DomainSnapshot) -> bool:
+    return domain.state is DomainState.READY and all(
+        s.state
+        is (InferenceSlotState.SLEEPING if s.kind == "inference" else TrainingSlotState.TRAINING)
+        for s in domain.slots
+    )
+
+
+class Control:
+    def __init__(self, base: str, http: aiohttp.ClientSession) -> None:
+        self.base = base
+        self.http = http
+
+    async def fleet(self) -> FleetSnapshot:
+        async with self.http.get(f"{self.base}/v1/fleets/local") as resp:
+            assert resp.status == 200, await resp.text()
+            return FleetSnapshot.model_validate_json(await resp.read())
+
+    async def wait(self, what: str, done: Callable[[FleetSnapshot], bool]) -> FleetSnapshot:
+        fleet = await self.fleet()
+        try:
+            async with asyncio.timeout(DEADLINE_S):
+                while not done(fleet):
+                    await asyncio.sleep(0.1)
+                    fleet = await self.fleet()
+        except TimeoutError:
+            raise AssertionError(f"not reached: {what}; fleet: {fleet}") from None
+        return fleet
+
+    async def events(self, type_: str) -> list[dict[str, Any]]:
+        async with self.http.get(f"{self.base}/v1/fleets/local/events?limit=1000") as resp:
+            body = await resp.json()
+        return [e for e in body["events"] if e["type"] == type_]
+
+    async def chat(self, model: str, text: str) -> str:
+        body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 4}
+        async with self.http.post(f"{self.base}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return str((await resp.json())["choices"][0]["message"]["content"])
+
+    async def haru(self, *argv: str) -> str:
+        result = await asyncio.to_thread(
+            CliRunner().invoke, cli_app, [*argv[:1], *argv[1:], "--url", self.base]
+        )
+        assert result.exit_code == 0, result.output
+        return result.output
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
+    tmp_path: Path, sky: Sky, aiohttp_server: AiohttpServer, http: aiohttp.ClientSession
+) -> None:
+    taken: set[int] = set()
+    document: dict[str, Any] = {
+        "slug": "local",
+        "activeDomainSlug": "alpha",
+        # The failover's best-effort sleep of the lost active spends its budget before the
+        # relaunch may start (no operation in flight): keep that budget short here.
+        "policy": {"autoFailover": True, "relaunchBackoffBaseMs": 200, "sleepTimeoutMs": 2_000},
+        "domains": [domain_document(slug, tmp_path, taken) for slug in ("alpha", "beta")],
+    }
+    give_nodes_a_gpu(sky, document)
+    layout_path = tmp_path / "layout.json"
+    layout_path.write_text(json.dumps(document))
+    database = f"sqlite:///{tmp_path / 'haru.db'}"
+    seeded = await asyncio.to_thread(
+        CliRunner().invoke, cli_app, ["seed", str(layout_path), "--database-url", database]
+    )
+    assert seeded.exit_code == 0, seeded.output
+
+    settings = Settings(
+        database_url=database,
+        supervisor_token=SecretStr(TOKEN),
+        default_fleet="local",
+        reconcile_interval_ms=100,
+        sky_status_interval_ms=0,
+    )
+    server = await aiohttp_server(create_app(settings))
+    control = Control(str(server.make_url("")).rstrip("/"), http)
+    ports = {d["slug"]: d["provisioning"] for d in document["domains"]}
+
+    # Seed to a serving active and a sleeping, training standby: no URL was typed in.
+    fleet = await control.wait(
+        "alpha serving, beta in standby posture",
+        lambda f: serving(by_slug(f, "alpha")) and standby_posture(by_slug(f, "beta")),
+    )
+    assert fleet.active_domain_id == by_slug(fleet, "alpha").id
+    for slug in ("alpha", "beta"):
+        domain = by_slug(fleet, slug)
+        gateway = f"http://127.0.0.1:{ports[slug]['gatewayPort']}"
+        assert str(domain.supervisor_url) == f"http://127.0.0.1:{ports[slug]['supervisorPort']}"
+        assert str(domain.serving_base_url) == gateway
+        urls = sorted(
+            str(m.serving_url)
+            for s in domain.slots
+            if isinstance(s.spec, InferenceSlotSpec)
+            for m in s.spec.models
+        )
+        assert urls == [f"{gateway}/m/chat-large", f"{gateway}/m/chat-small"]
+        [launch] = sky.launches(cluster_name("local", slug))
+        assert TOKEN not in json.dumps(launch)
+        # The supervisor holds the token the secret carried, and nothing else opens it.
+        status_url = f"{str(domain.supervisor_url).rstrip('/')}/v1/status"
+        async with http.get(status_url) as resp:
+            assert resp.status == 401
+        async with http.get(status_url, headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+            assert resp.status == 200
+        # Each model is an emulated `vllm serve` on its generated port, with its source.
+        base = ports[slug]["vllmBasePort"]
+        for offset, (name, source) in enumerate(MODELS):
+            async with http.get(f"http://127.0.0.1:{base + offset}/_sim/state") as resp:
+                state = await resp.json()
+            assert state["served_model_names"] == [name]
+            async with http.get(f"http://127.0.0.1:{base + offset}/v1/models") as resp:
+                assert (await resp.json())["data"][0]["root"] == (source or name)
+    assert await control.chat("chat-small", "hello alpha") == "hello alpha"
+
+    # A planned switchover through the CLI.
+    await control.haru("promote", "local", "beta", "--wait", "--timeout", "60")
+    fleet = await control.wait(
+        "beta serving, alpha in standby posture",
+        lambda f: (
+            f.active_domain_id == by_slug(f, "beta").id
+            and serving(by_slug(f, "beta"))
+            and standby_posture(by_slug(f, "alpha"))
+        ),
+    )
+    assert await control.chat("chat-large", "hello beta") == "hello beta"
+
+    # The active's spot cluster is preempted: its machine dies and SkyPilot forgets it.
+    beta_cluster = cluster_name("local", "beta")
+    await sky.run("fake-preempt", beta_cluster)
+    fleet = await control.wait(
+        "failover to alpha",
+        lambda f: f.active_domain_id == by_slug(f, "alpha").id and serving(by_slug(f, "alpha")),
+    )
+    assert await control.chat("chat-small", "after preemption") == "after preemption"
+    [lost] = await control.events(EventType.DOMAIN_CLUSTER_LOST)
+    assert (lost["payload"]["cluster"], lost["payload"]["role"]) == (beta_cluster, "active")
+    # Relaunched by the fake sky running the run script again; it rejoins as a standby.
+    fleet = await control.wait(
+        "beta relaunched into standby posture", lambda f: standby_posture(by_slug(f, "beta"))
+    )
+    assert by_slug(fleet, "beta").launch_attempt == 2
+    assert len(sky.launches(beta_cluster)) == 2
+    [relaunch] = await control.events(EventType.DOMAIN_RELAUNCH)
+    assert relaunch["payload"]["relaunch"] == 1
+    started = [
+        e["payload"]["role"]
+        for e in await control.events(EventType.DOMAIN_LAUNCH_STARTED)
+        if e["payload"]["cluster"] == beta_cluster
+    ]
+    assert started == ["standby", "standby"]
+    shown = await control.haru("domain", "status", "local", "beta")
+    assert f"cluster {beta_cluster}: UP" in shown
+    # The relaunched standby can take over again: a promotion back to it succeeds.
+    await control.haru("promote", "local", "beta", "--wait", "--timeout", "60")
+    fleet = await control.wait(
+        "beta active again",
+        lambda f: (
+            f.active_domain_id == by_slug(f, "beta").id
+            and serving(by_slug(f, "beta"))
+            and standby_posture(by_slug(f, "alpha"))
+        ),
+    )
+    assert await control.chat("chat-small", "back on beta") == "back on beta"
