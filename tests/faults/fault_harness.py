@@ -27,13 +27,17 @@ from uuid import UUID
 
 import aiohttp
 from fault_procs import (
+    FaultTopology,
     PgForwarder,
     Replica,
+    SqliteWriteLock,
     checkpoint_dirs_of,
+    clock_offset_file,
     create_database,
     drop_database,
     hold_slow_clients,
     restart_supervisor,
+    set_clock_offset,
     trainers_in,
 )
 from haru_db import StateStore
@@ -153,6 +157,42 @@ _KINDS_ALL = (
 )
 _KINDS_PG = (("replica_kill", 3), ("store_cut", 2), ("store_stall", 2))
 
+CLOCK_JUMP_MS = (400, 1_500)
+"""Size range of a clock jump: below every budget of ``POLICY`` but ``degradedGraceMs``
+(600 ms, which a jump may shorten to nothing: an earlier escalation, a legal outcome)."""
+
+
+def _extra_faults(seed: int, variant: str, replicas: int, window_s: float) -> list[Fault]:
+    """Faults of the kinds added after the first 52 schedules, from their own random stream
+    (so the eight faults a seed drew before stay the same): a clock jump of one replica
+    (forward or back, then back to true time) and, on SQLite, a long write transaction."""
+    rng = random.Random(f"{variant}:{seed}:extra")
+    extra: list[Fault] = []
+    for _ in range(rng.choice((0, 1, 1, 2))):
+        ms = rng.randint(*CLOCK_JUMP_MS) * rng.choice((-1, 1))
+        extra.append(
+            Fault(
+                round(rng.uniform(0, window_s), 1),
+                "clock_jump",
+                str(rng.randrange(replicas)),
+                round(rng.uniform(1.0, 6.0), 1),
+                f"{ms:+d} ms",
+            )
+        )
+    if variant == "sqlite-single":
+        for _ in range(rng.choice((0, 1, 1, 2))):
+            # Up to past the server's 5 s busy timeout: writes wait, and some fail.
+            extra.append(
+                Fault(
+                    round(rng.uniform(0, window_s), 1),
+                    "store_lock",
+                    "store",
+                    round(rng.uniform(1.0, 7.0), 1),
+                    "BEGIN IMMEDIATE held",
+                )
+            )
+    return extra
+
 
 def make_schedule(seed: int, variant: str, *, faults: int = 8, window_s: float = 20.0) -> Schedule:
     rng = random.Random(f"{variant}:{seed}")
@@ -183,6 +223,7 @@ def make_schedule(seed: int, variant: str, *, faults: int = 8, window_s: float =
         else:
             target, extra = rng.choice(domains), ""
         chosen.append(Fault(at, kind, target, duration, extra))
+    chosen += _extra_faults(seed, variant, replicas, window_s)
     chosen.sort(key=lambda f: f.at_s)
     return Schedule(seed, variant, domains, replicas, trainer_args, tuple(chosen), window_s)
 
@@ -369,6 +410,10 @@ class Run:
         self.faults_end = 0.0
         self.hold = hold
         self.unplanned: list[tuple[float, float]] = []
+        self.database_path: Path | None = None
+        # The largest clock offset a replica ran with: wall-clock times written by it (operation
+        # and step starts, backoff ends) may be off by this much.
+        self.max_skew_s = 0.0
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -391,7 +436,7 @@ class Run:
             )
         else:
             direct_url = str(self.workdir / "fleet" / "haru.db")
-        self.topology = DemoTopology(
+        self.topology = FaultTopology(
             TopologyOptions(
                 workdir=self.workdir / "fleet",
                 database_url=server_url,
@@ -405,10 +450,10 @@ class Run:
         first = Replica(self.topology, 0, server_url)
         first.process, first.port = self.topology.server, self.topology.server_port
         self.replicas = [first]
-        for index in range(1, s.replicas):
-            replica = Replica(self.topology, index, server_url)
-            await replica.start()
-            self.replicas.append(replica)
+        others = [Replica(self.topology, i, server_url) for i in range(1, s.replicas)]
+        await asyncio.gather(*(r.start() for r in others))
+        self.replicas += others
+        self.database_path = None if s.variant == "pg-replicas" else Path(direct_url)
         self.store = StateStore.open(direct_url)
         fleet = await self.store.get_fleet_snapshot("faults")
         assert fleet is not None
@@ -534,6 +579,24 @@ class Run:
             (self.forwarder.cut if fault.kind == "store_cut" else self.forwarder.stall)()
             await asyncio.sleep(d)
             self.forwarder.restore()
+        elif fault.kind == "store_lock":
+            assert self.database_path is not None
+            lock = SqliteWriteLock(self.database_path)
+            await lock.acquire()
+            self.history.note("fault", "write lock held")
+            try:
+                await asyncio.sleep(d)
+            finally:
+                await lock.release()
+        elif fault.kind == "clock_jump":
+            offset_ms = float(fault.extra.split()[0])
+            path = clock_offset_file(topo.workdir, int(slug))
+            self.max_skew_s = max(self.max_skew_s, abs(offset_ms) / 1000)
+            set_clock_offset(path, offset_ms)
+            try:
+                await asyncio.sleep(d)
+            finally:
+                set_clock_offset(path, 0)
 
     # -- continuous checks ----------------------------------------------------------------------
 
@@ -703,7 +766,7 @@ class Run:
                 slug = self.slug_of.get(event.domain_id) if event.domain_id else ""
                 payload = json.dumps(event.payload, separators=(",", ":"))[:200]
                 self.history.note("event", f"@{at:6.2f} {event.type} {slug or ''} {payload}")
-        budget = operation_budget_s(resolve_policy(POLICY)) + 3.0
+        budget = operation_budget_s(resolve_policy(POLICY)) + 3.0 + self.max_skew_s
         t_end = datetime.now(UTC)
         faults_end_wall = t_end - timedelta(seconds=self.history.now() - self.faults_end)
         for op in sorted(ops, key=lambda o: o.created_at):
@@ -776,7 +839,8 @@ class Run:
             elif event.type == "operation.auto_failover" and event.operation_id in by_id:
                 op = by_id[event.operation_id]
                 bound = until.get(op.target_domain_id)
-                if bound is not None and op.created_at < bound - timedelta(milliseconds=50):
+                slack = timedelta(milliseconds=50) + timedelta(seconds=self.max_skew_s)
+                if bound is not None and op.created_at < bound - slack:
                     self.history.violation(
                         "backoff",
                         f"auto promote {op.id} of {self.slug_of.get(op.target_domain_id)} at "

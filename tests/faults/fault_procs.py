@@ -7,7 +7,9 @@ import contextlib
 import os
 import re
 import socket
+import sqlite3
 import sys
+from pathlib import Path
 
 import psycopg
 from haru_demo import DemoTopology
@@ -101,6 +103,58 @@ def drop_database(admin_url: str, name: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
 
 
+def clock_offset_file(workdir: Path, index: int) -> Path:
+    """Where replica ``index`` reads its clock offset (``HARU_CLOCK_OFFSET_FILE``)."""
+    return workdir / f"clock-offset-{index}"
+
+
+def set_clock_offset(path: Path, offset_ms: float) -> None:
+    """Make the server process reading ``path`` jump to the real time plus ``offset_ms``."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{offset_ms:.0f}\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class FaultTopology(DemoTopology):
+    """The demo fleet, its server (replica 0) reading its clock offset from a file."""
+
+    def server_env(self) -> dict[str, str]:
+        env = super().server_env()
+        env["HARU_CLOCK_OFFSET_FILE"] = str(clock_offset_file(self.workdir, 0))
+        return env
+
+
+class SqliteWriteLock:
+    """Another process's long write transaction on the SQLite store (a backup or maintenance
+    tool, an operator's ``sqlite3`` shell): ``BEGIN IMMEDIATE`` held. Under WAL (Haru's
+    journal mode) readers keep reading; every writer waits its busy timeout, then fails."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._conn: sqlite3.Connection | None = None
+
+    async def acquire(self) -> None:
+        def begin() -> sqlite3.Connection:
+            conn = sqlite3.connect(
+                self.path, timeout=10.0, isolation_level=None, check_same_thread=False
+            )
+            conn.execute("BEGIN IMMEDIATE")
+            return conn
+
+        self._conn = await asyncio.to_thread(begin)
+
+    async def release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await asyncio.to_thread(_rollback_and_close, conn)
+
+
+def _rollback_and_close(conn: sqlite3.Connection) -> None:
+    with contextlib.suppress(sqlite3.Error):
+        conn.execute("ROLLBACK")
+    conn.close()
+
+
 class Replica:
     """One ``haru serve`` process of the replicated control plane, restartable on its port."""
 
@@ -123,6 +177,7 @@ class Replica:
     async def start(self) -> None:
         env = self.topology.server_env()
         env["PORT"] = str(self.port)
+        env["HARU_CLOCK_OFFSET_FILE"] = str(clock_offset_file(self.topology.workdir, self.index))
         if self.database_url is not None:
             env["DATABASE_URL"] = self.database_url
         self.process = await spawn(
