@@ -27,13 +27,13 @@ from uuid import UUID
 
 import aiohttp
 from fault_procs import (
+    TEMPLATE,
     FaultTopology,
     PgForwarder,
     Replica,
     SqliteWriteLock,
     checkpoint_dirs_of,
     clock_offset_file,
-    create_database,
     drop_database,
     hold_slow_clients,
     restart_supervisor,
@@ -375,6 +375,8 @@ class Result:
     p50_ms: float = 0.0
     p99_ms: float = 0.0
     operations: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+    """Wall seconds per phase: start (fleet up), faults, settle, checks, close."""
 
     def summary(self) -> str:
         status = "OK" if not self.violations else f"{len(self.violations)} VIOLATION(S)"
@@ -383,7 +385,9 @@ class Result:
             f"requests={self.requests} failed={sum(self.failures.values())} "
             f"(excused {sum(self.excused.values())}: {dict(self.excused)}; "
             f"unexcused: {dict(self.failures)}) p50={self.p50_ms:.1f}ms p99={self.p99_ms:.1f}ms "
-            f"operations={self.operations} history={self.history_path}"
+            f"operations={self.operations} "
+            f"phases={' '.join(f'{k}={v:.1f}s' for k, v in self.phases.items())} "
+            f"history={self.history_path}"
         )
 
 
@@ -414,6 +418,7 @@ class Run:
         # The largest clock offset a replica ran with: wall-clock times written by it (operation
         # and step starts, backoff ends) may be off by this much.
         self.max_skew_s = 0.0
+        self.phases: dict[str, float] = {}
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -425,7 +430,7 @@ class Run:
         if s.variant == "pg-replicas":
             assert self.admin_url is not None, "pg-replicas needs a PostgreSQL URL"
             self.db_name = f"haru_faults_{os.getpid()}_{s.seed}"
-            direct_url = create_database(self.admin_url, self.db_name)
+            direct_url = await TEMPLATE.copy(self.admin_url, self.db_name)
             from sqlalchemy.engine import make_url
 
             target = make_url(direct_url)
@@ -445,14 +450,16 @@ class Run:
                 layout=fleet_shape(s.domains),
             )
         )
-        await self.topology.start()
+        (self.workdir / "fleet" / "logs").mkdir(parents=True, exist_ok=True)
+        # The extra replicas boot while the fleet starts (the database is already migrated: a
+        # copy of the template); their loops find the fleet once it is seeded.
+        others = [Replica(self.topology, i, server_url) for i in range(1, s.replicas)]
+        self.replicas = others
+        await asyncio.gather(self.topology.start(), *(r.start() for r in others))
         assert self.topology.server is not None
         first = Replica(self.topology, 0, server_url)
         first.process, first.port = self.topology.server, self.topology.server_port
-        self.replicas = [first]
-        others = [Replica(self.topology, i, server_url) for i in range(1, s.replicas)]
-        await asyncio.gather(*(r.start() for r in others))
-        self.replicas += others
+        self.replicas = [first, *others]
         self.database_path = None if s.variant == "pg-replicas" else Path(direct_url)
         self.store = StateStore.open(direct_url)
         fleet = await self.store.get_fleet_snapshot("faults")
@@ -465,9 +472,9 @@ class Run:
     async def close(self) -> None:
         if self.store is not None:
             await self.store.close()
-        for replica in self.replicas[1:]:
-            with contextlib.suppress(Exception):
-                await replica.kill()
+        # The verdicts are in: no replica needs a graceful shutdown (SIGTERM waits for its
+        # connections to drain, seconds per schedule).
+        await asyncio.gather(*(r.kill() for r in self.replicas), return_exceptions=True)
         if self.topology is not None:
             await self.topology.close()
         if self.forwarder is not None:
@@ -649,6 +656,7 @@ class Run:
         for line in self.schedule.describe():
             self.history.note("schedule", line)
         await self.start()
+        self.phases["start"] = self.history.now()
         traffic = Traffic(self.replicas, self.history)
         stop = asyncio.Event()
         monitor = asyncio.create_task(self.monitor(stop))
@@ -665,12 +673,16 @@ class Run:
             if isinstance(outcome, BaseException):
                 self.history.note("harness", f"fault {fault.kind} raised {outcome!r}")
         self.faults_end = self.history.now()
+        self.phases["faults"] = self.faults_end - t0
         self.history.note("faults", "every fault cleared; settling")
         settled = await self.settle(settle_s)
+        self.phases["settle"] = self.history.now() - self.faults_end
         await traffic.stop()
         stop.set()
         await monitor
+        checks_start = self.history.now()
         await self.final_checks(settled)
+        self.phases["checks"] = self.history.now() - checks_start
         return self.result(traffic)
 
     async def settle(self, bound_s: float) -> str | None:
@@ -922,6 +934,7 @@ class Run:
             p50_ms=p50,
             p99_ms=p99,
             operations=len(getattr(self, "operations", [])),
+            phases=self.phases,
         )
 
 
@@ -936,11 +949,15 @@ async def run_schedule(
     os.makedirs(workdir, exist_ok=True)
     run = Run(schedule, workdir, admin_url, hold=hold)
     try:
-        return await run.run(settle_s)
+        result = await run.run(settle_s)
     except BaseException as exc:
         run.history.violation("harness", f"{exc!r}")
         run.history.write()
         raise
     finally:
+        closing = time.monotonic()
         await run.close()
+        run.phases["close"] = time.monotonic() - closing
+        run.history.note("timing", " ".join(f"{k}={v:.1f}s" for k, v in run.phases.items()))
         run.history.write()
+    return result

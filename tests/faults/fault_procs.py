@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import psycopg
+from haru_db import upgrade
 from haru_demo import DemoTopology
 from haru_demo._procs import ChildProcess, spawn
 from haru_demo._topology import _base_env
@@ -86,14 +87,43 @@ class PgForwarder:
         writer.transport.abort()
 
 
-def create_database(admin_url: str, name: str) -> str:
-    """Create database ``name`` on the server of ``admin_url``; returns its SQLAlchemy URL."""
+def create_database(admin_url: str, name: str, *, template: str | None = None) -> str:
+    """Create database ``name`` on the server of ``admin_url`` (a copy of ``template`` when
+    given); returns its SQLAlchemy URL."""
     url = make_url(admin_url)
     libpq = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    copy = f' TEMPLATE "{template}"' if template is not None else ""
     with psycopg.connect(libpq, autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
-        conn.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
+        conn.execute(f'CREATE DATABASE "{name}"{copy}')  # type: ignore[arg-type]
     return url.set(database=name).render_as_string(hide_password=False)
+
+
+class MigratedTemplate:
+    """One migrated PostgreSQL database per harness process, copied for every schedule
+    (``CREATE DATABASE ... TEMPLATE``: a file copy instead of a migration per schedule)."""
+
+    def __init__(self) -> None:
+        self.name = f"haru_faults_template_{os.getpid()}"
+        self._lock = asyncio.Lock()
+        self._admin_url: str | None = None
+
+    async def copy(self, admin_url: str, name: str) -> str:
+        async with self._lock:  # PostgreSQL refuses two copies of one template at once
+            if self._admin_url is None:
+                url = await asyncio.to_thread(create_database, admin_url, self.name)
+                await upgrade(url)
+                self._admin_url = admin_url
+            return await asyncio.to_thread(create_database, admin_url, name, template=self.name)
+
+    def drop(self) -> None:
+        if self._admin_url is not None:
+            with contextlib.suppress(Exception):
+                drop_database(self._admin_url, self.name)
+            self._admin_url = None
+
+
+TEMPLATE = MigratedTemplate()
 
 
 def drop_database(admin_url: str, name: str) -> None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from haru_server._app import clock_key, create_app
+from haru_server._app import create_app
 from haru_server._clock import OffsetFileClock, utc_now
+from haru_server._keys import clock_key
 from haru_server._settings import Settings, SettingsError
 from pydantic import ValidationError
 
