@@ -419,6 +419,10 @@ class Run:
         # and step starts, backoff ends) may be off by this much.
         self.max_skew_s = 0.0
         self.phases: dict[str, float] = {}
+        # When each replica (re)started listening, history time, per replica index: a replica's
+        # route cache is cold from then until its first routed request.
+        self.starts: dict[int, list[float]] = defaultdict(list)
+        self.outcomes: list[Outcome] = []
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -434,7 +438,11 @@ class Run:
             from sqlalchemy.engine import make_url
 
             target = make_url(direct_url)
-            self.forwarder = PgForwarder(target.host or "127.0.0.1", target.port or 5432)
+            self.forwarder = PgForwarder(
+                target.host or "127.0.0.1",
+                target.port or 5432,
+                note=lambda text: self.history.note("forwarder", text),
+            )
             await self.forwarder.start()
             server_url = target.set(host="127.0.0.1", port=self.forwarder.port).render_as_string(
                 hide_password=False
@@ -460,6 +468,8 @@ class Run:
         first = Replica(self.topology, 0, server_url)
         first.process, first.port = self.topology.server, self.topology.server_port
         self.replicas = [first, *others]
+        for replica in self.replicas:
+            self.starts[replica.index].append(self.history.now())
         self.database_path = None if s.variant == "pg-replicas" else Path(direct_url)
         self.store = StateStore.open(direct_url)
         fleet = await self.store.get_fleet_snapshot("faults")
@@ -481,7 +491,7 @@ class Run:
             await self.forwarder.close()
         if self.db_name is not None and self.admin_url is not None:
             with contextlib.suppress(Exception):
-                drop_database(self.admin_url, self.db_name)
+                await asyncio.to_thread(drop_database, self.admin_url, self.db_name)
 
     # -- faults ---------------------------------------------------------------------------------
 
@@ -546,13 +556,14 @@ class Run:
                 "fault", f"vllm of {slug} restarted {'asleep' if asleep else 'awake'}"
             )
         elif fault.kind.startswith("vllm_"):
-            knob = {
+            knobs: dict[str, dict[str, Any]] = {
                 "vllm_hang": {"hang": True},
                 "vllm_error_500": {"error_500": True},
                 "vllm_slow_probe": {"slow_first_token_ms": 4_000},
                 "vllm_wake_fails": {"wake_fails": True},
                 "vllm_sleeping_garbage": {"is_sleeping_garbage": True},
-            }[fault.kind]
+            }
+            knob = knobs[fault.kind]
             await self._sim_faults(slug, knob)
             await asyncio.sleep(d)
             await self._sim_faults(slug, None)
@@ -579,6 +590,7 @@ class Run:
                 await replica.kill()
                 await asyncio.sleep(d)
                 await replica.start()
+                self.starts[replica.index].append(self.history.now())
                 if replica.index == 0:
                     topo.server = replica.process
         elif fault.kind in ("store_cut", "store_stall"):
@@ -586,6 +598,8 @@ class Run:
             (self.forwarder.cut if fault.kind == "store_cut" else self.forwarder.stall)()
             await asyncio.sleep(d)
             self.forwarder.restore()
+            if self.forwarder.refused:
+                self.history.note("fault", f"{self.forwarder.refused} connections refused so far")
         elif fault.kind == "store_lock":
             assert self.database_path is not None
             lock = SqliteWriteLock(self.database_path)
@@ -712,7 +726,8 @@ class Run:
             return f"operation {in_flight.kind.value} in flight at {in_flight.current_step}"
         if fleet.active_domain_id is None:
             return "no active domain"
-        strays = trainer_processes()
+        # A /proc scan: off the loop, which also runs the PostgreSQL forwarder and the traffic.
+        strays = await asyncio.to_thread(trainer_processes)
         for domain in fleet.domains:
             active = domain.id == fleet.active_domain_id
             if domain.state.value != "ready":
@@ -783,7 +798,7 @@ class Run:
         faults_end_wall = t_end - timedelta(seconds=self.history.now() - self.faults_end)
         for op in sorted(ops, key=lambda o: o.created_at):
             evs = by_op[op.id]
-            err = f" {op.error.step.value}:{op.error.code}" if op.error else ""
+            err = f" {op.error.step and op.error.step.value}:{op.error.code}" if op.error else ""
             self.history.note(
                 "operation",
                 f"{op.kind.value} -> {self.slug_of.get(op.target_domain_id)} {op.state.value}"
@@ -861,12 +876,12 @@ class Run:
         auto = [e for e in events if e.type == "operation.auto_failover"]
         start_wall = self._start_wall()
         for event in auto:
-            op = by_id.get(event.operation_id)  # type: ignore[arg-type]
-            if op is not None:
-                end = op.finished_at or datetime.now(UTC)
+            found = by_id.get(event.operation_id) if event.operation_id is not None else None
+            if found is not None:
+                end = found.finished_at or datetime.now(UTC)
                 self.unplanned.append(
                     (
-                        (op.created_at - start_wall).total_seconds(),
+                        (found.created_at - start_wall).total_seconds(),
                         (end - start_wall).total_seconds(),
                     )
                 )
@@ -893,14 +908,28 @@ class Run:
                     return "replica down (a load balancer retries another)"
                 if w.kind.startswith("vllm_") and w.kind != "vllm_wake_fails":
                     return f"{w.kind} on {w.target}: no domain could serve"
-                if w.kind in ("store_cut", "store_stall"):
-                    replica = self.replicas[outcome.replica]
-                    if replica.started_at_s and replica.started_at_s >= w.start:
-                        return "store down with a cold cache"
+                if w.kind in ("store_cut", "store_stall") and not self._warm(
+                    outcome.replica, w.start, outcome.end
+                ):
+                    return "store down with a cold cache"
         return None
 
+    def _warm(self, replica: int, outage_start: float, at: float) -> bool:
+        """Whether ``replica``'s route cache was warm when the outage began: it had not
+        restarted since (before ``at``), and a request through it was routed between its last
+        start and the outage. A replica that never routed before the store went away has no
+        routing to serve from its cache."""
+        starts = [s for s in self.starts[replica] if s <= at]
+        if not starts or starts[-1] > outage_start:
+            return False
+        since = starts[-1]
+        return any(
+            o.ok and o.replica == replica and o.start >= since and o.end <= outage_start
+            for o in self.outcomes
+        )
+
     def result(self, traffic: Traffic) -> Result:
-        outcomes = traffic.outcomes
+        outcomes = self.outcomes = traffic.outcomes
         failures: Counter[str] = Counter()
         excused: Counter[str] = Counter()
         for o in outcomes:

@@ -9,6 +9,7 @@ import re
 import socket
 import sqlite3
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -25,8 +26,11 @@ SUPERVISOR_LISTENING = re.compile(r"haru-supervisor listening on http://[^\s:]+:
 class PgForwarder:
     """127.0.0.1 forwarder in front of PostgreSQL: ``cut`` drops and refuses, ``stall`` holds."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, note: Callable[[str], None] | None = None) -> None:
         self.target = (host, port)
+        self._note = note or (lambda _text: None)
+        self.refused = 0
+        """Connections refused while cut."""
         self.port = 0
         self.cut_off = False
         self._flowing = asyncio.Event()
@@ -62,11 +66,14 @@ class PgForwarder:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.cut_off:
+            self.refused += 1
             writer.transport.abort()
             return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
+        except OSError as exc:
+            # Not a fault the schedule asked for: in the history, so a verdict can be read.
+            self._note(f"PostgreSQL refused the forwarder's connection ({exc!r}); dropped")
             writer.transport.abort()
             return
         self._writers.update((writer, up_writer))
@@ -94,8 +101,8 @@ def create_database(admin_url: str, name: str, *, template: str | None = None) -
     libpq = url.set(drivername="postgresql").render_as_string(hide_password=False)
     copy = f' TEMPLATE "{template}"' if template is not None else ""
     with psycopg.connect(libpq, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
-        conn.execute(f'CREATE DATABASE "{name}"{copy}')  # type: ignore[arg-type]
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"{copy}')
     return url.set(database=name).render_as_string(hide_password=False)
 
 
@@ -130,7 +137,7 @@ def drop_database(admin_url: str, name: str) -> None:
     url = make_url(admin_url)
     libpq = url.set(drivername="postgresql").render_as_string(hide_password=False)
     with psycopg.connect(libpq, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def clock_offset_file(workdir: Path, index: int) -> Path:
@@ -194,7 +201,6 @@ class Replica:
         self.database_url = database_url
         self.port = 0
         self.process: ChildProcess | None = None
-        self.started_at_s = 0.0
 
     @property
     def url(self) -> str:
@@ -219,14 +225,15 @@ class Replica:
         )
         match = await self.process.wait_for_line(SERVER_LISTENING, timeout_s=60)
         self.port = int(match.group(1))
-        self.started_at_s = asyncio.get_running_loop().time()
 
     async def kill(self) -> None:
         if self.process is not None:
             await self.process.kill()
 
 
-def supervisor_env(topology: DemoTopology, slug: str, *, port: int, token: str | None) -> dict:
+def supervisor_env(
+    topology: DemoTopology, slug: str, *, port: int, token: str | None
+) -> dict[str, str]:
     """The environment ``DemoTopology`` gives domain ``slug``'s supervisor, on a fixed port."""
     folder = topology.workdir / slug
     env = _base_env()

@@ -25,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fault_harness import VARIANTS, make_schedule, run_schedule
 from fault_procs import TEMPLATE
 
+_SELF = str(Path(__file__).resolve())
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -53,9 +55,11 @@ def _parser() -> argparse.ArgumentParser:
         "--jobs",
         type=int,
         default=1,
-        help="schedules run at once (each its own fleet on ephemeral ports and its own "
-        "database); more than the machine's cores / 2 slows every schedule's processes",
+        help="schedules run at once, each in a process of its own (its own event loop, "
+        "PostgreSQL forwarder, fleet on ephemeral ports and database); more than the machine's "
+        "cores / 4 slows every schedule's processes",
     )
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--summary-json", type=Path, default=None)
     return parser
 
@@ -109,15 +113,45 @@ async def _one(
         return row, None
 
 
+async def _in_child(
+    args: argparse.Namespace, seed: int, variant: str, workdir: Path, gate: asyncio.Semaphore
+) -> tuple[dict[str, Any] | None, str | None]:
+    """Run one schedule in a process of its own (``--jobs``): schedules sharing one event loop
+    would stall each other's PostgreSQL forwarder and traffic whenever one of them computes."""
+    async with gate:
+        summary = workdir / f"{variant}-{seed}.summary.json"
+        argv = [
+            sys.executable,
+            _SELF,
+            *("--seed", str(seed), "--count", "1", "--variant", variant),
+            *("--faults", str(args.faults), "--window-s", str(args.window_s)),
+            *("--settle-s", str(args.settle_s), "--workdir", str(workdir)),
+            *("--database-url", args.database_url, "--summary-json", str(summary), "--child"),
+            *(["--hold"] if args.hold else []),
+            *(["--keep"] if args.keep else []),
+        ]
+        child = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
+        out, _ = await child.communicate()
+        print(out.decode("utf-8", "replace"), end="", flush=True)
+        rows = json.loads(summary.read_text(encoding="utf-8")) if summary.exists() else []
+        if not rows:
+            print(f"seed={seed} variant={variant} HARNESS ERROR exit {child.returncode}")
+            return None, f"{variant}:{seed}"
+        return rows[0], (f"{variant}:{seed}" if rows[0]["violations"] else None)
+
+
 async def _main(args: argparse.Namespace) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="haru-faults-"))
     variants = VARIANTS if args.variant == "all" else (args.variant,)
     started = time.monotonic()
     gate = asyncio.Semaphore(max(1, args.jobs))
+    one = _in_child if args.jobs > 1 else _one
     try:
         outcomes = await asyncio.gather(
             *(
-                _one(args, seed, variant, workdir, gate)
+                one(args, seed, variant, workdir, gate)
                 for seed in range(args.seed, args.seed + args.count)
                 for variant in variants
             )
@@ -130,13 +164,15 @@ async def _main(args: argparse.Namespace) -> int:
     clean = sum(1 for r in rows if not r["violations"])
     walls = sorted(r["wallS"] for r in rows)
     mean = f", mean {sum(walls) / len(walls):.1f}s per schedule" if walls else ""
+    if args.summary_json is not None:
+        args.summary_json.write_text(json.dumps(rows, indent=1), encoding="utf-8")
+    if args.child:
+        return 1 if failed else 0
     print(
         f"\n{total} schedule(s) run, {clean} without violation, {len(failed)} failing: "
         f"{' '.join(failed) or '-'} ({time.monotonic() - started:.0f}s{mean}; "
         f"histories in {workdir})"
     )
-    if args.summary_json is not None:
-        args.summary_json.write_text(json.dumps(rows, indent=1), encoding="utf-8")
     return 1 if failed else 0
 
 
