@@ -423,6 +423,7 @@ class Run:
         # route cache is cold from then until its first routed request.
         self.starts: dict[int, list[float]] = defaultdict(list)
         self.outcomes: list[Outcome] = []
+        self._process_locks: dict[str, asyncio.Lock] = {}
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -528,7 +529,30 @@ class Run:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             self.history.note("request", f"{kind} {slug} via {replica}: {type(exc).__name__}")
 
+    def _process_of(self, fault: Fault) -> str | None:
+        """The process a fault stops and starts again, if any (faults on one process run one
+        after the other: two restarts of one supervisor at once would start two on its port,
+        and the one left untracked would keep serving, with whatever token it had)."""
+        if fault.kind in ("supervisor_restart", "supervisor_outage", "token_rotation"):
+            return f"supervisor {fault.target}"
+        if fault.kind == "vllm_crash":
+            return f"vllm {fault.target}"
+        if fault.kind == "replica_kill":
+            return f"replica {fault.target}"
+        return None
+
     async def apply(self, fault: Fault) -> None:
+        process = self._process_of(fault)
+        if process is None:
+            await self._apply(fault)
+            return
+        lock = self._process_locks.setdefault(process, asyncio.Lock())
+        if lock.locked():
+            self.history.note("fault", f"{fault.kind} waits: a fault on {process} is running")
+        async with lock:
+            await self._apply(fault)
+
+    async def _apply(self, fault: Fault) -> None:
         assert self.topology is not None
         topo = self.topology
         self.history.note("fault", fault.describe())
