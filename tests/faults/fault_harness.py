@@ -27,13 +27,17 @@ from uuid import UUID
 
 import aiohttp
 from fault_procs import (
+    TEMPLATE,
+    FaultTopology,
     PgForwarder,
     Replica,
+    SqliteWriteLock,
     checkpoint_dirs_of,
-    create_database,
+    clock_offset_file,
     drop_database,
     hold_slow_clients,
     restart_supervisor,
+    set_clock_offset,
     trainers_in,
 )
 from haru_db import StateStore
@@ -153,6 +157,42 @@ _KINDS_ALL = (
 )
 _KINDS_PG = (("replica_kill", 3), ("store_cut", 2), ("store_stall", 2))
 
+CLOCK_JUMP_MS = (400, 1_500)
+"""Size range of a clock jump: below every budget of ``POLICY`` but ``degradedGraceMs``
+(600 ms, which a jump may shorten to nothing: an earlier escalation, a legal outcome)."""
+
+
+def _extra_faults(seed: int, variant: str, replicas: int, window_s: float) -> list[Fault]:
+    """Faults of the kinds added after the first 52 schedules, from their own random stream
+    (so the eight faults a seed drew before stay the same): a clock jump of one replica
+    (forward or back, then back to true time) and, on SQLite, a long write transaction."""
+    rng = random.Random(f"{variant}:{seed}:extra")
+    extra: list[Fault] = []
+    for _ in range(rng.choice((0, 1, 1, 2))):
+        ms = rng.randint(*CLOCK_JUMP_MS) * rng.choice((-1, 1))
+        extra.append(
+            Fault(
+                round(rng.uniform(0, window_s), 1),
+                "clock_jump",
+                str(rng.randrange(replicas)),
+                round(rng.uniform(1.0, 6.0), 1),
+                f"{ms:+d} ms",
+            )
+        )
+    if variant == "sqlite-single":
+        for _ in range(rng.choice((0, 1, 1, 2))):
+            # Up to past the server's 5 s busy timeout: writes wait, and some fail.
+            extra.append(
+                Fault(
+                    round(rng.uniform(0, window_s), 1),
+                    "store_lock",
+                    "store",
+                    round(rng.uniform(1.0, 7.0), 1),
+                    "BEGIN IMMEDIATE held",
+                )
+            )
+    return extra
+
 
 def make_schedule(seed: int, variant: str, *, faults: int = 8, window_s: float = 20.0) -> Schedule:
     rng = random.Random(f"{variant}:{seed}")
@@ -183,6 +223,7 @@ def make_schedule(seed: int, variant: str, *, faults: int = 8, window_s: float =
         else:
             target, extra = rng.choice(domains), ""
         chosen.append(Fault(at, kind, target, duration, extra))
+    chosen += _extra_faults(seed, variant, replicas, window_s)
     chosen.sort(key=lambda f: f.at_s)
     return Schedule(seed, variant, domains, replicas, trainer_args, tuple(chosen), window_s)
 
@@ -334,6 +375,8 @@ class Result:
     p50_ms: float = 0.0
     p99_ms: float = 0.0
     operations: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+    """Wall seconds per phase: start (fleet up), faults, settle, checks, close."""
 
     def summary(self) -> str:
         status = "OK" if not self.violations else f"{len(self.violations)} VIOLATION(S)"
@@ -342,7 +385,9 @@ class Result:
             f"requests={self.requests} failed={sum(self.failures.values())} "
             f"(excused {sum(self.excused.values())}: {dict(self.excused)}; "
             f"unexcused: {dict(self.failures)}) p50={self.p50_ms:.1f}ms p99={self.p99_ms:.1f}ms "
-            f"operations={self.operations} history={self.history_path}"
+            f"operations={self.operations} "
+            f"phases={' '.join(f'{k}={v:.1f}s' for k, v in self.phases.items())} "
+            f"history={self.history_path}"
         )
 
 
@@ -369,6 +414,16 @@ class Run:
         self.faults_end = 0.0
         self.hold = hold
         self.unplanned: list[tuple[float, float]] = []
+        self.database_path: Path | None = None
+        # The largest clock offset a replica ran with: wall-clock times written by it (operation
+        # and step starts, backoff ends) may be off by this much.
+        self.max_skew_s = 0.0
+        self.phases: dict[str, float] = {}
+        # When each replica (re)started listening, history time, per replica index: a replica's
+        # route cache is cold from then until its first routed request.
+        self.starts: dict[int, list[float]] = defaultdict(list)
+        self.outcomes: list[Outcome] = []
+        self._process_locks: dict[str, asyncio.Lock] = {}
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -380,18 +435,22 @@ class Run:
         if s.variant == "pg-replicas":
             assert self.admin_url is not None, "pg-replicas needs a PostgreSQL URL"
             self.db_name = f"haru_faults_{os.getpid()}_{s.seed}"
-            direct_url = create_database(self.admin_url, self.db_name)
+            direct_url = await TEMPLATE.copy(self.admin_url, self.db_name)
             from sqlalchemy.engine import make_url
 
             target = make_url(direct_url)
-            self.forwarder = PgForwarder(target.host or "127.0.0.1", target.port or 5432)
+            self.forwarder = PgForwarder(
+                target.host or "127.0.0.1",
+                target.port or 5432,
+                note=lambda text: self.history.note("forwarder", text),
+            )
             await self.forwarder.start()
             server_url = target.set(host="127.0.0.1", port=self.forwarder.port).render_as_string(
                 hide_password=False
             )
         else:
             direct_url = str(self.workdir / "fleet" / "haru.db")
-        self.topology = DemoTopology(
+        self.topology = FaultTopology(
             TopologyOptions(
                 workdir=self.workdir / "fleet",
                 database_url=server_url,
@@ -400,15 +459,19 @@ class Run:
                 layout=fleet_shape(s.domains),
             )
         )
-        await self.topology.start()
+        (self.workdir / "fleet" / "logs").mkdir(parents=True, exist_ok=True)
+        # The extra replicas boot while the fleet starts (the database is already migrated: a
+        # copy of the template); their loops find the fleet once it is seeded.
+        others = [Replica(self.topology, i, server_url) for i in range(1, s.replicas)]
+        self.replicas = others
+        await asyncio.gather(self.topology.start(), *(r.start() for r in others))
         assert self.topology.server is not None
         first = Replica(self.topology, 0, server_url)
         first.process, first.port = self.topology.server, self.topology.server_port
-        self.replicas = [first]
-        for index in range(1, s.replicas):
-            replica = Replica(self.topology, index, server_url)
-            await replica.start()
-            self.replicas.append(replica)
+        self.replicas = [first, *others]
+        for replica in self.replicas:
+            self.starts[replica.index].append(self.history.now())
+        self.database_path = None if s.variant == "pg-replicas" else Path(direct_url)
         self.store = StateStore.open(direct_url)
         fleet = await self.store.get_fleet_snapshot("faults")
         assert fleet is not None
@@ -420,16 +483,16 @@ class Run:
     async def close(self) -> None:
         if self.store is not None:
             await self.store.close()
-        for replica in self.replicas[1:]:
-            with contextlib.suppress(Exception):
-                await replica.kill()
+        # The verdicts are in: no replica needs a graceful shutdown (SIGTERM waits for its
+        # connections to drain, seconds per schedule).
+        await asyncio.gather(*(r.kill() for r in self.replicas), return_exceptions=True)
         if self.topology is not None:
             await self.topology.close()
         if self.forwarder is not None:
             await self.forwarder.close()
         if self.db_name is not None and self.admin_url is not None:
             with contextlib.suppress(Exception):
-                drop_database(self.admin_url, self.db_name)
+                await asyncio.to_thread(drop_database, self.admin_url, self.db_name)
 
     # -- faults ---------------------------------------------------------------------------------
 
@@ -466,7 +529,30 @@ class Run:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             self.history.note("request", f"{kind} {slug} via {replica}: {type(exc).__name__}")
 
+    def _process_of(self, fault: Fault) -> str | None:
+        """The process a fault stops and starts again, if any (faults on one process run one
+        after the other: two restarts of one supervisor at once would start two on its port,
+        and the one left untracked would keep serving, with whatever token it had)."""
+        if fault.kind in ("supervisor_restart", "supervisor_outage", "token_rotation"):
+            return f"supervisor {fault.target}"
+        if fault.kind == "vllm_crash":
+            return f"vllm {fault.target}"
+        if fault.kind == "replica_kill":
+            return f"replica {fault.target}"
+        return None
+
     async def apply(self, fault: Fault) -> None:
+        process = self._process_of(fault)
+        if process is None:
+            await self._apply(fault)
+            return
+        lock = self._process_locks.setdefault(process, asyncio.Lock())
+        if lock.locked():
+            self.history.note("fault", f"{fault.kind} waits: a fault on {process} is running")
+        async with lock:
+            await self._apply(fault)
+
+    async def _apply(self, fault: Fault) -> None:
         assert self.topology is not None
         topo = self.topology
         self.history.note("fault", fault.describe())
@@ -494,13 +580,14 @@ class Run:
                 "fault", f"vllm of {slug} restarted {'asleep' if asleep else 'awake'}"
             )
         elif fault.kind.startswith("vllm_"):
-            knob = {
+            knobs: dict[str, dict[str, Any]] = {
                 "vllm_hang": {"hang": True},
                 "vllm_error_500": {"error_500": True},
                 "vllm_slow_probe": {"slow_first_token_ms": 4_000},
                 "vllm_wake_fails": {"wake_fails": True},
                 "vllm_sleeping_garbage": {"is_sleeping_garbage": True},
-            }[fault.kind]
+            }
+            knob = knobs[fault.kind]
             await self._sim_faults(slug, knob)
             await asyncio.sleep(d)
             await self._sim_faults(slug, None)
@@ -527,6 +614,7 @@ class Run:
                 await replica.kill()
                 await asyncio.sleep(d)
                 await replica.start()
+                self.starts[replica.index].append(self.history.now())
                 if replica.index == 0:
                     topo.server = replica.process
         elif fault.kind in ("store_cut", "store_stall"):
@@ -534,6 +622,26 @@ class Run:
             (self.forwarder.cut if fault.kind == "store_cut" else self.forwarder.stall)()
             await asyncio.sleep(d)
             self.forwarder.restore()
+            if self.forwarder.refused:
+                self.history.note("fault", f"{self.forwarder.refused} connections refused so far")
+        elif fault.kind == "store_lock":
+            assert self.database_path is not None
+            lock = SqliteWriteLock(self.database_path)
+            await lock.acquire()
+            self.history.note("fault", "write lock held")
+            try:
+                await asyncio.sleep(d)
+            finally:
+                await lock.release()
+        elif fault.kind == "clock_jump":
+            offset_ms = float(fault.extra.split()[0])
+            path = clock_offset_file(topo.workdir, int(slug))
+            self.max_skew_s = max(self.max_skew_s, abs(offset_ms) / 1000)
+            set_clock_offset(path, offset_ms)
+            try:
+                await asyncio.sleep(d)
+            finally:
+                set_clock_offset(path, 0)
 
     # -- continuous checks ----------------------------------------------------------------------
 
@@ -586,6 +694,7 @@ class Run:
         for line in self.schedule.describe():
             self.history.note("schedule", line)
         await self.start()
+        self.phases["start"] = self.history.now()
         traffic = Traffic(self.replicas, self.history)
         stop = asyncio.Event()
         monitor = asyncio.create_task(self.monitor(stop))
@@ -602,12 +711,16 @@ class Run:
             if isinstance(outcome, BaseException):
                 self.history.note("harness", f"fault {fault.kind} raised {outcome!r}")
         self.faults_end = self.history.now()
+        self.phases["faults"] = self.faults_end - t0
         self.history.note("faults", "every fault cleared; settling")
         settled = await self.settle(settle_s)
+        self.phases["settle"] = self.history.now() - self.faults_end
         await traffic.stop()
         stop.set()
         await monitor
+        checks_start = self.history.now()
         await self.final_checks(settled)
+        self.phases["checks"] = self.history.now() - checks_start
         return self.result(traffic)
 
     async def settle(self, bound_s: float) -> str | None:
@@ -637,7 +750,8 @@ class Run:
             return f"operation {in_flight.kind.value} in flight at {in_flight.current_step}"
         if fleet.active_domain_id is None:
             return "no active domain"
-        strays = trainer_processes()
+        # A /proc scan: off the loop, which also runs the PostgreSQL forwarder and the traffic.
+        strays = await asyncio.to_thread(trainer_processes)
         for domain in fleet.domains:
             active = domain.id == fleet.active_domain_id
             if domain.state.value != "ready":
@@ -703,12 +817,12 @@ class Run:
                 slug = self.slug_of.get(event.domain_id) if event.domain_id else ""
                 payload = json.dumps(event.payload, separators=(",", ":"))[:200]
                 self.history.note("event", f"@{at:6.2f} {event.type} {slug or ''} {payload}")
-        budget = operation_budget_s(resolve_policy(POLICY)) + 3.0
+        budget = operation_budget_s(resolve_policy(POLICY)) + 3.0 + self.max_skew_s
         t_end = datetime.now(UTC)
         faults_end_wall = t_end - timedelta(seconds=self.history.now() - self.faults_end)
         for op in sorted(ops, key=lambda o: o.created_at):
             evs = by_op[op.id]
-            err = f" {op.error.step.value}:{op.error.code}" if op.error else ""
+            err = f" {op.error.step and op.error.step.value}:{op.error.code}" if op.error else ""
             self.history.note(
                 "operation",
                 f"{op.kind.value} -> {self.slug_of.get(op.target_domain_id)} {op.state.value}"
@@ -776,7 +890,8 @@ class Run:
             elif event.type == "operation.auto_failover" and event.operation_id in by_id:
                 op = by_id[event.operation_id]
                 bound = until.get(op.target_domain_id)
-                if bound is not None and op.created_at < bound - timedelta(milliseconds=50):
+                slack = timedelta(milliseconds=50) + timedelta(seconds=self.max_skew_s)
+                if bound is not None and op.created_at < bound - slack:
                     self.history.violation(
                         "backoff",
                         f"auto promote {op.id} of {self.slug_of.get(op.target_domain_id)} at "
@@ -785,12 +900,12 @@ class Run:
         auto = [e for e in events if e.type == "operation.auto_failover"]
         start_wall = self._start_wall()
         for event in auto:
-            op = by_id.get(event.operation_id)  # type: ignore[arg-type]
-            if op is not None:
-                end = op.finished_at or datetime.now(UTC)
+            found = by_id.get(event.operation_id) if event.operation_id is not None else None
+            if found is not None:
+                end = found.finished_at or datetime.now(UTC)
                 self.unplanned.append(
                     (
-                        (op.created_at - start_wall).total_seconds(),
+                        (found.created_at - start_wall).total_seconds(),
                         (end - start_wall).total_seconds(),
                     )
                 )
@@ -817,14 +932,28 @@ class Run:
                     return "replica down (a load balancer retries another)"
                 if w.kind.startswith("vllm_") and w.kind != "vllm_wake_fails":
                     return f"{w.kind} on {w.target}: no domain could serve"
-                if w.kind in ("store_cut", "store_stall"):
-                    replica = self.replicas[outcome.replica]
-                    if replica.started_at_s and replica.started_at_s >= w.start:
-                        return "store down with a cold cache"
+                if w.kind in ("store_cut", "store_stall") and not self._warm(
+                    outcome.replica, w.start, outcome.end
+                ):
+                    return "store down with a cold cache"
         return None
 
+    def _warm(self, replica: int, outage_start: float, at: float) -> bool:
+        """Whether ``replica``'s route cache was warm when the outage began: it had not
+        restarted since (before ``at``), and a request through it was routed between its last
+        start and the outage. A replica that never routed before the store went away has no
+        routing to serve from its cache."""
+        starts = [s for s in self.starts[replica] if s <= at]
+        if not starts or starts[-1] > outage_start:
+            return False
+        since = starts[-1]
+        return any(
+            o.ok and o.replica == replica and o.start >= since and o.end <= outage_start
+            for o in self.outcomes
+        )
+
     def result(self, traffic: Traffic) -> Result:
-        outcomes = traffic.outcomes
+        outcomes = self.outcomes = traffic.outcomes
         failures: Counter[str] = Counter()
         excused: Counter[str] = Counter()
         for o in outcomes:
@@ -858,6 +987,7 @@ class Run:
             p50_ms=p50,
             p99_ms=p99,
             operations=len(getattr(self, "operations", [])),
+            phases=self.phases,
         )
 
 
@@ -872,11 +1002,15 @@ async def run_schedule(
     os.makedirs(workdir, exist_ok=True)
     run = Run(schedule, workdir, admin_url, hold=hold)
     try:
-        return await run.run(settle_s)
+        result = await run.run(settle_s)
     except BaseException as exc:
         run.history.violation("harness", f"{exc!r}")
         run.history.write()
         raise
     finally:
+        closing = time.monotonic()
         await run.close()
+        run.phases["close"] = time.monotonic() - closing
+        run.history.note("timing", " ".join(f"{k}={v:.1f}s" for k, v in run.phases.items()))
         run.history.write()
+    return result

@@ -7,9 +7,13 @@ import contextlib
 import os
 import re
 import socket
+import sqlite3
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import psycopg
+from haru_db import upgrade
 from haru_demo import DemoTopology
 from haru_demo._procs import ChildProcess, spawn
 from haru_demo._topology import _base_env
@@ -22,8 +26,11 @@ SUPERVISOR_LISTENING = re.compile(r"haru-supervisor listening on http://[^\s:]+:
 class PgForwarder:
     """127.0.0.1 forwarder in front of PostgreSQL: ``cut`` drops and refuses, ``stall`` holds."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, note: Callable[[str], None] | None = None) -> None:
         self.target = (host, port)
+        self._note = note or (lambda _text: None)
+        self.refused = 0
+        """Connections refused while cut."""
         self.port = 0
         self.cut_off = False
         self._flowing = asyncio.Event()
@@ -59,11 +66,14 @@ class PgForwarder:
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.cut_off:
+            self.refused += 1
             writer.transport.abort()
             return
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:
+        except OSError as exc:
+            # Not a fault the schedule asked for: in the history, so a verdict can be read.
+            self._note(f"PostgreSQL refused the forwarder's connection ({exc!r}); dropped")
             writer.transport.abort()
             return
         self._writers.update((writer, up_writer))
@@ -84,21 +94,102 @@ class PgForwarder:
         writer.transport.abort()
 
 
-def create_database(admin_url: str, name: str) -> str:
-    """Create database ``name`` on the server of ``admin_url``; returns its SQLAlchemy URL."""
+def create_database(admin_url: str, name: str, *, template: str | None = None) -> str:
+    """Create database ``name`` on the server of ``admin_url`` (a copy of ``template`` when
+    given); returns its SQLAlchemy URL."""
     url = make_url(admin_url)
     libpq = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    copy = f' TEMPLATE "{template}"' if template is not None else ""
     with psycopg.connect(libpq, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
-        conn.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"{copy}')
     return url.set(database=name).render_as_string(hide_password=False)
+
+
+class MigratedTemplate:
+    """One migrated PostgreSQL database per harness process, copied for every schedule
+    (``CREATE DATABASE ... TEMPLATE``: a file copy instead of a migration per schedule)."""
+
+    def __init__(self) -> None:
+        self.name = f"haru_faults_template_{os.getpid()}"
+        self._lock = asyncio.Lock()
+        self._admin_url: str | None = None
+
+    async def copy(self, admin_url: str, name: str) -> str:
+        async with self._lock:  # PostgreSQL refuses two copies of one template at once
+            if self._admin_url is None:
+                url = await asyncio.to_thread(create_database, admin_url, self.name)
+                await upgrade(url)
+                self._admin_url = admin_url
+            return await asyncio.to_thread(create_database, admin_url, name, template=self.name)
+
+    def drop(self) -> None:
+        if self._admin_url is not None:
+            with contextlib.suppress(Exception):
+                drop_database(self._admin_url, self.name)
+            self._admin_url = None
+
+
+TEMPLATE = MigratedTemplate()
 
 
 def drop_database(admin_url: str, name: str) -> None:
     url = make_url(admin_url)
     libpq = url.set(drivername="postgresql").render_as_string(hide_password=False)
     with psycopg.connect(libpq, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def clock_offset_file(workdir: Path, index: int) -> Path:
+    """Where replica ``index`` reads its clock offset (``HARU_CLOCK_OFFSET_FILE``)."""
+    return workdir / f"clock-offset-{index}"
+
+
+def set_clock_offset(path: Path, offset_ms: float) -> None:
+    """Make the server process reading ``path`` jump to the real time plus ``offset_ms``."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{offset_ms:.0f}\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class FaultTopology(DemoTopology):
+    """The demo fleet, its server (replica 0) reading its clock offset from a file."""
+
+    def server_env(self) -> dict[str, str]:
+        env = super().server_env()
+        env["HARU_CLOCK_OFFSET_FILE"] = str(clock_offset_file(self.workdir, 0))
+        return env
+
+
+class SqliteWriteLock:
+    """Another process's long write transaction on the SQLite store (a backup or maintenance
+    tool, an operator's ``sqlite3`` shell): ``BEGIN IMMEDIATE`` held. Under WAL (Haru's
+    journal mode) readers keep reading; every writer waits its busy timeout, then fails."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._conn: sqlite3.Connection | None = None
+
+    async def acquire(self) -> None:
+        def begin() -> sqlite3.Connection:
+            conn = sqlite3.connect(
+                self.path, timeout=10.0, isolation_level=None, check_same_thread=False
+            )
+            conn.execute("BEGIN IMMEDIATE")
+            return conn
+
+        self._conn = await asyncio.to_thread(begin)
+
+    async def release(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await asyncio.to_thread(_rollback_and_close, conn)
+
+
+def _rollback_and_close(conn: sqlite3.Connection) -> None:
+    with contextlib.suppress(sqlite3.Error):
+        conn.execute("ROLLBACK")
+    conn.close()
 
 
 class Replica:
@@ -110,7 +201,6 @@ class Replica:
         self.database_url = database_url
         self.port = 0
         self.process: ChildProcess | None = None
-        self.started_at_s = 0.0
 
     @property
     def url(self) -> str:
@@ -123,6 +213,7 @@ class Replica:
     async def start(self) -> None:
         env = self.topology.server_env()
         env["PORT"] = str(self.port)
+        env["HARU_CLOCK_OFFSET_FILE"] = str(clock_offset_file(self.topology.workdir, self.index))
         if self.database_url is not None:
             env["DATABASE_URL"] = self.database_url
         self.process = await spawn(
@@ -134,14 +225,15 @@ class Replica:
         )
         match = await self.process.wait_for_line(SERVER_LISTENING, timeout_s=60)
         self.port = int(match.group(1))
-        self.started_at_s = asyncio.get_running_loop().time()
 
     async def kill(self) -> None:
         if self.process is not None:
             await self.process.kill()
 
 
-def supervisor_env(topology: DemoTopology, slug: str, *, port: int, token: str | None) -> dict:
+def supervisor_env(
+    topology: DemoTopology, slug: str, *, port: int, token: str | None
+) -> dict[str, str]:
     """The environment ``DemoTopology`` gives domain ``slug``'s supervisor, on a fixed port."""
     folder = topology.workdir / slug
     env = _base_env()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fault_harness import make_schedule, run_schedule
+from fault_procs import TEMPLATE
 
 pytestmark = [
     pytest.mark.slow,
@@ -25,6 +27,13 @@ pytestmark = [
         reason="fault schedules take minutes: set HARU_FAULT_SCHEDULES=1 (.ci/run does)",
     ),
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_template() -> Iterator[None]:
+    yield
+    TEMPLATE.drop()
+
 
 CI_SEEDS = [("sqlite-single", 100), ("pg-replicas", 1), ("pg-replicas", 100)]
 

@@ -9,24 +9,35 @@ from typing import TYPE_CHECKING
 import pytest
 from haru_core import (
     RESTORE_REASON_TRAINING_IDLE,
+    RESTORE_REASON_VLLM_AWAKE,
     RestoreDecision,
+    awake_standbys,
     detect_restore,
+    detect_restores,
     is_out_of_posture,
     launched_as_standby,
+    may_be_awake_standby,
     reached_standby_posture,
     restore_backoff,
     restore_candidates,
+    restore_confirmed,
 )
 from haru_protocol import (
     DomainState,
     FleetSnapshot,
     InferenceSlotState,
+    ModelStatus,
     Operation,
     OperationKind,
     OperationState,
     Policy,
     Provider,
+    SlotKind,
+    SlotStatus,
+    SupervisorStatus,
+    TrainingRunState,
     TrainingSlotState,
+    TrainingStatus,
 )
 
 if TYPE_CHECKING:
@@ -152,7 +163,8 @@ def source_promote(
         ((("promote-from", S),), True),  # promoted away from: the tail demoted it
         ((("promote-from", F),), False),
         ((("demote", S), ("promote-of", S)), False),  # then it became the active
-        ((("demote", S), ("promote-of", F)), False),  # its failure queues its own restore
+        # Its failure queues its own restore, refused while it is not demotable: owed one.
+        ((("demote", S), ("promote-of", F)), True),
         ((("promote-of", S), ("promote-from", S)), True),
         ((("demote", S), ("other", S)), True),  # other domains' operations do not matter
     ],
@@ -295,3 +307,109 @@ def test_detect_skips_a_target_backing_off_for_another(make: FleetFactory) -> No
 def test_detect_needs_an_aware_now(make: FleetFactory) -> None:
     with pytest.raises(ValueError, match="now"):
         detect_restore(two_domains(make), (), now=make.now.replace(tzinfo=None))
+
+
+FAILED_SLOT = InferenceSlotState.FAILED
+
+
+@pytest.mark.parametrize(
+    ("inference", "training", "awake"),
+    [
+        ((FAILED_SLOT,), TRAINING, True),  # a bound model not reported asleep
+        ((FAILED_SLOT,), IDLE, True),
+        ((SLEEPING, FAILED_SLOT), TRAINING, True),
+        ((SLEEPING,), TRAINING, False),  # in posture
+        ((SLEEPING,), IDLE, False),  # training_idle's business
+        ((FAILED_SLOT, InferenceSlotState.WAKING), TRAINING, False),  # an operation's
+        ((InferenceSlotState.SERVING,), TRAINING, False),  # the next heartbeat's
+    ],
+)
+def test_a_standby_that_may_be_awake(
+    make: FleetFactory,
+    inference: tuple[InferenceSlotState, ...],
+    training: TrainingSlotState,
+    awake: bool,
+) -> None:
+    slots = [make.inference(i, state=st) for i, st in enumerate(inference)]
+    slots.append(make.training(0, state=training))
+    fleet = two_domains(make, slots=slots)
+    beta = fleet.domain(make.domain_id("beta"))
+    assert beta is not None
+    assert may_be_awake_standby(fleet, beta) is awake
+    assert [d.slug for d in awake_standbys(fleet)] == (["beta"] if awake else [])
+
+
+def test_an_awake_standby_is_owed_a_restore_after_a_promote_away(make: FleetFactory) -> None:
+    fleet = two_domains(make, slots=standby_slots(make, inference=FAILED_SLOT, training=IDLE))
+    beta = make.domain_id("beta")
+    # A fresh fleet's standby: left to the operator.
+    assert detect_restores(fleet, (), now=make.now) == ()
+    # Promoted away from (its demote_old_sleep timed out; its restore was refused).
+    away = source_promote(make, -5, S, source="beta", target="alpha")
+    assert detect_restores(fleet, (away,), now=make.now) == (
+        RestoreDecision(target_domain_id=beta, reason=RESTORE_REASON_VLLM_AWAKE),
+    )
+    # The promote away set its posture: the first restore is immediate, the next backs off.
+    restored = op(make, -0.5, S)
+    assert restore_backoff(POLICY, beta, (away, restored)) is not None
+    assert detect_restores(fleet, (away, restored), now=make.now) == ()
+    later = make.now + timedelta(seconds=0.5)
+    assert detect_restores(fleet, (away, restored), now=later) != ()
+
+
+def test_training_idle_candidates_come_first(make: FleetFactory) -> None:
+    alpha = make.domain("alpha", slots=[make.inference(0), make.training(0)])
+    beta = make.domain("beta", slots=standby_slots(make, inference=FAILED_SLOT, training=TRAINING))
+    gamma = make.domain("gamma", slots=standby_slots(make))
+    fleet = make.fleet(alpha, beta, gamma, active="alpha", policy=POLICY)
+    ops = (op(make, -60, S, target="beta"), op(make, -60, S, target="gamma"))
+    assert [(d.target_domain_id, d.reason) for d in detect_restores(fleet, ops, now=make.now)] == [
+        (make.domain_id("gamma"), RESTORE_REASON_TRAINING_IDLE),
+        (make.domain_id("beta"), RESTORE_REASON_VLLM_AWAKE),
+    ]
+
+
+def status_of(*models: bool | None, training: TrainingRunState | None = None) -> SupervisorStatus:
+    slots = [
+        SlotStatus(
+            gpu_index=0,
+            kind=SlotKind.INFERENCE,
+            models=tuple(
+                ModelStatus(name=f"m-{i}", port=8000 + i, sleeping=m) for i, m in enumerate(models)
+            ),
+        )
+    ]
+    if training is not None:
+        slots.append(
+            SlotStatus(gpu_index=0, kind=SlotKind.TRAINING, training=TrainingStatus(state=training))
+        )
+    return SupervisorStatus(slots=tuple(slots), ready=True)
+
+
+@pytest.mark.parametrize(
+    ("models", "confirmed"),
+    [
+        ((False,), True),
+        ((True, False), True),
+        ((True,), False),  # asleep: nothing to do
+        ((None,), False),  # crashed or hung: a demote could not sleep it
+        ((False, None), False),
+        ((), False),
+    ],
+)
+def test_restore_confirmed_vllm_awake(
+    make: FleetFactory, models: tuple[bool | None, ...], confirmed: bool
+) -> None:
+    slot = make.inference(0, *(f"m-{i}" for i in range(max(len(models), 1))))
+    beta = make.domain("beta", slots=[slot, make.training(0)])
+    status = status_of(*models)
+    assert restore_confirmed(beta, status, RESTORE_REASON_VLLM_AWAKE) is confirmed
+
+
+def test_restore_confirmed_training_idle(make: FleetFactory) -> None:
+    beta = make.domain("beta", slots=standby_slots(make))
+    idle = status_of(True, training=TrainingRunState.IDLE)
+    running = status_of(True, training=TrainingRunState.RUNNING)
+    assert restore_confirmed(beta, idle, RESTORE_REASON_TRAINING_IDLE)
+    assert not restore_confirmed(beta, running, RESTORE_REASON_TRAINING_IDLE)
+    assert not restore_confirmed(beta, idle, "something else")

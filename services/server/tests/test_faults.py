@@ -333,3 +333,103 @@ async def test_standby_whose_training_stopped_gets_it_back_with_backoff(
         await helpers.tick_until_settled(reconciler, "local")
         assert len(await demotes()) == count + 1
         assert await training_running()
+
+
+async def test_failover_whose_old_active_was_failed_puts_it_to_sleep_once_it_is_back(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+    http: aiohttp.ClientSession,
+) -> None:
+    # Fault schedule sqlite-single:105: the active's supervisor went away, the active was
+    # failed over; demote_old_sleep on it ran out of budget (best effort) and its restore
+    # demote was refused (a failed domain is not demotable). Once its supervisor was back the
+    # domain was a ready standby with its vLLM awake, and nothing ever put it to sleep.
+    store = sqlite_store
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
+    alpha, beta = domain_id(seeded, "alpha"), domain_id(seeded, "beta")
+    client = SupervisorClient(http, token=None)
+    reconciler = make_reconciler(store, chaining=False)
+    await reconciler.tick("local")
+    await fleet.stop_supervisor("alpha")
+    clock.advance(ms=31_000)
+    promote = None
+    for _ in range(20):
+        await reconciler.tick("local")
+        promote = await store.get_in_flight_operation(seeded.id)
+        if promote is not None and promote.current_step is OperationStep.DEMOTE_OLD_SLEEP:
+            break
+        await asyncio.sleep(0.02)
+    assert promote is not None
+    assert promote.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    assert promote.target_domain_id == beta
+    # In the schedule the old active had been escalated to failed before its failover (a
+    # degraded active past degradedGraceMs); here the stale one was failed over at once.
+    assert await store.transition_domain(
+        alpha, from_states=(DomainState.DEGRADED,), to=DomainState.FAILED, at=clock()
+    )
+    clock.advance(ms=seeded.policy.sleep_timeout_ms + 1)
+    await helpers.tick_until_settled(reconciler, "local")
+    done = await store.get_operation(promote.id)
+    assert done is not None
+    assert done.state is OperationState.SUCCEEDED
+    assert await events_of(store, seeded.id, EventType.OPERATION_RESTORE_DEMOTE) == []
+    # Its supervisor comes back (its vLLM servers never stopped: awake).
+    await fleet.restart_supervisor("alpha")
+    for _ in range(10):
+        await helpers.tick_until_settled(reconciler, "local")
+        await asyncio.sleep(0.02)
+    restore = await events_of(store, seeded.id, EventType.OPERATION_RESTORE_DEMOTE)
+    assert restore == [
+        {"causeOperationId": None, "targetDomainId": str(alpha), "reason": "vllm_awake"}
+    ]
+    after = await snapshot_of(store)
+    assert after.active_domain_id == beta
+    assert after.domain(alpha).state is DomainState.READY  # type: ignore[union-attr]
+    assert slot_states(after, "alpha", SlotKind.INFERENCE) == ["sleeping", "sleeping"]
+    assert slot_states(after, "alpha", SlotKind.TRAINING) == ["training", "training"]
+    assert all(sim.sleeping for sim in fleet.domain("alpha").sims.values())
+    status = await client.status(fleet.domain("alpha").supervisor_url, timeout_s=5)
+    runs = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
+    assert runs
+    assert all(r is not None and r.state is TrainingRunState.RUNNING for r in runs)
+    ops = await store.list_recent_operations(seeded.id)
+    assert [(o.kind, o.target_domain_id, o.state) for o in ops][:1] == [
+        (OperationKind.DEMOTE, alpha, OperationState.SUCCEEDED)
+    ]
+
+
+async def test_a_standby_whose_vllm_crashed_gets_no_restore_demote(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    # A crashed vLLM on a standby records its inference slot failed, like an awake one; a
+    # demote could not sleep it and would hold the fleet's in-flight slot for its budget.
+    store = sqlite_store
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    beta = domain_id(seeded, "beta")
+    reconciler = make_reconciler(store)
+    await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.DEMOTE, target_domain_id=beta, at=clock()
+    )
+    await helpers.tick_until_settled(reconciler, "local")
+    for sim in fleet.domain("beta").sims.values():
+        await sim.stop()
+    for _ in range(5):
+        await helpers.tick_until_settled(reconciler, "local")
+    assert slot_states(await snapshot_of(store), "beta", SlotKind.INFERENCE) == [
+        "failed",
+        "failed",
+    ]
+    demotes = [
+        o for o in await store.list_recent_operations(seeded.id) if o.kind is OperationKind.DEMOTE
+    ]
+    assert len(demotes) == 1
+    assert await events_of(store, seeded.id, EventType.OPERATION_RESTORE_DEMOTE) == []

@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from haru_server._app import create_app
+from haru_server._clock import OffsetFileClock, utc_now
+from haru_server._keys import clock_key
 from haru_server._settings import Settings, SettingsError
 from pydantic import ValidationError
 
@@ -241,3 +244,15 @@ def test_direct_construction_applies_the_same_rule() -> None:
     with pytest.raises(ValidationError, match="not a loopback address"):
         Settings(bind_host="0.0.0.0")
     assert Settings(bind_host="0.0.0.0", allow_open_bind=True).host == "0.0.0.0"
+
+
+def test_clock_offset_file_is_a_test_hook_off_by_default(tmp_path: Path) -> None:
+    assert Settings.from_env({}).clock_offset_file is None
+    db = {"DATABASE_URL": str(tmp_path / "haru.db")}
+    assert create_app(Settings.from_env(db))[clock_key] is utc_now
+    path = tmp_path / "offset"
+    settings = Settings.from_env({**db, "HARU_CLOCK_OFFSET_FILE": str(path)})
+    assert settings.clock_offset_file == path
+    clock = create_app(settings)[clock_key]
+    assert isinstance(clock, OffsetFileClock)
+    assert clock.path == path

@@ -55,13 +55,18 @@ from haru_core._plan import (
 )
 from haru_core._restore import (
     RESTORE_REASON_TRAINING_IDLE,
+    RESTORE_REASON_VLLM_AWAKE,
     RestoreDecision,
+    awake_standbys,
     detect_restore,
+    detect_restores,
     is_out_of_posture,
     launched_as_standby,
+    may_be_awake_standby,
     reached_standby_posture,
     restore_backoff,
     restore_candidates,
+    restore_confirmed,
 )
 from haru_core._routing import build_route_intent, find_routable_binding, routable_models
 from haru_core._snapshot import LAYOUT_NAMESPACE, layout_id, snapshot_from_layout
@@ -133,13 +138,18 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "in_backoff",
     # Standby posture (restore demotes)
     "RESTORE_REASON_TRAINING_IDLE",
+    "RESTORE_REASON_VLLM_AWAKE",
     "RestoreDecision",
     "is_out_of_posture",
     "restore_candidates",
     "launched_as_standby",
+    "may_be_awake_standby",
+    "awake_standbys",
     "reached_standby_posture",
     "restore_backoff",
+    "restore_confirmed",
     "detect_restore",
+    "detect_restores",
     # Heartbeat verdicts (SPEC 7.3 step 1)
     "SlotChange",
     "DomainChange",

@@ -92,6 +92,8 @@ class LocalDomain:
     """``(pid, MiB)`` of the compute processes the emulated ``nvidia-smi`` lists, per GPU."""
     supervisor_url: str = ""
     runner: web.AppRunner | None = None
+    supervisor_settings: SupervisorSettings | None = None
+    """The supervisor's settings (:meth:`LocalFleet.restart_supervisor` reuses them)."""
 
     def binding_url(self, model: str) -> str:
         """The serving URL of ``model`` in this domain."""
@@ -247,11 +249,18 @@ class LocalFleet:
             trainer_env=dict(os.environ),
             search_path=search_path,
         )
+        domain.supervisor_settings = settings
+        await self._serve_supervisor(domain, settings, port=0)
+
+    @staticmethod
+    async def _serve_supervisor(
+        domain: LocalDomain, settings: SupervisorSettings, *, port: int
+    ) -> None:
         app = create_supervisor_app(settings, exec_=domain._nvidia_smi)
         runner = web.AppRunner(app, shutdown_timeout=2.0)
         await runner.setup()
         domain.runner = runner
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
         domain.supervisor_url = f"http://127.0.0.1:{site.port}"
 
@@ -276,6 +285,20 @@ class LocalFleet:
         runner, domain.runner = domain.runner, None
         if runner is not None:
             await runner.cleanup()
+
+    async def restart_supervisor(self, slug: str) -> None:
+        """Start a stopped supervisor of one domain again, on its old port (its URL).
+
+        Like an operator's service manager restarting it: a fresh process that knows nothing
+        of the training runs its predecessor stopped; the vLLM servers kept running.
+        """
+        domain = self.domains[slug]
+        if domain.supervisor_settings is None:
+            raise RuntimeError(f"domain {slug!r} was never started")
+        if domain.runner is not None:
+            await self.stop_supervisor(slug)
+        port = int(domain.supervisor_url.rsplit(":", 1)[1])
+        await self._serve_supervisor(domain, domain.supervisor_settings, port=port)
 
     async def close(self) -> None:
         """Stop every supervisor (and its trainers), then every emulated vLLM server."""

@@ -26,7 +26,7 @@ from haru_web import (
     request_id_middleware,
 )
 
-from haru_server._clock import Clock, utc_now
+from haru_server._clock import Clock, OffsetFileClock, utc_now
 from haru_server._keys import (
     FleetKicker,
     clock_key,
@@ -76,7 +76,8 @@ def create_app(
         store: An open state store to use (the caller closes it); None opens one from
             ``settings.database_url`` and closes it at cleanup. Migrations are not applied
             here (see :func:`haru_server.serve`).
-        clock: The application clock (tests inject one to drive budgets).
+        clock: The application clock (tests inject one to drive budgets); None reads the
+            real clock, plus ``settings.clock_offset_file``'s offset when that is set.
         reconciler_options: Tuning of the reconcile tick.
         busy_interval_s: Loop pause between ticks of a fleet with an operation in flight.
     """
@@ -101,7 +102,13 @@ def create_app(
     app[settings_key] = settings
     app[_owns_store_key] = store is None
     app[store_key] = store if store is not None else StateStore.open(settings.database_url)
-    app_clock: Clock = clock if clock is not None else utc_now
+    app_clock: Clock
+    if clock is not None:
+        app_clock = clock
+    elif settings.clock_offset_file is not None:
+        app_clock = OffsetFileClock(settings.clock_offset_file)
+    else:
+        app_clock = utc_now
     app[clock_key] = app_clock
     kickers = FleetKickers()
     app[_kickers_key] = kickers

@@ -19,10 +19,11 @@ from uuid import UUID
 from haru_core import (
     CreateOperation,
     DomainChange,
+    awake_standbys,
     decide_demotion,
     detect_degraded_escalation,
     detect_failover,
-    detect_restore,
+    detect_restores,
     domain_change_on_heartbeat,
     first_step,
     is_best_effort,
@@ -30,6 +31,7 @@ from haru_core import (
     next_step,
     promotion_backoff,
     restore_candidates,
+    restore_confirmed,
     slot_health_changes,
     step_budget_ms,
     step_remaining_ms,
@@ -61,10 +63,8 @@ from haru_protocol import (
     OperationStepDone,
     OperationStepTimeoutBestEffort,
     OperationSucceeded,
-    SlotKind,
     SlotStateChanged,
     SupervisorStatus,
-    TrainingRunState,
 )
 from haru_supervisor.client import (
     HEARTBEAT_TIMEOUT_S,
@@ -175,6 +175,8 @@ class Reconciler:
         self._heartbeat_errors: dict[UUID, str] = {}
         self._auth_failing: dict[UUID, str] = {}
         self._auth_logged_at: dict[UUID, float] = {}
+        # Each domain's answer to this process's latest heartbeat (None: it did not answer).
+        self._heartbeat_answers: dict[UUID, SupervisorStatus | None] = {}
 
     @property
     def options(self) -> ReconcilerOptions:
@@ -344,6 +346,7 @@ class Reconciler:
             refused = answer if isinstance(answer, _Refused) else None
             await self._auth_verdict(fleet, domain, refused, now)
             status = answer if isinstance(answer, SupervisorStatus) else None
+            self._heartbeat_answers[domain.id] = status
             if status is None:
                 reason = "unauthorized" if refused is not None else "unreachable"
                 self._metrics.heartbeat_failed(fleet.slug, domain.slug, reason=reason)
@@ -495,15 +498,21 @@ class Reconciler:
             )
         return operation
 
-    async def _training_idle_now(self, fleet: FleetSnapshot, domain_id: UUID) -> bool:
-        """Whether the supervisor says, now, that a training run of the domain is idle.
+    async def _confirmed_now(self, fleet: FleetSnapshot, domain_id: UUID, reason: str) -> bool:
+        """Whether the supervisor confirms, now, that the domain is owed a restore demote.
 
-        The recorded `idle` may come from a racing reconciler's heartbeat that polled before a
-        demote started training and landed after it recorded `training`; a restore demote acts
-        only on a fresh proof (the next heartbeat repairs the stale record).
+        The recorded slot states may come from a racing reconciler's heartbeat that polled
+        before a demote started training (or slept vLLM) and landed after it recorded its
+        result; a restore demote acts only on a fresh proof (:func:`restore_confirmed`; the
+        next heartbeat repairs the stale record). This process's own latest heartbeat answer
+        must agree first, so a standby whose vLLM crashed (its inference slot ``failed``,
+        nothing a demote could fix) costs no extra supervisor call per tick.
         """
         domain = fleet.domain(domain_id)
         if domain is None or domain.supervisor_url is None:
+            return False
+        seen = self._heartbeat_answers.get(domain_id)
+        if seen is None or not restore_confirmed(domain, seen, reason):
             return False
         try:
             status = await self._client.status(
@@ -511,24 +520,25 @@ class Reconciler:
             )
         except SupervisorCallError:
             return False
-        return any(
-            slot.training is not None and slot.training.state is TrainingRunState.IDLE
-            for slot in status.slots
-            if slot.kind is SlotKind.TRAINING
-        )
+        return restore_confirmed(domain, status, reason)
 
     async def _restore_posture(self, fleet: FleetSnapshot) -> Operation | None:
-        """Queue a demote of a standby whose training stopped by itself (backed off per target).
+        """Queue a demote of a standby out of posture (backed off per target).
 
         A supervisor restart stops a standby's trainers; the heartbeat mirrors its training
-        slot to ``idle``, and without this nothing would start them again.
+        slot to ``idle``, and without this nothing would start them again. A failover whose
+        ``demote_old_sleep`` timed out while the old active was ``failed`` could not queue its
+        restore demote (a failed domain is not demotable); once the domain is ``ready`` again
+        with its vLLM proven awake, this queues it.
         """
-        if not restore_candidates(fleet):
+        if not (restore_candidates(fleet) or awake_standbys(fleet)):
             return None
         now = self._clock()
         recent = await self._store.list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
-        decision = detect_restore(fleet, recent, now=now)
-        if decision is None or not await self._training_idle_now(fleet, decision.target_domain_id):
+        for decision in detect_restores(fleet, recent, now=now):
+            if await self._confirmed_now(fleet, decision.target_domain_id, decision.reason):
+                break
+        else:
             return None
         operation, created = await self._store.create_operation(
             fleet_id=fleet.id,
@@ -538,12 +548,12 @@ class Reconciler:
         )
         if created:
             logger.warning(
-                "fleet %s: standby %s is asleep with its training stopped; demote %s queued "
-                "to restart it (%s)",
+                "fleet %s: standby %s is out of standby posture (%s); demote %s queued to "
+                "restore it",
                 fleet.slug,
                 decision.target_domain_id,
-                operation.id,
                 decision.reason,
+                operation.id,
             )
             await self._store.append_event(
                 fleet_id=fleet.id,
@@ -887,8 +897,12 @@ class Reconciler:
         fresh = await self._load(str(fleet.id))
         decision = decide_demotion(fresh, domain_id)
         if not isinstance(decision, CreateOperation):
+            # Deferred, not dropped: once the domain is a ready standby again, the posture
+            # restore (``_restore_posture``) queues the demote if its vLLM is proven awake or
+            # its training stopped.
             logger.warning(
-                "operation %s: domain cannot be returned to standby: %s",
+                "operation %s: domain cannot be returned to standby yet (%s); its restore "
+                "waits until it is demotable",
                 cause.id,
                 decision.message,
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, Final
 
 from haru_protocol import MAX_DURATION_MS
@@ -105,6 +106,12 @@ class Settings(BaseSettings):
         None, validation_alias=_env("HARU_DEFAULT_FLEET", "default_fleet")
     )
     """``HARU_DEFAULT_FLEET``: fleet of inference requests without ``X-Haru-Fleet``."""
+    clock_offset_file: Path | None = Field(
+        None, validation_alias=_env("HARU_CLOCK_OFFSET_FILE", "clock_offset_file")
+    )
+    """``HARU_CLOCK_OFFSET_FILE``: test and fault-injection hook; the process's clock reads
+    the real time plus the offset (milliseconds) this file holds, re-read when it changes.
+    Never set in production."""
     chat_header_timeout_ms: DurationMs = Field(
         30_000, validation_alias=_env("HARU_CHAT_HEADER_TIMEOUT_MS", "chat_header_timeout_ms")
     )
