@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
 from haru_db import StateStore
-from haru_db.testing import confirm_domains
+from haru_db.testing import DatabaseUrlFactory, confirm_domains
 from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
     DomainState,
@@ -27,6 +27,7 @@ from haru_protocol import (
 )
 from haru_server._app import create_app
 from haru_server._clock import ManualClock
+from haru_server._keys import store_key
 from haru_server._route_cache import lease_guard_ms
 from haru_server._settings import Settings
 from haru_server.cli import format_event
@@ -692,3 +693,25 @@ async def test_malformed_stored_state_is_reported_not_served(
     status, code, message = await error_of(response)
     assert (status, code) == (503, "state_store_unavailable")
     assert "malformed" in message
+
+
+async def test_the_server_opens_a_store_connection_before_it_listens(
+    database_url_factory: DatabaseUrlFactory, aiohttp_server: AiohttpServer
+) -> None:
+    # docs/FAULTS.md finding 4: the first request's route read is bounded (250 ms); a process
+    # that still had to connect to the database then could only answer 503. The connection
+    # is opened while the app starts, before the socket is bound.
+    url = await database_url_factory()
+    # With a reconcile loop and no HARU_RECONCILE_FLEETS nothing else reads at start-up.
+    settings = Settings(api_token=SecretStr(TOKEN), database_url=url, reconcile_interval_ms=60_000)
+    app = create_app(settings)
+    pooled: list[int] = []
+
+    async def before_listening(app: web.Application) -> None:
+        # Runs right after the app's own start-up contexts, before the socket is bound and
+        # before the reconcile loop's first tick had a chance to read anything.
+        pooled.append(app[store_key]._ex.engine.pool.checkedin())
+
+    app.on_startup.append(before_listening)
+    await aiohttp_server(app)
+    assert pooled and pooled[0] >= 1

@@ -125,6 +125,15 @@ def create_app(
 
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
+    if app[_owns_store_key]:
+        # Open a pooled connection before the socket is bound: the first request's route
+        # read is bounded (250 ms), and a connection set up under load (TCP, auth, session
+        # settings) could take longer than that, leaving a cold process nothing to answer
+        # with but 503 (docs/FAULTS.md, finding 4).
+        try:
+            await app[store_key].ping()
+        except HaruDbError as exc:
+            logger.warning("state store not reachable before listening (requests retry): %s", exc)
     yield
     if app[_owns_store_key]:
         await app[store_key].close()
