@@ -2,9 +2,13 @@
 
 Every party runs in its own process on 127.0.0.1:
 
-- upstream: the emulated vLLM server (``python -m haru_sim.vllm``, no token latency);
+- upstream: the emulated vLLM server (``python -m haru_sim.vllm``, no time between tokens,
+  its default 1 ms frontend latency, ``--tokenize-latency-ms``). Like vLLM, whose streamed
+  answer is a StreamingResponse, it sends a stream's headers before generating, so a proxy
+  relays them before the first token exists; time to first byte is the first body byte;
 - floor: a minimal aiohttp proxy written here (read the body, parse its JSON for ``model``,
-  one pooled ``ClientSession``, stream the answer back): what any Python proxy pays;
+  one pooled ``ClientSession``, stream the answer back): what any Python proxy pays; it runs
+  on the event loop haru-server runs on (uvloop), so the comparison is of the proxies alone;
 - haru: a real ``haru_server`` boot (``run_server``: migrations, app factory, middlewares,
   bearer gate, route lease, proxy) on a SQLite file (and on PostgreSQL with
   ``--postgres-url``) seeded with a one-domain fleet pointing at upstream, logging like
@@ -16,8 +20,8 @@ Every party runs in its own process on 127.0.0.1:
   ``--install-litellm`` to create one); skipped cleanly when absent;
 - with ``--workers 1,2``, ``haru serve`` itself (the CLI, as deployed) with ``HARU_WORKERS``
   set to each value, on SQLite (no statement count for these rows);
-- with ``--asyncio``, Haru on SQLite once more on asyncio's own event loop (haru-server runs
-  on uvloop) to show what uvloop changes;
+- with ``--asyncio``, Haru on SQLite and the floor once more on asyncio's own event loop
+  (haru-server runs on uvloop) to show what uvloop changes;
 - load: a closed-loop aiohttp client (wrk-style: each of C connections sends its next request
   when the previous answer ended) in a separate process per measurement.
 
@@ -789,10 +793,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         upstream = f"http://127.0.0.1:{upstream_port}"
         targets = [Target("direct", upstream, {})]
-        line, pid = procs.start(
-            [sys.executable, __file__, "_floor", upstream, str(free_port())], ready="READY"
+        floors = [(FLOOR, "")] + (
+            [(f"{FLOOR[:-1]}, asyncio loop)", "asyncio")] if args.asyncio else []
         )
-        targets.append(Target(FLOOR, line.split()[-1], {}, pid))
+        for name, mode in floors:
+            line, pid = procs.start(
+                [sys.executable, __file__, "_floor", upstream, str(free_port()), mode],
+                ready="READY",
+            )
+            targets.append(Target(name, line.split()[-1], {}, pid))
         stores = [("haru (SQLite)", f"sqlite:///{tmp / 'haru.db'}", "")]
         if postgres is not None:
             stores.append(("haru (PostgreSQL)", postgres, ""))
@@ -878,7 +887,10 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "_seed":
         asyncio.run(seed(sys.argv[2], sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_floor":
-        asyncio.run(run_floor(sys.argv[2], int(sys.argv[3])))
+        from haru_server._eventloop import run
+
+        # On the loop haru-server runs on (uvloop), or on asyncio's own for --asyncio's row.
+        (asyncio.run if sys.argv[4] == "asyncio" else run)(run_floor(sys.argv[2], int(sys.argv[3])))
     elif len(sys.argv) > 1 and sys.argv[1] == "_load":
         print(json.dumps(asyncio.run(run_load(json.loads(sys.argv[2])))))
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 from collections.abc import Callable
@@ -134,6 +135,7 @@ def bearer_middleware(
     return middleware
 
 
+@functools.lru_cache(maxsize=256)  # asked on every request of a token-less service
 def is_loopback_host(host: str) -> bool:
     """Whether a ``Host`` header value (port optional) names the loopback interface."""
     name = host.strip().lower()
