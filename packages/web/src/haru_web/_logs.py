@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import sys
 import os
+import sys
 from collections.abc import Iterator
 from typing import Final, Literal, TextIO
 
