@@ -34,6 +34,9 @@ the issue's targets are checked against the floor, nothing is asserted.
     uv run python bench/proxy_overhead.py                 # print the table
     uv run python bench/proxy_overhead.py --postgres-url postgresql://postgres@127.0.0.1:5432/db
     uv run python bench/proxy_overhead.py --write-docs    # also update docs/BENCHMARKS.md
+    uv run python bench/proxy_overhead.py --streams-only --streams 1000 --rounds 3
+        # time to first byte only, every target in turn, 3 interleaved rounds (on a busy
+        # machine prefix `chrt -f 10`: docs/BENCHMARKS.md, *Streaming time to first byte*)
 """
 
 from __future__ import annotations
