@@ -2,9 +2,13 @@
 
 Every party runs in its own process on 127.0.0.1:
 
-- upstream: the emulated vLLM server (``python -m haru_sim.vllm``, no token latency);
+- upstream: the emulated vLLM server (``python -m haru_sim.vllm``, no time between tokens,
+  its default 1 ms frontend latency, ``--tokenize-latency-ms``). Like vLLM, whose streamed
+  answer is a StreamingResponse, it sends a stream's headers before generating, so a proxy
+  relays them before the first token exists; time to first byte is the first body byte;
 - floor: a minimal aiohttp proxy written here (read the body, parse its JSON for ``model``,
-  one pooled ``ClientSession``, stream the answer back): what any Python proxy pays;
+  one pooled ``ClientSession``, stream the answer back): what any Python proxy pays; it runs
+  on the event loop haru-server runs on (uvloop), so the comparison is of the proxies alone;
 - haru: a real ``haru_server`` boot (``run_server``: migrations, app factory, middlewares,
   bearer gate, route lease, proxy) on a SQLite file (and on PostgreSQL with
   ``--postgres-url``) seeded with a one-domain fleet pointing at upstream, logging like
@@ -16,8 +20,8 @@ Every party runs in its own process on 127.0.0.1:
   ``--install-litellm`` to create one); skipped cleanly when absent;
 - with ``--workers 1,2``, ``haru serve`` itself (the CLI, as deployed) with ``HARU_WORKERS``
   set to each value, on SQLite (no statement count for these rows);
-- with ``--asyncio``, Haru on SQLite once more on asyncio's own event loop (haru-server runs
-  on uvloop) to show what uvloop changes;
+- with ``--asyncio``, Haru on SQLite and the floor once more on asyncio's own event loop
+  (haru-server runs on uvloop) to show what uvloop changes;
 - load: a closed-loop aiohttp client (wrk-style: each of C connections sends its next request
   when the previous answer ended) in a separate process per measurement.
 
@@ -30,6 +34,9 @@ the issue's targets are checked against the floor, nothing is asserted.
     uv run python bench/proxy_overhead.py                 # print the table
     uv run python bench/proxy_overhead.py --postgres-url postgresql://postgres@127.0.0.1:5432/db
     uv run python bench/proxy_overhead.py --write-docs    # also update docs/BENCHMARKS.md
+    uv run python bench/proxy_overhead.py --streams-only --streams 1000 --rounds 3
+        # time to first byte only, every target in turn, 3 interleaved rounds (on a busy
+        # machine prefix `chrt -f 10`: docs/BENCHMARKS.md, *Streaming time to first byte*)
 """
 
 from __future__ import annotations
@@ -132,6 +139,7 @@ async def _serve_haru(
 async def seed(upstream: str, url: str) -> None:
     """Migrate ``url`` and apply the one-domain fleet whose model is served by ``upstream``."""
     from haru_db import StateStore, upgrade
+    from haru_db.testing import confirm_domains
     from haru_protocol import FleetLayout
 
     await upgrade(url)
@@ -160,7 +168,9 @@ async def seed(upstream: str, url: str) -> None:
                 ],
             }
         )
-        await store.apply_fleet_layout(layout, at=datetime.now(UTC))
+        result = await store.apply_fleet_layout(layout, at=datetime.now(UTC))
+        # What the domain's first good heartbeat does (no supervisor runs in the benchmark).
+        await confirm_domains(store, str(result.fleet_id), at=datetime.now(UTC))
     finally:
         await store.close()
 
@@ -553,14 +563,42 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
         return result
 
+    stream = load(stream=True, concurrency=1, requests=args.streams, warmup=50)
+    if args.streams_only:
+        return {"stream": stream}
     c1 = load(stream=False, concurrency=1, requests=args.c1_requests, warmup=args.warmup)
     before = statements(target)
     c16 = load(stream=False, concurrency=16, requests=args.requests, warmup=args.warmup)
     after = statements(target)
     if before is not None and after is not None:
         c16["statements_per_1000"] = (after - before) / c16["sent"] * 1000
-    stream = load(stream=True, concurrency=1, requests=args.streams, warmup=50)
     return {"c1": c1, "c16": c16, "stream": stream}
+
+
+def stream_rounds(targets: list[Target], args: argparse.Namespace) -> str:
+    """Streams only: every target in turn, ``--rounds`` times; p50 TTFB per round and median."""
+    ttfb: dict[str, list[float]] = {target.name: [] for target in targets}
+    for index in range(args.rounds):
+        for target in targets:
+            print(f"round {index + 1}: {target.name} ...", file=sys.stderr, flush=True)
+            result = measure(target, args)["stream"]
+            if result["errors"]:
+                print(f"  {result['errors']} errors: {result['error_kinds']}", file=sys.stderr)
+            ttfb[target.name].append(result["ttfb_p50_ms"])
+    base = statistics.median(ttfb["direct"])
+    lines = [
+        "| path | stream TTFB p50 ms per round | median | added median ms |",
+        "| --- | --- | ---: | ---: |",
+    ]
+    for name, values in ttfb.items():
+        median = statistics.median(values)
+        added = "-" if name == "direct" else fmt(median - base)
+        rounds = " / ".join(fmt(v) for v in values)
+        lines.append(f"| {name} | {rounds} | {fmt(median)} | {added} |")
+    return "\n".join(lines) + (
+        f"\n\n{args.streams} streams per round at concurrency 1 (after 50 warm-up), "
+        f"{args.rounds} rounds interleaved; load average {os.getloadavg()[0]:.1f} at the end."
+    )
 
 
 def fmt(value: float) -> str:
@@ -688,6 +726,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=4000, help="requests at concurrency 16")
     parser.add_argument("--warmup", type=int, default=300)
     parser.add_argument("--streams", type=int, default=300)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="with --streams-only: interleaved rounds"
+    )
+    parser.add_argument(
+        "--tokenize-latency-ms",
+        type=float,
+        default=1.0,
+        help="the emulated vLLM's frontend time before a request is scheduled (its default)",
+    )
+    parser.add_argument(
+        "--first-token-latency-ms",
+        type=float,
+        default=0.0,
+        help="the emulated vLLM's time to the first token once scheduled (prefill)",
+    )
     parser.add_argument("--max-seconds", type=float, default=60.0, help="bound per measurement")
     parser.add_argument(
         "--postgres-url",
@@ -704,6 +757,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated HARU_WORKERS values: also run `haru serve` with each (SQLite)",
     )
     parser.add_argument("--no-nginx", action="store_true")
+    parser.add_argument(
+        "--streams-only",
+        action="store_true",
+        help="measure only the streams' time to first byte (no --write-docs)",
+    )
     parser.add_argument("--litellm-venv", default="~/.cache/haru-bench/litellm-venv")
     parser.add_argument("--install-litellm", action="store_true")
     parser.add_argument("--write-docs", action="store_true", help=f"update {DOCS.name}")
@@ -729,15 +787,24 @@ def main(argv: list[str] | None = None) -> int:
                 MODEL,
                 "--token-latency-ms",
                 "0",
+                "--tokenize-latency-ms",
+                str(args.tokenize_latency_ms),
+                "--first-token-latency-ms",
+                str(args.first_token_latency_ms),
             ],
             ready="listening",
         )
         upstream = f"http://127.0.0.1:{upstream_port}"
         targets = [Target("direct", upstream, {})]
-        line, pid = procs.start(
-            [sys.executable, __file__, "_floor", upstream, str(free_port())], ready="READY"
+        floors = [(FLOOR, "")] + (
+            [(f"{FLOOR[:-1]}, asyncio loop)", "asyncio")] if args.asyncio else []
         )
-        targets.append(Target(FLOOR, line.split()[-1], {}, pid))
+        for name, mode in floors:
+            line, pid = procs.start(
+                [sys.executable, __file__, "_floor", upstream, str(free_port()), mode],
+                ready="READY",
+            )
+            targets.append(Target(name, line.split()[-1], {}, pid))
         stores = [("haru (SQLite)", f"sqlite:///{tmp / 'haru.db'}", "")]
         if postgres is not None:
             stores.append(("haru (PostgreSQL)", postgres, ""))
@@ -774,6 +841,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             targets.append(litellm)
 
+        if args.streams_only:
+            print(stream_rounds(targets, args))
+            return 0
         results: dict[str, dict[str, Any]] = {}
         for target in targets:
             print(f"measuring {target.name} ...", file=sys.stderr, flush=True)
@@ -820,7 +890,10 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "_seed":
         asyncio.run(seed(sys.argv[2], sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_floor":
-        asyncio.run(run_floor(sys.argv[2], int(sys.argv[3])))
+        from haru_server._eventloop import run
+
+        # On the loop haru-server runs on (uvloop), or on asyncio's own for --asyncio's row.
+        (asyncio.run if sys.argv[4] == "asyncio" else run)(run_floor(sys.argv[2], int(sys.argv[3])))
     elif len(sys.argv) > 1 and sys.argv[1] == "_load":
         print(json.dumps(asyncio.run(run_load(json.loads(sys.argv[2])))))
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
@@ -23,6 +24,7 @@ from haru_web import (
     error_middleware,
     install_request_ids,
     metrics_guarded,
+    new_request_id,
     parse_log_format,
     parse_log_level,
     request_id_middleware,
@@ -121,6 +123,14 @@ def test_request_id_rule(value: str, ok: bool) -> None:
     accepted = accept_request_id(value)
     assert (accepted == value) is ok
     assert is_request_id(accepted)
+
+
+def test_new_request_ids_are_32_random_hex_digits() -> None:
+    ids = {new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000
+    for rid in ids:
+        assert re.fullmatch(r"[0-9a-f]{32}", rid)
+        assert is_request_id(rid)
 
 
 def test_scope_keeps_the_current_id_and_makes_one_outside_requests() -> None:

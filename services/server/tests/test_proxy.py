@@ -415,6 +415,28 @@ async def test_quiet_stream_is_never_cut_by_the_header_bound(
     assert b"slow" in body
 
 
+async def test_stream_headers_reach_the_client_before_the_first_token(
+    make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
+) -> None:
+    # vLLM sends a stream's headers before it generates (a StreamingResponse); the proxy
+    # relays them at once instead of holding them to share a write with the first chunk, so
+    # a client sees its 200 while the model is still queued or prefilling.
+    proxy = await make_proxy()
+    await setup.alpha.set_faults(slow_first_token_ms=120_000)
+    async with asyncio.timeout(60):  # a liveness bound only: the first token takes 120 s
+        async with http.post(
+            f"{proxy.url}/v1/chat/completions",
+            data=chat_body(text="late answer", stream=True),
+            headers={"X-Haru-Fleet": "prod"},
+        ) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            await eventually(lambda: setup.alpha.num_running == 1)  # admitted, prefilling
+            assert resp.content.total_bytes == 0  # not one body byte exists yet
+    # Leaving closed the client's connection: the proxy aborts the upstream generation.
+    await eventually(lambda: setup.alpha.num_running == 0)
+
+
 async def test_no_headers_within_the_bound_is_504(
     make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
 ) -> None:
@@ -973,6 +995,10 @@ async def test_serving_url_prefix_and_query_are_kept_and_only_content_type_retur
     assert "Set-Cookie" not in headers
     assert "X-Upstream-Secret" not in headers
     assert "X-Haru-Routing" not in headers
+    # What the access log names as the upstream: its origin only, never the query's key.
+    routes = (await proxy_of(proxy).cache.resolve("prod")).routes
+    assert routes.origin("chat-prefixed") == str(server.make_url("/").origin())
+    assert routes.origin("no-such-model") is None
 
 
 # -- inside the real server app ----------------------------------------------------------------

@@ -13,7 +13,7 @@ from uuid import UUID
 import pytest
 from haru_db import MalformedFleetStateError, StateStoreUnavailableError
 from haru_protocol import ErrorCode, FleetRoutePointer, FleetSnapshot, Policy, parse_fleet_ref
-from haru_server._route_cache import RouteCache
+from haru_server._route_cache import RouteCache, ref_key
 from haru_web import ApiError
 
 Behaviour = Callable[[], object]
@@ -163,6 +163,22 @@ async def test_a_reference_that_names_nothing_never_reaches_the_store(
     upper = str(fleet.id).upper()
     assert (await cache.resolve(upper)).fleet_id == fleet.id
     assert cache.indexed(str(fleet.id)) == fleet.id  # ids are indexed lowercase
+
+
+def test_ref_keys_are_memoized_without_changing_a_verdict() -> None:
+    fleet_id = uuid.uuid4()
+    refs = [str(fleet_id), str(fleet_id).upper(), "prod", "Prod", " prod", "", "x" * 64]
+    expected = {ref: parse_fleet_ref(ref) for ref in refs}
+    for _ in range(2):  # the second pass answers from the memo
+        for ref in refs:
+            parsed = expected[ref]
+            assert ref_key(ref) == (None if parsed.names_nothing else parsed.key)
+    assert ref_key(str(fleet_id).upper()) == str(fleet_id)  # ids compare lowercase
+    # Past its bound the memo starts over and still answers right.
+    for n in range(1100):
+        assert ref_key(f"fleet-{n}") == f"fleet-{n}"
+    assert ref_key("Prod") is None
+    assert ref_key("prod") == "prod"
 
 
 # -- fresh path --------------------------------------------------------------------------------

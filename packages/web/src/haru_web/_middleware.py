@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 from collections.abc import Callable
@@ -136,6 +137,11 @@ def bearer_middleware(
 
 def is_loopback_host(host: str) -> bool:
     """Whether a ``Host`` header value (port optional) names the loopback interface."""
+    return _is_loopback_host(host)
+
+
+@functools.lru_cache(maxsize=256)  # asked on every request of a token-less service
+def _is_loopback_host(host: str) -> bool:
     name = host.strip().lower()
     if name.startswith("["):
         name = name[1:].partition("]")[0]

@@ -157,6 +157,11 @@ class ServerMetrics:
             registry=r,
         )
         self._active: dict[str, str] = {}
+        self._seen: dict[str, FleetSnapshot] = {}
+        # Label children of the per-request metrics, looked up once per label set (the
+        # cardinality is prometheus_client's own: routed fleets x models x paths x statuses).
+        self._answered: dict[tuple[str, str, str, int], Counter] = {}
+        self._headers_by_fleet: dict[str, Histogram] = {}
         self._marks: dict[UUID, _StandbyMark] = {}
         self._standby_totals: dict[tuple[str, str], list[float]] = {}
 
@@ -186,6 +191,11 @@ class ServerMetrics:
 
     def fleet_seen(self, fleet: FleetSnapshot) -> None:
         """Record a snapshot's route revision and active domain."""
+        if self._seen.get(fleet.slug) is fleet:
+            return  # the same cached snapshot as the previous request: nothing changed
+        if len(self._seen) >= 1024:
+            self._seen.clear()
+        self._seen[fleet.slug] = fleet
         self.route_revision.labels(fleet.slug).set(fleet.route_revision)
         active = fleet.active_domain
         slug = active.slug if active is not None else ""
@@ -229,6 +239,25 @@ class ServerMetrics:
         self.standby_duty_cycle.labels(*labels).set(totals[1] / totals[0])
 
     # -- proxy ---------------------------------------------------------------------------------
+
+    def proxy_answered(
+        self, fleet: str, model: str, path: str, status: int, headers_s: float | None
+    ) -> None:
+        """Count one proxied answer (and its upstream's time to headers, when it had one)."""
+        key = (fleet, model, path, status)
+        child = self._answered.get(key)
+        if child is None:
+            child = self._answered[key] = self.proxy_requests.labels(
+                fleet, model, path, str(status)
+            )
+        child.inc()
+        if headers_s is not None:
+            histogram = self._headers_by_fleet.get(fleet)
+            if histogram is None:
+                histogram = self._headers_by_fleet[fleet] = self.upstream_headers_seconds.labels(
+                    fleet
+                )
+            histogram.observe(headers_s)
 
     def request_held(self, fleet: str) -> None:
         """A request waited for a failover to move the route (the data path calls this)."""
@@ -315,9 +344,7 @@ def proxy_access_middleware(paths: frozenset[str]) -> Middleware:
 
 def _record(request: web.Request, note: ProxyNote, status: int, total_s: float) -> None:
     metrics = request.app[metrics_key]
-    metrics.proxy_requests.labels(note.fleet, note.model, request.path, str(status)).inc()
-    if note.headers_s is not None:
-        metrics.upstream_headers_seconds.labels(note.fleet).observe(note.headers_s)
+    metrics.proxy_answered(note.fleet, note.model, request.path, status, note.headers_s)
     if note.stale:
         metrics.proxy_stale.labels(note.fleet).inc()
     if note.snapshot is not None:

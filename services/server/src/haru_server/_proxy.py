@@ -33,7 +33,7 @@ from uuid import UUID
 import aiohttp
 from aiohttp import hdrs, web
 from haru_db import RouteListener
-from haru_protocol import REQUEST_ID_HEADER, ErrorCode, FleetRoutePointer, parse_fleet_ref
+from haru_protocol import REQUEST_ID_HEADER, ErrorCode, FleetRoutePointer
 from haru_web import ApiError, current_request_id
 from yarl import URL
 
@@ -55,6 +55,7 @@ from haru_server._route_cache import (
     DEFAULT_SNAPSHOT_TIMEOUT_MS,
     RouteCache,
     RouteLookup,
+    ref_key,
 )
 
 logger = logging.getLogger(__name__)
@@ -270,7 +271,7 @@ class _Proxy:
                     f"no fleet selected: send {FLEET_HEADER} or set HARU_DEFAULT_FLEET",
                 )
             ref = self._default_fleet
-        if parse_fleet_ref(ref).names_nothing:
+        if ref_key(ref) is None:
             # Neither an id nor a slug: no fleet can have it, so the store is not asked.
             raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref[:100]!r} not found")
         return ref
@@ -379,7 +380,7 @@ class _Proxy:
             )
         sent = time.monotonic()
         upstream = await self._open(url, body, headers, lookup)
-        note_upstream(request, _origin(url), time.monotonic() - sent)
+        note_upstream(request, routes.origin(model) or _origin(url), time.monotonic() - sent)
         return lookup, upstream
 
     async def _dispatch(

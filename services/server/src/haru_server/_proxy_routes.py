@@ -43,7 +43,7 @@ class RouteTable:
         bound: Names of every model the active domain binds, eligible or not.
     """
 
-    __slots__ = ("_targets", "bound", "fleet_slug", "models", "routable", "snapshot")
+    __slots__ = ("_origins", "_targets", "bound", "fleet_slug", "models", "routable", "snapshot")
 
     def __init__(self, snapshot: FleetSnapshot) -> None:
         self.snapshot = snapshot
@@ -52,6 +52,7 @@ class RouteTable:
         self.routable = active is not None and active.state in ROUTABLE_DOMAIN_STATES
         self.models: tuple[str, ...] = tuple(m.name for m in routable_models(snapshot))
         self._targets: dict[str, dict[str, URL]] = {}
+        self._origins: dict[str, str] = {}
         self.bound: frozenset[str] = frozenset()
         if active is None:
             return
@@ -72,6 +73,8 @@ class RouteTable:
                 )
                 continue
             self._targets[binding.name] = urls
+            # Logged instead of the full URL: a servingUrl's query may carry a credential.
+            self._origins[binding.name] = str(urls[CHAT_PATH].origin())
 
     def unserved(self, model: str) -> bool:
         """Whether the routable active binds ``model`` but no eligible slot serves it now.
@@ -80,6 +83,10 @@ class RouteTable:
         exists, so this is an outage to wait out (503, holdable), not an unknown model (404).
         """
         return self.routable and model in self.bound and model not in self._targets
+
+    def origin(self, model: str) -> str | None:
+        """The scheme, host and port of ``model``'s upstream (for logs), or None."""
+        return self._origins.get(model)
 
     def target(self, model: str, path: str) -> URL | None:
         """The upstream URL of ``path`` for ``model``, or None when it is not eligible."""

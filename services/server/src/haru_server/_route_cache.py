@@ -46,7 +46,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 from uuid import UUID
 
 from haru_db import MalformedFleetStateError, StateStoreUnavailableError
@@ -796,6 +796,28 @@ def _settle(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+_REF_KEYS_MAX: Final = 1024
+_ref_keys: dict[str, str | None] = {}
+
+
+def ref_key(ref: str) -> str | None:
+    """The cache key of a fleet reference, or None when it names nothing (memoized).
+
+    Requests name the same few fleets over and over, so the parse is done once per spelling
+    (at most :data:`_REF_KEYS_MAX` remembered; the memo starts over when full).
+    """
+    try:
+        return _ref_keys[ref]
+    except KeyError:
+        pass
+    parsed = parse_fleet_ref(ref)
+    key = None if parsed.names_nothing else parsed.key
+    if len(_ref_keys) >= _REF_KEYS_MAX:
+        _ref_keys.clear()
+    _ref_keys[ref] = key
+    return key
+
+
 def _cache_key(ref: str) -> str:
     """The cache key of a fleet reference (SPEC 7.5's id-first rule, one spelling per fleet).
 
@@ -803,7 +825,7 @@ def _cache_key(ref: str) -> str:
         ApiError: ``fleet_not_found`` when ``ref`` is neither an id nor a slug: no fleet can
             have it, so the store is not asked.
     """
-    parsed = parse_fleet_ref(ref)
-    if parsed.names_nothing:
+    key = ref_key(ref)
+    if key is None:
         raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref[:100]!r} not found")
-    return parsed.key
+    return key
