@@ -35,6 +35,7 @@ from haru_web import error_middleware
 from pydantic import SecretStr
 from pytest_aiohttp import AiohttpClient, AiohttpServer
 from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.pool import QueuePool
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 
@@ -710,8 +711,11 @@ async def test_the_server_opens_a_store_connection_before_it_listens(
     async def before_listening(app: web.Application) -> None:
         # Runs right after the app's own start-up contexts, before the socket is bound and
         # before the reconcile loop's first tick had a chance to read anything.
-        pooled.append(app[store_key]._ex.engine.pool.checkedin())
+        pool = app[store_key]._ex.engine.pool
+        assert isinstance(pool, QueuePool)  # both engines pool with a queue (its subclasses)
+        pooled.append(pool.checkedin())
 
     app.on_startup.append(before_listening)
     await aiohttp_server(app)
-    assert pooled and pooled[0] >= 1
+    assert pooled
+    assert pooled[0] >= 1
