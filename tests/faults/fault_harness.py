@@ -89,6 +89,8 @@ TIMINGS = DemoTimings(
 )
 
 MODEL = "fault-chat"
+SETTLE_CONFIRM_S = 1.0
+"""The settle check must hold twice this far apart, with no operation created between."""
 _UNROUTABLE = frozenset({"HTTP 503 no_active_domain", "HTTP 502 upstream_unreachable"})
 _NOTABLE = frozenset(
     {
@@ -724,17 +726,40 @@ class Run:
         return self.result(traffic)
 
     async def settle(self, bound_s: float) -> str | None:
-        """Wait until the fleet matches its supervisors; returns the last mismatch, or None."""
+        """Wait until the fleet matches its supervisors; returns the last mismatch, or None.
+
+        Settled means matching twice, :data:`SETTLE_CONFIRM_S` apart, with no operation
+        created in between: a reconciler that acts right after the first match (an operation
+        queued by a tick that was already running) is waited for, not judged mid-flight.
+        """
         deadline = self.history.now() + bound_s
         mismatch: str | None = "never checked"
+        matched: tuple[float, UUID | None] | None = None
         while self.history.now() < deadline:
             mismatch = await self.mismatch()
-            if mismatch is None:
-                self.history.note("settled", f"after {self.history.now() - self.faults_end:.1f}s")
-                return None
-            await asyncio.sleep(0.5)
+            newest = await self._newest_operation() if mismatch is None else None
+            if mismatch is not None:
+                matched = None
+            elif matched is not None and matched[1] == newest:
+                if self.history.now() - matched[0] >= SETTLE_CONFIRM_S:
+                    self.history.note("settled", f"after {matched[0] - self.faults_end:.1f}s")
+                    return None
+            else:
+                if matched is not None:
+                    self.history.note("settle", "an operation was created meanwhile; again")
+                matched = (self.history.now(), newest)
+            await asyncio.sleep(SETTLE_CONFIRM_S if matched is not None else 0.5)
         self.history.violation("settle", f"not settled {bound_s:.0f}s after faults: {mismatch}")
         return mismatch
+
+    async def _newest_operation(self) -> UUID | None:
+        assert self.store is not None
+        assert self.fleet_id is not None
+        try:
+            recent = await self.store.list_recent_operations(self.fleet_id, limit=1)
+        except Exception:  # noqa: BLE001 - the next round asks again
+            return None
+        return recent[0].id if recent else None
 
     async def mismatch(self) -> str | None:  # noqa: C901 - one check per line of the invariant
         assert self.store is not None

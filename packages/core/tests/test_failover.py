@@ -225,6 +225,35 @@ def test_failover_on_stale_active(make: FleetFactory) -> None:
     assert decision.target_domain_id == make.domain_id("beta")
 
 
+def test_an_active_that_answered_this_tick_is_not_stale(make: FleetFactory) -> None:
+    # Its recorded heartbeat lags because the caller was slow to record it (sqlite-single:506).
+    fleet = make.fleet(
+        make.domain("alpha", last_seen_at=ago(make, STALE_MS + 1)),
+        make.domain("beta"),
+        active="alpha",
+        policy=AUTO,
+    )
+    answered = frozenset({make.domain_id("alpha")})
+    assert detect_failover(fleet, now=make.now, answered=answered) is None
+    # Another domain's answer says nothing about the active.
+    others = frozenset({make.domain_id("beta")})
+    decision = detect_failover(fleet, now=make.now, answered=others)
+    assert decision is not None
+    assert decision.reason == "active_stale"
+
+
+def test_an_answer_does_not_excuse_a_failed_active(make: FleetFactory) -> None:
+    fleet = make.fleet(
+        make.domain("alpha", state=DomainState.FAILED),
+        make.domain("beta"),
+        active="alpha",
+        policy=AUTO,
+    )
+    decision = detect_failover(fleet, now=make.now, answered=frozenset({make.domain_id("alpha")}))
+    assert decision is not None
+    assert decision.reason == "active_failed"
+
+
 def test_failed_wins_over_stale_as_reason(make: FleetFactory) -> None:
     fleet = make.fleet(
         make.domain("alpha", state=DomainState.FAILED, last_seen_at=ago(make, STALE_MS + 1)),

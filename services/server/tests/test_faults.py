@@ -8,11 +8,13 @@ Budgets run on an injected clock.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import Any
 from uuid import UUID
 
 import aiohttp
+import pytest
 from haru_db import StateStore
 from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
@@ -433,3 +435,65 @@ async def test_a_standby_whose_vllm_crashed_gets_no_restore_demote(
     ]
     assert len(demotes) == 1
     assert await events_of(store, seeded.id, EventType.OPERATION_RESTORE_DEMOTE) == []
+
+
+async def test_a_store_write_lock_held_past_heartbeat_stale_ms_fails_nothing_over(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Fault schedule sqlite-single:506: another process held SQLite's write lock (BEGIN
+    # IMMEDIATE) for longer than heartbeatStaleMs. The tick's heartbeat round reached the
+    # active, then waited for the lock to record the answer; by the time it judged failover,
+    # the answer it had just recorded was older than heartbeatStaleMs, and a healthy active
+    # was failed over with reason active_stale.
+    store = sqlite_store
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
+    reconciler = make_reconciler(store)
+    await helpers.tick_until_settled(reconciler, "local")
+    before = await store.list_recent_operations(seeded.id)
+    database = store.url.removeprefix("sqlite+aiosqlite:///")
+    waiting = asyncio.Event()
+    record = store.mark_domains_seen
+
+    async def record_after_the_lock(domain_ids: Any, *, at: Any) -> frozenset[UUID]:
+        waiting.set()
+        return await record(domain_ids, at=at)
+
+    monkeypatch.setattr(store, "mark_domains_seen", record_after_the_lock)
+    lock = await asyncio.to_thread(_hold_write_lock, database)
+    try:
+        tick = asyncio.create_task(reconciler.tick("local"))
+        await asyncio.wait_for(waiting.wait(), timeout=10)
+        await asyncio.sleep(0.2)  # the write is queued on the lock (busy timeout 5 s)
+        assert not tick.done()
+        clock.advance(ms=AUTO.heartbeat_stale_ms + 5_000)  # type: ignore[operator]
+    finally:
+        await asyncio.to_thread(_release, lock)
+    result = await asyncio.wait_for(tick, timeout=10)
+    assert result.operation is None
+    assert await events_of(store, seeded.id, EventType.OPERATION_AUTO_FAILOVER) == []
+    assert await store.list_recent_operations(seeded.id) == before
+    # The rule is about this tick's own answers: an active that stops answering is still
+    # failed over once its recorded heartbeat is older than heartbeatStaleMs.
+    monkeypatch.setattr(store, "mark_domains_seen", record)
+    await fleet.stop_supervisor("alpha")
+    clock.advance(ms=AUTO.heartbeat_stale_ms + 1_000)  # type: ignore[operator]
+    await reconciler.tick("local")
+    failovers = await events_of(store, seeded.id, EventType.OPERATION_AUTO_FAILOVER)
+    assert [f["reason"] for f in failovers] == ["active_stale"]
+
+
+def _hold_write_lock(path: str) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, timeout=10.0, isolation_level=None, check_same_thread=False)
+    conn.execute("BEGIN IMMEDIATE")
+    return conn
+
+
+def _release(conn: sqlite3.Connection) -> None:
+    conn.execute("ROLLBACK")
+    conn.close()

@@ -98,16 +98,22 @@ def _is_fallback_candidate(domain: DomainSnapshot) -> bool:
     )
 
 
-def detect_failover(fleet: FleetSnapshot, *, now: datetime) -> FailoverDecision | None:
+def detect_failover(
+    fleet: FleetSnapshot, *, now: datetime, answered: frozenset[UUID] = frozenset()
+) -> FailoverDecision | None:
     """Decide an automatic failover (SPEC 7.3 step 2).
 
     Needs ``autoFailover`` on and an active domain that is failed or stale. An active whose
     supervisor refuses the server's token (``authFailing``) is never stale: a configuration
-    error is no evidence that it is down. The target is the first viable standby of
-    :func:`rank_standbys`, else the first ranked standby that is ready or degraded, has a
-    supervisor URL that accepts the token and has inference bindings; a standby whose
-    promotions are backing off (``promotionBackoffUntil`` after ``now``) is skipped. The caller
-    checks that no operation is in flight.
+    error is no evidence that it is down. Neither is an active in ``answered``, the domains
+    whose supervisors answered the caller's own heartbeat round of this tick: their
+    ``lastSeenAt`` can lag ``now`` only because the caller was slow (a store write that waited
+    out a lock, a stalled event loop), which is no evidence either.
+
+    The target is the first viable standby of :func:`rank_standbys`, else the first ranked
+    standby that is ready or degraded, has a supervisor URL that accepts the token and has
+    inference bindings; a standby whose promotions are backing off (``promotionBackoffUntil``
+    after ``now``) is skipped. The caller checks that no operation is in flight.
 
     Returns:
         The decision, or None when no failover is due or no standby could take over.
@@ -121,8 +127,10 @@ def detect_failover(fleet: FleetSnapshot, *, now: datetime) -> FailoverDecision 
     reason: Literal["active_failed", "active_stale"]
     if active.state is DomainState.FAILED:
         reason = "active_failed"
-    elif not active.auth_failing and is_stale(
-        active, now=now, heartbeat_stale_ms=fleet.policy.heartbeat_stale_ms
+    elif (
+        not active.auth_failing
+        and active.id not in answered
+        and is_stale(active, now=now, heartbeat_stale_ms=fleet.policy.heartbeat_stale_ms)
     ):
         reason = "active_stale"
     else:

@@ -217,7 +217,7 @@ class Reconciler:
     async def _tick(self, fleet: FleetSnapshot) -> TickResult:
         driving = await self._store.get_in_flight_operation(fleet.id)
         read_at = time.monotonic()
-        fleet = await self._heartbeats(fleet, driving)
+        fleet, answered = await self._heartbeats(fleet, driving)
         self._metrics.fleet_seen(fleet)
         operation = driving
         if time.monotonic() - read_at > IN_FLIGHT_REUSE_S:
@@ -232,7 +232,7 @@ class Reconciler:
         if operation is None:
             fleet = await self.annotate(fleet)
             fleet = await self._escalate(fleet)
-            operation = await self._failover(fleet)
+            operation = await self._failover(fleet, answered)
             if operation is None:
                 operation = await self._restore_posture(fleet)
         if operation is None:
@@ -327,11 +327,17 @@ class Reconciler:
                 domain_id=domain.id,
             )
 
-    async def _heartbeats(self, fleet: FleetSnapshot, in_flight: Operation | None) -> FleetSnapshot:
+    async def _heartbeats(
+        self, fleet: FleetSnapshot, in_flight: Operation | None
+    ) -> tuple[FleetSnapshot, frozenset[UUID]]:
+        """Poll every supervisor once and record what they answered.
+
+        Returns the fleet as it stands afterwards and the ids of the domains that answered.
+        """
         # A domain without a supervisor URL has nothing to poll (nothing could drive it).
         polled = [(d, d.supervisor_url) for d in fleet.domains if d.supervisor_url is not None]
         if not polled:
-            return fleet
+            return fleet, frozenset()
         # The domains an in-flight operation drives: their in-between slot states are its own.
         busy = (
             set()
@@ -358,7 +364,7 @@ class Reconciler:
             verdicts.append((domain, status, refused is not None))
         # Slot health first, then the heartbeats (SPEC 7.3), every answering domain's in one
         # statement.
-        answered = [domain.id for domain, status, _ in verdicts if status is not None]
+        answered = frozenset(domain.id for domain, status, _ in verdicts if status is not None)
         seen = await self._store.mark_domains_seen(answered, at=now) if answered else frozenset()
         if len(seen) < len(answered):
             # A newer heartbeat (another process, a clock ahead) is stored: judging staleness
@@ -369,13 +375,13 @@ class Reconciler:
                 fleet, domain, status, now, unauthorized=unauthorized
             )
         if landed:
-            return await self._load(str(fleet.id))
+            return await self._load(str(fleet.id)), answered
         if not seen:
-            return fleet
+            return fleet, answered
         domains = tuple(
             d.model_copy(update={"last_seen_at": now}) if d.id in seen else d for d in fleet.domains
         )
-        return fleet.model_copy(update={"domains": domains})
+        return fleet.model_copy(update={"domains": domains}), answered
 
     async def _mirror_slots(
         self,
@@ -467,9 +473,12 @@ class Reconciler:
         )
         return await self.annotate(await self._load(str(fleet.id)))
 
-    async def _failover(self, fleet: FleetSnapshot) -> Operation | None:
+    async def _failover(self, fleet: FleetSnapshot, answered: frozenset[UUID]) -> Operation | None:
         now = self._clock()
-        decision = detect_failover(fleet, now=now)
+        # An active that answered this tick's heartbeat is not stale, whatever its recorded
+        # lastSeenAt says: the store may have taken longer to record the answer (a SQLite
+        # write lock held past heartbeatStaleMs) than the active took to give it.
+        decision = detect_failover(fleet, now=now, answered=answered)
         if decision is None:
             return None
         operation, created = await self._store.create_operation(
