@@ -10,7 +10,10 @@ heartbeats, database round trips, the other supervisor calls. For reference the 
 also measured directly on a separate supervisor (medians printed above the table).
 
 Everything is real except the GPUs: emulated vLLM servers and real supervisors on 127.0.0.1
-sockets, real ``haru-sim-trainer`` processes stopped with SIGTERM, a SQLite state store (or
+sockets, in a process of their own as in production (the supervisors run on the GPU hosts;
+``--fleet-in-process`` puts them on the reconciler's event loop instead, as before 2026-12-01,
+which charges their request handling to the control plane), real ``haru-sim-trainer``
+processes stopped with SIGTERM, a SQLite state store (or
 PostgreSQL with ``--database-url``: a server URL whose user may create databases; each
 configuration runs in a fresh database, dropped afterwards), the real reconciler and background
 loop. "Without
@@ -19,17 +22,21 @@ flight, no kick on acceptance.
 
 Run:  uv run python bench/promotion_overhead.py [--runs 5] [--unchained-runs 2]
       [--intervals 1 5] [--database-url postgresql://postgres@127.0.0.1:5432/postgres]
+      [--fleet-in-process]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import statistics
+import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +47,7 @@ import psycopg
 from haru_db import StateStore, upgrade
 from haru_demo.localfleet import LocalFleet, LocalFleetOptions
 from haru_protocol import (
+    FleetLayout,
     OperationKind,
     OperationState,
     ProbeResponse,
@@ -80,6 +88,103 @@ class Row:
 
 def _ms(seconds: float) -> float:
     return seconds * 1000.0
+
+
+@dataclass(frozen=True)
+class FleetDomain:
+    """What the bench needs of one domain of a running local fleet."""
+
+    supervisor_url: str
+    checkpoint_dirs: dict[int, Path]
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """A running local fleet, in this process or in a child process."""
+
+    layout_document: FleetLayout
+    domains: dict[str, FleetDomain]
+
+    def layout(self) -> FleetLayout:
+        return self.layout_document
+
+    def domain(self, slug: str) -> FleetDomain:
+        return self.domains[slug]
+
+
+def _describe(fleet: LocalFleet) -> Fleet:
+    domains = {
+        slug: FleetDomain(
+            supervisor_url=fleet.domain(slug).supervisor_url,
+            checkpoint_dirs=dict(fleet.domain(slug).checkpoint_dirs),
+        )
+        for slug in fleet.options.domains
+    }
+    return Fleet(fleet.layout(), domains)
+
+
+@contextlib.asynccontextmanager
+async def local_fleet(
+    workdir: Path, options: LocalFleetOptions, *, in_process: bool
+) -> AsyncIterator[Fleet]:
+    """A local fleet on 127.0.0.1: on this event loop, or in a child process (the default)."""
+    if in_process:
+        async with LocalFleet(workdir, options) as fleet:
+            yield _describe(fleet)
+        return
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        __file__,
+        "--serve-fleet",
+        str(workdir),
+        options.slug,
+        *options.domains,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert child.stdin is not None
+    assert child.stdout is not None
+    try:
+        line = await asyncio.wait_for(child.stdout.readline(), timeout=60)
+        if not line:
+            raise RuntimeError("the fleet process exited before it was ready")
+        described = json.loads(line)
+        yield Fleet(
+            FleetLayout.model_validate(described["layout"]),
+            {
+                slug: FleetDomain(
+                    supervisor_url=d["supervisorUrl"],
+                    checkpoint_dirs={int(k): Path(v) for k, v in d["checkpointDirs"].items()},
+                )
+                for slug, d in described["domains"].items()
+            },
+        )
+    finally:
+        child.stdin.close()  # the child closes its fleet and exits at end of input
+        try:
+            await asyncio.wait_for(child.wait(), timeout=30)
+        except TimeoutError:
+            child.kill()
+            await child.wait()
+
+
+async def serve_fleet(workdir: Path, slug: str, domains: tuple[str, ...]) -> None:
+    """The child process of :func:`local_fleet`: describe the fleet on stdout, run until EOF."""
+    options = LocalFleetOptions(slug=slug, domains=domains)
+    async with LocalFleet(workdir, options) as fleet:
+        described = _describe(fleet)
+        document = {
+            "layout": described.layout_document.model_dump(mode="json", by_alias=True),
+            "domains": {
+                name: {
+                    "supervisorUrl": d.supervisor_url,
+                    "checkpointDirs": {str(k): str(v) for k, v in d.checkpoint_dirs.items()},
+                }
+                for name, d in described.domains.items()
+            },
+        }
+        print(json.dumps(document), flush=True)
+        await asyncio.to_thread(sys.stdin.read)
 
 
 class TimedClient(SupervisorClient):
@@ -171,7 +276,7 @@ def _training(status: SupervisorStatus, state: TrainingRunState) -> bool:
     )
 
 
-async def _trainers_warm(fleet: LocalFleet, slug: str) -> None:
+async def _trainers_warm(fleet: Fleet, slug: str) -> None:
     # A trainer that has written a checkpoint really trains: SIGTERM reaches its handler.
     async with asyncio.timeout(30):
         for directory in fleet.domain(slug).checkpoint_dirs.values():
@@ -183,13 +288,15 @@ async def _trainers_warm(fleet: LocalFleet, slug: str) -> None:
                 await asyncio.sleep(0.01)
 
 
-async def measure_baseline(workdir: Path, http: aiohttp.ClientSession, samples: int) -> Baseline:
+async def measure_baseline(
+    workdir: Path, http: aiohttp.ClientSession, samples: int, *, in_process: bool
+) -> Baseline:
     """Medians of the emulated work, measured directly on a separate one-domain fleet."""
     exits: list[float] = []
     wakes: list[float] = []
     probes: list[float] = []
     options = LocalFleetOptions(slug="baseline", domains=("base",))
-    async with LocalFleet(workdir, options) as fleet:
+    async with local_fleet(workdir, options, in_process=in_process) as fleet:
         client = SupervisorClient(http, token=None)
         url = fleet.domain("base").supervisor_url
         for _ in range(samples):
@@ -245,6 +352,7 @@ async def measure_config(
     database_url: str | None,
     http: aiohttp.ClientSession,
     verbose: bool,
+    in_process: bool,
 ) -> Row:
     await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
     if database_url is None:
@@ -258,7 +366,7 @@ async def measure_config(
     options = LocalFleetOptions(slug=slug)
     row = Row(interval_s, chaining, [], [], [])
     try:
-        async with LocalFleet(workdir / "fleet", options) as fleet:
+        async with local_fleet(workdir / "fleet", options, in_process=in_process) as fleet:
             await store.apply_fleet_layout(fleet.layout(), at=datetime.now(UTC))
             snapshot = await store.get_fleet_snapshot(slug)
             assert snapshot is not None
@@ -399,6 +507,10 @@ def print_table(baseline: Baseline, rows: list[Row]) -> None:
 
 
 async def main() -> None:
+    if sys.argv[1:2] == ["--serve-fleet"]:
+        workdir, slug, *domains = sys.argv[2:]
+        await serve_fleet(Path(workdir), slug, tuple(domains))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=5, help="promotions per chained config")
     parser.add_argument(
@@ -414,11 +526,18 @@ async def main() -> None:
     )
     parser.add_argument("--database-url", default=None, help="PostgreSQL URL (default: SQLite)")
     parser.add_argument("--verbose", action="store_true", help="print every promotion")
+    parser.add_argument(
+        "--fleet-in-process",
+        action="store_true",
+        help="run the supervisors and emulated vLLM servers on the reconciler's event loop",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="haru-bench-") as tmp:
         root = Path(tmp)
         async with aiohttp.ClientSession() as http:
-            baseline = await measure_baseline(root / "baseline", http, args.baseline_samples)
+            baseline = await measure_baseline(
+                root / "baseline", http, args.baseline_samples, in_process=args.fleet_in_process
+            )
             rows: list[Row] = []
             for index, interval in enumerate(args.intervals):
                 for chaining in (True, False):
@@ -439,6 +558,7 @@ async def main() -> None:
                             database_url=args.database_url,
                             http=http,
                             verbose=args.verbose,
+                            in_process=args.fleet_in_process,
                         )
                     )
     print_table(baseline, rows)

@@ -45,12 +45,12 @@ class Recording(Reconciler):
         self.overlaps = 0
         self.ticked = asyncio.Event()
 
-    async def tick(self, fleet_ref: str) -> TickResult:
+    async def tick(self, fleet_ref: str, *, kicked: bool = False) -> TickResult:
         if fleet_ref in self.running:
             self.overlaps += 1
         self.running.add(fleet_ref)
         try:
-            return await super().tick(fleet_ref)
+            return await super().tick(fleet_ref, kicked=kicked)
         finally:
             self.running.discard(fleet_ref)
             self.ticks[fleet_ref] += 1

@@ -15,6 +15,7 @@ from typing import Any
 from uuid import UUID
 
 import aiohttp
+import pytest
 from haru_db import StateStore
 from haru_db.testing import confirm_domains
 from haru_demo.localfleet import LocalFleet
@@ -94,6 +95,51 @@ async def start_standby_training(
             while read_trainer_checkpoint(directory) is None:
                 await asyncio.sleep(0.02)
     await reconciler.tick("local")
+
+
+async def test_a_kicked_tick_drives_a_just_accepted_operation_before_any_heartbeat(
+    store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    http: aiohttp.ClientSession,
+    helpers: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store, chaining=False)
+    await start_standby_training(fleet, http, store, reconciler)
+    rounds: list[int] = []
+    record = store.mark_domains_seen
+
+    async def counting(domain_ids: Any, *, at: Any) -> frozenset[UUID]:
+        rounds.append(len(domain_ids))
+        return await record(domain_ids, at=at)
+
+    monkeypatch.setattr(store, "mark_domains_seen", counting)
+    beta = domain_id(seeded, "beta")
+    pending, created = await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
+    )
+    assert created
+    # The kick of an accepted promote: its first step runs with no heartbeat round first.
+    first = await reconciler.tick("local", kicked=True)
+    assert rounds == []
+    assert first.operation is not None
+    assert first.operation.id == pending.id
+    assert first.operation.state is OperationState.RUNNING
+    # Without chaining: one step (the trainers' stop may be proven within it).
+    assert first.operation.current_step in (OperationStep.STOP_TRAINING, OperationStep.VERIFY_GPU)
+    # A kick while it runs (a passive failure seen by the proxy) is a whole tick: kicks
+    # never starve the heartbeats.
+    await reconciler.tick("local", kicked=True)
+    assert rounds == [2]
+    await helpers.tick_until_settled(reconciler, "local")
+    done = await store.get_operation(pending.id)
+    assert done is not None
+    assert done.state is OperationState.SUCCEEDED
+    assert (await snapshot_of(store)).active_domain_id == beta
 
 
 async def test_first_tick_mirrors_the_layout_posture(

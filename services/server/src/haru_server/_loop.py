@@ -210,11 +210,12 @@ class ReconcileLoop:
         ref = str(worker.fleet_id)
         failing: str | None = None
         while not self._stopping.is_set():
+            kicked = worker.wake.is_set()
             worker.wake.clear()
             started = time.monotonic()
             delay = options.interval_s
             try:
-                result = await self._reconciler.tick(ref)
+                result = await self._reconciler.tick(ref, kicked=kicked)
             except FleetNotFoundError:
                 logger.info("reconcile loop: fleet %s is gone; its worker stops", ref)
                 self._workers.pop(worker.fleet_id, None)

@@ -183,8 +183,16 @@ class Reconciler:
         """The tick's tuning."""
         return self._options
 
-    async def tick(self, fleet_ref: str) -> TickResult:
+    async def tick(self, fleet_ref: str, *, kicked: bool = False) -> TickResult:
         """Run one reconcile tick of the fleet ``fleet_ref`` (id or slug).
+
+        ``kicked``: the tick answers a kick (an accepted promote or demote, a passive failure
+        seen by the proxy). When the fleet's in-flight operation is still ``pending`` (just
+        accepted, not claimed) such a tick only drives it: no heartbeat round and no
+        provisioning pass before its first step. Every step proves its own effect from a
+        status poll of the supervisor it drives, so the round would only delay the promotion;
+        the loop's next regular tick polls every supervisor as usual. Any other kicked tick is
+        a whole tick, so kicks can never starve the heartbeats.
 
         Raises:
             FleetNotFoundError: No such fleet.
@@ -202,7 +210,7 @@ class Reconciler:
                 async with lock:
                     if waited:
                         fleet = await self._load(str(fleet.id))
-                    result = await self._tick(fleet)
+                    result = await self._tick(fleet, kicked=kicked)
             except StateStoreUnavailableError:
                 self._metrics.store_error("reconcile")
                 raise
@@ -214,8 +222,10 @@ class Reconciler:
 
     # ---- the tick ----------------------------------------------------------------------------
 
-    async def _tick(self, fleet: FleetSnapshot) -> TickResult:
+    async def _tick(self, fleet: FleetSnapshot, *, kicked: bool) -> TickResult:
         driving = await self._store.get_in_flight_operation(fleet.id)
+        if kicked and driving is not None and driving.state is OperationState.PENDING:
+            return await self._drive(fleet, driving)
         read_at = time.monotonic()
         fleet, answered = await self._heartbeats(fleet, driving)
         self._metrics.fleet_seen(fleet)
@@ -237,6 +247,9 @@ class Reconciler:
                 operation = await self._restore_posture(fleet)
         if operation is None:
             return TickResult(fleet.id, None, in_flight=False)
+        return await self._drive(fleet, operation)
+
+    async def _drive(self, fleet: FleetSnapshot, operation: Operation) -> TickResult:
         operation, queued = await self._advance(fleet, operation)
         in_flight = queued or operation.state in (OperationState.PENDING, OperationState.RUNNING)
         return TickResult(fleet.id, operation, in_flight=in_flight)
