@@ -41,7 +41,7 @@ from fault_procs import (
     trainers_in,
 )
 from haru_db import StateStore
-from haru_demo import DemoTimings, DemoTopology, TopologyOptions, operation_budget_s
+from haru_demo import DemoError, DemoTimings, DemoTopology, TopologyOptions, operation_budget_s
 from haru_demo._gpu import trainer_processes
 from haru_protocol import (
     Cloud,
@@ -91,6 +91,9 @@ TIMINGS = DemoTimings(
 MODEL = "fault-chat"
 SETTLE_CONFIRM_S = 1.0
 """The settle check must hold twice this far apart, with no operation created between."""
+REPLICA_START_ATTEMPTS = 60
+REPLICA_RESTART_DELAY_S = 0.5
+"""A killed replica is started again like a restart policy would: up to 60 tries, 0.5 s apart."""
 _UNROUTABLE = frozenset({"HTTP 503 no_active_domain", "HTTP 502 upstream_unreachable"})
 _NOTABLE = frozenset(
     {
@@ -543,6 +546,31 @@ class Run:
             return f"replica {fault.target}"
         return None
 
+    async def _restart_replica(self, replica: Replica) -> None:
+        """Start a killed replica again, as the deployment's restart policy does.
+
+        ``haru serve`` migrates the store before it listens, so a replica started while the
+        store is cut or stalled exits 1 (``cannot start: state store``); a restart policy
+        (``restart: unless-stopped`` in deploy/compose.yaml) starts it again. Until it listens
+        it is down, and the fault's window (traffic to it excused) lasts that long.
+        """
+        for attempt in range(1, REPLICA_START_ATTEMPTS + 1):
+            try:
+                await replica.start()
+            except DemoError as exc:
+                if attempt == REPLICA_START_ATTEMPTS:
+                    raise
+                reason = str(exc).splitlines()[0]
+                self.history.note(
+                    "fault",
+                    f"replica {replica.index} did not start (attempt {attempt}): {reason}; "
+                    f"restarting in {REPLICA_RESTART_DELAY_S:g}s",
+                )
+                await asyncio.sleep(REPLICA_RESTART_DELAY_S)
+                continue
+            self.starts[replica.index].append(self.history.now())
+            return
+
     async def apply(self, fault: Fault) -> None:
         process = self._process_of(fault)
         if process is None:
@@ -615,8 +643,7 @@ class Run:
             if replica.running:
                 await replica.kill()
                 await asyncio.sleep(d)
-                await replica.start()
-                self.starts[replica.index].append(self.history.now())
+                await self._restart_replica(replica)
                 if replica.index == 0:
                     topo.server = replica.process
         elif fault.kind in ("store_cut", "store_stall"):

@@ -295,6 +295,52 @@ async def test_pointer_failure_with_a_cold_cache_is_503(
     assert error.status == 503
 
 
+async def test_a_cold_cache_waits_for_a_slow_pointer_read_instead_of_failing(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    # Fault schedule pg-replicas:1021 (finding 7): a replica that had just started, on a
+    # loaded machine, read its first pointer more slowly than the pointer bound; with nothing
+    # cached it answered 503 at once, and for the outage memo's second after that too.
+    fleet = store.add("prod")
+    other = store.add("staging")
+    cache = make_cache(store, clock, pointer_timeout_ms=20, snapshot_timeout_ms=2000)
+    gate = asyncio.Event()
+    store.pointer_gates.append(gate)
+    first = asyncio.create_task(cache.resolve("prod"))
+    await asyncio.sleep(0.1)  # five times the pointer bound
+    assert not first.done()
+    gate.set()
+    lookup = await asyncio.wait_for(first, timeout=2)
+    assert lookup.fleet_id == fleet.id
+    assert not lookup.stale
+    # A failed read starts the outage memo; a spelling with nothing cached still reads.
+    store.pointer_error = down()
+    clock.advance(5)
+    assert (await cache.resolve("prod")).stale
+    assert cache.in_outage
+    store.pointer_error = None
+    lookup = await cache.resolve("staging")
+    assert lookup.fleet_id == other.id
+    assert not lookup.stale
+    # Once cached, a slow read is bounded by the pointer bound again (served stale).
+    clock.advance(5)
+    store.pointer_hang = True
+    assert (await asyncio.wait_for(cache.resolve("staging"), timeout=1)).stale
+
+
+async def test_a_cold_cache_still_fails_when_the_read_outlasts_the_snapshot_bound(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    store.add("prod")
+    store.pointer_hang = True
+    cache = make_cache(store, clock, pointer_timeout_ms=20, snapshot_timeout_ms=100)
+    error = await asyncio.wait_for(
+        expect_error(cache, "prod", ErrorCode.STATE_STORE_UNAVAILABLE), timeout=2
+    )
+    assert error.status == 503
+    await cache.aclose()
+
+
 async def test_hung_pointer_read_counts_as_unreachable_within_its_bound(
     store: ScriptedStore, clock: FakeClock
 ) -> None:

@@ -166,8 +166,10 @@ class RouteCache(Generic[T]):
             :attr:`RouteLookup.routes` (called once per loaded snapshot).
         ttl_ms: How long a snapshot at the current revision is reused before a reload
             (``HARU_SNAPSHOT_CACHE_TTL_MS``).
-        pointer_timeout_ms: Bound on the pointer read; slower counts as unreachable.
-        snapshot_timeout_ms: Bound on a snapshot load.
+        pointer_timeout_ms: Bound on the pointer read of a request that has cached routing to
+            fall back on; slower counts as unreachable.
+        snapshot_timeout_ms: Bound on a snapshot load, and on the pointer read of a request
+            with nothing cached to fall back on (it could only answer 503 sooner).
         outage_memo_ms: After a failed pointer read, serve stale without reading for this long.
         max_fleets: Entries kept; the least recently used is evicted beyond it.
         lease_ms: Route lease (0: read the pointer on every request).
@@ -198,6 +200,8 @@ class RouteCache(Generic[T]):
         self._ttl = ttl_ms / 1000
         self._pointer_timeout = pointer_timeout_ms / 1000
         self._snapshot_timeout = snapshot_timeout_ms / 1000
+        self._read_bound = max(self._pointer_timeout, self._snapshot_timeout)
+        """How long one pointer read may run (the wait of a request with nothing cached)."""
         self._outage_memo = outage_memo_ms / 1000
         self._max_fleets = max_fleets
         self._clock = clock
@@ -313,8 +317,14 @@ class RouteCache(Generic[T]):
 
     # -- coalesced pointer reads ---------------------------------------------------------------
 
-    async def _read_pointer(self, ref: str) -> tuple[FleetRoutePointer | None, int]:
+    async def _read_pointer(
+        self, ref: str, *, wait_s: float | None = None
+    ) -> tuple[FleetRoutePointer | None, int]:
         """The pointer ``ref`` names, from a read that STARTED after this call.
+
+        ``wait_s`` bounds the wait (default: the pointer bound). A read itself may run up to
+        the snapshot bound, so a caller with nothing cached can wait for it while callers
+        with a fallback stop waiting at the pointer bound.
 
         Concurrent requests share reads: one arriving while a read of the same ``ref`` is in
         flight waits for the next read, which starts when that one ends and serves everyone
@@ -342,7 +352,7 @@ class RouteCache(Generic[T]):
             if batch.queued is None:
                 batch.queued = loop.create_future()
             shared = batch.queued
-        outcome = await self._await_shared(shared, self._pointer_timeout)
+        outcome = await self._await_shared(shared, wait_s or self._pointer_timeout)
         if outcome.error is not None:
             raise outcome.error
         return outcome.pointer, outcome.seq
@@ -356,7 +366,7 @@ class RouteCache(Generic[T]):
                 seq = self._seq
                 try:
                     pointer = await self._bounded(
-                        self._store.get_fleet_route_pointer(ref), self._pointer_timeout
+                        self._store.get_fleet_route_pointer(ref), self._read_bound
                     )
                     outcome = _Outcome(pointer, None, seq)
                 except (StateStoreUnavailableError, TimeoutError, MalformedFleetStateError) as exc:
@@ -410,7 +420,12 @@ class RouteCache(Generic[T]):
             lease = None if alias is None else self._leases.get(alias[0])
             if lease is not None and lease.refresher is not None:
                 return await self._resolve_leased(ref, key, lease)
-        probe = self._outage
+        # With nothing cached for this spelling there is nothing to fail open to: a quick
+        # timeout or the outage memo could only turn a slow read into a 503 (a process that
+        # just started, on a loaded machine: docs/FAULTS.md, finding 7). Such a request reads
+        # (sharing the read in flight) and waits up to the snapshot bound.
+        cold = self._cached(key) is None
+        probe = self._outage and not cold
         started = self._clock()
         if probe:
             if self._probing or self._clock() < self._outage_until:
@@ -418,7 +433,9 @@ class RouteCache(Generic[T]):
             self._probing = True  # one probe at a time; the others keep serving stale
         try:
             try:
-                pointer, seq = await self._read_pointer(ref)
+                pointer, seq = await self._read_pointer(
+                    ref, wait_s=self._read_bound if cold else None
+                )
             finally:
                 if probe:
                     self._probing = False
@@ -668,6 +685,10 @@ class RouteCache(Generic[T]):
             ErrorCode.STATE_STORE_UNAVAILABLE,
             f"the state store could not load the routing of fleet {ref!r}; retry shortly",
         ) from exc
+
+    def _cached(self, key: str) -> _Entry[T] | None:
+        alias = self._aliases.get(key)
+        return None if alias is None else self._entries.get(alias[0])
 
     def _serve_stale(self, ref: str, key: str, why: str) -> RouteLookup[T]:
         alias = self._aliases.get(key)
