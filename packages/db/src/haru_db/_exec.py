@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection, Coroutine
+from collections.abc import Collection, Coroutine, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -86,15 +86,18 @@ class Executor:
             await asyncio.wait(tuple(self._abandoned), timeout=_ABANDONED_GRACE_S)
         await self.engine.dispose()
 
-    async def write(self, stmt: sa.Executable) -> list[Row]:
+    async def write(
+        self, stmt: sa.Executable, params: Mapping[str, Any] | None = None
+    ) -> list[Row]:
         """Run one write statement as its own transaction; the rows it returned.
 
         The statement commits as it completes (:func:`~haru_db._engine.statement_writer`):
-        one round trip, no ``BEGIN``/``COMMIT`` around it.
+        one round trip, no ``BEGIN``/``COMMIT`` around it. ``params`` fills the statement's
+        bind parameters (a statement built once and reused, see :mod:`haru_db._postgres`).
         """
         with translate_errors(self.url):
             async with self._writer.connect() as conn:
-                result = await conn.execute(stmt)
+                result = await conn.execute(stmt, params)
                 with malformed("stored row"):
                     return [dict(r) for r in result.mappings().all()] if result.returns_rows else []
 

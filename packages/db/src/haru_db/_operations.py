@@ -100,6 +100,10 @@ async def _cas(
     update: sa.Update,
     events: Sequence[OperationEvent],
     *,
+    kind: _postgres.CasKind,
+    operation_id: UUID,
+    from_step: OperationStep | None,
+    to_step: OperationStep | None,
     at: datetime,
     exit_mirror: SlotMirror | None = None,
     entry_mirror: SlotMirror | None = None,
@@ -107,15 +111,25 @@ async def _cas(
     """Run an operation CAS, with its slot mirrors and events in the same statement.
 
     Only when the CAS lands: ``exit_mirror`` is applied, ``events`` appended and
-    ``entry_mirror`` applied, in that order.
+    ``entry_mirror`` applied, in that order. ``update`` is the CAS itself; PostgreSQL runs
+    the same CAS (``kind``, ``operation_id``, ``from_step``, ``to_step``, ``at``) from a
+    statement built once per shape (:func:`haru_db._postgres.operation_cas`).
     """
     mirrors = mirror_documents(exit_mirror, entry_mirror)
     if not events and mirrors is None:
         return bool(await ex.write(update.returning(operations.c.id)))
     documents = [event.document() for event in events]
     if ex.dialect == "postgresql":
-        stmt = _postgres.update_with_writes(update, documents, mirrors, at=at)
-        return bool(await ex.write(stmt))
+        stmt, params = _postgres.operation_cas(
+            kind,
+            operation_id=operation_id,
+            from_step=None if from_step is None else str(from_step),
+            to_step=None if to_step is None else str(to_step),
+            at=at,
+            documents=documents,
+            mirrors=mirrors,
+        )
+        return bool(await ex.write(stmt, params))
     # trg_operations_pending_writes applies them (and clears both columns).
     values: dict[str, Any] = {}
     if documents:
@@ -145,7 +159,17 @@ async def claim_operation(
             updated_at=at,
         )
     )
-    return await _cas(ex, stmt, events, at=at, entry_mirror=entry_mirror)
+    return await _cas(
+        ex,
+        stmt,
+        events,
+        kind="claim",
+        operation_id=operation_id,
+        from_step=None,
+        to_step=first_step,
+        at=at,
+        entry_mirror=entry_mirror,
+    )
 
 
 async def advance_step(
@@ -169,7 +193,18 @@ async def advance_step(
         )
         .values(current_step=str(to_step), step_started_at=at, updated_at=at)
     )
-    return await _cas(ex, stmt, events, at=at, exit_mirror=exit_mirror, entry_mirror=entry_mirror)
+    return await _cas(
+        ex,
+        stmt,
+        events,
+        kind="advance",
+        operation_id=operation_id,
+        from_step=from_step,
+        to_step=to_step,
+        at=at,
+        exit_mirror=exit_mirror,
+        entry_mirror=entry_mirror,
+    )
 
 
 async def complete_operation(
@@ -191,7 +226,17 @@ async def complete_operation(
         )
         .values(state=OperationState.SUCCEEDED.value, finished_at=at, updated_at=at)
     )
-    return await _cas(ex, stmt, events, at=at, exit_mirror=exit_mirror)
+    return await _cas(
+        ex,
+        stmt,
+        events,
+        kind="complete",
+        operation_id=operation_id,
+        from_step=from_step,
+        to_step=None,
+        at=at,
+        exit_mirror=exit_mirror,
+    )
 
 
 async def fail_operation(
@@ -239,6 +284,15 @@ async def switch_active(
     at: datetime,
 ) -> bool:
     at = aware(at)
+    if ex.dialect == "postgresql":
+        stmt_pg, params = _postgres.switch_active(
+            fleet_id=fleet_id,
+            expected_active_domain_id=expected_active_domain_id,
+            target_domain_id=target_domain_id,
+            operation_id=operation_id,
+            at=at,
+        )
+        return bool(await ex.write(stmt_pg, params))
     pointer_matches = (
         fleets.c.active_domain_id.is_(None)
         if expected_active_domain_id is None
@@ -255,20 +309,15 @@ async def switch_active(
         "last_switch_operation_id": operation_id,
         "updated_at": at,
     }
-    if ex.dialect == "sqlite":
-        # trg_fleets_switch_commits_routing marks the operation in this statement.
-        stmt = (
-            sa.update(fleets)
-            .where(
-                fleets.c.id == fleet_id,
-                pointer_matches,
-                sa.exists(sa.select(operations.c.id).where(running)),
-            )
-            .values(**move)
-            .returning(fleets.c.id)
+    # trg_fleets_switch_commits_routing marks the operation in this statement.
+    stmt = (
+        sa.update(fleets)
+        .where(
+            fleets.c.id == fleet_id,
+            pointer_matches,
+            sa.exists(sa.select(operations.c.id).where(running)),
         )
-        return bool(await ex.write(stmt))
-    stmt_pg = _postgres.switch_active(
-        fleet_id=fleet_id, pointer_matches=pointer_matches, running=running, move=move, at=at
+        .values(**move)
+        .returning(fleets.c.id)
     )
-    return bool(await ex.write(stmt_pg))
+    return bool(await ex.write(stmt))

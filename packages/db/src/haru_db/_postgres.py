@@ -6,13 +6,14 @@ the migrations (named in each builder), fired by the same single statement.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 from uuid import UUID
 
 import sqlalchemy as sa
-from haru_protocol import OperationKind, SlotKind
+from haru_protocol import OperationKind, OperationState, SlotKind
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 from haru_db._cleanup import PROMOTE_FAIL_CLEANUP
@@ -77,23 +78,57 @@ def fail_with_cleanup(fail: sa.Update, *, at: datetime) -> sa.Select[Any]:
 def switch_active(
     *,
     fleet_id: UUID,
-    pointer_matches: sa.ColumnElement[bool],
-    running: sa.ColumnElement[bool],
-    move: dict[str, Any],
+    expected_active_domain_id: UUID | None,
+    target_domain_id: UUID,
+    operation_id: UUID,
     at: datetime,
-) -> sa.Select[Any]:
+) -> tuple[sa.Select[Any], dict[str, Any]]:
     """Move the pointer and mark the (locked) operation ``routing_committed``.
 
     The operation row is locked (``FOR UPDATE``) so that, under READ COMMITTED, a concurrent
     ``fail_operation(target_not_routed=True)`` either commits first (the switch re-checks
     ``state = 'running'`` and loses) or waits and re-checks ``routing_committed = false``.
-    SQLite: ``trg_fleets_switch_commits_routing``.
+    Built once per shape (whether a domain is expected active) and reused with new
+    parameters. SQLite: ``trg_fleets_switch_commits_routing``. Returns the statement and its
+    parameters.
     """
+    params: dict[str, Any] = {
+        "p_fleet_id": fleet_id,
+        "p_target": target_domain_id,
+        "p_op_id": operation_id,
+        "p_at": at,
+    }
+    if expected_active_domain_id is not None:
+        params["p_expected"] = expected_active_domain_id
+    return _switch_active_statement(expected_active_domain_id is None), params
+
+
+@functools.lru_cache(maxsize=2)
+def _switch_active_statement(expect_none: bool) -> sa.Select[Any]:
+    at = sa.bindparam("p_at", type_=UtcDateTime())
+    fleet_id = sa.bindparam("p_fleet_id", type_=fleets.c.id.type)
+    operation_id = sa.bindparam("p_op_id", type_=operations.c.id.type)
+    pointer_matches = (
+        fleets.c.active_domain_id.is_(None)
+        if expect_none
+        else fleets.c.active_domain_id
+        == sa.bindparam("p_expected", type_=fleets.c.active_domain_id.type)
+    )
+    running = sa.and_(
+        operations.c.id == operation_id,
+        operations.c.fleet_id == fleet_id,
+        operations.c.state == OperationState.RUNNING.value,
+    )
     locked = sa.select(operations.c.id).where(running).with_for_update().cte("locked_op")
     moved = (
         sa.update(fleets)
         .where(fleets.c.id == fleet_id, pointer_matches, sa.exists(sa.select(locked.c.id)))
-        .values(**move)
+        .values(
+            active_domain_id=sa.bindparam("p_target", type_=fleets.c.active_domain_id.type),
+            route_revision=fleets.c.route_revision + 1,
+            last_switch_operation_id=operation_id,
+            updated_at=at,
+        )
         .returning(fleets.c.id)
         .cte("moved")
     )
@@ -110,13 +145,20 @@ def switch_active(
     return sa.select(moved.c.id, sa.select(marked.c.id).scalar_subquery().label("op"))
 
 
-def update_with_writes(
-    update: sa.Update,
+CasKind = Literal["claim", "advance", "complete"]
+"""Which operation CAS :func:`operation_cas` wraps."""
+
+
+def operation_cas(
+    kind: CasKind,
+    *,
+    operation_id: UUID,
+    from_step: str | None,
+    to_step: str | None,
+    at: datetime,
     documents: Sequence[dict[str, Any]],
     mirrors: Mapping[str, Any] | None,
-    *,
-    at: datetime,
-) -> sa.Select[Any]:
+) -> tuple[sa.Select[Any], dict[str, Any]]:
     """An operation CAS that also moves its step's slots and appends ``documents`` (in order).
 
     All of it happens when, and only when, the CAS lands: the exit mirror first, then the
@@ -124,43 +166,128 @@ def update_with_writes(
     :func:`haru_db._mirrors.mirror_documents` (or None). Each event gets the operation's
     fleet, target domain and id, and ``at``; the first one gets the exit mirror's count under
     its ``countInto`` key. SQLite: ``trg_operations_pending_writes``.
+
+    The statement depends only on its shape (the CAS, how many events, which mirrors), so it
+    is built once per shape with bind parameters and reused: building this CTE costs more
+    Python than running it (about 2.6 ms against 0.9 ms of server time, on a 2-vCPU
+    machine). Returns the statement and its parameters.
     """
-    changed = update.returning(
-        operations.c.id,
-        operations.c.fleet_id,
-        operations.c.target_domain_id,
-        operations.c.source_domain_id,
-    ).cte("changed_op")
     exit_doc = None if mirrors is None else mirrors.get("exit")
     entry_doc = None if mirrors is None else mirrors.get("entry")
+    count_into = None if exit_doc is None else exit_doc.get("countInto")
+    stmt = _operation_cas_statement(
+        kind,
+        len(documents),
+        None if exit_doc is None else (bool(exit_doc["onSource"]), count_into is not None),
+        None if entry_doc is None else bool(entry_doc["onSource"]),
+    )
+    params: dict[str, Any] = {"p_op_id": operation_id, "p_at": at}
+    if from_step is not None:
+        params["p_from_step"] = from_step
+    if to_step is not None:
+        params["p_to_step"] = to_step
+    for prefix, doc in (("p_exit", exit_doc), ("p_entry", entry_doc)):
+        if doc is not None:
+            params[f"{prefix}_kind"] = str(doc["kind"])
+            params[f"{prefix}_from"] = [str(state) for state in doc["from"]]
+            params[f"{prefix}_to"] = str(doc["to"])
+    if count_into is not None:
+        params["p_count_into"] = [str(count_into)]
+    for index, doc in enumerate(documents):
+        params[f"p_type_{index}"] = doc["type"]
+        params[f"p_payload_{index}"] = doc["payload"]
+    return stmt, params
+
+
+def _cas_update(kind: CasKind) -> sa.Update:
+    op = operations.c
+    at = sa.bindparam("p_at", type_=UtcDateTime())
+    step: Any = op.current_step.type
+    this = op.id == sa.bindparam("p_op_id", type_=op.id.type)
+    if kind == "claim":
+        return (
+            sa.update(operations)
+            .where(this, op.state == OperationState.PENDING.value)
+            .values(
+                state=OperationState.RUNNING.value,
+                current_step=sa.bindparam("p_to_step", type_=step),
+                step_started_at=at,
+                updated_at=at,
+            )
+        )
+    at_step = sa.and_(
+        this,
+        op.state == OperationState.RUNNING.value,
+        op.current_step == sa.bindparam("p_from_step", type_=step),
+    )
+    if kind == "advance":
+        return (
+            sa.update(operations)
+            .where(at_step)
+            .values(
+                current_step=sa.bindparam("p_to_step", type_=step),
+                step_started_at=at,
+                updated_at=at,
+            )
+        )
+    return (
+        sa.update(operations)
+        .where(at_step)
+        .values(state=OperationState.SUCCEEDED.value, finished_at=at, updated_at=at)
+    )
+
+
+@functools.lru_cache(maxsize=128)
+def _operation_cas_statement(
+    kind: CasKind,
+    event_count: int,
+    exit_shape: tuple[bool, bool] | None,
+    entry_on_source: bool | None,
+) -> sa.Select[Any]:
+    """The statement of :func:`operation_cas` for one shape.
+
+    ``exit_shape`` is the exit mirror's ``(onSource, counted)``, ``entry_on_source`` the entry
+    mirror's ``onSource`` (None: no such mirror).
+    """
+    changed = (
+        _cas_update(kind)
+        .returning(
+            operations.c.id,
+            operations.c.fleet_id,
+            operations.c.target_domain_id,
+            operations.c.source_domain_id,
+        )
+        .cte("changed_op")
+    )
+    at = sa.bindparam("p_at", type_=UtcDateTime())
     columns: list[Any] = [changed.c.id]
     moved_count: sa.ScalarSelect[Any] | None = None
-    if exit_doc is not None:
-        moved = _mirror_cte(changed, exit_doc, at=at, name="exit_mirror")
+    if exit_shape is not None:
+        moved = _mirror_cte(changed, "p_exit", on_source=exit_shape[0], name="exit_mirror")
         moved_count = sa.select(sa.func.count()).select_from(moved).scalar_subquery()
         columns.append(moved_count.label("exit_moved"))
-    if entry_doc is not None:
-        entered = _mirror_cte(changed, entry_doc, at=at, name="entry_mirror")
+    if entry_on_source is not None:
+        entered = _mirror_cte(changed, "p_entry", on_source=entry_on_source, name="entry_mirror")
         columns.append(
             sa.select(sa.func.count()).select_from(entered).scalar_subquery().label("entry_moved")
         )
-    if documents:
-        count_into = None if exit_doc is None else exit_doc.get("countInto")
+    if event_count:
+        counted = moved_count if exit_shape is not None and exit_shape[1] else None
         rows = []
-        for index, doc in enumerate(documents):
-            payload: sa.ColumnElement[Any] = sa.literal(doc["payload"], JSONB())
-            if index == 0 and count_into is not None and moved_count is not None:
+        for index in range(event_count):
+            payload: sa.ColumnElement[Any] = sa.bindparam(f"p_payload_{index}", type_=JSONB())
+            if index == 0 and counted is not None:
                 payload = sa.func.jsonb_set(
                     payload,
-                    sa.literal([str(count_into)], ARRAY(sa.Text())),
-                    sa.func.to_jsonb(moved_count),
+                    sa.bindparam("p_count_into", type_=ARRAY(sa.Text())),
+                    sa.func.to_jsonb(counted),
                 )
             rows.append(
                 sa.select(
                     changed.c.fleet_id.label("fleet_id"),
                     changed.c.target_domain_id.label("domain_id"),
                     changed.c.id.label("operation_id"),
-                    sa.literal(doc["type"], events.c.type.type).label("type"),
+                    sa.bindparam(f"p_type_{index}", type_=events.c.type.type).label("type"),
                     sa.cast(payload, sa.JSON()).label("payload"),
                     sa.literal(index, sa.Integer()).label("ord"),
                 )
@@ -176,7 +303,7 @@ def update_with_writes(
                     source.c.operation_id,
                     source.c.type,
                     source.c.payload,
-                    sa.literal(at, UtcDateTime()),
+                    at,
                 ).order_by(source.c.ord),
             )
             .returning(events.c.id)
@@ -189,16 +316,23 @@ def update_with_writes(
     return sa.select(*columns)
 
 
-def _mirror_cte(changed: sa.CTE, doc: Mapping[str, Any], *, at: datetime, name: str) -> sa.CTE:
-    domain = changed.c.source_domain_id if doc["onSource"] else changed.c.target_domain_id
+def _mirror_cte(changed: sa.CTE, prefix: str, *, on_source: bool, name: str) -> sa.CTE:
+    domain = changed.c.source_domain_id if on_source else changed.c.target_domain_id
+    at = sa.bindparam("p_at", type_=UtcDateTime())
     return (
         sa.update(slots)
         .where(
             slots.c.domain_id == sa.select(domain).scalar_subquery(),
-            slots.c.kind == str(doc["kind"]),
-            slots.c.state.in_([str(s) for s in doc["from"]]),
+            slots.c.kind == sa.bindparam(f"{prefix}_kind", type_=slots.c.kind.type),
+            slots.c.state.in_(
+                sa.bindparam(f"{prefix}_from", type_=slots.c.state.type, expanding=True)
+            ),
         )
-        .values(state=str(doc["to"]), state_updated_at=at, updated_at=at)
+        .values(
+            state=sa.bindparam(f"{prefix}_to", type_=slots.c.state.type),
+            state_updated_at=at,
+            updated_at=at,
+        )
         .returning(slots.c.id)
         .cte(name)
     )
