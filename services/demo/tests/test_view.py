@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from haru_demo._topology import active_slug, is_standby_posture
+from haru_demo._topology import active_slug, heartbeats_judged, is_standby_posture
 from haru_demo._traffic import TrafficSummary
 from haru_demo._view import ViewState, event_detail, render_view, step_durations
-from haru_protocol import Event, EventList, FleetSnapshot, Operation
+from haru_protocol import DomainState, Event, EventList, FleetSnapshot, Operation
 from rich.console import Console
 
 DATA = Path(__file__).parent / "data"
@@ -138,3 +138,29 @@ def test_posture_and_role_helpers_read_the_snapshot() -> None:
     assert not is_standby_posture(after, "beta")  # the active is never a standby
     assert is_standby_posture(after, "alpha")
     assert not is_standby_posture(after, "gamma")
+
+
+def test_a_domain_seen_but_still_provisioning_is_not_judged_yet() -> None:
+    after = fleet("fleet-after-promotion.json")
+    assert heartbeats_judged(after)
+    beta = next(d for d in after.domains if d.slug == "beta")
+    assert beta.last_seen_at is not None
+    # Seen (the heartbeat statement landed) but not yet judged (the next statement).
+    seen_only = after.model_copy(
+        update={
+            "domains": tuple(
+                d.model_copy(update={"state": DomainState.PROVISIONING}) if d is beta else d
+                for d in after.domains
+            )
+        }
+    )
+    assert not heartbeats_judged(seen_only)
+    never_seen = after.model_copy(
+        update={
+            "domains": tuple(
+                d.model_copy(update={"last_seen_at": None}) if d is beta else d
+                for d in after.domains
+            )
+        }
+    )
+    assert not heartbeats_judged(never_seen)

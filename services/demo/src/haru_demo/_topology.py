@@ -47,6 +47,7 @@ from haru_db import StateStore, upgrade
 from haru_protocol import (
     AcceptedResponse,
     DomainLayout,
+    DomainState,
     FleetLayout,
     FleetSnapshot,
     InferenceSlotSpec,
@@ -371,10 +372,7 @@ class DemoTopology:
             raise
         await server_start
         progress("waiting for the first heartbeats")
-        await self.wait_for_fleet(
-            lambda f: all(d.last_seen_at is not None for d in f.domains),
-            what="every domain to answer a heartbeat",
-        )
+        await self.wait_for_fleet(heartbeats_judged, what="every domain to answer a heartbeat")
         if self.options.standby_posture:
             progress("demoting the standby: vLLM asleep, training started")
             await self.ensure_standby_posture()
@@ -778,6 +776,20 @@ class DemoTopology:
             return TrainingStatusResponse.model_validate_json(raw)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise DemoError(f"training status of {slug}: {exc}") from exc
+
+
+def heartbeats_judged(fleet: FleetSnapshot) -> bool:
+    """Whether every domain answered a heartbeat and was judged on it (no longer provisioning).
+
+    A tick records the heartbeats (``lastSeenAt``) in one statement and moves a provisioning
+    domain to ready or degraded in the next; between the two a demote of that domain is
+    refused (422: only a degraded or ready domain can be demoted), so waiting for
+    ``lastSeenAt`` alone is not enough (fault schedules ``pg-replicas:2052`` and ``:2053``).
+    """
+    return all(
+        d.last_seen_at is not None and d.state is not DomainState.PROVISIONING
+        for d in fleet.domains
+    )
 
 
 def is_standby_posture(fleet: FleetSnapshot, slug: str) -> bool:
