@@ -56,7 +56,7 @@ from haru_protocol import (
     TrainingRunState,
 )
 from haru_server._loop import LoopOptions, ReconcileLoop
-from haru_server._reconciler import Reconciler, ReconcilerOptions
+from haru_server._reconciler import Accepted, Reconciler, ReconcilerOptions
 from haru_sim import read_trainer_checkpoint
 from haru_supervisor.client import SupervisorClient
 from sqlalchemy.engine import make_url
@@ -399,6 +399,10 @@ async def measure_config(
                     await asyncio.sleep(interval_s * 0.37)
                     client.reset(fleet.domain(target).supervisor_url)
                     flip = asyncio.ensure_future(next_flip())
+                    # What the API does before it accepts: read the fleet to validate the target
+                    # (the kick hands this snapshot to the loop, as the API's does).
+                    fresh = await store.get_fleet_snapshot(slug)
+                    assert fresh is not None
                     accepted_at = datetime.now(UTC)
                     operation, created = await store.create_operation(
                         fleet_id=snapshot.id,
@@ -410,7 +414,7 @@ async def measure_config(
                     accepted = time.monotonic()
                     assert created
                     if chaining:
-                        loop.kick(snapshot.id)
+                        loop.kick(snapshot.id, accepted=Accepted(fleet=fresh, operation=operation))
                     flipped = await asyncio.wait_for(flip, timeout=interval_s * 12 + 30)
                     total = _ms(flipped - accepted)
                     row.totals_ms.append(total)

@@ -27,7 +27,7 @@ from haru_server._app import create_app
 from haru_server._clock import ManualClock
 from haru_server._keys import kick_fleet_key, loop_key
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
-from haru_server._reconciler import Reconciler, TickResult
+from haru_server._reconciler import Accepted, Reconciler, TickResult
 from haru_server._route_cache import lease_guard_ms
 from haru_server._settings import Settings
 from pytest_aiohttp import AiohttpClient, AiohttpServer
@@ -45,12 +45,14 @@ class Recording(Reconciler):
         self.overlaps = 0
         self.ticked = asyncio.Event()
 
-    async def tick(self, fleet_ref: str, *, kicked: bool = False) -> TickResult:
+    async def tick(
+        self, fleet_ref: str, *, kicked: bool = False, accepted: Accepted | None = None
+    ) -> TickResult:
         if fleet_ref in self.running:
             self.overlaps += 1
         self.running.add(fleet_ref)
         try:
-            return await super().tick(fleet_ref, kicked=kicked)
+            return await super().tick(fleet_ref, kicked=kicked, accepted=accepted)
         finally:
             self.running.discard(fleet_ref)
             self.ticks[fleet_ref] += 1

@@ -87,6 +87,9 @@ class Proxy:
     app: web.Application
     kicks: list[UUID] = field(default_factory=list)
 
+    def kick(self, fleet_id: UUID, *, accepted: object = None) -> None:
+        self.kicks.append(fleet_id)
+
     @property
     def v1(self) -> str:
         return f"{self.url}/v1"
@@ -114,7 +117,7 @@ async def make_proxy(sqlite_store: StateStore) -> AsyncIterator[ProxyFactory]:
         app[settings_key] = settings
         app[store_key] = store if store is not None else sqlite_store
         app[clock_key] = now
-        app[kick_fleet_key] = proxy.kicks.append
+        app[kick_fleet_key] = proxy.kick
         install_proxy(app, tuning=tuning)
         # Served like production (web.run_app's default: handlers are NOT cancelled when a
         # client disconnects), unless a test asks for aiohttp's handler cancellation.
@@ -506,7 +509,11 @@ async def test_connect_failure_is_502_and_kicks_the_fleet_once(
 def test_kicks_are_debounced_per_fleet() -> None:
     now = [100.0]
     kicked: list[UUID] = []
-    debounce = _KickDebouncer(kicked.append, interval_s=1.0, clock=lambda: now[0])
+
+    def kick(fleet_id: UUID, *, accepted: object = None) -> None:
+        kicked.append(fleet_id)
+
+    debounce = _KickDebouncer(kick, interval_s=1.0, clock=lambda: now[0])
     a, b = UUID(int=1), UUID(int=2)
     assert debounce(a)
     assert not debounce(a)

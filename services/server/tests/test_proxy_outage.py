@@ -222,7 +222,11 @@ async def make_proxy() -> AsyncIterator[ProxyFactory]:
         app[store_key] = store
         app[clock_key] = now
         kicks: list[UUID] = []
-        app[kick_fleet_key] = kicks.append
+
+        def kick(fleet_id: UUID, *, accepted: object = None) -> None:
+            kicks.append(fleet_id)
+
+        app[kick_fleet_key] = kick
         install_proxy(app, tuning=tuning)
         runner = web.AppRunner(app)
         await runner.setup()

@@ -33,7 +33,7 @@ from haru_protocol import (
     TrainingRunState,
 )
 from haru_server._clock import ManualClock
-from haru_server._reconciler import Reconciler
+from haru_server._reconciler import Accepted, Reconciler
 from haru_server._steps import StepTuning
 from haru_sim import read_trainer_checkpoint
 from haru_supervisor import process_name
@@ -139,6 +139,88 @@ async def test_a_kicked_tick_drives_a_just_accepted_operation_before_any_heartbe
     done = await store.get_operation(pending.id)
     assert done is not None
     assert done.state is OperationState.SUCCEEDED
+    assert (await snapshot_of(store)).active_domain_id == beta
+
+
+async def test_a_kick_that_brings_the_accepted_operation_starts_it_without_reading_the_fleet(
+    store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    http: aiohttp.ClientSession,
+    helpers: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store, chaining=False)
+    await start_standby_training(fleet, http, store, reconciler)
+    validated = await snapshot_of(store)  # what the API read to validate the request
+    beta = domain_id(seeded, "beta")
+    pending, created = await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
+    )
+    assert created
+    reads: list[str] = []
+    for name in ("get_fleet_snapshot", "get_in_flight_operation", "mark_domains_seen"):
+        original = getattr(store, name)
+
+        def counting(*args: Any, _name: str = name, _original: Any = original, **kw: Any) -> Any:
+            reads.append(_name)
+            return _original(*args, **kw)
+
+        monkeypatch.setattr(store, name, counting)
+    first = await reconciler.tick(
+        "local", kicked=True, accepted=Accepted(fleet=validated, operation=pending)
+    )
+    assert reads == []
+    assert first.operation is not None
+    assert first.operation.id == pending.id
+    assert first.operation.state is OperationState.RUNNING
+    monkeypatch.undo()  # the real store for the rest of the promotion
+    await helpers.tick_until_settled(reconciler, "local")
+    done = await store.get_operation(pending.id)
+    assert done is not None
+    assert done.state is OperationState.SUCCEEDED
+    assert (await snapshot_of(store)).active_domain_id == beta
+
+
+async def test_an_accepted_operation_already_started_elsewhere_is_left_to_its_tick(
+    store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    http: aiohttp.ClientSession,
+    helpers: Any,
+) -> None:
+    # Another replica claimed the operation first: the kick's copy says pending, the claim
+    # CAS loses, and the tick reports the operation as it is now.
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store, chaining=False)
+    other = make_reconciler(store, chaining=False)
+    await start_standby_training(fleet, http, store, reconciler)
+    validated = await snapshot_of(store)
+    beta = domain_id(seeded, "beta")
+    pending, _ = await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
+    )
+    claimed = await other.tick("local")
+    assert claimed.operation is not None
+    assert claimed.operation.state is OperationState.RUNNING
+    late = await reconciler.tick(
+        "local", kicked=True, accepted=Accepted(fleet=validated, operation=pending)
+    )
+    assert late.operation is not None
+    assert late.operation.id == pending.id
+    assert late.operation.state is not OperationState.PENDING
+    started = [
+        e
+        for e in await store.list_events(seeded.id, limit=1000)
+        if e.type == EventType.OPERATION_STARTED
+    ]
+    assert len(started) == 1
+    await helpers.tick_until_settled(reconciler, "local")
     assert (await snapshot_of(store)).active_domain_id == beta
 
 

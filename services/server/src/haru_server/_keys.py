@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 from uuid import UUID
 
 from aiohttp import web
@@ -11,11 +11,16 @@ from haru_db import StateStore
 from haru_server._clock import Clock as Clock
 from haru_server._loop import ReconcileLoop
 from haru_server._provisioning import Provisioner
-from haru_server._reconciler import Reconciler
+from haru_server._reconciler import Accepted, Reconciler
 from haru_server._settings import Settings
 
-FleetKicker = Callable[[UUID], None]
-"""Asks the background loop to reconcile one fleet now (debounced; never blocks)."""
+
+class FleetKicker(Protocol):
+    """Asks the background loop to reconcile one fleet now (debounced; never blocks)."""
+
+    def __call__(self, fleet_id: UUID, *, accepted: Accepted | None = None) -> None:
+        """Kick ``fleet_id``; ``accepted``: the operation a request just created."""
+
 
 settings_key = web.AppKey("settings", Settings)
 store_key = web.AppKey("store", StateStore)

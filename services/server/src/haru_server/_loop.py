@@ -20,7 +20,7 @@ from uuid import UUID
 from haru_db import StateStore, StateStoreUnavailableError
 
 from haru_server._errors import FleetNotFoundError
-from haru_server._reconciler import Reconciler
+from haru_server._reconciler import Accepted, Reconciler
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ class _Worker:
     def __init__(self, fleet_id: UUID) -> None:
         self.fleet_id = fleet_id
         self.wake = asyncio.Event()
+        self.accepted: Accepted | None = None
+        """The operation the latest kick brought, for the next kicked tick."""
         self.task: asyncio.Task[None] | None = None
 
 
@@ -148,10 +150,16 @@ class ReconcileLoop:
             with contextlib.suppress(asyncio.CancelledError):
                 await worker
 
-    def kick(self, fleet_id: UUID) -> None:
-        """Ask for a tick of ``fleet_id`` now; never blocks, coalesces repeated kicks."""
+    def kick(self, fleet_id: UUID, *, accepted: Accepted | None = None) -> None:
+        """Ask for a tick of ``fleet_id`` now; never blocks, coalesces repeated kicks.
+
+        ``accepted``: the operation a request just created (with the snapshot it was
+        validated on), which the kicked tick starts without reading the fleet again.
+        """
         worker = self._workers.get(fleet_id)
         if worker is not None:
+            if accepted is not None:
+                worker.accepted = accepted
             worker.wake.set()
         else:
             # A fleet seeded since the last discovery: find it now.
@@ -212,10 +220,11 @@ class ReconcileLoop:
         while not self._stopping.is_set():
             kicked = worker.wake.is_set()
             worker.wake.clear()
+            accepted, worker.accepted = worker.accepted, None
             started = time.monotonic()
             delay = options.interval_s
             try:
-                result = await self._reconciler.tick(ref, kicked=kicked)
+                result = await self._reconciler.tick(ref, kicked=kicked, accepted=accepted)
             except FleetNotFoundError:
                 logger.info("reconcile loop: fleet %s is gone; its worker stops", ref)
                 self._workers.pop(worker.fleet_id, None)
@@ -269,9 +278,9 @@ class FleetKickers:
         """Forward kicks to ``loop`` (None: drop them)."""
         self._loop = loop
 
-    def __call__(self, fleet_id: UUID) -> None:
+    def __call__(self, fleet_id: UUID, *, accepted: Accepted | None = None) -> None:
         """Kick ``fleet_id`` (non-blocking; without a loop the kick is dropped)."""
         if self._loop is not None:
-            self._loop.kick(fleet_id)
+            self._loop.kick(fleet_id, accepted=accepted)
         else:
             logger.debug("kick of fleet %s dropped: no reconcile loop runs", fleet_id)

@@ -127,6 +127,19 @@ class ReconcilerOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class Accepted:
+    """An operation a request just created, with the fleet snapshot it was validated on.
+
+    A kick carries it so that the kicked tick starts the operation without reading the fleet
+    and the in-flight operation again (two statements); every write that follows is a CAS
+    guarded by the state it expects, so acting on this view is as safe as on a fresh one.
+    """
+
+    fleet: FleetSnapshot
+    operation: Operation
+
+
+@dataclass(frozen=True, slots=True)
 class TickResult:
     """What one tick did.
 
@@ -183,7 +196,9 @@ class Reconciler:
         """The tick's tuning."""
         return self._options
 
-    async def tick(self, fleet_ref: str, *, kicked: bool = False) -> TickResult:
+    async def tick(
+        self, fleet_ref: str, *, kicked: bool = False, accepted: Accepted | None = None
+    ) -> TickResult:
         """Run one reconcile tick of the fleet ``fleet_ref`` (id or slug).
 
         ``kicked``: the tick answers a kick (an accepted promote or demote, a passive failure
@@ -192,7 +207,10 @@ class Reconciler:
         provisioning pass before its first step. Every step proves its own effect from a
         status poll of the supervisor it drives, so the round would only delay the promotion;
         the loop's next regular tick polls every supervisor as usual. Any other kicked tick is
-        a whole tick, so kicks can never starve the heartbeats.
+        a whole tick, so kicks can never starve the heartbeats. ``accepted`` (with
+        ``kicked``): the kick's operation, still ``pending`` when accepted; the tick starts it
+        from the request's snapshot without reading the fleet first, unless another tick of
+        the fleet is running (then it is an ordinary kicked tick).
 
         Raises:
             FleetNotFoundError: No such fleet.
@@ -204,13 +222,18 @@ class Reconciler:
             started = time.monotonic()
             ok = False
             try:
-                fleet = await self._load(fleet_ref)
-                lock = self._locks.setdefault(fleet.id, asyncio.Lock())
-                waited = lock.locked()
-                async with lock:
-                    if waited:
-                        fleet = await self._load(str(fleet.id))
-                    result = await self._tick(fleet, kicked=kicked)
+                start = accepted if kicked else None
+                if start is not None and self._idle_pending(start):
+                    async with self._locks[start.fleet.id]:
+                        result = await self._drive(start.fleet, start.operation)
+                else:
+                    fleet = await self._load(fleet_ref)
+                    lock = self._locks.setdefault(fleet.id, asyncio.Lock())
+                    waited = lock.locked()
+                    async with lock:
+                        if waited:
+                            fleet = await self._load(str(fleet.id))
+                        result = await self._tick(fleet, kicked=kicked)
             except StateStoreUnavailableError:
                 self._metrics.store_error("reconcile")
                 raise
@@ -219,6 +242,11 @@ class Reconciler:
             finally:
                 self._metrics.tick_finished(ok=ok, seconds=time.monotonic() - started)
             return result
+
+    def _idle_pending(self, accepted: Accepted) -> bool:
+        """Whether ``accepted`` can start at once (pending, and no tick of its fleet runs)."""
+        lock = self._locks.setdefault(accepted.fleet.id, asyncio.Lock())
+        return accepted.operation.state is OperationState.PENDING and not lock.locked()
 
     # ---- the tick ----------------------------------------------------------------------------
 

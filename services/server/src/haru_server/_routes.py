@@ -55,6 +55,7 @@ from haru_server._keys import (
     reconciler_key,
     store_key,
 )
+from haru_server._reconciler import Accepted
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +239,10 @@ async def _request_operation(
             domain_id=decision.target_domain_id,
             operation_id=operation.id,
         )
-    request.app[kick_fleet_key](fleet.id)
+    if created:
+        request.app[kick_fleet_key](fleet.id, accepted=Accepted(fleet=fleet, operation=operation))
+    else:
+        request.app[kick_fleet_key](fleet.id)
     return _json(AcceptedResponse(operation=operation), status=202)
 
 
