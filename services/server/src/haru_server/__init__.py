@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from haru_server._clock import Clock, utc_now
     from haru_server._errors import FleetNotFoundError, HaruServerError
     from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
-    from haru_server._reconciler import Reconciler, ReconcilerOptions, TickResult
+    from haru_server._reconciler import Accepted, Reconciler, ReconcilerOptions, TickResult
     from haru_server._serve import run_server
     from haru_server._settings import Settings, SettingsError
     from haru_server._steps import StepTuning
@@ -39,6 +39,7 @@ __all__ = (  # noqa: RUF022 -- grouped by topic
     "ReconcilerOptions",
     "StepTuning",
     "TickResult",
+    "Accepted",
     "ReconcileLoop",
     "LoopOptions",
     "FleetKickers",
@@ -61,6 +62,7 @@ _HOMES = {
     "Reconciler": "_reconciler",
     "ReconcilerOptions": "_reconciler",
     "TickResult": "_reconciler",
+    "Accepted": "_reconciler",
     "run_server": "_serve",
     "Settings": "_settings",
     "SettingsError": "_settings",
