@@ -183,12 +183,10 @@ def run_script(
         lines.append(f"exec {gateway}")
         return "\n".join(lines)
     lines.append(f'nohup {gateway} > "$HARU_DIR/gateway.log" 2>&1 &')
-    if start_asleep and ports:
-        wanted = " ".join(f"--port {p.port}" for p in ports)
-        lines.append(
-            f'nohup "$PYTHON" "$HARU_DIR/haru_node.py" sleep-when-ready {wanted} '
-            '> "$HARU_DIR/sleep.log" 2>&1 &'
-        )
+    # A standby's servers start awake too. The reconciler puts them to sleep through the
+    # supervisor, which serialises that sleep with every other admin action. A sleep sent
+    # from this script could land after a promotion woke the domain (seen in CI), so the
+    # script never sends one, whatever ``start_asleep`` says.
     lines += [
         'export HARU_SUPERVISOR_CONFIG="$HARU_DIR/supervisor.json"',
         f"export PORT={settings.supervisor_port}",
@@ -214,8 +212,9 @@ def domain_task(
         placement: The domain's placement.
         slots: The domain's slots (layout order).
         settings: The domain's provisioning settings.
-        start_asleep: The domain joins as a standby: put its vLLM servers to sleep once they
-            are healthy.
+        start_asleep: The domain joins as a standby. Kept for compatibility: the rendered
+            task is the same either way, because the reconciler puts a standby's vLLM servers
+            to sleep through its supervisor.
     """
     return TaskSpec(
         name=name,

@@ -7,9 +7,8 @@
     (``/sleep``, ``/wake_up``, ...) are never reachable from outside the machine.
     ``GET /health`` answers 200 once every routed server answers its ``/health`` (503 and
     the names of the others before): a SkyServe replica's readiness probe.
-``python3 haru_node.py sleep-when-ready --port PORT ... [--timeout S]``
-    Wait until each local vLLM server answers ``/health``, then put it to sleep (level 1):
-    a standby's servers start asleep.
+
+A standby's servers start awake: the reconciler puts them to sleep through the supervisor.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import argparse
 import http.client
 import json
 import sys
-import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -107,25 +105,6 @@ def _healthy(port: int) -> bool:
         return False
 
 
-def sleep_when_ready(ports: list[int], timeout: float) -> int:
-    """Wait for each local server's ``/health``, then sleep it (level 1); 0 on success."""
-    deadline = time.monotonic() + timeout
-    for port in ports:
-        while not _healthy(port):
-            if time.monotonic() > deadline:
-                sys.stderr.write(f"haru-node: vLLM on port {port} never became healthy\n")
-                return 1
-            time.sleep(2)  # noqa: TID251 -- a synchronous helper process
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/sleep?level=1", data=b"", method="POST"
-        )
-        with urllib.request.urlopen(request, timeout=600) as answer:  # noqa: S310 -- http
-            if answer.status != 200:
-                sys.stderr.write(f"haru-node: sleep on port {port} answered {answer.status}\n")
-                return 1
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(prog="haru_node.py")
@@ -134,12 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     gateway.add_argument("--host", default="0.0.0.0")
     gateway.add_argument("--listen", type=int, required=True)
     gateway.add_argument("--route", action="append", default=[], metavar="MODEL=PORT")
-    sleeper = sub.add_parser("sleep-when-ready")
-    sleeper.add_argument("--port", type=int, action="append", default=[])
-    sleeper.add_argument("--timeout", type=float, default=3600.0)
     args = parser.parse_args(argv)
-    if args.command == "sleep-when-ready":
-        return sleep_when_ready(args.port, args.timeout)
     routes = {}
     for item in args.route:
         name, _, port = item.rpartition("=")
