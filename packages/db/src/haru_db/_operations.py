@@ -97,10 +97,9 @@ async def list_recent_operations(ex: Executor, fleet_id: UUID, *, limit: int) ->
 
 async def _cas(
     ex: Executor,
-    update: sa.Update,
+    kind: _postgres.CasKind,
     events: Sequence[OperationEvent],
     *,
-    kind: _postgres.CasKind,
     operation_id: UUID,
     from_step: OperationStep | None,
     to_step: OperationStep | None,
@@ -111,32 +110,35 @@ async def _cas(
     """Run an operation CAS, with its slot mirrors and events in the same statement.
 
     Only when the CAS lands: ``exit_mirror`` is applied, ``events`` appended and
-    ``entry_mirror`` applied, in that order. ``update`` is the CAS itself; PostgreSQL runs
-    the same CAS (``kind``, ``operation_id``, ``from_step``, ``to_step``, ``at``) from a
-    statement built once per shape (:func:`haru_db._postgres.operation_cas`).
+    ``entry_mirror`` applied, in that order. The CAS is :func:`haru_db._postgres.cas_update`
+    on both engines; PostgreSQL wraps it in a statement built once per shape
+    (:func:`haru_db._postgres.operation_cas`).
     """
+    at = aware(at)
+    froms = None if from_step is None else str(from_step)
+    tos = None if to_step is None else str(to_step)
     mirrors = mirror_documents(exit_mirror, entry_mirror)
-    if not events and mirrors is None:
-        return bool(await ex.write(update.returning(operations.c.id)))
     documents = [event.document() for event in events]
-    if ex.dialect == "postgresql":
+    if ex.dialect == "postgresql" and (documents or mirrors is not None):
         stmt, params = _postgres.operation_cas(
             kind,
             operation_id=operation_id,
-            from_step=None if from_step is None else str(from_step),
-            to_step=None if to_step is None else str(to_step),
+            from_step=froms,
+            to_step=tos,
             at=at,
             documents=documents,
             mirrors=mirrors,
         )
         return bool(await ex.write(stmt, params))
-    # trg_operations_pending_writes applies them (and clears both columns).
+    params = _postgres.cas_params(operation_id=operation_id, from_step=froms, to_step=tos, at=at)
+    # On SQLite trg_operations_pending_writes applies these (and clears both columns).
     values: dict[str, Any] = {}
     if documents:
         values["pending_events"] = documents
     if mirrors is not None:
         values["pending_mirrors"] = mirrors
-    return bool(await ex.write(update.values(**values).returning(operations.c.id)))
+    update = _postgres.cas_update(kind).values(**values).returning(operations.c.id)
+    return bool(await ex.write(update, params))
 
 
 async def claim_operation(
@@ -148,22 +150,10 @@ async def claim_operation(
     events: Sequence[OperationEvent],
     entry_mirror: SlotMirror | None = None,
 ) -> bool:
-    at = aware(at)
-    stmt = (
-        sa.update(operations)
-        .where(operations.c.id == operation_id, operations.c.state == _PENDING)
-        .values(
-            state=_RUNNING,
-            current_step=str(first_step),
-            step_started_at=at,
-            updated_at=at,
-        )
-    )
     return await _cas(
         ex,
-        stmt,
+        "claim",
         events,
-        kind="claim",
         operation_id=operation_id,
         from_step=None,
         to_step=first_step,
@@ -183,21 +173,10 @@ async def advance_step(
     exit_mirror: SlotMirror | None = None,
     entry_mirror: SlotMirror | None = None,
 ) -> bool:
-    at = aware(at)
-    stmt = (
-        sa.update(operations)
-        .where(
-            operations.c.id == operation_id,
-            operations.c.state == _RUNNING,
-            operations.c.current_step == str(from_step),
-        )
-        .values(current_step=str(to_step), step_started_at=at, updated_at=at)
-    )
     return await _cas(
         ex,
-        stmt,
+        "advance",
         events,
-        kind="advance",
         operation_id=operation_id,
         from_step=from_step,
         to_step=to_step,
@@ -216,21 +195,10 @@ async def complete_operation(
     events: Sequence[OperationEvent],
     exit_mirror: SlotMirror | None = None,
 ) -> bool:
-    at = aware(at)
-    stmt = (
-        sa.update(operations)
-        .where(
-            operations.c.id == operation_id,
-            operations.c.state == _RUNNING,
-            operations.c.current_step == str(from_step),
-        )
-        .values(state=OperationState.SUCCEEDED.value, finished_at=at, updated_at=at)
-    )
     return await _cas(
         ex,
-        stmt,
+        "complete",
         events,
-        kind="complete",
         operation_id=operation_id,
         from_step=from_step,
         to_step=None,

@@ -181,11 +181,7 @@ def operation_cas(
         None if exit_doc is None else (bool(exit_doc["onSource"]), count_into is not None),
         None if entry_doc is None else bool(entry_doc["onSource"]),
     )
-    params: dict[str, Any] = {"p_op_id": operation_id, "p_at": at}
-    if from_step is not None:
-        params["p_from_step"] = from_step
-    if to_step is not None:
-        params["p_to_step"] = to_step
+    params = cas_params(operation_id=operation_id, from_step=from_step, to_step=to_step, at=at)
     for prefix, doc in (("p_exit", exit_doc), ("p_entry", entry_doc)):
         if doc is not None:
             params[f"{prefix}_kind"] = str(doc["kind"])
@@ -199,7 +195,20 @@ def operation_cas(
     return stmt, params
 
 
-def _cas_update(kind: CasKind) -> sa.Update:
+def cas_params(
+    *, operation_id: UUID, from_step: str | None, to_step: str | None, at: datetime
+) -> dict[str, Any]:
+    """The parameters of :func:`cas_update`."""
+    params: dict[str, Any] = {"p_op_id": operation_id, "p_at": at}
+    if from_step is not None:
+        params["p_from_step"] = from_step
+    if to_step is not None:
+        params["p_to_step"] = to_step
+    return params
+
+
+def cas_update(kind: CasKind) -> sa.Update:
+    """The operation CAS of ``kind`` on both engines (values: :func:`cas_params`)."""
     op = operations.c
     at = sa.bindparam("p_at", type_=UtcDateTime())
     step: Any = op.current_step.type
@@ -250,7 +259,7 @@ def _operation_cas_statement(
     mirror's ``onSource`` (None: no such mirror).
     """
     changed = (
-        _cas_update(kind)
+        cas_update(kind)
         .returning(
             operations.c.id,
             operations.c.fleet_id,
