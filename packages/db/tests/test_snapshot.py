@@ -15,7 +15,9 @@ from haru_protocol import (
     FleetLayout,
     FleetRoutePointer,
     FleetSnapshot,
+    OperationError,
     OperationKind,
+    OperationStep,
     SlotKind,
 )
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -119,6 +121,39 @@ async def test_list_fleets(store: StateStore, make_layout: LayoutFactory, now: d
     listed = await store.list_fleets()
     assert [p.slug for p in listed] == ["alpha", "alpha-2", "zeta"]
     assert all(p.route_revision == 2 and p.active_domain_id is not None for p in listed)
+
+
+async def test_the_pointer_says_whether_a_promotion_is_in_flight(
+    store: StateStore, fleet: FleetSnapshot, now: datetime
+) -> None:
+    standby = next(d for d in fleet.domains if d.id != fleet.active_domain_id)
+
+    async def in_flight() -> tuple[bool, bool]:
+        pointer = await store.get_fleet_route_pointer("fleet")
+        assert pointer is not None
+        (listed,) = await store.list_fleets()
+        return pointer.promotion_in_flight, listed.promotion_in_flight
+
+    assert await in_flight() == (False, False)
+    demote, created = await store.create_operation(
+        fleet_id=fleet.id, kind=OperationKind.DEMOTE, target_domain_id=standby.id, at=now
+    )
+    assert created
+    assert await in_flight() == (False, False)  # a demote moves no traffic
+    assert await store.fail_operation(
+        demote.id, error=OperationError(step=None, code="step_timeout", message="x"), at=now
+    )
+    promote, created = await store.create_operation(
+        fleet_id=fleet.id, kind=OperationKind.PROMOTE, target_domain_id=standby.id, at=now
+    )
+    assert created
+    assert await in_flight() == (True, True)  # pending
+    assert await store.claim_operation(promote.id, first_step=OperationStep.STOP_TRAINING, at=now)
+    assert await in_flight() == (True, True)  # running
+    assert await store.fail_operation(
+        promote.id, error=OperationError(step=None, code="step_timeout", message="x"), at=now
+    )
+    assert await in_flight() == (False, False)
 
 
 # ---- malformed stored state ------------------------------------------------------------------

@@ -238,6 +238,7 @@ async def test_list_and_get_fleets_by_slug_and_by_id(
                 "slug": "example",
                 "activeDomainId": str(snapshot.active_domain_id),
                 "routeRevision": snapshot.route_revision,
+                "promotionInFlight": False,
             }
         ]
     }

@@ -34,6 +34,7 @@ from haru_protocol import (
     FleetRoutePointer,
     FleetSnapshot,
     InferenceSlotState,
+    OperationError,
     OperationKind,
     OperationStep,
     PolicyPatch,
@@ -1385,6 +1386,119 @@ async def test_a_fleet_without_auto_failover_fails_at_once(
     assert status == 502
     assert "X-Haru-Held-Ms" not in headers
     assert proxy_of(proxy).held_total == 0
+
+
+async def start_promotion(store: StateStore, fleet: Fleet) -> UUID:
+    """An operator's promotion of beta, accepted and running (its flip not yet made)."""
+    operation, created = await store.create_operation(
+        fleet_id=fleet.id, kind=OperationKind.PROMOTE, target_domain_id=fleet.beta_id, at=now()
+    )
+    assert created
+    assert await store.claim_operation(
+        operation.id, first_step=OperationStep.STOP_TRAINING, at=now()
+    )
+    return operation.id
+
+
+@pytest.mark.parametrize("route_lease_ms", [0, 20])
+async def test_a_promotion_in_flight_holds_requests_without_auto_failover(
+    make_proxy: ProxyFactory,
+    setup: Setup,
+    sqlite_store: StateStore,
+    http: aiohttp.ClientSession,
+    route_lease_ms: int,
+) -> None:
+    proxy = await make_proxy(
+        tuning=HOLD_TUNING, failover_hold_ms=60_000, route_lease_ms=route_lease_ms
+    )
+    running = proxy_of(proxy)
+    models = f"{proxy.v1}/models"
+    async with http.get(models, headers={"X-Haru-Fleet": "prod"}) as resp:
+        assert resp.status == 200  # routed (and leased) without a pooled upstream connection
+    await setup.alpha.set_faults(refuse=True)  # the active died; the operator promotes beta
+    operation_id = await start_promotion(sqlite_store, setup.fleet)
+    if route_lease_ms:  # the refresher's next read carries the flag; no request waits on it
+        await eventually(lambda: running.cache.promotion_in_flight(setup.fleet.id), within=30)
+    held = asyncio.create_task(post(http, proxy, chat_body(text="held")))
+    await eventually(lambda: running.holding == 1, within=30)
+    inference = SlotKind.INFERENCE
+    for before, after in (
+        (InferenceSlotState.SLEEPING, InferenceSlotState.WAKING),
+        (InferenceSlotState.WAKING, InferenceSlotState.PROBING),
+        (InferenceSlotState.PROBING, InferenceSlotState.SERVING),
+    ):
+        await sqlite_store.transition_domain_slots(
+            setup.fleet.beta_id, kind=inference, from_states=[before], to=after, at=now()
+        )
+    assert await sqlite_store.switch_active(
+        fleet_id=setup.fleet.id,
+        expected_active_domain_id=setup.fleet.alpha_id,
+        target_domain_id=setup.fleet.beta_id,
+        operation_id=operation_id,
+        at=now(),
+    )
+    status, headers, _ = await held
+    assert status == 200
+    assert int(headers["X-Haru-Held-Ms"]) >= 0
+    assert served(setup.beta) == 1
+    assert running.held_total == 1
+
+
+async def test_requests_held_for_a_promotion_fail_at_once_when_it_fails(
+    make_proxy: ProxyFactory, setup: Setup, sqlite_store: StateStore, http: aiohttp.ClientSession
+) -> None:
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000)
+    running = proxy_of(proxy)
+    await setup.alpha.set_faults(refuse=True)
+    operation_id = await start_promotion(sqlite_store, setup.fleet)
+    held = asyncio.create_task(post(http, proxy, chat_body()))
+    await eventually(lambda: running.holding == 1, within=30)
+    assert await sqlite_store.fail_operation(
+        operation_id,
+        error=OperationError(step=None, code="probe_failed", message="probe failed"),
+        at=now(),
+    )
+    # Nothing will move the pointer now: the request gets its error long before its bound.
+    status, headers, body = await asyncio.wait_for(held, timeout=30)
+    assert status == 502
+    assert error_code(body) == "upstream_unreachable"
+    assert 0 <= int(headers["X-Haru-Held-Ms"]) < 60_000
+    assert running.holding == 0
+    assert running.held_total == 0
+
+
+async def test_a_promotion_accepted_by_this_process_holds_at_once(
+    sqlite_store: StateStore, stack: contextlib.AsyncExitStack, http: aiohttp.ClientSession
+) -> None:
+    alpha = await start_sim(stack)
+    beta = await start_sim(stack)
+    document = layout(
+        "prod", dict.fromkeys(MODELS, alpha.url), dict.fromkeys(MODELS, beta.url)
+    ).model_dump(mode="json", by_alias=True, exclude_none=True)
+    for domain in document["domains"]:  # never called: this app runs no reconcile loop
+        domain["supervisorUrl"] = "http://127.0.0.1:9"
+    env = Setup(await apply(sqlite_store, FleetLayout.model_validate(document)), alpha, beta)
+    # A lease that outlasts the test: only the accept itself can tell this process's proxy.
+    settings = Settings(default_fleet="prod", route_lease_ms=60_000, failover_hold_ms=60_000)
+    app = create_app(settings, store=sqlite_store)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    stack.push_async_callback(runner.cleanup)
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    base = f"http://{host}:{port}"
+    async with http.post(f"{base}/v1/chat/completions", data=chat_body()) as resp:
+        assert resp.status == 200
+    running = app[proxy_key].proxy
+    assert running is not None
+    cache = running.cache
+    assert not cache.promotion_in_flight(env.fleet.id)
+    async with http.post(
+        f"{base}/v1/fleets/prod/promote", json={"targetDomainId": str(env.fleet.beta_id)}
+    ) as resp:
+        assert resp.status == 202, await resp.text()
+    assert cache.promotion_in_flight(env.fleet.id)
 
 
 async def test_a_request_that_reached_an_upstream_is_never_replayed(

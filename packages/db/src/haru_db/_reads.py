@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
 from uuid import UUID
 
 import sqlalchemy as sa
-from haru_protocol import FleetRef, FleetRoutePointer, FleetSnapshot, Operation, parse_fleet_ref
+from haru_protocol import (
+    IN_FLIGHT_OPERATION_STATES,
+    FleetRef,
+    FleetRoutePointer,
+    FleetSnapshot,
+    Operation,
+    OperationKind,
+    parse_fleet_ref,
+)
 
 from haru_db._exec import Executor
 from haru_db._rows import operation_from_row, pointer_from_row, snapshot_from_rows
@@ -37,14 +46,29 @@ async def get_fleet_snapshot(ex: Executor, ref: str | FleetRef) -> FleetSnapshot
     return snapshot_from_rows([r for r in rows if r["f_id"] == chosen])
 
 
+def _pointer_columns() -> tuple[sa.ColumnElement[Any], ...]:
+    # The in-flight check rides the pointer's own statement (one read, one consistent view);
+    # uq_operations_one_in_flight_per_fleet indexes exactly the rows it looks for.
+    promoting = (
+        sa.select(operations.c.id)
+        .where(
+            operations.c.fleet_id == fleets.c.id,
+            operations.c.kind == OperationKind.PROMOTE.value,
+            operations.c.state.in_([s.value for s in IN_FLIGHT_OPERATION_STATES]),
+        )
+        .exists()
+        .label("promotion_in_flight")
+    )
+    c = fleets.c
+    return (c.id, c.slug, c.active_domain_id, c.route_revision, promoting)
+
+
 async def get_fleet_route_pointer(ex: Executor, ref: str | FleetRef) -> FleetRoutePointer | None:
     ref = _parsed(ref)
     match = _fleet_match(ref)
     if match is None:
         return None
-    stmt = sa.select(
-        fleets.c.id, fleets.c.slug, fleets.c.active_domain_id, fleets.c.route_revision
-    ).where(match)
+    stmt = sa.select(*_pointer_columns()).where(match)
     rows = await ex.read(stmt)
     chosen = ref.choose({r["id"]: r["slug"] for r in rows})
     if chosen is None:
@@ -53,9 +77,7 @@ async def get_fleet_route_pointer(ex: Executor, ref: str | FleetRef) -> FleetRou
 
 
 async def list_fleets(ex: Executor) -> list[FleetRoutePointer]:
-    rows = await ex.read(
-        sa.select(fleets.c.id, fleets.c.slug, fleets.c.active_domain_id, fleets.c.route_revision)
-    )
+    rows = await ex.read(sa.select(*_pointer_columns()))
     return sorted((pointer_from_row(r) for r in rows), key=lambda p: p.slug)
 
 

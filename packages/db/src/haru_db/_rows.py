@@ -89,6 +89,7 @@ def pointer_from_row(row: Row) -> FleetRoutePointer:
                 "slug": row["slug"],
                 "active_domain_id": row["active_domain_id"],
                 "route_revision": row["route_revision"],
+                "promotion_in_flight": bool(row["promotion_in_flight"]),
             }
         )
 

@@ -148,6 +148,12 @@ class FleetRoutePointer(PeerModel):
     slug: Slug
     active_domain_id: UUID | None
     route_revision: RouteRevision
+    promotion_in_flight: bool = False
+    """A promote operation of the fleet is pending or running (read in the same statement).
+
+    The inference proxy holds requests nothing can serve while it is true, as it does for a
+    fleet with ``autoFailover``. A pointer-move notification does not carry it (false there).
+    """
 
 
 class FleetList(PeerModel):

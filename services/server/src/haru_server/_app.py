@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from uuid import UUID
 
 import aiohttp
 from aiohttp import web
@@ -32,6 +33,7 @@ from haru_server._keys import (
     clock_key,
     kick_fleet_key,
     loop_key,
+    promotion_accepted_key,
     provisioner_key,
     reconciler_key,
     settings_key,
@@ -41,7 +43,7 @@ from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
 from haru_server._metrics import ServerMetrics, metrics_key, proxy_access_middleware
 from haru_server._middleware import store_error_middleware
 from haru_server._provisioning import Provisioner, ProvisionerOptions
-from haru_server._proxy import install_proxy, observe_route_move
+from haru_server._proxy import install_proxy, observe_promotion, observe_route_move
 from haru_server._proxy_routes import PROXIED_PATHS
 from haru_server._ready import ready_routes
 from haru_server._reconciler import Reconciler, ReconcilerOptions
@@ -120,6 +122,8 @@ def create_app(
     app.add_routes(routes)
     app.add_routes(ready_routes)
     install_proxy(app)
+    noted: Callable[[UUID], None] = functools.partial(observe_promotion, app)
+    app[promotion_accepted_key] = noted
     app.router.add_get(OPENAPI_PATH, openapi_handler(api_table()))
     return app
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 from uuid import UUID
 
@@ -32,3 +33,5 @@ loop_key: web.AppKey[ReconcileLoop | None] = web.AppKey("reconcile_loop")
 """The background loop, or None when ``HARU_RECONCILE_INTERVAL_MS`` is unset."""
 provisioner_key = web.AppKey("provisioner", Provisioner)
 """Drives ``skypilot`` domains; the domain routes read cluster status through it."""
+promotion_accepted_key: web.AppKey[Callable[[UUID], None]] = web.AppKey("promotion_accepted")
+"""Told the fleet id when this process accepts a promotion (its proxy then holds for it)."""

@@ -14,7 +14,8 @@ answer).
 Routing comes from the route cache's lease (``HARU_ROUTE_LEASE_MS``), kept current by
 PostgreSQL NOTIFY where available. During a failover a request that nothing could serve yet
 (no routable active domain, or the active's server refused or timed out the connection, so
-nothing was sent) is held, when the fleet has ``autoFailover`` on, until the pointer moves,
+nothing was sent) is held, when the fleet has ``autoFailover`` on or a promotion in flight
+(the flag rides the leased pointer read), until the pointer moves,
 for at most ``HARU_FAILOVER_HOLD_MS`` and with at most ``HARU_FAILOVER_HOLD_MAX`` held per
 process; a request whose body reached an upstream is never sent again.
 """
@@ -468,12 +469,18 @@ class _Proxy:
                 except ApiError:
                     continue
                 now_revision = lookup.snapshot.route_revision
+                # Held only for a promotion (no autoFailover) that ended without moving the
+                # pointer: nothing will move it now, so the held requests fail at once.
+                hopeless = not self._holds_for(lookup)
                 for item in list(queue):
                     routes = lookup.routes
                     servable = routes.routable and not routes.unserved(item.model)
                     if now_revision > item.revision or (item.unroutable and servable):
                         queue.remove(item)
                         _settle_held(item.released, True)
+                    elif hopeless:
+                        queue.remove(item)
+                        _settle_held(item.released, False)
         finally:
             self._releasers.pop(fleet_id, None)
             if not self._held.get(fleet_id):
@@ -483,8 +490,14 @@ class _Proxy:
     def releasers(self) -> list[asyncio.Task[None]]:
         return list(self._releasers.values())
 
+    def _holds_for(self, lookup: RouteLookup[RouteTable]) -> bool:
+        """Whether a failover may be coming: ``autoFailover`` on, or a promotion in flight."""
+        return lookup.snapshot.policy.auto_failover or self.cache.promotion_in_flight(
+            lookup.fleet_id
+        )
+
     def _may_hold(self, lookup: RouteLookup[RouteTable]) -> bool:
-        if self._hold <= 0 or not lookup.snapshot.policy.auto_failover:
+        if self._hold <= 0 or not self._holds_for(lookup):
             return False
         if self.holding >= self._hold_max:
             logger.warning(
@@ -727,6 +740,16 @@ def observe_route_move(app: web.Application, pointer: FleetRoutePointer) -> None
     holder = app.get(proxy_key)
     if holder is not None and holder.proxy is not None:
         holder.proxy.cache.observe(pointer)
+
+
+def observe_promotion(app: web.Application, fleet_id: UUID) -> None:
+    """A promotion accepted by this process: its own proxy holds for it at once.
+
+    Other processes learn it from their next pointer read (at most one lease later).
+    """
+    holder = app.get(proxy_key)
+    if holder is not None and holder.proxy is not None:
+        holder.proxy.cache.note_promotion(fleet_id)
 
 
 def _proxy_of(request: web.Request) -> _Proxy:

@@ -226,6 +226,8 @@ class RouteCache(Generic[T]):
         self._sleep = sleep
         self._leases: dict[UUID, _Lease] = {}
         self._movers: dict[UUID, list[asyncio.Future[None]]] = {}
+        self._promoting: dict[UUID, tuple[int, bool]] = {}
+        """fleet id -> (sequence number, whether that read saw a promotion in flight)."""
 
     # -- introspection (tests, diagnostics) ---------------------------------------------------
 
@@ -251,6 +253,30 @@ class RouteCache(Generic[T]):
         """Whether a background refresher keeps ``fleet_id``'s lease confirmed."""
         lease = self._leases.get(fleet_id)
         return lease is not None and lease.refresher is not None
+
+    def promotion_in_flight(self, fleet_id: UUID) -> bool:
+        """Whether the newest pointer read (or :meth:`note_promotion`) saw a promotion in flight.
+
+        As current as the lease: a process that routes the fleet reads the pointer once per
+        lease interval, and the flag rides that read.
+        """
+        known = self._promoting.get(fleet_id)
+        return known is not None and known[1]
+
+    def note_promotion(self, fleet_id: UUID) -> None:
+        """This process accepted a promotion of ``fleet_id``: know it before the next read."""
+        self._seq += 1
+        self._note_promoting(fleet_id, self._seq, in_flight=True)
+
+    def _note_promoting(self, fleet_id: UUID, seq: int, *, in_flight: bool) -> None:
+        known = self._promoting.get(fleet_id)
+        if known is not None and known[0] > seq:
+            return  # an older read finishing late (another spelling's) teaches nothing
+        self._promoting[fleet_id] = (seq, in_flight)
+        if len(self._promoting) > 4 * self._max_fleets:
+            self._promoting = {
+                k: v for k, v in self._promoting.items() if k in self._entries or k == fleet_id
+            }
 
     @property
     def in_outage(self) -> bool:
@@ -368,6 +394,8 @@ class RouteCache(Generic[T]):
                     pointer = await self._bounded(
                         self._store.get_fleet_route_pointer(ref), self._read_bound
                     )
+                    if pointer is not None:
+                        self._note_promoting(pointer.id, seq, in_flight=pointer.promotion_in_flight)
                     outcome = _Outcome(pointer, None, seq)
                 except (StateStoreUnavailableError, TimeoutError, MalformedFleetStateError) as exc:
                     outcome = _Outcome(None, exc, seq)

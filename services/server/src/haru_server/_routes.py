@@ -51,6 +51,7 @@ from haru_server._keys import (
     clock_key,
     kick_fleet_key,
     loop_key,
+    promotion_accepted_key,
     provisioner_key,
     reconciler_key,
     store_key,
@@ -240,6 +241,9 @@ async def _request_operation(
             operation_id=operation.id,
         )
     if created:
+        noted = request.app.get(promotion_accepted_key)
+        if noted is not None and kind is OperationKind.PROMOTE:
+            noted(fleet.id)
         request.app[kick_fleet_key](fleet.id, accepted=Accepted(fleet=fleet, operation=operation))
     else:
         request.app[kick_fleet_key](fleet.id)
