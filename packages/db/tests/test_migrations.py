@@ -215,5 +215,6 @@ def test_the_wheel_ships_the_migrations_and_the_pytest_plugin(tmp_path: Path) ->
         "haru_db/migrations/versions/v0003_domain_provisioning.py",
         "haru_db/migrations/versions/v0004_route_notify.py",
         "haru_db/migrations/versions/v0005_operation_mirrors.py",
+        "haru_db/migrations/versions/v0006_route_lease.py",
         "haru_db/py.typed",
     } <= names

@@ -156,6 +156,28 @@ async def test_the_pointer_says_whether_a_promotion_is_in_flight(
     assert await in_flight() == (False, False)
 
 
+async def test_the_stored_route_lease_only_grows(store: StateStore, fleet: FleetSnapshot) -> None:
+    assert fleet.route_lease_ms is None
+    before = await store.get_fleet_route_pointer("fleet")
+
+    async def stored() -> int | None:
+        snapshot = await store.get_fleet_snapshot("fleet")
+        assert snapshot is not None
+        return snapshot.route_lease_ms
+
+    assert await store.record_route_lease(fleet.id, 300)
+    assert await stored() == 300
+    assert not await store.record_route_lease(fleet.id, 300)
+    assert not await store.record_route_lease(fleet.id, 100)  # a shorter lease never lowers it
+    assert await stored() == 300
+    assert await store.record_route_lease(fleet.id, 1_000)
+    assert await stored() == 1_000
+    assert not await store.record_route_lease(uuid4(), 5_000)  # no such fleet
+    with pytest.raises(ValueError, match="lease_ms"):
+        await store.record_route_lease(fleet.id, -1)
+    assert await store.get_fleet_route_pointer("fleet") == before  # the pointer did not move
+
+
 # ---- malformed stored state ------------------------------------------------------------------
 
 

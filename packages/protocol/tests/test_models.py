@@ -253,6 +253,7 @@ def test_fleet_snapshot_keys() -> None:
         "displayName",
         "activeDomainId",
         "routeRevision",
+        "routeLeaseMs",
         "policy",
         "domains",
         "reconciled",

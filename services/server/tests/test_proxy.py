@@ -1071,12 +1071,19 @@ async def test_leased_requests_never_read_the_pointer_and_own_flips_apply_at_onc
     counting = CountingStore.open(sqlite_store.url)
     assert isinstance(counting, CountingStore)
     try:
-        # A lease far longer than the test: only the first request may read the pointer.
+        # A lease far longer than the test: only the first requests may read the pointer (the
+        # lease starts with a read made after the process recorded its lease in the store).
         proxy = await make_proxy(store=counting, route_lease_ms=60_000)
+        await leased(http, proxy, setup.fleet.id)
+        reads = counting.pointer_reads
+        assert reads >= 2  # the first read predates the record, so it cannot start the lease
         for _ in range(20):
             assert (await post(http, proxy, chat_body()))[0] == 200
-        assert counting.pointer_reads == 1
-        assert served(setup.alpha) == 20
+        assert counting.pointer_reads == reads
+        snapshot = await sqlite_store.get_fleet_snapshot("prod")
+        assert snapshot is not None
+        assert snapshot.route_lease_ms == 60_000
+        assert served(setup.alpha) == 20 + reads  # each warm-up request read once
         cache = proxy_of(proxy).cache
         assert cache.refreshing(setup.fleet.id)
         # A flip this process did not hear of is not seen before the lease runs out (SQLite
@@ -1092,7 +1099,7 @@ async def test_leased_requests_never_read_the_pointer_and_own_flips_apply_at_onc
         assert status == 200
         assert "X-Haru-Routing" not in headers
         assert served(setup.beta) == 1
-        assert counting.pointer_reads == 1
+        assert counting.pointer_reads == reads
     finally:
         await counting.close()
 
@@ -1110,6 +1117,7 @@ async def test_an_unconfirmed_lease_is_served_marked_stale() -> None:
             self.snapshot = snapshot
             self.fail = False
             self.reads = 0
+            self.records = 0
 
         async def get_fleet_route_pointer(self, ref: str) -> FleetRoutePointer | None:
             self.reads += 1
@@ -1119,6 +1127,10 @@ async def test_an_unconfirmed_lease_is_served_marked_stale() -> None:
 
         async def get_fleet_snapshot(self, ref: str) -> FleetSnapshot | None:
             return self.snapshot
+
+        async def record_route_lease(self, fleet_id: UUID, lease_ms: int) -> bool:
+            self.records += 1
+            return True
 
     fleet_id = UUID(int=1)
     snapshot = FleetSnapshot.model_validate(
@@ -1145,19 +1157,22 @@ async def test_an_unconfirmed_lease_is_served_marked_stale() -> None:
     )
     try:
         assert not (await cache.resolve("prod")).stale
+        await _until(lambda: source.records == 1)  # the lease is recorded in the background
+        await asyncio.sleep(0)
+        assert not (await cache.resolve("prod")).stale  # a read made after the record: leased
         source.fail = True
         clock[0] = 0.149  # within lease + read bound: fresh, and nothing was read
         assert not (await cache.resolve("prod")).stale
-        assert source.reads == 1
+        assert source.reads == 2  # the first request's read, and the first after the record
         gate.put_nowait(None)  # one refresher round: the read fails
-        await _until(lambda: source.reads == 2)
+        await _until(lambda: source.reads == 3)
         clock[0] = 0.151  # the lease has run out unconfirmed
         lookup = await cache.resolve("prod")
         assert lookup.stale
-        assert source.reads == 2  # still no read on the request path
+        assert source.reads == 3  # still no read on the request path
         source.fail = False
         gate.put_nowait(None)
-        await _until(lambda: source.reads == 3)
+        await _until(lambda: source.reads == 4)
         assert not (await cache.resolve("prod")).stale
     finally:
         await cache.aclose()
@@ -1166,6 +1181,17 @@ async def test_an_unconfirmed_lease_is_served_marked_stale() -> None:
 async def _until(predicate: Callable[[], bool]) -> None:
     while not predicate():
         await asyncio.sleep(0.001)
+
+
+async def leased(http: aiohttp.ClientSession, proxy: Proxy, fleet_id: UUID) -> None:
+    """Send requests until ``proxy`` keeps a lease for the fleet (it records its lease first)."""
+    cache = proxy_of(proxy).cache
+    for _ in range(500):
+        assert (await post(http, proxy, chat_body()))[0] == 200
+        if cache.refreshing(fleet_id):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("no lease was kept")
 
 
 async def two_processes(
@@ -1191,8 +1217,7 @@ async def test_a_flip_by_one_process_reaches_another_by_notification(
     assert listener is not None
     await listener.connected.wait()
     for proxy in (first, second):
-        assert (await post(http, proxy, chat_body()))[0] == 200
-    assert served(setup.alpha) == 2
+        await leased(http, proxy, setup.fleet.id)
     revision = proxy_of(second).cache.leased(setup.fleet.id)
     assert revision is not None
     await promote(postgres_store, setup.fleet)  # the flip, made through the first's store
@@ -1219,12 +1244,12 @@ async def test_with_notifications_cut_a_flip_is_seen_within_the_lease(
     )
     stack.push_async_callback(other.close)
     assert proxy_of(second).listener is None
-    assert (await post(http, second, chat_body()))[0] == 200
-    leased = proxy_of(second).cache.leased(setup.fleet.id)
-    assert leased is not None
+    await leased(http, second, setup.fleet.id)
+    pointer = proxy_of(second).cache.leased(setup.fleet.id)
+    assert pointer is not None
     await promote(postgres_store, setup.fleet)
     # Only the refresher's polling can carry the move (every 50 ms while the fleet is used).
-    await proxy_of(second).cache.wait_moved(setup.fleet.id, leased.route_revision, 30)
+    await proxy_of(second).cache.wait_moved(setup.fleet.id, pointer.route_revision, 30)
     assert (await post(http, second, chat_body()))[0] == 200
     assert served(setup.beta) == 1
 
@@ -1413,8 +1438,13 @@ async def test_a_promotion_in_flight_holds_requests_without_auto_failover(
     )
     running = proxy_of(proxy)
     models = f"{proxy.v1}/models"
-    async with http.get(models, headers={"X-Haru-Fleet": "prod"}) as resp:
-        assert resp.status == 200  # routed (and leased) without a pooled upstream connection
+    for _ in range(100):  # routed (and leased) without a pooled upstream connection
+        async with http.get(models, headers={"X-Haru-Fleet": "prod"}) as resp:
+            assert resp.status == 200
+        if not route_lease_ms or running.cache.refreshing(setup.fleet.id):
+            break
+        await asyncio.sleep(0.01)  # the lease is recorded in the store first
+    assert not route_lease_ms or running.cache.refreshing(setup.fleet.id)
     await setup.alpha.set_faults(refuse=True)  # the active died; the operator promotes beta
     operation_id = await start_promotion(sqlite_store, setup.fleet)
     if route_lease_ms:  # the refresher's next read carries the flag; no request waits on it

@@ -149,6 +149,10 @@ class SwitchedStore:
         self._check()
         return await self.inner.get_fleet_route_pointer(ref)
 
+    async def record_route_lease(self, fleet_id: UUID, lease_ms: int) -> bool:
+        self._check()
+        return await self.inner.record_route_lease(fleet_id, lease_ms)
+
     async def get_fleet_snapshot(self, ref: str) -> FleetSnapshot | None:
         self._check()
         if self.snapshots_down:

@@ -34,6 +34,7 @@ from haru_protocol import (
 )
 from haru_server._clock import ManualClock
 from haru_server._reconciler import Accepted, Reconciler
+from haru_server._route_cache import lease_guard_ms
 from haru_server._steps import StepTuning
 from haru_sim import read_trainer_checkpoint
 from haru_supervisor import process_name
@@ -1128,3 +1129,43 @@ async def test_old_active_sleeps_only_after_the_route_guard_on_the_reconcile_clo
     ]
     assert len(slept) == 1
     assert "timedOut" not in slept[0].payload
+
+
+async def test_the_old_active_waits_out_the_longest_lease_any_process_recorded(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    """A proxy process with a longer ``HARU_ROUTE_LEASE_MS`` than the controller's own.
+
+    The controller's guard alone (10 ms here) would drain the old active while that process
+    may still route to it; the lease it recorded in the store lengthens the wait.
+    """
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock)
+    assert await store.record_route_lease(seeded.id, 2_000)  # another process's lease
+    tuning = StepTuning(settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05, route_guard_s=0.01)
+    reconciler = make_reconciler(store, tuning=tuning)
+    beta = domain_id(seeded, "beta")
+    await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
+    )
+    alpha_sims = fleet.domain("alpha").sims.values()
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    guard_ms = lease_guard_ms(2_000)
+    clock.advance(ms=guard_ms - 1)
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    assert all(not sim.sleeping and sim.sleeps == 0 for sim in alpha_sims)
+    clock.advance(ms=1)
+    results = await helpers.tick_until_settled(reconciler, "local")
+    final = results[-1].operation
+    assert final is not None
+    assert final.state is OperationState.SUCCEEDED, final.error
+    assert all(sim.sleeping and sim.sleeps == 1 for sim in alpha_sims)

@@ -54,6 +54,8 @@ class ScriptedStore:
     snapshot_gates: list[asyncio.Event] = field(default_factory=list)
     pointer_reads: int = 0
     snapshot_loads: int = 0
+    lease_records: list[tuple[UUID, int]] = field(default_factory=list)
+    record_error: Exception | None = None
 
     def add(self, slug: str, revision: int = 1, fleet_id: UUID | None = None) -> Fleet:
         fleet = Fleet(fleet_id or uuid.uuid4(), slug, revision)
@@ -85,6 +87,12 @@ class ScriptedStore:
         return FleetRoutePointer(
             id=found[0], slug=found[1], active_domain_id=None, route_revision=found[2]
         )
+
+    async def record_route_lease(self, fleet_id: UUID, lease_ms: int) -> bool:
+        self.lease_records.append((fleet_id, lease_ms))
+        if self.record_error is not None:
+            raise self.record_error
+        return True
 
     async def get_fleet_snapshot(self, ref: str) -> FleetSnapshot | None:
         self.snapshot_loads += 1
@@ -646,3 +654,53 @@ async def test_stale_serving_is_logged_on_transitions_only(
 def test_max_fleets_must_be_positive(store: ScriptedStore, clock: FakeClock) -> None:
     with pytest.raises(ValueError, match="max_fleets"):
         make_cache(store, clock, max_fleets=0)
+
+
+async def test_a_lease_is_kept_only_from_reads_made_after_the_process_recorded_it(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    fleet = store.add("prod")
+    store.record_error = down()
+    never = asyncio.Event()
+
+    async def sleep(_: float) -> None:
+        await never.wait()  # no refresher round runs unless the test says so
+
+    cache: RouteCache[FleetSnapshot] = RouteCache(
+        store,
+        build=lambda s: s,
+        clock=clock,
+        ttl_ms=600_000,
+        outage_memo_ms=1_000,
+        pointer_timeout_ms=50,
+        lease_ms=100,
+        sleep=sleep,
+    )
+
+    async def settle() -> None:
+        for _ in range(10):
+            await asyncio.sleep(0)
+
+    try:
+        # The store refuses the record: no lease, every request reads (and the record is
+        # retried only after the outage memo, never once per request).
+        for _ in range(3):
+            assert not (await cache.resolve("prod")).stale
+            await settle()
+        assert store.pointer_reads == 3
+        assert cache.leased(fleet.id) is None
+        assert store.lease_records == [(fleet.id, 100)]
+        store.record_error = None
+        clock.advance(1.0)
+        await cache.resolve("prod")  # starts the record; this read predates it
+        await settle()
+        assert store.lease_records == [(fleet.id, 100)] * 2
+        assert cache.leased(fleet.id) is None
+        await cache.resolve("prod")  # read after the record: the lease starts here
+        assert cache.refreshing(fleet.id)
+        for _ in range(5):
+            await cache.resolve("prod")
+        assert store.pointer_reads == 5
+        assert len(store.lease_records) == 2
+    finally:
+        await cache.aclose()

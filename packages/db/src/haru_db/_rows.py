@@ -173,6 +173,7 @@ def snapshot_from_rows(rows: Sequence[Row]) -> FleetSnapshot:
                 "display_name": first["f_display_name"],
                 "active_domain_id": first["f_active_domain_id"],
                 "route_revision": first["f_route_revision"],
+                "route_lease_ms": first["f_route_lease_ms"],
                 "policy": policy,
                 "domains": ordered,
             }

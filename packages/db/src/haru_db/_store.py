@@ -227,6 +227,21 @@ class StateStore:
         return await _transitions.mark_domains_seen(self._ex, domain_ids, at=at)
 
     @_bounded
+    async def record_route_lease(self, fleet_id: UUID, lease_ms: int) -> bool:
+        """Raise the fleet's recorded route lease to ``lease_ms`` (it never lowers).
+
+        A server process calls this before it routes the fleet with a lease of ``lease_ms``,
+        so ``FleetSnapshot.route_lease_ms`` is the longest lease any process routes with.
+
+        Returns:
+            True when the stored lease was raised; False when it was already as long, or no
+            such fleet exists.
+        """
+        if lease_ms < 0:
+            raise ValueError(f"lease_ms must be >= 0, got {lease_ms}")
+        return await _transitions.record_route_lease(self._ex, fleet_id, lease_ms)
+
+    @_bounded
     async def claim_launch(self, domain_id: UUID, *, expected_attempt: int, at: datetime) -> bool:
         """Claim the next launch of a provisioned domain (``launch_attempt`` N to N + 1).
 

@@ -146,6 +146,9 @@ fleets = sa.Table(
     # The operation whose switch_active last moved the pointer. On SQLite a trigger reads it to
     # mark that operation routing_committed in the same statement (see the README).
     sa.Column("last_switch_operation_id", _uuid(), nullable=True),
+    # The longest HARU_ROUTE_LEASE_MS a server process routes this fleet with (it only grows):
+    # demote_old_sleep waits it out after the flip (migration 0006).
+    sa.Column("route_lease_ms", sa.Integer(), nullable=True),
     *_timestamps(),
     sa.UniqueConstraint("slug"),
     sa.CheckConstraint(SlugIsValid("slug"), name="slug_format"),

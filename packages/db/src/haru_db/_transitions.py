@@ -160,3 +160,18 @@ async def escalate_domain_if_fleet_idle(
         .returning(domains.c.id)
     )
     return bool(await ex.write(stmt))
+
+
+async def record_route_lease(ex: Executor, fleet_id: UUID, lease_ms: int) -> bool:
+    # Only ever raised, in one statement: racing processes end at the largest lease. Neither
+    # updated_at nor the pointer moves (no route notification fires).
+    stmt = (
+        sa.update(fleets)
+        .where(
+            fleets.c.id == fleet_id,
+            sa.or_(fleets.c.route_lease_ms.is_(None), fleets.c.route_lease_ms < lease_ms),
+        )
+        .values(route_lease_ms=lease_ms)
+        .returning(fleets.c.id)
+    )
+    return bool(await ex.write(stmt))

@@ -124,6 +124,10 @@ class FleetSnapshot(PeerModel):
     display_name: str | None
     active_domain_id: UUID | None
     route_revision: RouteRevision
+    route_lease_ms: Annotated[StrictInt, Field(ge=0)] | None = None
+    """The longest route lease (``HARU_ROUTE_LEASE_MS``) a server process has routed this fleet
+    with (null: none recorded). The old active is drained no earlier than the flip plus this
+    lease, a pointer read and a margin."""
     policy: Policy
     domains: tuple[DomainSnapshot, ...]
     reconciled: bool | None = None

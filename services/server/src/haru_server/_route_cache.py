@@ -91,11 +91,13 @@ def lease_guard_ms(lease_ms: int, pointer_timeout_ms: int = DEFAULT_POINTER_TIME
 
 
 class RouteSource(Protocol):
-    """The two reads the cache needs (``haru_db.StateStore`` provides both)."""
+    """What the cache needs of the store (``haru_db.StateStore`` provides it)."""
 
     async def get_fleet_route_pointer(self, ref: str) -> FleetRoutePointer | None: ...
 
     async def get_fleet_snapshot(self, ref: str) -> FleetSnapshot | None: ...
+
+    async def record_route_lease(self, fleet_id: UUID, lease_ms: int) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,11 +223,16 @@ class RouteCache(Generic[T]):
         self._abandoned: set[asyncio.Task[Any]] = set()
         self._reads: dict[str, _ReadBatch] = {}
         self._lease = lease_ms / 1000
+        self._lease_ms = lease_ms
         self._stale_after = self._lease + self._pointer_timeout
         self._idle = idle_ms / 1000
         self._sleep = sleep
         self._leases: dict[UUID, _Lease] = {}
         self._movers: dict[UUID, list[asyncio.Future[None]]] = {}
+        self._recorded: dict[UUID, float] = {}
+        """fleet id -> clock reading once the store held this process's lease (_record_lease)."""
+        self._recording: dict[UUID, asyncio.Task[None]] = {}
+        self._record_retry_at: dict[UUID, float] = {}
         self._promoting: dict[UUID, tuple[int, bool]] = {}
         """fleet id -> (sequence number, whether that read saw a promotion in flight)."""
 
@@ -289,6 +296,7 @@ class RouteCache(Generic[T]):
             *self._abandoned,
             *(b.driver for b in self._reads.values() if b.driver),
             *(lease.refresher for lease in self._leases.values() if lease.refresher),
+            *self._recording.values(),
         ]
         for task in tasks:
             task.cancel()
@@ -481,7 +489,7 @@ class RouteCache(Generic[T]):
             self._forget(key, seq)
             raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref!r} not found")
         if self._lease:
-            self._confirm(pointer, started, seq)
+            self._lease_from(pointer, started, seq)
         entry = self._entries.get(pointer.id)
         now = self._clock()
         if entry is not None and entry.revision >= pointer.route_revision:
@@ -555,6 +563,51 @@ class RouteCache(Generic[T]):
         # In arrival order: the futures' callbacks run FIFO, so held requests resume in order.
         for waiter in self._movers.pop(fleet_id, ()):
             _settle(waiter)
+
+    def _lease_from(self, pointer: FleetRoutePointer, started: float, seq: int) -> None:
+        """Keep (or confirm) the lease from a read that started at ``started``.
+
+        A process keeps a fleet's lease only from reads that started after the store held its
+        lease (``route_lease_ms``): the promotion that flips the pointer reads the stored lease
+        after the flip and waits it out before it drains the old active, so every pointer this
+        process keeps from before the flip is covered by that wait. Until then (the record is
+        written in the background, once per fleet per process), requests route on their own
+        fresh reads, as with ``lease_ms`` = 0.
+        """
+        recorded = self._recorded.get(pointer.id)
+        if recorded is None:
+            self._start_recording(pointer.id)
+        elif started >= recorded:
+            self._confirm(pointer, started, seq)
+
+    def _start_recording(self, fleet_id: UUID) -> None:
+        if fleet_id in self._recording or self._clock() < self._record_retry_at.get(fleet_id, 0):
+            return
+        self._recording[fleet_id] = asyncio.get_running_loop().create_task(
+            self._record_lease(fleet_id), name=f"route-lease-record-{fleet_id}"
+        )
+
+    async def _record_lease(self, fleet_id: UUID) -> None:
+        try:
+            await self._bounded(
+                self._store.record_route_lease(fleet_id, self._lease_ms), self._snapshot_timeout
+            )
+        except Exception as exc:  # noqa: BLE001 - any failure only means: no lease yet
+            self._record_retry_at[fleet_id] = self._clock() + self._outage_memo
+            logger.warning(
+                "route cache: could not record the route lease of fleet %s (%s); routing "
+                "on fresh reads until it is recorded",
+                fleet_id,
+                exc,
+            )
+            return
+        finally:
+            self._recording.pop(fleet_id, None)
+        if len(self._recorded) > 4 * self._max_fleets:
+            self._recorded.clear()  # recording again is only a write
+            self._record_retry_at.clear()
+        self._recorded[fleet_id] = self._clock()
+        self._record_retry_at.pop(fleet_id, None)
 
     def _confirm(self, pointer: FleetRoutePointer, started: float, seq: int) -> None:
         lease = self._leases.get(pointer.id)

@@ -52,6 +52,8 @@ from haru_supervisor.client import (
     SupervisorUnauthorizedError,
 )
 
+from haru_server._route_cache import lease_guard_ms
+
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
@@ -136,7 +138,8 @@ class StepTuning:
         max_poll_s: Longest pause between polls.
         route_guard_s: ``demote_old_sleep`` stays pending until this long after the flip (its
             step start, on the reconcile clock): every process's route lease has run out by
-            then (``haru_server._route_cache.lease_guard_ms``; see the README).
+            then (``haru_server._route_cache.lease_guard_ms``; see the README). The fleet's
+            stored ``route_lease_ms`` (the longest lease any process records) lengthens it.
         route_moved: Told the new pointer after a flip, so this process routes with it at once.
     """
 
@@ -580,6 +583,11 @@ async def _demote_old_sleep(ctx: StepContext) -> StepResult:
     if source.provider is Provider.SKYSERVE:
         return Done(OperationStepDone(step=ctx.step, domain_id=source.id, skipped=_ALWAYS_AWAKE))
     guard = ctx.tuning.route_guard_s
+    stored = ctx.fleet.route_lease_ms
+    if stored is not None:
+        # The longest lease any process routes this fleet with (read by this tick, after the
+        # flip): a process with a longer lease than this one's must be waited out too.
+        guard = max(guard, lease_guard_ms(stored) / 1000)
     flipped = ctx.operation.step_started_at
     if guard > 0 and flipped is not None:
         # Processes may route to the old active until their lease runs out: the step stays
