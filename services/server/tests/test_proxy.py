@@ -873,14 +873,21 @@ async def test_only_inference_paths_exist(
 # -- routing -----------------------------------------------------------------------------------
 
 
-async def promote(store: StateStore, fleet: Fleet) -> None:
-    """Move the pointer to beta the way a promotion does: its slots serve, then one CAS."""
-    at = now()
+async def start_promotion(store: StateStore, fleet: Fleet) -> UUID:
+    """An operator's promotion of beta, accepted and running (its flip not yet made)."""
     operation, created = await store.create_operation(
-        fleet_id=fleet.id, kind=OperationKind.PROMOTE, target_domain_id=fleet.beta_id, at=at
+        fleet_id=fleet.id, kind=OperationKind.PROMOTE, target_domain_id=fleet.beta_id, at=now()
     )
     assert created
-    assert await store.claim_operation(operation.id, first_step=OperationStep.STOP_TRAINING, at=at)
+    assert await store.claim_operation(
+        operation.id, first_step=OperationStep.STOP_TRAINING, at=now()
+    )
+    return operation.id
+
+
+async def flip_to_beta(store: StateStore, fleet: Fleet, operation_id: UUID) -> None:
+    """The rest of the promotion up to the flip: beta's slots serve, then one CAS."""
+    at = now()
     inference = SlotKind.INFERENCE
     for before, after in (
         (InferenceSlotState.SLEEPING, InferenceSlotState.WAKING),
@@ -894,9 +901,14 @@ async def promote(store: StateStore, fleet: Fleet) -> None:
         fleet_id=fleet.id,
         expected_active_domain_id=fleet.alpha_id,
         target_domain_id=fleet.beta_id,
-        operation_id=operation.id,
+        operation_id=operation_id,
         at=at,
     )
+
+
+async def promote(store: StateStore, fleet: Fleet) -> None:
+    """Move the pointer to beta the way a promotion does."""
+    await flip_to_beta(store, fleet, await start_promotion(store, fleet))
 
 
 async def test_promotion_is_seen_on_the_very_next_request(
@@ -1413,18 +1425,6 @@ async def test_a_fleet_without_auto_failover_fails_at_once(
     assert proxy_of(proxy).held_total == 0
 
 
-async def start_promotion(store: StateStore, fleet: Fleet) -> UUID:
-    """An operator's promotion of beta, accepted and running (its flip not yet made)."""
-    operation, created = await store.create_operation(
-        fleet_id=fleet.id, kind=OperationKind.PROMOTE, target_domain_id=fleet.beta_id, at=now()
-    )
-    assert created
-    assert await store.claim_operation(
-        operation.id, first_step=OperationStep.STOP_TRAINING, at=now()
-    )
-    return operation.id
-
-
 @pytest.mark.parametrize("route_lease_ms", [0, 20])
 async def test_a_promotion_in_flight_holds_requests_without_auto_failover(
     make_proxy: ProxyFactory,
@@ -1451,22 +1451,7 @@ async def test_a_promotion_in_flight_holds_requests_without_auto_failover(
         await eventually(lambda: running.cache.promotion_in_flight(setup.fleet.id), within=30)
     held = asyncio.create_task(post(http, proxy, chat_body(text="held")))
     await eventually(lambda: running.holding == 1, within=30)
-    inference = SlotKind.INFERENCE
-    for before, after in (
-        (InferenceSlotState.SLEEPING, InferenceSlotState.WAKING),
-        (InferenceSlotState.WAKING, InferenceSlotState.PROBING),
-        (InferenceSlotState.PROBING, InferenceSlotState.SERVING),
-    ):
-        await sqlite_store.transition_domain_slots(
-            setup.fleet.beta_id, kind=inference, from_states=[before], to=after, at=now()
-        )
-    assert await sqlite_store.switch_active(
-        fleet_id=setup.fleet.id,
-        expected_active_domain_id=setup.fleet.alpha_id,
-        target_domain_id=setup.fleet.beta_id,
-        operation_id=operation_id,
-        at=now(),
-    )
+    await flip_to_beta(sqlite_store, setup.fleet, operation_id)
     status, headers, _ = await held
     assert status == 200
     assert int(headers["X-Haru-Held-Ms"]) >= 0

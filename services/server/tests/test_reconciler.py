@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from uuid import UUID
 
@@ -1063,6 +1063,27 @@ async def test_switch_active_fails_cas_lost_when_the_pointer_moved_elsewhere(
     assert states(after, "beta")[1] == ["failed", "failed"]
 
 
+async def sleeps_only_after(
+    reconciler: Reconciler,
+    clock: ManualClock,
+    guard_ms: int,
+    alpha_sims: Iterable[Any],
+    helpers: Any,
+) -> None:
+    """The old active (``alpha_sims``) is still awake 1 ms before the guard, asleep after it."""
+    clock.advance(ms=guard_ms - 1)
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    assert all(not sim.sleeping and sim.sleeps == 0 for sim in alpha_sims)
+    clock.advance(ms=1)
+    results = await helpers.tick_until_settled(reconciler, "local")
+    final = results[-1].operation
+    assert final is not None
+    assert final.state is OperationState.SUCCEEDED, final.error
+    assert all(sim.sleeping and sim.sleeps == 1 for sim in alpha_sims)
+
+
 async def test_old_active_sleeps_only_after_the_route_guard_on_the_reconcile_clock(
     sqlite_store: StateStore,
     make_fleet: MakeFleet,
@@ -1109,18 +1130,7 @@ async def test_old_active_sleeps_only_after_the_route_guard_on_the_reconcile_clo
     assert (await snapshot_of(store)).active_domain_id == beta
     assert all(not sim.sleeping and sim.sleeps == 0 for sim in alpha_sims)
 
-    clock.advance(ms=guard_ms - 1)
-    result = await reconciler.tick("local")
-    assert result.operation is not None
-    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
-    assert all(not sim.sleeping and sim.sleeps == 0 for sim in alpha_sims)
-
-    clock.advance(ms=1)
-    results = await helpers.tick_until_settled(reconciler, "local")
-    final = results[-1].operation
-    assert final is not None
-    assert final.state is OperationState.SUCCEEDED, final.error
-    assert all(sim.sleeping and sim.sleeps == 1 for sim in alpha_sims)
+    await sleeps_only_after(reconciler, clock, guard_ms, alpha_sims, helpers)
     slept = [
         e
         for e in await store.list_events(seeded.id, limit=1000)
@@ -1157,15 +1167,4 @@ async def test_the_old_active_waits_out_the_longest_lease_any_process_recorded(
     result = await reconciler.tick("local")
     assert result.operation is not None
     assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
-    guard_ms = lease_guard_ms(2_000)
-    clock.advance(ms=guard_ms - 1)
-    result = await reconciler.tick("local")
-    assert result.operation is not None
-    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
-    assert all(not sim.sleeping and sim.sleeps == 0 for sim in alpha_sims)
-    clock.advance(ms=1)
-    results = await helpers.tick_until_settled(reconciler, "local")
-    final = results[-1].operation
-    assert final is not None
-    assert final.state is OperationState.SUCCEEDED, final.error
-    assert all(sim.sleeping and sim.sleeps == 1 for sim in alpha_sims)
+    await sleeps_only_after(reconciler, clock, lease_guard_ms(2_000), alpha_sims, helpers)
