@@ -172,6 +172,8 @@ async def test_the_stored_route_lease_only_grows(store: StateStore, fleet: Fleet
     assert await stored() == 300
     assert await store.record_route_lease(fleet.id, 1_000)
     assert await stored() == 1_000
+    assert await store.get_route_lease_ms(fleet.id) == 1_000
+    assert await store.get_route_lease_ms(uuid4()) is None
     assert not await store.record_route_lease(uuid4(), 5_000)  # no such fleet
     with pytest.raises(ValueError, match="lease_ms"):
         await store.record_route_lease(fleet.id, -1)

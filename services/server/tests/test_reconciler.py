@@ -22,6 +22,7 @@ from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
     DomainState,
     EventType,
+    FleetRef,
     FleetSnapshot,
     InferenceSlotSpec,
     OperationErrorCode,
@@ -1141,30 +1142,47 @@ async def test_old_active_sleeps_only_after_the_route_guard_on_the_reconcile_clo
     assert "timedOut" not in slept[0].payload
 
 
+class LeaseBlindStore(StateStore):
+    """Snapshots that predate every lease record (a tick that read before one landed)."""
+
+    async def get_fleet_snapshot(self, ref: str | FleetRef) -> FleetSnapshot | None:
+        snapshot = await super().get_fleet_snapshot(ref)
+        return None if snapshot is None else snapshot.model_copy(update={"route_lease_ms": None})
+
+
+@pytest.mark.parametrize("snapshot_knows", [True, False])
 async def test_the_old_active_waits_out_the_longest_lease_any_process_recorded(
     sqlite_store: StateStore,
     make_fleet: MakeFleet,
     make_reconciler: MakeReconciler,
     clock: ManualClock,
     helpers: Any,
+    snapshot_knows: bool,
 ) -> None:
     """A proxy process with a longer ``HARU_ROUTE_LEASE_MS`` than the controller's own.
 
     The controller's guard alone (10 ms here) would drain the old active while that process
-    may still route to it; the lease it recorded in the store lengthens the wait.
+    may still route to it; the lease it recorded in the store lengthens the wait, even when
+    the tick's snapshot was read before the record landed (the step reads it after the flip).
     """
-    store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock)
-    assert await store.record_route_lease(seeded.id, 2_000)  # another process's lease
-    tuning = StepTuning(settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05, route_guard_s=0.01)
-    reconciler = make_reconciler(store, tuning=tuning)
-    beta = domain_id(seeded, "beta")
-    await store.create_operation(
-        fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
-    )
-    alpha_sims = fleet.domain("alpha").sims.values()
-    result = await reconciler.tick("local")
-    assert result.operation is not None
-    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
-    await sleeps_only_after(reconciler, clock, lease_guard_ms(2_000), alpha_sims, helpers)
+    store = sqlite_store if snapshot_knows else LeaseBlindStore.open(sqlite_store.url)
+    try:
+        if not snapshot_knows:
+            assert isinstance(store, LeaseBlindStore)
+        fleet = await make_fleet(training_gpus=())
+        seeded = await helpers.seed(store, fleet, clock)
+        assert await store.record_route_lease(seeded.id, 2_000)  # another process's lease
+        tuning = StepTuning(settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05, route_guard_s=0.01)
+        reconciler = make_reconciler(store, tuning=tuning)
+        beta = domain_id(seeded, "beta")
+        await store.create_operation(
+            fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
+        )
+        alpha_sims = fleet.domain("alpha").sims.values()
+        result = await reconciler.tick("local")
+        assert result.operation is not None
+        assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+        await sleeps_only_after(reconciler, clock, lease_guard_ms(2_000), alpha_sims, helpers)
+    finally:
+        if store is not sqlite_store:
+            await store.close()

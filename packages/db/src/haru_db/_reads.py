@@ -76,6 +76,13 @@ async def get_fleet_route_pointer(ex: Executor, ref: str | FleetRef) -> FleetRou
     return pointer_from_row(next(r for r in rows if r["id"] == chosen))
 
 
+async def get_route_lease_ms(ex: Executor, fleet_id: UUID) -> int | None:
+    rows = await ex.read(sa.select(fleets.c.route_lease_ms).where(fleets.c.id == fleet_id))
+    if not rows or rows[0]["route_lease_ms"] is None:
+        return None
+    return int(rows[0]["route_lease_ms"])
+
+
 async def list_fleets(ex: Executor) -> list[FleetRoutePointer]:
     rows = await ex.read(sa.select(*_pointer_columns()))
     return sorted((pointer_from_row(r) for r in rows), key=lambda p: p.slug)

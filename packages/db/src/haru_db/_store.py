@@ -578,6 +578,11 @@ class StateStore:
         return await _reads.get_fleet_route_pointer(self._ex, ref)
 
     @_bounded
+    async def get_route_lease_ms(self, fleet_id: UUID) -> int | None:
+        """The fleet's stored route lease (:meth:`record_route_lease`), or None (none, no fleet)."""
+        return await _reads.get_route_lease_ms(self._ex, fleet_id)
+
+    @_bounded
     async def list_fleets(self) -> list[FleetRoutePointer]:
         """Every fleet's routing pointer, ordered by slug (code point)."""
         return await _reads.list_fleets(self._ex)

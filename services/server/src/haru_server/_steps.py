@@ -139,7 +139,8 @@ class StepTuning:
         route_guard_s: ``demote_old_sleep`` stays pending until this long after the flip (its
             step start, on the reconcile clock): every process's route lease has run out by
             then (``haru_server._route_cache.lease_guard_ms``; see the README). The fleet's
-            stored ``route_lease_ms`` (the longest lease any process records) lengthens it.
+            stored ``route_lease_ms`` (the longest lease any process records, read after the
+            flip) lengthens it.
         route_moved: Told the new pointer after a flip, so this process routes with it at once.
     """
 
@@ -582,17 +583,18 @@ async def _demote_old_sleep(ctx: StepContext) -> StepResult:
         return Done(OperationStepDone(step=ctx.step, skipped="no previous active domain"))
     if source.provider is Provider.SKYSERVE:
         return Done(OperationStepDone(step=ctx.step, domain_id=source.id, skipped=_ALWAYS_AWAKE))
-    guard = ctx.tuning.route_guard_s
-    stored = ctx.fleet.route_lease_ms
-    if stored is not None:
-        # The longest lease any process routes this fleet with (read by this tick, after the
-        # flip): a process with a longer lease than this one's must be waited out too.
-        guard = max(guard, lease_guard_ms(stored) / 1000)
     flipped = ctx.operation.step_started_at
-    if guard > 0 and flipped is not None:
+    if flipped is not None:
         # Processes may route to the old active until their lease runs out: the step stays
         # pending (re-evaluated on the next tick) until that has passed on the reconcile clock.
-        left = guard - (ctx.now - flipped).total_seconds()
+        # First this process's own guard; then the longest lease any process recorded, read
+        # now (after the flip, whatever snapshot this tick holds): a process whose pointer
+        # predates the flip recorded its lease before it read that pointer.
+        left = ctx.tuning.route_guard_s - (ctx.now - flipped).total_seconds()
+        if left <= 0:
+            stored = await ctx.store.get_route_lease_ms(ctx.fleet.id)
+            if stored is not None:
+                left = lease_guard_ms(stored) / 1000 - (ctx.now - flipped).total_seconds()
         if left > 0:
             return Pending(f"every route lease runs out in {left:.3f} s (route guard)")
     return await _sleep_domain(ctx, source, drain=True)
