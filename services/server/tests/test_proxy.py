@@ -1195,11 +1195,20 @@ async def _until(predicate: Callable[[], bool]) -> None:
         await asyncio.sleep(0.001)
 
 
-async def leased(http: aiohttp.ClientSession, proxy: Proxy, fleet_id: UUID) -> None:
-    """Send requests until ``proxy`` keeps a lease for the fleet (it records its lease first)."""
+async def leased(
+    http: aiohttp.ClientSession, proxy: Proxy, fleet_id: UUID, *, models: bool = False
+) -> None:
+    """Send requests until ``proxy`` keeps a lease for the fleet (it records its lease first).
+
+    ``models``: ``GET /v1/models`` instead of chats (routed, but no upstream connection).
+    """
     cache = proxy_of(proxy).cache
     for _ in range(500):
-        assert (await post(http, proxy, chat_body()))[0] == 200
+        if models:
+            async with http.get(f"{proxy.v1}/models", headers={"X-Haru-Fleet": "prod"}) as resp:
+                assert resp.status == 200
+        else:
+            assert (await post(http, proxy, chat_body()))[0] == 200
         if cache.refreshing(fleet_id):
             return
         await asyncio.sleep(0.01)
@@ -1437,14 +1446,8 @@ async def test_a_promotion_in_flight_holds_requests_without_auto_failover(
         tuning=HOLD_TUNING, failover_hold_ms=60_000, route_lease_ms=route_lease_ms
     )
     running = proxy_of(proxy)
-    models = f"{proxy.v1}/models"
-    for _ in range(100):  # routed (and leased) without a pooled upstream connection
-        async with http.get(models, headers={"X-Haru-Fleet": "prod"}) as resp:
-            assert resp.status == 200
-        if not route_lease_ms or running.cache.refreshing(setup.fleet.id):
-            break
-        await asyncio.sleep(0.01)  # the lease is recorded in the store first
-    assert not route_lease_ms or running.cache.refreshing(setup.fleet.id)
+    if route_lease_ms:  # routed and leased without a pooled upstream connection
+        await leased(http, proxy, setup.fleet.id, models=True)
     await setup.alpha.set_faults(refuse=True)  # the active died; the operator promotes beta
     operation_id = await start_promotion(sqlite_store, setup.fleet)
     if route_lease_ms:  # the refresher's next read carries the flag; no request waits on it

@@ -157,7 +157,8 @@ class Settings(BaseSettings):
         300, validation_alias=_env("HARU_ROUTE_LEASE_MS", "route_lease_ms")
     )
     """``HARU_ROUTE_LEASE_MS``: re-confirm each routed fleet's pointer this often; 0 = read it
-    on every request. Every server process of a deployment must use the same value."""
+    on every request. Processes may differ: each records its lease in the fleet row, and a
+    promotion waits out the longest (server README, *Mixed leases*)."""
     failover_hold_ms: Annotated[EnvInt, Field(ge=0, le=MAX_DURATION_MS)] = Field(
         10_000, validation_alias=_env("HARU_FAILOVER_HOLD_MS", "failover_hold_ms")
     )
