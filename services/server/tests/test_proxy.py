@@ -941,12 +941,14 @@ async def test_active_domain_states(
         alpha, from_states=[DomainState.DEGRADED], to=DomainState.FAILED, at=now()
     )
     await asyncio.sleep(0.01)
-    status, _, answer = await post(http, proxy, chat_body())
+    status, headers, answer = await post(http, proxy, chat_body())
     assert status == 503
     assert error_code(answer) == "no_active_domain"
+    assert headers["Retry-After"] == "1"
     async with http.get(f"{proxy.v1}/models", headers={"X-Haru-Fleet": "prod"}) as resp:
         assert resp.status == 503
         assert error_code(await resp.read()) == "no_active_domain"
+        assert resp.headers["Retry-After"] == "1"
     assert served(setup.beta) == 0
 
 
@@ -1019,6 +1021,52 @@ async def test_serving_url_prefix_and_query_are_kept_and_only_content_type_retur
     routes = (await proxy_of(proxy).cache.resolve("prod")).routes
     assert routes.origin("chat-prefixed") == str(server.make_url("/").origin())
     assert routes.origin("no-such-model") is None
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+async def test_an_upstream_redirect_is_passed_to_the_client_never_followed(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    aiohttp_server: AiohttpServer,
+    http: aiohttp.ClientSession,
+    status: int,
+) -> None:
+    hits: list[tuple[str, bytes]] = []
+
+    async def admin(request: web.Request) -> web.StreamResponse:
+        hits.append((request.path, await request.read()))
+        return web.json_response({"slept": True})
+
+    target = web.Application()
+    target.router.add_route("*", "/{tail:.*}", admin)
+    target_server = await aiohttp_server(target)
+    location = str(target_server.make_url("/sleep?level=1"))
+
+    async def redirecting(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.Response(
+            status=status,
+            body=b"moved",
+            headers={"Location": location, "Content-Type": "text/plain"},
+        )
+
+    upstream = web.Application()
+    upstream.router.add_post("/v1/chat/completions", redirecting)
+    upstream_server = await aiohttp_server(upstream)
+    await make_setup(
+        sqlite_store, stack, extra_alpha={"chat-moved": str(upstream_server.make_url("/"))}
+    )
+    proxy = await make_proxy()
+    body = chat_body(model="chat-moved")
+    all_headers = {"Content-Type": "application/json", "X-Haru-Fleet": "prod"}
+    async with http.post(
+        f"{proxy.v1}/chat/completions", data=body, headers=all_headers, allow_redirects=False
+    ) as resp:
+        assert resp.status == status
+        assert resp.headers["Location"] == location
+        assert await resp.read() == b"moved"
+    assert hits == []  # nothing of the client's request reached the redirect's target
 
 
 # -- inside the real server app ----------------------------------------------------------------
@@ -1336,7 +1384,24 @@ async def test_a_held_request_fails_at_its_bound_with_the_error_it_would_have_go
     assert status == 503
     assert error_code(body) == "no_active_domain"
     assert int(headers["X-Haru-Held-Ms"]) >= 30
+    assert headers["Retry-After"] == "1"
     assert proxy_of(proxy).holding == 0
+
+
+async def test_a_hold_that_gives_up_on_a_refusing_upstream_says_when_to_retry(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    http: aiohttp.ClientSession,
+) -> None:
+    setup = await auto_failover_setup(sqlite_store, stack)
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=30)
+    await setup.alpha.set_faults(refuse=True)
+    status, headers, body = await post(http, proxy, chat_body())
+    assert status == 502
+    assert error_code(body) == "upstream_unreachable"
+    assert int(headers["X-Haru-Held-Ms"]) >= 30
+    assert headers["Retry-After"] == "1"
 
 
 async def fail_first_slot(store: StateStore, domain_id: UUID) -> UUID:

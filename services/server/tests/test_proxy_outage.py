@@ -387,8 +387,10 @@ async def test_cold_fleet_during_an_outage_is_503(
     assert status == 503
     assert code_of(body) == "state_store_unavailable"
     assert "X-Haru-Routing" not in headers
+    assert headers["Retry-After"] == "1"  # an outage to wait out
     async with http.get(f"{url}/v1/models", headers={"X-Haru-Fleet": "prod"}) as resp:
         assert resp.status == 503
+        assert resp.headers["Retry-After"] == "1"
     assert served(fleet.alpha) == 0
 
 
@@ -432,6 +434,7 @@ async def test_malformed_state_is_503_never_served(
         assert status == 503
         assert code_of(body) == "state_store_unavailable"
         assert "X-Haru-Routing" not in headers
+        assert "Retry-After" not in headers  # waiting does not mend malformed state
     assert served(fleet.alpha) == 1
 
 

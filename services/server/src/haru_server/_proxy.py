@@ -4,7 +4,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embe
 ``GET /v1/models``. The fleet comes from ``X-Haru-Fleet`` (else ``HARU_DEFAULT_FLEET``); the
 body is capped before it is buffered, parsed only to read ``model`` and forwarded
 byte-identical to the binding's ``servingUrl`` joined with the same path (never any other
-path). The answer streams back chunk by chunk with its status; only ``content-type`` is copied.
+path). The answer streams back chunk by chunk with its status; only ``content-type`` is copied
+(and ``location`` on a 3xx: redirects are never followed, the client gets them as sent).
 The upstream gets ``HARU_CHAT_HEADER_TIMEOUT_MS`` to send its headers; afterwards only
 silence is bounded: an upstream that sends nothing for ``HARU_UPSTREAM_IDLE_TIMEOUT_MS``
 mid-answer is cut. A client that goes away aborts the upstream request; an upstream that dies
@@ -17,7 +18,9 @@ PostgreSQL NOTIFY where available. During a failover a request that nothing coul
 nothing was sent) is held, when the fleet has ``autoFailover`` on or a promotion in flight
 (the flag rides the leased pointer read), until the pointer moves,
 for at most ``HARU_FAILOVER_HOLD_MS`` and with at most ``HARU_FAILOVER_HOLD_MAX`` held per
-process; a request whose body reached an upstream is never sent again.
+process; a request whose body reached an upstream is never sent again. A request that fails
+for want of a route (503: no routable active domain, a store that cannot serve routing, or a
+hold that ran out) carries ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from haru_server._route_cache import (
     DEFAULT_OUTAGE_MEMO_MS,
     DEFAULT_POINTER_TIMEOUT_MS,
     DEFAULT_SNAPSHOT_TIMEOUT_MS,
+    RETRY_AFTER_S,
     RouteCache,
     RouteLookup,
     ref_key,
@@ -518,7 +522,11 @@ class _Proxy:
         routing = _routing_headers(lookup)
         try:
             async with asyncio.timeout(self._header_timeout):
-                return await self._session.post(url, data=body, headers=headers)
+                # Never follow a redirect: following re-sends the client's body and headers
+                # to wherever the upstream points (another host, an admin route).
+                return await self._session.post(
+                    url, data=body, headers=headers, allow_redirects=False
+                )
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # Connect failures (refused, unroutable, connect timeout) mean the active domain's
             # server is not there: ask the reconciler to look now instead of at its next tick.
@@ -568,6 +576,9 @@ class _Proxy:
         content_type = upstream.headers.get(hdrs.CONTENT_TYPE)
         if content_type is not None:
             headers[hdrs.CONTENT_TYPE] = content_type
+        location = upstream.headers.get(hdrs.LOCATION)
+        if location is not None and 300 <= upstream.status < 400:
+            headers[hdrs.LOCATION] = location  # the redirect is the client's to follow, or not
         if lookup.stale:
             headers[ROUTING_HEADER] = _STALE
         if held_ms is not None:
@@ -650,7 +661,7 @@ def _unroutable(lookup: RouteLookup[RouteTable]) -> ApiError:
     return ApiError(
         ErrorCode.NO_ACTIVE_DOMAIN,
         f"fleet {lookup.routes.fleet_slug!r} {reason}; nothing can serve right now",
-        headers=_routing_headers(lookup),
+        headers=_retry_headers(lookup),
     )
 
 
@@ -661,18 +672,29 @@ def _unserved(lookup: RouteLookup[RouteTable], model: str) -> ApiError:
         ErrorCode.NO_ACTIVE_DOMAIN,
         f"model {model[:200]!r} of fleet {lookup.routes.fleet_slug!r} is bound but its "
         f"slot{where} is not serving; nothing can serve it right now",
-        headers=_routing_headers(lookup),
+        headers=_retry_headers(lookup),
     )
 
 
 def _with_held(error: ApiError, started: float, now: float) -> ApiError:
-    """``error`` as answered after a hold that ran out, with the hold's length."""
-    headers = {**error.headers, HELD_HEADER: str(int((now - started) * 1000))}
+    """``error`` as answered after a hold that ran out, with the hold's length.
+
+    It says when to try again too: the failover it waited for may still come.
+    """
+    headers = {
+        **error.headers,
+        HELD_HEADER: str(int((now - started) * 1000)),
+        hdrs.RETRY_AFTER: str(RETRY_AFTER_S),
+    }
     return ApiError(error.code, error.message, status=error.status, headers=headers)
 
 
 def _routing_headers(lookup: RouteLookup[RouteTable]) -> dict[str, str] | None:
     return {ROUTING_HEADER: _STALE} if lookup.stale else None
+
+
+def _retry_headers(lookup: RouteLookup[RouteTable]) -> dict[str, str]:
+    return {**(_routing_headers(lookup) or {}), hdrs.RETRY_AFTER: str(RETRY_AFTER_S)}
 
 
 def _origin(url: URL) -> str:

@@ -77,6 +77,10 @@ DEFAULT_LEASE_IDLE_MS = 30_000
 """A fleet without a request for this long stops being refreshed (its next request reads)."""
 LEASE_MARGIN_MS = 250
 """Added to lease + read bound before the old active is drained: dispatch and clock slack."""
+RETRY_AFTER_S: Final = 1
+"""``Retry-After`` (seconds) of a request failed for want of a route (503): a failover or a
+store outage is over in seconds, and a client that waits one second does not add to a storm."""
+_RETRY_AFTER: Final = {"Retry-After": str(RETRY_AFTER_S)}
 
 
 def lease_guard_ms(lease_ms: int, pointer_timeout_ms: int = DEFAULT_POINTER_TIMEOUT_MS) -> int:
@@ -765,6 +769,7 @@ class RouteCache(Generic[T]):
         raise ApiError(
             ErrorCode.STATE_STORE_UNAVAILABLE,
             f"the state store could not load the routing of fleet {ref!r}; retry shortly",
+            headers=dict(_RETRY_AFTER),
         ) from exc
 
     def _cached(self, key: str) -> _Entry[T] | None:
@@ -778,6 +783,7 @@ class RouteCache(Generic[T]):
             raise ApiError(
                 ErrorCode.STATE_STORE_UNAVAILABLE,
                 f"{why} and no routing for fleet {ref!r} is cached in this process",
+                headers=dict(_RETRY_AFTER),
             )
         return self._stale_hit(entry, alias[0], why)
 
