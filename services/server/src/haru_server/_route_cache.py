@@ -145,6 +145,8 @@ class _Lease:
     seq: int
     used_at: float
     refresher: asyncio.Task[None] | None = None
+    unanswered_until: float = 0.0
+    """Once expired, fail open without a read until then (a read of it failed just before)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,25 +318,13 @@ class RouteCache(Generic[T]):
         first tries to cancel the query on the server), and a hung store must cost the request
         the bound, not that.
         """
-        loop = asyncio.get_running_loop()
-        task = loop.create_task(read)
-        waiter = loop.create_future()
-
-        def wake(_: object = None) -> None:
-            if not waiter.done():
-                waiter.set_result(None)
-
-        task.add_done_callback(wake)
-        timer = loop.call_later(timeout, wake)
+        task = asyncio.get_running_loop().create_task(read)
         try:
-            await waiter
+            done = await _wait_running(task, timeout)
         except BaseException:
             self._abandon(task)  # the request itself was cancelled
             raise
-        finally:
-            timer.cancel()
-            task.remove_done_callback(wake)
-        if not task.done():
+        if not done:
             self._abandon(task)
             raise TimeoutError
         return task.result()
@@ -427,21 +417,7 @@ class RouteCache(Generic[T]):
     @staticmethod
     async def _await_shared(shared: asyncio.Future[_Outcome], timeout: float) -> _Outcome:
         """Wait for a shared read without ever cancelling it for the other waiters."""
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-
-        def wake(_: object = None) -> None:
-            if not waiter.done():
-                waiter.set_result(None)
-
-        shared.add_done_callback(wake)
-        timer = loop.call_later(timeout, wake)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            shared.remove_done_callback(wake)
-        if not shared.done():
+        if not await _wait_running(shared, timeout):
             raise TimeoutError
         return shared.result()
 
@@ -459,13 +435,32 @@ class RouteCache(Generic[T]):
             alias = self._aliases.get(key)
             lease = None if alias is None else self._leases.get(alias[0])
             if lease is not None and lease.refresher is not None:
-                return await self._resolve_leased(ref, key, lease)
+                now = self._clock()
+                lease.used_at = now
+                if now - lease.confirmed_at <= self._stale_after:
+                    return await self._resolve_leased(ref, key, lease)
+                # Expired: the refresher's reads fail, or this process stood still (SIGSTOP: the
+                # monotonic clock ran on, the pointer may have moved and the old active may
+                # sleep by now). Route only after a read, failing open only when the store
+                # did not answer one: this request's, or one of this fleet that failed since
+                # the lease ran out (the memo is no longer than the lease's own window).
+                if now < lease.unanswered_until:
+                    return await self._stale_lease(ref, key, lease)
+                return await self._resolve_read(ref, key, lease)
+        return await self._resolve_read(ref, key, None)
+
+    async def _resolve_read(self, ref: str, key: str, expired: _Lease | None) -> RouteLookup[T]:
+        """Routing from a pointer read (shared with the requests that arrive meanwhile).
+
+        ``expired``: the lease this request may not route on without a read; the process-wide
+        outage memo never stands in for that read.
+        """
         # With nothing cached for this spelling there is nothing to fail open to: a quick
         # timeout or the outage memo could only turn a slow read into a 503 (a process that
         # just started, on a loaded machine: docs/FAULTS.md, finding 7). Such a request reads
         # (sharing the read in flight) and waits up to the snapshot bound.
         cold = self._cached(key) is None
-        probe = self._outage and not cold
+        probe = self._outage and not cold and expired is None
         started = self._clock()
         if probe:
             if self._probing or self._clock() < self._outage_until:
@@ -481,6 +476,9 @@ class RouteCache(Generic[T]):
                     self._probing = False
         except (StateStoreUnavailableError, TimeoutError) as exc:
             self._enter_outage(exc)
+            if expired is not None and self._leases.get(expired.pointer.id) is expired:
+                self._unanswered(expired)
+                return await self._stale_lease(ref, key, expired)
             return self._serve_stale(ref, key, "the state store is unreachable")
         except MalformedFleetStateError as exc:
             self._leave_outage()
@@ -505,17 +503,30 @@ class RouteCache(Generic[T]):
         return await self._load(ref, key, pointer, seq)
 
     async def _resolve_leased(self, ref: str, key: str, lease: _Lease) -> RouteLookup[T]:
-        now = self._clock()
-        lease.used_at = now
         pointer = lease.pointer
         entry = self._entries.get(pointer.id)
         if entry is not None and entry.revision >= pointer.route_revision:
-            if now - lease.confirmed_at > self._stale_after:
-                return self._stale_hit(
-                    entry, pointer.id, "the state store has not confirmed the route lease"
-                )
             return self._hit(entry, pointer.id, key, lease.seq)
         return await self._load(ref, key, pointer, lease.seq)
+
+    async def _stale_lease(self, ref: str, key: str, lease: _Lease) -> RouteLookup[T]:
+        """Fail open on an expired lease: a read of its pointer just failed."""
+        pointer = lease.pointer
+        entry = self._entries.get(pointer.id)
+        if entry is not None and entry.revision >= pointer.route_revision:
+            return self._stale_hit(
+                entry, pointer.id, "the state store has not confirmed the route lease"
+            )
+        return await self._load(ref, key, pointer, lease.seq)
+
+    def _unanswered(self, lease: _Lease) -> None:
+        """A read of the lease's pointer failed: fail open without reading for a while.
+
+        As long as the lease's own window (lease + read bound): a flip made after this failure
+        is still guarded when it runs out (:func:`lease_guard_ms`), and the refresher keeps
+        probing meanwhile. The clock reading includes any pause before it, never after it.
+        """
+        lease.unanswered_until = self._clock() + self._stale_after
 
     # -- route leases ---------------------------------------------------------------------------
 
@@ -624,7 +635,9 @@ class RouteCache(Generic[T]):
                 lease.pointer = pointer
                 lease.seq = max(lease.seq, seq)
             # Even an older revision proves nothing moved past the newer one before `started`.
-            lease.confirmed_at = max(lease.confirmed_at, started)
+            if started > lease.confirmed_at:
+                lease.confirmed_at = started
+                lease.unanswered_until = 0.0
         if lease.refresher is None:
             lease.refresher = asyncio.get_running_loop().create_task(
                 self._refresh(pointer.id, lease), name=f"route-lease-{pointer.id}"
@@ -642,19 +655,21 @@ class RouteCache(Generic[T]):
                 started = self._clock()
                 if self._leases.get(fleet_id) is not lease or started - lease.used_at > self._idle:
                     return
-                if not await self._refresh_once(ref, fleet_id, started):
+                if not await self._refresh_once(ref, lease, started):
                     return
         finally:
             lease.refresher = None
             if self._leases.get(fleet_id) is lease:
                 del self._leases[fleet_id]  # dormant: the next request reads
 
-    async def _refresh_once(self, ref: str, fleet_id: UUID, started: float) -> bool:
+    async def _refresh_once(self, ref: str, lease: _Lease, started: float) -> bool:
         """One refresher round; False when the lease must end."""
+        fleet_id = lease.pointer.id
         try:
             pointer, seq = await self._read_pointer(ref)
         except (StateStoreUnavailableError, TimeoutError) as exc:
             self._enter_outage(exc)
+            self._unanswered(lease)
             return True  # keep serving (stale once the lease runs out) and keep trying
         except MalformedFleetStateError as exc:
             self._drop(fleet_id, why=f"its stored state is malformed ({exc})")
@@ -779,10 +794,17 @@ class RouteCache(Generic[T]):
     def _serve_stale(self, ref: str, key: str, why: str) -> RouteLookup[T]:
         alias = self._aliases.get(key)
         entry = None if alias is None else self._entries.get(alias[0])
-        if alias is None or entry is None:
+        lease = None if alias is None else self._leases.get(alias[0])
+        if (
+            alias is None
+            or entry is None
+            or (lease is not None and lease.pointer.route_revision > entry.revision)
+        ):
+            # Nothing cached, or only a revision known to be superseded (a notified move
+            # whose snapshot this process has not loaded): never route with that.
             raise ApiError(
                 ErrorCode.STATE_STORE_UNAVAILABLE,
-                f"{why} and no routing for fleet {ref!r} is cached in this process",
+                f"{why} and no current routing for fleet {ref!r} is cached in this process",
                 headers=dict(_RETRY_AFTER),
             )
         return self._stale_hit(entry, alias[0], why)
@@ -897,6 +919,41 @@ class RouteCache(Generic[T]):
             f"the stored state of fleet {ref!r} failed validation and cannot be served "
             "(see the server log)",
         )
+
+
+_BOUND_STEPS: Final = 4
+
+
+async def _wait_running(awaited: asyncio.Future[Any], timeout: float) -> bool:
+    """Wait until ``awaited`` is done or ``timeout`` seconds passed while this process ran.
+
+    Counted in steps, each as long as it was meant to be however late its timer fired: a
+    process that stood still (SIGSTOP, a suspended VM) wakes to overdue timers, and one timer
+    would fail at once a read that had no time to answer. This way a read in flight across a
+    pause keeps most of its bound after it.
+
+    Returns:
+        Whether ``awaited`` is done.
+    """
+    loop = asyncio.get_running_loop()
+    step = timeout / _BOUND_STEPS
+    for _ in range(_BOUND_STEPS):
+        waiter = loop.create_future()
+
+        def wake(_: object = None, waiter: asyncio.Future[None] = waiter) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        awaited.add_done_callback(wake)
+        timer = loop.call_later(step, wake)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            awaited.remove_done_callback(wake)
+        if awaited.done():
+            return True
+    return False
 
 
 def _settle(waiter: asyncio.Future[None]) -> None:
