@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -704,3 +705,156 @@ async def test_a_lease_is_kept_only_from_reads_made_after_the_process_recorded_i
         assert len(store.lease_records) == 2
     finally:
         await cache.aclose()
+
+
+# -- an expired lease is routed on only after a read ------------------------------------------
+
+LEASE_WINDOW_S = 0.15
+"""lease_ms + pointer_timeout_ms of :func:`leased_cache`: a lease confirmed longer ago expired."""
+
+
+@dataclass
+class Leased:
+    cache: RouteCache[FleetSnapshot]
+    fleet: Fleet
+    rounds: asyncio.Queue[None]
+    """One item lets the refresher run one round (its pause is otherwise endless)."""
+
+
+async def settle() -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+
+
+async def leased_cache(store: ScriptedStore, clock: FakeClock) -> Leased:
+    fleet = store.add("prod")
+    rounds: asyncio.Queue[None] = asyncio.Queue()
+
+    async def sleep(_: float) -> None:
+        await rounds.get()
+
+    cache: RouteCache[FleetSnapshot] = RouteCache(
+        store,
+        build=lambda s: s,
+        clock=clock,
+        ttl_ms=600_000,
+        outage_memo_ms=1_000,
+        pointer_timeout_ms=50,
+        lease_ms=100,
+        sleep=sleep,
+    )
+    await cache.resolve("prod")  # records the lease
+    await settle()
+    await cache.resolve("prod")  # read after the record: leased from here on
+    assert cache.refreshing(fleet.id)
+    assert store.pointer_reads == 2
+    return Leased(cache, fleet, rounds)
+
+
+async def test_a_lease_expired_by_a_pause_is_read_before_routing(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    leased = await leased_cache(store, clock)
+    try:
+        # The process stood still (SIGSTOP) while the pointer moved; the monotonic clock ran on.
+        clock.advance(10.0)
+        leased.fleet.revision = 2
+        lookup = await leased.cache.resolve("prod")
+        assert store.pointer_reads == 3  # read before routing, though the refresher did not run
+        assert not lookup.stale
+        assert lookup.snapshot.route_revision == 2
+        # The read confirmed the lease again: the next requests route on it without reading.
+        assert not (await leased.cache.resolve("prod")).stale
+        assert store.pointer_reads == 3
+    finally:
+        await leased.cache.aclose()
+
+
+async def test_an_expired_lease_fails_open_only_when_its_read_fails(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    leased = await leased_cache(store, clock)
+    try:
+        clock.advance(10.0)
+        store.pointer_error = down()
+        assert (await leased.cache.resolve("prod")).stale
+        assert store.pointer_reads == 3  # the read was tried first
+        # That failure spares the next requests a read for the lease's own window, no longer.
+        clock.advance(LEASE_WINDOW_S - 0.01)
+        assert (await leased.cache.resolve("prod")).stale
+        assert store.pointer_reads == 3
+        clock.advance(0.02)
+        store.pointer_error = None
+        leased.fleet.revision = 2
+        lookup = await leased.cache.resolve("prod")
+        assert store.pointer_reads == 4
+        assert not lookup.stale
+        assert lookup.snapshot.route_revision == 2
+    finally:
+        await leased.cache.aclose()
+
+
+async def test_an_outage_memo_from_before_a_pause_never_skips_the_read(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    leased = await leased_cache(store, clock)
+    try:
+        store.pointer_error = down()
+        leased.rounds.put_nowait(None)  # one refresher round: its read fails
+        await settle()
+        assert store.pointer_reads == 3
+        assert leased.cache.in_outage
+        # Paused for less than the process-wide outage memo (1 s) but longer than the lease
+        # window; meanwhile the store came back and the pointer moved.
+        store.pointer_error = None
+        leased.fleet.revision = 2
+        clock.advance(0.5)
+        lookup = await leased.cache.resolve("prod")
+        assert store.pointer_reads == 4
+        assert not lookup.stale
+        assert lookup.snapshot.route_revision == 2
+        assert not leased.cache.in_outage
+    finally:
+        await leased.cache.aclose()
+
+
+async def test_requests_on_an_expired_lease_share_the_reads(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    leased = await leased_cache(store, clock)
+    try:
+        clock.advance(10.0)
+        leased.fleet.revision = 2
+        gate = asyncio.Event()
+        store.pointer_gates = [gate]
+        tasks = [asyncio.create_task(leased.cache.resolve("prod")) for _ in range(20)]
+        await settle()
+        assert store.pointer_reads == 3  # one read in flight for all of them
+        gate.set()
+        lookups = await asyncio.gather(*tasks)
+        # The first request's read, then one more for all who arrived while it ran.
+        assert store.pointer_reads == 4
+        assert all(not lk.stale and lk.snapshot.route_revision == 2 for lk in lookups)
+    finally:
+        await leased.cache.aclose()
+
+
+async def test_a_read_in_flight_across_a_stall_keeps_its_bound(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    store.add("prod")
+    cache = make_cache(store, clock, pointer_timeout_ms=200)
+    assert not (await cache.resolve("prod")).stale
+    gate = asyncio.Event()
+    store.pointer_gates = [gate]
+    request = asyncio.create_task(cache.resolve("prod"))
+    await settle()
+    assert store.pointer_reads == 2  # in flight
+    # The whole process stands still past the read's bound (as under SIGSTOP): its timers are
+    # overdue when it runs again, and the store answers right after.
+    time.sleep(0.3)  # noqa: TID251, ASYNC251 - blocking the loop is the point
+    asyncio.get_running_loop().call_later(0.01, gate.set)
+    lookup = await request
+    assert not lookup.stale  # the read was given the rest of its bound, not failed at once
+    assert not cache.in_outage
+    await cache.aclose()
