@@ -22,8 +22,12 @@ confirmed it started. Requests route with it at once; a background refresher per
 and reloads the snapshot when the revision moved or its TTL ran out. A notified move
 (:meth:`RouteCache.observe`: PostgreSQL NOTIFY, or a flip made by this process) replaces the
 pointer at once but never extends the lease. A pointer not confirmed for longer than the
-lease plus the read bound is served marked stale (the refresher's reads are failing: the
-store is unreachable, so the pointer cannot move). A fleet that went idle is dormant: its next
+lease plus the read bound has expired and is never routed on before a read was tried: the
+request reads (shared, bounded), and serves the old pointer marked stale only when that read,
+or one of the fleet's reads within the last lease window, failed (the store does not answer,
+so the pointer cannot move). A process that stood still (SIGSTOP: the monotonic clock runs
+on) thus reads before it routes again. Read bounds count time the process ran, so a read in
+flight across a pause is not failed at once. A fleet that went idle is dormant: its next
 request reads the pointer like a cold start. A request waits on the store only then, or to
 load the snapshot of a revision it has not seen. ``lease_ms`` = 0 keeps one coalesced pointer
 read per request.
