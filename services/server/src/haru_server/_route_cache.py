@@ -931,10 +931,10 @@ _BOUND_STEPS: Final = 4
 async def _wait_running(awaited: asyncio.Future[Any], timeout: float) -> bool:
     """Wait until ``awaited`` is done or ``timeout`` seconds passed while this process ran.
 
-    Counted in steps, each as long as it was meant to be however late its timer fired: a
-    process that stood still (SIGSTOP, a suspended VM) wakes to overdue timers, and one timer
-    would fail at once a read that had no time to answer. This way a read in flight across a
-    pause keeps most of its bound after it.
+    Counted in quarters, each as long as it was meant to be however late its timer fired: a
+    process that stood still (SIGSTOP, a suspended VM) wakes to overdue timers, and a single
+    timer would fail at once a read that had no time to answer. This way a pause costs at most
+    one quarter, so a read fails only after three quarters of its bound of running time.
 
     Returns:
         Whether ``awaited`` is done.
