@@ -16,8 +16,10 @@ standby time whose GPUs trained: 1.0 means no idle standby GPU. Gaps longer than
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Final
@@ -25,9 +27,27 @@ from uuid import UUID
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from haru_protocol import FleetSnapshot, SlotKind, SupervisorStatus, TrainingRunState
+from haru_core import is_viable_standby
+from haru_protocol import (
+    DomainState,
+    FleetSnapshot,
+    SlotKind,
+    SupervisorStatus,
+    TrainingRunState,
+)
 from haru_web import CLIENT_CLOSED_STATUS, ApiError, access_logged_key
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 MAX_STANDBY_GAP_S: Final = 60.0
 """A heartbeat gap longer than this is not attributed to the standby duty cycle."""
@@ -48,16 +68,73 @@ class _StandbyMark:
     training: bool
 
 
+class _HeartbeatAge(Collector):
+    """``haru_domain_heartbeat_age_seconds``: time since this process's last answered heartbeat.
+
+    Measured on this process's monotonic clock at scrape time (never a stored time compared
+    with another process's clock), so it keeps growing while a supervisor stops answering even
+    when no tick runs. Each replica polls every domain, so the freshest view is the minimum
+    over replicas.
+    """
+
+    def __init__(self, monotonic: Callable[[], float]) -> None:
+        self.answered: dict[tuple[str, str], float] = {}
+        self._monotonic = monotonic
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "haru_domain_heartbeat_age_seconds",
+            "Seconds since this process last got an answered heartbeat from the domain.",
+            labels=["fleet", "domain"],
+        )
+        now = self._monotonic()
+        for (fleet, domain), at in sorted(self.answered.items()):
+            family.add_metric([fleet, domain], max(now - at, 0.0))
+        yield family
+
+
 class ServerMetrics:
     """The server's metrics and the hooks that move them (one instance per app).
 
     Args:
-        registry: Where the metrics live; a new private registry when None.
+        registry: Where the metrics live; a new private registry when None (which also gets
+            the process, platform and garbage-collector metrics of prometheus_client).
+        version: The ``haru_build_info`` version label (the installed haru-server's).
+        monotonic: Monotonic seconds (injected by tests).
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        version: str | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if registry is None:
+            registry = CollectorRegistry()
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                registry.register(collector)
+        self.registry = registry
         r = self.registry
+        self._monotonic = monotonic
+        Info("haru_build", "The running haru-server's version.", registry=r).info(
+            {"version": version if version is not None else _installed_version()}
+        )
+        self.domain_state = Gauge(
+            "haru_domain_state",
+            "1 for the domain's current state as this process last saw it (0 for the others).",
+            ["fleet", "domain", "state"],
+            registry=r,
+        )
+        self.standby_ready = Gauge(
+            "haru_fleet_standby_ready",
+            "Standbys that could take the traffic now (ready, answering, no failed inference "
+            "slot), as this process's last tick judged them.",
+            ["fleet"],
+            registry=r,
+        )
+        self._heartbeat_age = _HeartbeatAge(monotonic)
+        r.register(self._heartbeat_age)
         self.reconcile_ticks = Counter(
             "haru_reconcile_ticks", "Reconcile ticks run, by result.", ["result"], registry=r
         )
@@ -189,6 +266,17 @@ class ServerMetrics:
     def store_error(self, where: str) -> None:
         self.store_errors.labels(where).inc()
 
+    def fleet_judged(self, fleet: FleetSnapshot, now: datetime) -> None:
+        """Record a tick's view of every domain: its state and the fleet's ready standbys."""
+        self.fleet_seen(fleet)
+        for domain in fleet.domains:
+            for state in DomainState:
+                self.domain_state.labels(fleet.slug, domain.slug, state.value).set(
+                    1 if domain.state is state else 0
+                )
+        ready = sum(1 for d in fleet.domains if is_viable_standby(fleet, d, now=now))
+        self.standby_ready.labels(fleet.slug).set(ready)
+
     def fleet_seen(self, fleet: FleetSnapshot) -> None:
         """Record a snapshot's route revision and active domain."""
         if self._seen.get(fleet.slug) is fleet:
@@ -214,6 +302,7 @@ class ServerMetrics:
         domain = fleet.domain(domain_id)
         if domain is None:
             return
+        self._heartbeat_age.answered[(fleet.slug, domain.slug)] = self._monotonic()
         training = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
         if not training:
             self._marks.pop(domain_id, None)
@@ -262,6 +351,13 @@ class ServerMetrics:
     def request_held(self, fleet: str) -> None:
         """A request waited for a failover to move the route (the data path calls this)."""
         self.proxy_held.labels(fleet).inc()
+
+
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("haru-server")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
+        return "unknown"
 
 
 metrics_key: Final = web.AppKey("haru_metrics", ServerMetrics)
