@@ -22,6 +22,7 @@ from haru_db import StateStore
 from haru_demo.localfleet import LocalFleet
 from haru_protocol import EventType, OperationState
 from haru_server._clock import ManualClock
+from prometheus_client.parser import text_string_to_metric_families
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 UrlFactory = Callable[[], Awaitable[str]]
@@ -260,3 +261,27 @@ async def test_boot_refuses_a_read_only_sqlite_file(tmp_path: Path) -> None:
     assert "listening on" not in log
     assert "read-only" in log.lower() or "not writable" in log.lower(), log
     assert "Traceback" not in log
+
+
+async def test_the_startup_heap_is_frozen_and_collector_pauses_are_measured(
+    tmp_path: Path,
+) -> None:
+    async with haru_serve({"PORT": "0"}, cwd=tmp_path) as server, aiohttp.ClientSession() as http:
+        # Enough requests that the young generation is collected a few times.
+        for _ in range(200):
+            async with http.get(f"{server.url}/v1/fleets") as response:
+                assert response.status == 200
+        async with http.get(f"{server.url}/metrics") as response:
+            assert response.status == 200
+            text = await response.text()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    # Everything start-up made (modules, models, metadata, the app) sits in the permanent
+    # generation, which collections never walk.
+    assert samples[("haru_gc_frozen_objects", ())] > 10_000
+    young = samples[("haru_gc_pause_seconds_count", (("generation", "0"),))]
+    assert young > 0
+    assert samples[("haru_gc_pause_seconds_sum", (("generation", "0"),))] > 0

@@ -16,6 +16,8 @@ standby time whose GPUs trained: 1.0 means no idle standby GPU. Gaps longer than
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import importlib.metadata
 import logging
 import time
@@ -59,6 +61,7 @@ access_logger = logging.getLogger("haru_server.access")
 
 _LATENCY_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _STEP_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_GC_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
 @dataclass(slots=True)
@@ -135,6 +138,19 @@ class ServerMetrics:
         )
         self._heartbeat_age = _HeartbeatAge(monotonic)
         r.register(self._heartbeat_age)
+        self.gc_pause = Histogram(
+            "haru_gc_pause_seconds",
+            "Pauses of the cyclic garbage collector (the event loop stops for each), by "
+            "generation; recorded while the server runs (haru serve).",
+            ["generation"],
+            buckets=_GC_BUCKETS,
+            registry=r,
+        )
+        Gauge(
+            "haru_gc_frozen_objects",
+            "Objects moved to the permanent generation at start-up (gc.freeze): never scanned.",
+            registry=r,
+        ).set_function(gc.get_freeze_count)
         self.reconcile_ticks = Counter(
             "haru_reconcile_ticks", "Reconcile ticks run, by result.", ["result"], registry=r
         )
@@ -241,6 +257,24 @@ class ServerMetrics:
         self._headers_by_fleet: dict[str, Histogram] = {}
         self._marks: dict[UUID, _StandbyMark] = {}
         self._standby_totals: dict[tuple[str, str], list[float]] = {}
+
+    @contextlib.contextmanager
+    def watching_gc(self) -> Iterator[None]:
+        """Time every collection of the cyclic garbage collector while the block runs."""
+        by_generation = [self.gc_pause.labels(str(g)) for g in range(3)]
+        started = [0.0]
+
+        def callback(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                by_generation[info["generation"]].observe(time.perf_counter() - started[0])
+
+        gc.callbacks.append(callback)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(callback)
 
     # -- reconciler ----------------------------------------------------------------------------
 

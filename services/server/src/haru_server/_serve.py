@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 from collections.abc import Callable
 
@@ -10,6 +11,7 @@ from haru_db import check_writable, redact_database_url, resolve_database_url, u
 from haru_web import StopSignals, serving
 
 from haru_server._app import create_app
+from haru_server._metrics import metrics_key
 from haru_server._settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,20 @@ async def migrate(settings: Settings) -> None:
     await check_writable(settings.database_url)
 
 
+def freeze_startup_heap() -> None:
+    """Move everything start-up made into the collector's permanent generation.
+
+    The long-lived heap (imported modules, pydantic and SQLAlchemy metadata, the OpenAPI
+    document, the app) is never garbage, but every full collection walked all of it: with
+    each request allocating container objects, those walks were the proxy's tail latency.
+    Frozen objects are never scanned again. Each ``HARU_WORKERS`` process runs this after its
+    own start-up (after the fork), so nothing is shared between the two.
+    """
+    gc.collect()
+    gc.freeze()
+    logger.debug("garbage collector: %d start-up objects frozen", gc.get_freeze_count())
+
+
 async def run_server(
     settings: Settings,
     *,
@@ -79,7 +95,7 @@ async def run_server(
     announce(settings)
     await migrate(settings)
     app = create_app(settings)
-    with StopSignals(stop) as signals:
+    with StopSignals(stop) as signals, app[metrics_key].watching_gc():
         async with serving(
             app,
             host=settings.host,
@@ -88,6 +104,7 @@ async def run_server(
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
             reuse_port=reuse_port,
         ) as listening:
+            freeze_startup_heap()
             logger.info(
                 "haru-server listening on %s:%d (%s)",
                 listening.host,
