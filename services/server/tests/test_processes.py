@@ -285,3 +285,32 @@ async def test_the_startup_heap_is_frozen_and_collector_pauses_are_measured(
     young = samples[("haru_gc_pause_seconds_count", (("generation", "0"),))]
     assert young > 0
     assert samples[("haru_gc_pause_seconds_sum", (("generation", "0"),))] > 0
+
+
+async def test_sigterm_drains_with_readyz_failing_before_the_listener_closes(
+    tmp_path: Path,
+) -> None:
+    env = {"PORT": "0", "HARU_SHUTDOWN_DRAIN_MS": "60000"}
+    async with haru_serve(env, cwd=tmp_path) as server, aiohttp.ClientSession() as http:
+        async with http.get(f"{server.url}/readyz") as response:
+            assert response.status == 200
+        server.process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            while True:
+                async with http.get(f"{server.url}/readyz") as response:
+                    if response.status == 503:
+                        body = await response.json()
+                        break
+                await asyncio.sleep(0.05)
+        assert body["error"]["code"] == "not_ready"
+        assert "draining" in body["error"]["message"]
+        # Still serving meanwhile: a new connection is accepted and answered.
+        async with aiohttp.ClientSession() as fresh, fresh.get(f"{server.url}/healthz") as response:
+            assert response.status == 200
+        assert server.process.returncode is None
+        # A second signal ends the drain at once (the 60 s window is not waited out).
+        server.process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            code = await server.process.wait()
+    assert code == 0
+    assert "draining" in server.log

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 from collections.abc import Callable
 
+from aiohttp import web
 from haru_db import check_writable, redact_database_url, resolve_database_url, upgrade
 from haru_web import StopSignals, serving
 
 from haru_server._app import create_app
+from haru_server._keys import draining_key
 from haru_server._metrics import metrics_key
 from haru_server._settings import Settings
 
@@ -58,6 +61,19 @@ async def migrate(settings: Settings) -> None:
     """
     await upgrade(settings.database_url)
     await check_writable(settings.database_url)
+
+
+async def drain(app: web.Application, seconds: float, *, force: asyncio.Event) -> None:
+    """Fail ``/readyz`` and keep serving for ``seconds`` (a second signal cuts it short).
+
+    Load balancers and Kubernetes stop routing new connections to a server whose readiness
+    fails; only then does the listener close, so a rolling update refuses nobody.
+    """
+    app[draining_key].set()
+    logger.info("draining: /readyz fails; the listener closes in %.1f s", seconds)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await force.wait()
 
 
 def freeze_startup_heap() -> None:
@@ -114,4 +130,6 @@ async def run_server(
             if on_listening is not None:
                 on_listening(listening.url)
             await signals.stop.wait()
+            if settings.shutdown_drain_ms > 0:
+                await drain(app, settings.shutdown_drain_ms / 1000, force=signals.force)
             logger.info("stopping")
