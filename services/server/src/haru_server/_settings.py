@@ -128,7 +128,7 @@ class Settings(BaseSettings):
         None, validation_alias=_env("HARU_RECONCILE_INTERVAL_MS", "reconcile_interval_ms")
     )
     """``HARU_RECONCILE_INTERVAL_MS``: enables the background reconcile loop."""
-    shutdown_drain_ms: DurationMs = Field(
+    shutdown_drain_ms: Annotated[EnvInt, Field(ge=0, le=600_000)] = Field(
         0, validation_alias=_env("HARU_SHUTDOWN_DRAIN_MS", "shutdown_drain_ms")
     )
     """``HARU_SHUTDOWN_DRAIN_MS``: after SIGTERM, keep serving this long with ``/readyz``
