@@ -65,6 +65,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "BENCHMARKS.md"
 SECTION = "## Inference proxy against a minimal aiohttp proxy (route lease)"
+WRK_SECTION = "## Inference proxy under wrk: the collector's pauses (gc.freeze)"
 FLOOR = "floor (minimal aiohttp proxy)"
 MODEL = "bench-model"
 FLEET = "bench"
@@ -111,6 +112,11 @@ def run_haru(upstream: str, url: str, port: int, *, counter_file: str, mode: str
     event.listen(sqlalchemy.engine.Engine, "before_cursor_execute", counted)
     from haru_server._eventloop import run
 
+    if mode == "nofreeze":
+        # The before row of the collector change: the start-up heap left to full collections.
+        import haru_server._serve
+
+        haru_server._serve.freeze_startup_heap = lambda: None
     # As haru-server runs (uvloop), or on asyncio's own loop for the side-by-side row.
     runner = asyncio.run if mode == "asyncio" else run
     runner(_serve_haru(upstream, url, port, counter_file=counter_file, statements=statements))
@@ -601,6 +607,134 @@ def stream_rounds(targets: list[Target], args: argparse.Namespace) -> str:
     )
 
 
+WRK_SCRIPT = """\
+wrk.method = "POST"
+wrk.body = {body}
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["X-Haru-Fleet"] = "{fleet}"
+"""
+
+
+def _wrk_ms(text: str) -> float:
+    """A wrk latency cell (``812.00us``, ``3.41ms``, ``1.02s``) in milliseconds."""
+    for unit, scale in (("us", 0.001), ("ms", 1.0), ("s", 1000.0)):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * scale
+    raise ValueError(f"unexpected wrk latency {text!r}")
+
+
+def run_wrk(target: Target, script: Path, args: argparse.Namespace) -> dict[str, float]:
+    """One closed-loop wrk run against ``target``: req/s, p50, p99 and non-2xx answers."""
+    out = subprocess.run(
+        [
+            shutil.which("wrk") or "wrk",
+            "-t1",
+            f"-c{args.wrk_connections}",
+            f"-d{args.wrk_seconds}s",
+            "--latency",
+            "-s",
+            str(script),
+            f"{target.url}/v1/chat/completions",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=args.wrk_seconds + 60,
+    ).stdout
+    result = {"errors": 0.0}
+    for line in out.splitlines():
+        words = line.split()
+        if line.startswith("Requests/sec:"):
+            result["rps"] = float(words[1])
+        elif len(words) == 2 and words[0] in ("50%", "99%"):
+            result[f"p{words[0][:-1]}_ms"] = _wrk_ms(words[1])
+        elif line.strip().startswith(("Non-2xx", "Socket errors")):
+            result["errors"] += sum(int(w.strip(",")) for w in words if w.strip(",").isdigit())
+    return result
+
+
+def gc_pauses(target: Target) -> dict[str, float] | None:
+    """Collections by generation and their pause in all, from a Haru target's /metrics."""
+    import urllib.request
+
+    if not target.name.startswith("haru"):
+        return None
+    with urllib.request.urlopen(f"{target.url}/metrics", timeout=5) as response:  # noqa: S310
+        text = response.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        for generation in ("0", "1", "2"):
+            label = f'generation="{generation}"'
+            if line.startswith("haru_gc_pause_seconds_count{") and label in line:
+                found[f"gen{generation}"] = float(line.split()[-1])
+            elif line.startswith("haru_gc_pause_seconds_sum{") and label in line:
+                found["pause_s"] = found.get("pause_s", 0.0) + float(line.split()[-1])
+    return found
+
+
+def wrk_rounds(targets: list[Target], tmp: Path, args: argparse.Namespace) -> str:
+    """wrk against every target in turn, ``--rounds`` times; medians side by side with the floor."""
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is missing: apt-get install -y wrk")
+    script = tmp / "chat.lua"
+    script.write_text(WRK_SCRIPT.format(body=json.dumps(CHAT.decode()), fleet=FLEET))
+    rows: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
+    collections: dict[str, dict[str, float]] = {}
+    for index in range(args.rounds):
+        for target in targets:
+            print(f"wrk round {index + 1}: {target.name} ...", file=sys.stderr, flush=True)
+            before = gc_pauses(target)
+            rows[target.name].append(run_wrk(target, script, args))
+            after = gc_pauses(target)
+            if before is not None and after is not None:
+                total = collections.setdefault(target.name, {})
+                for key, value in after.items():
+                    total[key] = total.get(key, 0.0) + value - before.get(key, 0.0)
+    floor = {k: statistics.median(r[k] for r in rows[FLOOR]) for k in ("rps", "p99_ms")}
+    lines = [
+        f"| path (wrk -c{args.wrk_connections}) | req/s per round | req/s median "
+        "| x floor | p50 ms | p99 ms per round | p99 median | x floor "
+        "| gen0/gen1/gen2 collections | collector pause ms | errors |",
+        "| --- " + "| ---: " * 10 + "|",
+    ]
+    for name, results in rows.items():
+        rps = statistics.median(r["rps"] for r in results)
+        p99 = statistics.median(r["p99_ms"] for r in results)
+        p50 = statistics.median(r["p50_ms"] for r in results)
+        gc_cells = "- | -"
+        if name in collections:
+            c = collections[name]
+            gc_cells = (
+                f"{c.get('gen0', 0):.0f}/{c.get('gen1', 0):.0f}/{c.get('gen2', 0):.0f} "
+                f"| {c.get('pause_s', 0) * 1000:.1f}"
+            )
+        lines.append(
+            f"| {name} | {' / '.join(str(round(r['rps'])) for r in results)} | {rps:.0f} "
+            f"| {rps / floor['rps']:.2f} | {fmt(p50)} "
+            f"| {' / '.join(fmt(r['p99_ms']) for r in results)} | {fmt(p99)} "
+            f"| {p99 / floor['p99_ms']:.2f} | {gc_cells} "
+            f"| {sum(r['errors'] for r in results):.0f} |"
+        )
+    checks = []
+    for name, results in rows.items():
+        if not name.startswith("haru"):
+            continue
+        rps = statistics.median(r["rps"] for r in results)
+        p99 = statistics.median(r["p99_ms"] for r in results)
+        checks.append(
+            f"- {name}: req/s >= 0.75x floor's: {rps / floor['rps']:.2f}x "
+            f"{'met' if rps >= 0.75 * floor['rps'] else 'NOT met'}; p99 <= 2x floor's: "
+            f"{p99 / floor['p99_ms']:.2f}x {'met' if p99 <= 2 * floor['p99_ms'] else 'NOT met'}"
+        )
+    return (
+        "\n".join(lines)
+        + f"\n\n`wrk -t1 -c{args.wrk_connections} -d{args.wrk_seconds}s --latency`, a POST of "
+        f"a small chat body, keep-alive; {args.rounds} rounds interleaved, medians; collections "
+        "and their pause summed over the rounds (Haru's `haru_gc_pause_seconds`); load average "
+        f"{os.getloadavg()[0]:.1f} at the end.\n\n" + "\n".join(checks)
+    )
+
+
 def fmt(value: float) -> str:
     return f"{value:.2f}"
 
@@ -681,13 +815,13 @@ def environment(args: argparse.Namespace) -> str:
     )
 
 
-def write_docs(body: str) -> None:
+def write_docs(body: str, *, section: str = SECTION) -> None:
     text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    start = text.find(SECTION)
+    start = text.find(section)
     if start < 0:
         text = text.rstrip("\n") + "\n\n" + body + "\n"
     else:
-        end = text.find("\n## ", start + len(SECTION))
+        end = text.find("\n## ", start + len(section))
         text = text[:start] + body + ("\n" + text[end + 1 :] if end >= 0 else "\n")
     DOCS.parent.mkdir(parents=True, exist_ok=True)
     DOCS.write_text(text)
@@ -762,6 +896,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="measure only the streams' time to first byte (no --write-docs)",
     )
+    parser.add_argument(
+        "--wrk",
+        action="store_true",
+        help="measure with wrk (closed loop, C connections) instead of the Python client, "
+        "Haru with and without gc.freeze beside the floor; --rounds interleaved rounds",
+    )
+    parser.add_argument("--wrk-connections", type=int, default=16)
+    parser.add_argument("--wrk-seconds", type=int, default=8)
     parser.add_argument("--litellm-venv", default="~/.cache/haru-bench/litellm-venv")
     parser.add_argument("--install-litellm", action="store_true")
     parser.add_argument("--write-docs", action="store_true", help=f"update {DOCS.name}")
@@ -810,6 +952,8 @@ def main(argv: list[str] | None = None) -> int:
             stores.append(("haru (PostgreSQL)", postgres, ""))
         if args.asyncio:
             stores.append(("haru (SQLite, asyncio loop)", f"sqlite:///{tmp / 'a.db'}", "asyncio"))
+        if args.wrk:
+            stores.append(("haru (SQLite, no gc.freeze)", f"sqlite:///{tmp / 'n.db'}", "nofreeze"))
         for index, (name, database_url, mode) in enumerate(stores):
             counter = tmp / f"statements-{index}"
             line, pid = procs.start(
@@ -843,6 +987,17 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.streams_only:
             print(stream_rounds(targets, args))
+            return 0
+        if args.wrk:
+            rendered = wrk_rounds([t for t in targets if t.name != "direct"], tmp, args)
+            print(rendered)
+            if args.write_docs:
+                command = "uv run python bench/proxy_overhead.py " + " ".join(argv or sys.argv[1:])
+                write_docs(
+                    f"{WRK_SECTION}\n\nCommand: `{command.strip()}` "
+                    f"({datetime.now(UTC):%Y-%m-%d}).\n\n{rendered}\n",
+                    section=WRK_SECTION,
+                )
             return 0
         results: dict[str, dict[str, Any]] = {}
         for target in targets:

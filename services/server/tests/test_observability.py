@@ -10,11 +10,14 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 from haru_db import StateStore
@@ -52,6 +55,42 @@ def json_logs() -> Iterator[io.StringIO]:
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+ROOT = Path(__file__).resolve().parents[3]
+DASHBOARD = ROOT / "deploy" / "grafana" / "haru-fleet.json"
+RULES = ROOT / "deploy" / "prometheus" / "haru-rules.yml"
+_METRIC_NAME = re.compile(r"\b(?:haru|process|python)_[a-z_]+\b")
+_SERIES_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_count", "_sum", "_created"),
+    "info": ("_info",),
+    "gauge": ("",),
+}
+
+
+def exported_names(text: str) -> set[str]:
+    """Every series name a scrape can hold, labelled children or not (HELP/TYPE count too)."""
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        names.update(family.name + s for s in _SERIES_SUFFIXES.get(family.type, ("",)))
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    exprs += [
+        var["query"]["query"]
+        for var in dashboard["templating"]["list"]
+        if isinstance(var.get("query"), dict)
+    ]
+    return exprs
+
+
+def rule_exprs() -> list[str]:
+    rules = yaml.safe_load(RULES.read_text())
+    return [rule["expr"] for group in rules["groups"] for rule in group["rules"]]
 
 
 def parse(text: str) -> Samples:
@@ -165,6 +204,23 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     assert total(server, "haru_heartbeat_failures_total") == 0
     assert total(server, "haru_state_store_errors_total") == 0
     assert total(server, "haru_proxy_stale_requests_total") == 0
+    # The fleet row of the dashboard: every domain's state, the standbys able to take over, the
+    # time since each domain's last answered heartbeat (this process's monotonic clock).
+    assert value(server, "haru_domain_state", fleet="local", domain="beta", state="ready") == 1
+    assert value(server, "haru_domain_state", fleet="local", domain="beta", state="failed") == 0
+    assert value(server, "haru_domain_state", fleet="local", domain="alpha", state="ready") == 1
+    assert value(server, "haru_fleet_standby_ready", fleet="local") == 1
+    for domain in ("alpha", "beta"):
+        age = server.get(
+            ("haru_domain_heartbeat_age_seconds", (("domain", domain), ("fleet", "local")))
+        )
+        assert age is not None, domain
+        assert 0 <= age < 60, (domain, age)
+    build = [ls for (n, ls) in server if n == "haru_build_info"]
+    assert len(build) == 1, build
+    assert dict(build[0])["version"], build
+    assert any(n == "process_cpu_seconds_total" for n, _ in server)
+    assert any(n == "python_gc_collections_total" for n, _ in server)
     # Standby duty cycle: beta trained through its 1 s of standby before the promotion, alpha
     # through its seconds after it (the app clock moved 1 s per tick).
     assert value(server, "haru_standby_seconds_total", fleet="local", domain="beta") >= 1
@@ -197,6 +253,20 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     assert value(beta_sup, "haru_supervisor_training_runs", state="idle") == 2
     mib = 1024 * 1024
     assert value(beta_sup, "haru_supervisor_gpu_memory_total_bytes", gpu="0") == GPU_TOTAL_MIB * mib
+
+    # ---- the shipped dashboard and alert rules name only what the services export -------------
+    exported: set[str] = set()
+    for url, headers in (
+        (str(api.make_url("")).rstrip("/"), AUTH),
+        (fleet.domain("alpha").supervisor_url, {}),
+        (fleet.domain("beta").supervisor_url, {}),
+    ):
+        async with http.get(f"{url}/metrics", headers=headers) as response:
+            exported |= exported_names(await response.text())
+    for source, exprs in (("dashboard", dashboard_exprs()), ("rules", rule_exprs())):
+        named = {name for expr in exprs for name in _METRIC_NAME.findall(expr)}
+        assert len(named) >= 10, (source, named)
+        assert named <= exported, (source, sorted(named - exported))
 
     # ---- the logs ----------------------------------------------------------------------------
     text = json_logs.getvalue()

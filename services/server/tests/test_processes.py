@@ -22,6 +22,7 @@ from haru_db import StateStore
 from haru_demo.localfleet import LocalFleet
 from haru_protocol import EventType, OperationState
 from haru_server._clock import ManualClock
+from prometheus_client.parser import text_string_to_metric_families
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 UrlFactory = Callable[[], Awaitable[str]]
@@ -260,3 +261,56 @@ async def test_boot_refuses_a_read_only_sqlite_file(tmp_path: Path) -> None:
     assert "listening on" not in log
     assert "read-only" in log.lower() or "not writable" in log.lower(), log
     assert "Traceback" not in log
+
+
+async def test_the_startup_heap_is_frozen_and_collector_pauses_are_measured(
+    tmp_path: Path,
+) -> None:
+    async with haru_serve({"PORT": "0"}, cwd=tmp_path) as server, aiohttp.ClientSession() as http:
+        # Enough requests that the young generation is collected a few times.
+        for _ in range(200):
+            async with http.get(f"{server.url}/v1/fleets") as response:
+                assert response.status == 200
+        async with http.get(f"{server.url}/metrics") as response:
+            assert response.status == 200
+            text = await response.text()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    # Everything start-up made (modules, models, metadata, the app) sits in the permanent
+    # generation, which collections never walk.
+    assert samples[("haru_gc_frozen_objects", ())] > 10_000
+    young = samples[("haru_gc_pause_seconds_count", (("generation", "0"),))]
+    assert young > 0
+    assert samples[("haru_gc_pause_seconds_sum", (("generation", "0"),))] > 0
+
+
+async def test_sigterm_drains_with_readyz_failing_before_the_listener_closes(
+    tmp_path: Path,
+) -> None:
+    env = {"PORT": "0", "HARU_SHUTDOWN_DRAIN_MS": "60000"}
+    async with haru_serve(env, cwd=tmp_path) as server, aiohttp.ClientSession() as http:
+        async with http.get(f"{server.url}/readyz") as response:
+            assert response.status == 200
+        server.process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            while True:
+                async with http.get(f"{server.url}/readyz") as response:
+                    if response.status == 503:
+                        body = await response.json()
+                        break
+                await asyncio.sleep(0.05)
+        assert body["error"]["code"] == "not_ready"
+        assert "draining" in body["error"]["message"]
+        # Still serving meanwhile: a new connection is accepted and answered.
+        async with aiohttp.ClientSession() as fresh, fresh.get(f"{server.url}/healthz") as response:
+            assert response.status == 200
+        assert server.process.returncode is None
+        # A second signal ends the drain at once (the 60 s window is not waited out).
+        server.process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(15):
+            code = await server.process.wait()
+    assert code == 0
+    assert "draining" in server.log

@@ -6,7 +6,9 @@ return haru_protocol read models. The pytest plugin :mod:`haru_db.testing` gives
 packages a freshly migrated database per test on both engines.
 """
 
+from haru_db._backup import BackupResult, backup_sqlite, sqlite_file
 from haru_db._errors import (
+    BackupError,
     ConstraintViolationError,
     HaruDbError,
     LayoutFileError,
@@ -33,6 +35,8 @@ __all__ = (
     # Route notifications
     "ROUTE_CHANNEL",
     # Errors
+    "BackupError",
+    "BackupResult",
     "ConstraintViolationError",
     "HaruDbError",
     # Repository
@@ -47,16 +51,17 @@ __all__ = (
     "StateStore",
     "StateStoreReadOnlyError",
     "StateStoreUnavailableError",
-    # Migrations
+    # Migrations, backups and operator helpers (the haru CLI)
+    "backup_sqlite",
     "check_schema",
     "check_writable",
     "current_revision",
     "downgrade",
     "head_revision",
-    # Operator helpers (the haru CLI)
     "load_layout_file",
     "redact_database_url",
     "resolve_database_url",
     "seed_layout_file",
+    "sqlite_file",
     "upgrade",
 )

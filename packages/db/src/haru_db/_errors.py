@@ -9,7 +9,8 @@ Hierarchy::
     ├── ConstraintViolationError     (a write broke a schema constraint, e.g. an unknown id)
     ├── SchemaTooNewError            (the database is migrated past what this code knows)
     ├── SchemaOutdatedError          (the database is not migrated to this code's head)
-    └── LayoutFileError              (a layout file cannot be read or fails validation)
+    ├── LayoutFileError              (a layout file cannot be read or fails validation)
+    └── BackupError                  (an online backup could not be taken)
 
 ``haru_core.InvalidTransitionError`` is not wrapped: a caller that asks for a (from, to) pair the
 state tables forbid gets it unchanged, before any SQL runs.
@@ -75,3 +76,7 @@ class SchemaOutdatedError(HaruDbError):
 
 class LayoutFileError(HaruDbError):
     """A fleet layout file cannot be read, is not JSON, or fails validation."""
+
+
+class BackupError(HaruDbError):
+    """An online backup of the SQLite store could not be taken (the message says why)."""

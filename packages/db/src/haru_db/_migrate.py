@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
@@ -10,11 +12,11 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy import text
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, make_url
 
 from haru_db._engine import create_engine, translate_errors, writer
 from haru_db._errors import SchemaOutdatedError, SchemaTooNewError
-from haru_db._urls import redact_database_url, resolve_database_url
+from haru_db._urls import dialect_of, redact_database_url, resolve_database_url
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +78,15 @@ async def downgrade(url: str | None, *, revision: str = "base") -> None:
 
 
 async def current_revision(url: str | None) -> str | None:
-    """The schema revision of the database at ``url`` (``None`` when never migrated)."""
+    """The schema revision of the database at ``url`` (``None`` when never migrated).
+
+    A missing SQLite file is never migrated: it is reported as such, not created.
+    """
     resolved = resolve_database_url(url)
+    if dialect_of(resolved) == "sqlite":
+        path = make_url(resolved).database
+        if path is not None and not await asyncio.to_thread(Path(path).exists):
+            return None
     engine = create_engine(resolved)
     try:
         with translate_errors(resolved):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -31,6 +32,7 @@ from haru_server._clock import Clock, OffsetFileClock, utc_now
 from haru_server._keys import (
     FleetKicker,
     clock_key,
+    draining_key,
     kick_fleet_key,
     loop_key,
     promotion_accepted_key,
@@ -102,6 +104,7 @@ def create_app(
     app[metrics_key] = metrics
     add_metrics_route(app, metrics.registry)
     app[settings_key] = settings
+    app[draining_key] = asyncio.Event()
     app[_owns_store_key] = store is None
     app[store_key] = store if store is not None else StateStore.open(settings.database_url)
     app_clock: Clock

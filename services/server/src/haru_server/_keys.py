@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Protocol
 from uuid import UUID
@@ -29,6 +30,8 @@ clock_key: web.AppKey[Clock] = web.AppKey("clock")
 kick_fleet_key: web.AppKey[FleetKicker] = web.AppKey("kick_fleet")
 reconciler_key = web.AppKey("reconciler", Reconciler)
 """Runs reconcile ticks (set at start-up, once the supervisor client session exists)."""
+draining_key = web.AppKey("draining", asyncio.Event)
+"""Set once a stop signal came and the server drains (``/readyz`` fails meanwhile)."""
 loop_key: web.AppKey[ReconcileLoop | None] = web.AppKey("reconcile_loop")
 """The background loop, or None when ``HARU_RECONCILE_INTERVAL_MS`` is unset."""
 provisioner_key = web.AppKey("provisioner", Provisioner)

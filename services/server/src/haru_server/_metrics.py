@@ -16,8 +16,12 @@ standby time whose GPUs trained: 1.0 means no idle standby GPU. Gaps longer than
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import importlib.metadata
 import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Final
@@ -25,9 +29,27 @@ from uuid import UUID
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from haru_protocol import FleetSnapshot, SlotKind, SupervisorStatus, TrainingRunState
+from haru_core import is_viable_standby
+from haru_protocol import (
+    DomainState,
+    FleetSnapshot,
+    SlotKind,
+    SupervisorStatus,
+    TrainingRunState,
+)
 from haru_web import CLIENT_CLOSED_STATUS, ApiError, access_logged_key
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 MAX_STANDBY_GAP_S: Final = 60.0
 """A heartbeat gap longer than this is not attributed to the standby duty cycle."""
@@ -39,6 +61,7 @@ access_logger = logging.getLogger("haru_server.access")
 
 _LATENCY_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _STEP_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_GC_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
 @dataclass(slots=True)
@@ -48,16 +71,86 @@ class _StandbyMark:
     training: bool
 
 
+class _HeartbeatAge(Collector):
+    """``haru_domain_heartbeat_age_seconds``: time since this process's last answered heartbeat.
+
+    Measured on this process's monotonic clock at scrape time (never a stored time compared
+    with another process's clock), so it keeps growing while a supervisor stops answering even
+    when no tick runs. Each replica polls every domain, so the freshest view is the minimum
+    over replicas.
+    """
+
+    def __init__(self, monotonic: Callable[[], float]) -> None:
+        self.answered: dict[tuple[str, str], float] = {}
+        self._monotonic = monotonic
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "haru_domain_heartbeat_age_seconds",
+            "Seconds since this process last got an answered heartbeat from the domain.",
+            labels=["fleet", "domain"],
+        )
+        now = self._monotonic()
+        for (fleet, domain), at in sorted(self.answered.items()):
+            family.add_metric([fleet, domain], max(now - at, 0.0))
+        yield family
+
+
 class ServerMetrics:
     """The server's metrics and the hooks that move them (one instance per app).
 
     Args:
-        registry: Where the metrics live; a new private registry when None.
+        registry: Where the metrics live; a new private registry when None (which also gets
+            the process, platform and garbage-collector metrics of prometheus_client).
+        version: The ``haru_build_info`` version label (the installed haru-server's).
+        monotonic: Monotonic seconds (injected by tests).
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        version: str | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if registry is None:
+            registry = CollectorRegistry()
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                registry.register(collector)
+        self.registry = registry
         r = self.registry
+        self._monotonic = monotonic
+        Info("haru_build", "The running haru-server's version.", registry=r).info(
+            {"version": version if version is not None else _installed_version()}
+        )
+        self.domain_state = Gauge(
+            "haru_domain_state",
+            "1 for the domain's current state as this process last saw it (0 for the others).",
+            ["fleet", "domain", "state"],
+            registry=r,
+        )
+        self.standby_ready = Gauge(
+            "haru_fleet_standby_ready",
+            "Standbys that could take the traffic now (ready, answering, no failed inference "
+            "slot), as this process's last tick judged them.",
+            ["fleet"],
+            registry=r,
+        )
+        self._heartbeat_age = _HeartbeatAge(monotonic)
+        r.register(self._heartbeat_age)
+        self.gc_pause = Histogram(
+            "haru_gc_pause_seconds",
+            "Pauses of the cyclic garbage collector (the event loop stops for each), by "
+            "generation; recorded while the server runs (haru serve).",
+            ["generation"],
+            buckets=_GC_BUCKETS,
+            registry=r,
+        )
+        Gauge(
+            "haru_gc_frozen_objects",
+            "Objects moved to the permanent generation at start-up (gc.freeze): never scanned.",
+            registry=r,
+        ).set_function(gc.get_freeze_count)
         self.reconcile_ticks = Counter(
             "haru_reconcile_ticks", "Reconcile ticks run, by result.", ["result"], registry=r
         )
@@ -165,6 +258,24 @@ class ServerMetrics:
         self._marks: dict[UUID, _StandbyMark] = {}
         self._standby_totals: dict[tuple[str, str], list[float]] = {}
 
+    @contextlib.contextmanager
+    def watching_gc(self) -> Iterator[None]:
+        """Time every collection of the cyclic garbage collector while the block runs."""
+        by_generation = [self.gc_pause.labels(str(g)) for g in range(3)]
+        started = [0.0]
+
+        def callback(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                by_generation[info["generation"]].observe(time.perf_counter() - started[0])
+
+        gc.callbacks.append(callback)
+        try:
+            yield
+        finally:
+            gc.callbacks.remove(callback)
+
     # -- reconciler ----------------------------------------------------------------------------
 
     def tick_finished(self, *, ok: bool, seconds: float) -> None:
@@ -188,6 +299,17 @@ class ServerMetrics:
 
     def store_error(self, where: str) -> None:
         self.store_errors.labels(where).inc()
+
+    def fleet_judged(self, fleet: FleetSnapshot, now: datetime) -> None:
+        """Record a tick's view of every domain: its state and the fleet's ready standbys."""
+        self.fleet_seen(fleet)
+        for domain in fleet.domains:
+            for state in DomainState:
+                self.domain_state.labels(fleet.slug, domain.slug, state.value).set(
+                    1 if domain.state is state else 0
+                )
+        ready = sum(1 for d in fleet.domains if is_viable_standby(fleet, d, now=now))
+        self.standby_ready.labels(fleet.slug).set(ready)
 
     def fleet_seen(self, fleet: FleetSnapshot) -> None:
         """Record a snapshot's route revision and active domain."""
@@ -214,6 +336,7 @@ class ServerMetrics:
         domain = fleet.domain(domain_id)
         if domain is None:
             return
+        self._heartbeat_age.answered[(fleet.slug, domain.slug)] = self._monotonic()
         training = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
         if not training:
             self._marks.pop(domain_id, None)
@@ -262,6 +385,13 @@ class ServerMetrics:
     def request_held(self, fleet: str) -> None:
         """A request waited for a failover to move the route (the data path calls this)."""
         self.proxy_held.labels(fleet).inc()
+
+
+def _installed_version() -> str:
+    try:
+        return importlib.metadata.version("haru-server")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
+        return "unknown"
 
 
 metrics_key: Final = web.AppKey("haru_metrics", ServerMetrics)

@@ -1,8 +1,9 @@
 """``GET /readyz``: whether this server should receive traffic (liveness is ``/healthz``).
 
 Ready when the state store answers, its schema is at this code's head revision, and the
-background reconcile loop (when ``HARU_RECONCILE_INTERVAL_MS`` enables it) is ticking.
-Otherwise 503 ``not_ready`` in the error envelope, its message saying why.
+background reconcile loop (when ``HARU_RECONCILE_INTERVAL_MS`` enables it) is ticking, and the
+server is not draining after a stop signal (``HARU_SHUTDOWN_DRAIN_MS``). Otherwise 503
+``not_ready`` in the error envelope, its message saying why.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from haru_db import HaruDbError, SchemaOutdatedError, SchemaTooNewError, check_s
 from haru_protocol import ErrorCode, Readiness
 from haru_web import ApiError
 
-from haru_server._keys import loop_key, store_key
+from haru_server._keys import draining_key, loop_key, store_key
 
 ready_routes = web.RouteTableDef()
 
@@ -26,6 +27,8 @@ def _not_ready(reason: str) -> ApiError:
 
 @ready_routes.get("/readyz")
 async def readyz(request: web.Request) -> web.Response:
+    if request.app[draining_key].is_set():
+        raise _not_ready("draining: this server is stopping")
     store = request.app[store_key]
     checks = ["state store"]
     try:

@@ -256,7 +256,7 @@ class Reconciler:
             return await self._drive(fleet, driving)
         read_at = time.monotonic()
         fleet, answered = await self._heartbeats(fleet, driving)
-        self._metrics.fleet_seen(fleet)
+        self._metrics.fleet_judged(fleet, self._clock())
         operation = driving
         if time.monotonic() - read_at > IN_FLIGHT_REUSE_S:
             # A slow heartbeat round: pick up what other processes did meanwhile. A quick one

@@ -128,6 +128,12 @@ class Settings(BaseSettings):
         None, validation_alias=_env("HARU_RECONCILE_INTERVAL_MS", "reconcile_interval_ms")
     )
     """``HARU_RECONCILE_INTERVAL_MS``: enables the background reconcile loop."""
+    shutdown_drain_ms: Annotated[EnvInt, Field(ge=0, le=600_000)] = Field(
+        0, validation_alias=_env("HARU_SHUTDOWN_DRAIN_MS", "shutdown_drain_ms")
+    )
+    """``HARU_SHUTDOWN_DRAIN_MS``: after SIGTERM, keep serving this long with ``/readyz``
+    failing before the listener closes, so load balancers stop sending new connections first
+    (0: close at once)."""
     reconcile_fleets: Annotated[tuple[str, ...] | None, NoDecode] = Field(
         None, validation_alias=_env("HARU_RECONCILE_FLEETS", "reconcile_fleets")
     )

@@ -264,6 +264,61 @@ def db_current(database_url: DatabaseOption = None, as_json: JsonOption = False)
     _guard(body)
 
 
+def db_backup(
+    destination: Annotated[
+        Path, typer.Argument(help="The backup's file (must not exist).", show_default=False)
+    ],
+    database_url: DatabaseOption = None,
+) -> None:
+    """Back up the SQLite store online, while servers run (PostgreSQL: use pg_dump).
+
+    Never copy the database file instead: it holds only what the last checkpoint wrote.
+    """
+    from haru_db import backup_sqlite
+
+    def body() -> None:
+        result = _run_db(backup_sqlite(database_url, destination))
+        _console().print(
+            f"backed up {result.source} to {result.destination} "
+            f"({result.size_bytes} bytes, schema at revision {result.revision})",
+            markup=False,
+        )
+
+    _guard(body)
+
+
+def db_downgrade(
+    revision: Annotated[
+        str, typer.Argument(help="The revision to go back to (`base`: an empty schema).")
+    ],
+    database_url: DatabaseOption = None,
+    yes: Annotated[
+        bool, typer.Option("--yes", help="Confirm: a downgrade drops what newer revisions added.")
+    ] = False,
+) -> None:
+    """Migrate the state store back to REVISION (for rolling back a release; back up first)."""
+    from haru_db import current_revision, downgrade, redact_database_url, resolve_database_url
+
+    def body() -> None:
+        if not yes:
+            raise CliFailure(
+                "a downgrade drops the columns and rows newer revisions added: take a backup "
+                "(`haru db backup`, or pg_dump), stop every server of the newer release, then "
+                "run again with --yes",
+                code=2,
+            )
+
+        async def go() -> str | None:
+            await downgrade(database_url, revision=revision)
+            return await current_revision(database_url)
+
+        now = _run_db(go())
+        where = redact_database_url(resolve_database_url(database_url))
+        _console().print(f"{where}: schema at revision {now}", markup=False)
+
+    _guard(body)
+
+
 def _load_layout(path: Path | None) -> FleetLayout:
     from haru_protocol import FleetLayout, load_example_layout
     from pydantic import ValidationError
@@ -928,6 +983,8 @@ def _register(app: typer.Typer) -> None:
     app.add_typer(db_app, name="db")
     db_app.command("upgrade")(db_upgrade)
     db_app.command("current")(db_current)
+    db_app.command("backup")(db_backup)
+    db_app.command("downgrade")(db_downgrade)
     app.command("seed")(seed)
     app.command("fleets")(fleets)
     app.add_typer(fleet_app, name="fleet")

@@ -18,7 +18,15 @@ from typing import Final
 from aiohttp import web
 from haru_protocol import ProbeResult, TrainingRunState
 from haru_web import CLIENT_CLOSED_STATUS, ApiError
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+)
 
 from haru_supervisor._errors import GpuMemorySourceError, GpuMemoryUnavailable
 from haru_supervisor._gpu import GpuMemoryReader
@@ -39,11 +47,16 @@ class SupervisorMetrics:
     """The supervisor's metrics (one instance per app).
 
     Args:
-        registry: Where the metrics live; a new private registry when None.
+        registry: Where the metrics live; a new private registry when None (which also gets
+            the process, platform and garbage-collector metrics of prometheus_client).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+        if registry is None:
+            registry = CollectorRegistry()
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                registry.register(collector)
+        self.registry = registry
         r = self.registry
         self.admin_calls = Counter(
             "haru_supervisor_admin_calls",
