@@ -68,12 +68,13 @@ def fail_with_cleanup(fail: sa.Update, *, at: datetime) -> sa.Select[Any]:
         .cte("resumed_training_slots")
     )
     bumped = bump_fence(failed)
-    # Every data-modifying CTE must be referenced for SQLAlchemy to render it.
+    # Every data-modifying CTE must be referenced for SQLAlchemy to render it. The fence comes
+    # first: the fleet's row is then locked before the slots', as in the operation CAS.
     return sa.select(
         failed.c.id,
+        sa.select(bumped.c.fence).scalar_subquery().label("fence"),
         sa.select(sa.func.count()).select_from(inference).scalar_subquery().label("inference"),
         sa.select(sa.func.count()).select_from(training).scalar_subquery().label("training"),
-        sa.select(bumped.c.fence).scalar_subquery().label("fence"),
     )
 
 
