@@ -36,6 +36,8 @@ SQLITE_TRIGGERS = {
     "trg_operations_promote_failed_cleanup",
     "trg_fleets_switch_commits_routing",
     "trg_operations_pending_writes",
+    "trg_operations_fence_cas",
+    "trg_operations_fence_create",
 }
 
 
@@ -216,5 +218,6 @@ def test_the_wheel_ships_the_migrations_and_the_pytest_plugin(tmp_path: Path) ->
         "haru_db/migrations/versions/v0004_route_notify.py",
         "haru_db/migrations/versions/v0005_operation_mirrors.py",
         "haru_db/migrations/versions/v0006_route_lease.py",
+        "haru_db/migrations/versions/v0007_operation_fence.py",
         "haru_db/py.typed",
     } <= names

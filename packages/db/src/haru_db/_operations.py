@@ -8,7 +8,8 @@ target's slots, and ``switch_active`` moves the pointer and marks its operation
 :class:`~haru_db._mirrors.SlotMirror` on exit and on entry) only when their CAS lands.
 PostgreSQL runs these as data-modifying CTEs (:mod:`haru_db._postgres`); SQLite fires triggers
 created by the migrations, and a writing statement takes SQLite's write lock as it starts,
-which serialises its writers.
+which serialises its writers. Every one of these writes also raises its fleet's fencing token
+(``fleets.fence``, migration 0007) in that same statement; claim and advance return it.
 """
 
 from __future__ import annotations
@@ -62,9 +63,13 @@ async def create_operation(
             )
             # Only the one-in-flight index can conflict (the id is fresh).
             .on_conflict_do_nothing()
-            .returning(*operations.c)
         )
-        rows = await ex.write(stmt)
+        # The fleet's fence grows with the insert (PostgreSQL: this CTE; SQLite:
+        # trg_operations_fence_create), and not on a conflict.
+        if ex.dialect == "postgresql":
+            rows = await ex.write(_postgres.create_operation(stmt))
+        else:
+            rows = await ex.write(stmt.returning(*operations.c))
         if rows:
             return operation_from_row(rows[0]), True
         existing = await get_in_flight_operation(ex, fleet_id)
@@ -83,6 +88,25 @@ async def get_in_flight_operation(ex: Executor, fleet_id: UUID) -> Operation | N
     )
     rows = await ex.read(stmt)
     return operation_from_row(rows[0]) if rows else None
+
+
+async def get_operation_fence(ex: Executor, operation_id: UUID, step: OperationStep) -> int | None:
+    """The fence of ``operation_id`` while it runs ``step``; None once it is anywhere else.
+
+    One statement reads both rows, so the token always belongs to that step: while an
+    operation is in flight only its own writes move its fleet's fence.
+    """
+    stmt = (
+        sa.select(fleets.c.fence)
+        .join(operations, operations.c.fleet_id == fleets.c.id)
+        .where(
+            operations.c.id == operation_id,
+            operations.c.state == _RUNNING,
+            operations.c.current_step == str(step),
+        )
+    )
+    rows = await ex.read(stmt)
+    return int(rows[0]["fence"]) if rows else None
 
 
 async def list_recent_operations(ex: Executor, fleet_id: UUID, *, limit: int) -> list[Operation]:
@@ -106,20 +130,24 @@ async def _cas(
     at: datetime,
     exit_mirror: SlotMirror | None = None,
     entry_mirror: SlotMirror | None = None,
-) -> bool:
+) -> int | None:
     """Run an operation CAS, with its slot mirrors and events in the same statement.
 
-    Only when the CAS lands: ``exit_mirror`` is applied, ``events`` appended and
-    ``entry_mirror`` applied, in that order. The CAS is :func:`haru_db._postgres.cas_update`
-    on both engines; PostgreSQL wraps it in a statement built once per shape
-    (:func:`haru_db._postgres.operation_cas`).
+    Only when the CAS lands: the fleet's fence grows by one, ``exit_mirror`` is applied,
+    ``events`` appended and ``entry_mirror`` applied, in that order. The CAS is
+    :func:`haru_db._postgres.cas_update` on both engines; PostgreSQL wraps it in a statement
+    built once per shape (:func:`haru_db._postgres.operation_cas`).
+
+    Returns:
+        The fleet's new fence (the token of the step the CAS started), or None when the CAS
+        did not land.
     """
     at = aware(at)
     froms = None if from_step is None else str(from_step)
     tos = None if to_step is None else str(to_step)
     mirrors = mirror_documents(exit_mirror, entry_mirror)
     documents = [event.document() for event in events]
-    if ex.dialect == "postgresql" and (documents or mirrors is not None):
+    if ex.dialect == "postgresql":
         stmt, params = _postgres.operation_cas(
             kind,
             operation_id=operation_id,
@@ -129,7 +157,7 @@ async def _cas(
             documents=documents,
             mirrors=mirrors,
         )
-        return bool(await ex.write(stmt, params))
+        return _fence(await ex.write(stmt, params))
     params = _postgres.cas_params(operation_id=operation_id, from_step=froms, to_step=tos, at=at)
     # On SQLite trg_operations_pending_writes applies these (and clears both columns).
     values: dict[str, Any] = {}
@@ -137,8 +165,21 @@ async def _cas(
         values["pending_events"] = documents
     if mirrors is not None:
         values["pending_mirrors"] = mirrors
-    update = _postgres.cas_update(kind).values(**values).returning(operations.c.id)
-    return bool(await ex.write(update, params))
+    # trg_operations_fence_cas bumps the fence before the row changes, so RETURNING sees it.
+    update = _postgres.cas_update(kind).values(**values).returning(_FLEET_FENCE)
+    return _fence(await ex.write(update, params))
+
+
+_FLEET_FENCE = (
+    sa.select(fleets.c.fence)
+    .where(fleets.c.id == operations.c.fleet_id)
+    .scalar_subquery()
+    .label("fence")
+)
+
+
+def _fence(rows: Sequence[Any]) -> int | None:
+    return int(rows[0]["fence"]) if rows else None
 
 
 async def claim_operation(
@@ -149,7 +190,7 @@ async def claim_operation(
     at: datetime,
     events: Sequence[OperationEvent],
     entry_mirror: SlotMirror | None = None,
-) -> bool:
+) -> int | None:
     return await _cas(
         ex,
         "claim",
@@ -172,7 +213,7 @@ async def advance_step(
     events: Sequence[OperationEvent],
     exit_mirror: SlotMirror | None = None,
     entry_mirror: SlotMirror | None = None,
-) -> bool:
+) -> int | None:
     return await _cas(
         ex,
         "advance",
@@ -195,15 +236,17 @@ async def complete_operation(
     events: Sequence[OperationEvent],
     exit_mirror: SlotMirror | None = None,
 ) -> bool:
-    return await _cas(
-        ex,
-        "complete",
-        events,
-        operation_id=operation_id,
-        from_step=from_step,
-        to_step=None,
-        at=at,
-        exit_mirror=exit_mirror,
+    return bool(
+        await _cas(
+            ex,
+            "complete",
+            events,
+            operation_id=operation_id,
+            from_step=from_step,
+            to_step=None,
+            at=at,
+            exit_mirror=exit_mirror,
+        )
     )
 
 
@@ -237,7 +280,8 @@ async def fail_operation(
         )
     )
     if ex.dialect == "sqlite":
-        # trg_operations_promote_failed_cleanup does the slots' half in this statement.
+        # trg_operations_promote_failed_cleanup does the slots' half in this statement, and
+        # trg_operations_fence_cas the fence bump.
         return bool(await ex.write(fail.returning(operations.c.id)))
     return bool(await ex.write(_postgres.fail_with_cleanup(fail, at=at)))
 

@@ -67,11 +67,44 @@ def fail_with_cleanup(fail: sa.Update, *, at: datetime) -> sa.Select[Any]:
         .returning(slots.c.id)
         .cte("resumed_training_slots")
     )
-    # Every data-modifying CTE must be referenced for SQLAlchemy to render it.
+    bumped = bump_fence(failed)
+    # Every data-modifying CTE must be referenced for SQLAlchemy to render it. The fence comes
+    # first: the fleet's row is then locked before the slots', as in the operation CAS.
     return sa.select(
         failed.c.id,
+        sa.select(bumped.c.fence).scalar_subquery().label("fence"),
         sa.select(sa.func.count()).select_from(inference).scalar_subquery().label("inference"),
         sa.select(sa.func.count()).select_from(training).scalar_subquery().label("training"),
+    )
+
+
+def bump_fence(changed: sa.CTE) -> sa.CTE:
+    """Raise the fence of the fleet of the operation ``changed`` wrote (none: no bump).
+
+    ``changed`` must return ``fleet_id``. The fleet's row is locked after the operation's (as
+    :func:`switch_active` does), and ``fence + 1`` is re-evaluated on the newest row version
+    when a concurrent write got there first, so no two writes get the same token. SQLite:
+    ``trg_operations_fence_cas`` and ``trg_operations_fence_create``.
+    """
+    return (
+        sa.update(fleets)
+        .where(fleets.c.id.in_(sa.select(changed.c.fleet_id)))
+        .values(fence=fleets.c.fence + 1)
+        .returning(fleets.c.fence)
+        .cte("bumped_fence")
+    )
+
+
+def create_operation(insert: sa.Insert) -> sa.Select[Any]:
+    """``insert`` (one operation, ``ON CONFLICT DO NOTHING``) plus the fleet's fence bump.
+
+    Returns the inserted row (none on a conflict) with the new ``fence``.
+    """
+    inserted = insert.returning(*operations.c).cte("inserted_op")
+    bumped = bump_fence(inserted)
+    return sa.select(
+        *(inserted.c[column.name] for column in operations.c),
+        sa.select(bumped.c.fence).scalar_subquery().label("fence"),
     )
 
 
@@ -161,8 +194,9 @@ def operation_cas(
 ) -> tuple[sa.Select[Any], dict[str, Any]]:
     """An operation CAS that also moves its step's slots and appends ``documents`` (in order).
 
-    All of it happens when, and only when, the CAS lands: the exit mirror first, then the
-    events, then the entry mirror. ``mirrors`` is the ``{"exit", "entry"}`` document of
+    All of it happens when, and only when, the CAS lands: the fleet's fence grows by one
+    (returned as ``fence``), the exit mirror is applied first, then the events, then the entry
+    mirror. ``mirrors`` is the ``{"exit", "entry"}`` document of
     :func:`haru_db._mirrors.mirror_documents` (or None). Each event gets the operation's
     fleet, target domain and id, and ``at``; the first one gets the exit mirror's count under
     its ``countInto`` key. SQLite: ``trg_operations_pending_writes``.
@@ -208,7 +242,11 @@ def cas_params(
 
 
 def cas_update(kind: CasKind) -> sa.Update:
-    """The operation CAS of ``kind`` on both engines (values: :func:`cas_params`)."""
+    """The operation CAS of ``kind`` on both engines (values: :func:`cas_params`).
+
+    It changes ``state`` or ``current_step``, which on SQLite fires
+    ``trg_operations_fence_cas`` (the fleet's fence bump) before the row changes.
+    """
     op = operations.c
     at = sa.bindparam("p_at", type_=UtcDateTime())
     step: Any = op.current_step.type
@@ -269,7 +307,8 @@ def _operation_cas_statement(
         .cte("changed_op")
     )
     at = sa.bindparam("p_at", type_=UtcDateTime())
-    columns: list[Any] = [changed.c.id]
+    bumped = bump_fence(changed)
+    columns: list[Any] = [changed.c.id, sa.select(bumped.c.fence).scalar_subquery().label("fence")]
     moved_count: sa.ScalarSelect[Any] | None = None
     if exit_shape is not None:
         moved = _mirror_cte(changed, "p_exit", on_source=exit_shape[0], name="exit_mirror")

@@ -344,12 +344,16 @@ class StateStore:
         at: datetime,
         events: Sequence[OperationEvent] = (),
         entry_mirror: SlotMirror | None = None,
-    ) -> bool:
+    ) -> int | None:
         """Start a pending operation at ``first_step`` (pending -> running).
 
         ``events`` are appended, then ``entry_mirror`` (the first step's first slot move) is
         applied, in the same statement, only when the claim lands (see :class:`OperationEvent`
         and :class:`SlotMirror`).
+
+        Returns:
+            The fleet's fence after the claim (the token of ``first_step``, see
+            :meth:`get_operation_fence`), or None when the claim did not land.
         """
         return await _operations.claim_operation(
             self._ex,
@@ -371,13 +375,17 @@ class StateStore:
         events: Sequence[OperationEvent] = (),
         exit_mirror: SlotMirror | None = None,
         entry_mirror: SlotMirror | None = None,
-    ) -> bool:
+    ) -> int | None:
         """Move a running operation from ``from_step`` to ``to_step`` (restarting the budget).
 
         Only when the advance lands, the same statement applies ``exit_mirror`` (the slot move
         that ``from_step``'s proof justifies), appends ``events`` (typically the step's
         ``operation.step.done``, which gets the exit mirror's count under its ``count_into``
         key) and applies ``entry_mirror`` (``to_step``'s first slot move), in that order.
+
+        Returns:
+            The fleet's fence after the advance (the token of ``to_step``), or None when the
+            advance did not land.
 
         Raises:
             ValueError: Both mirrors move the same slots.
@@ -591,6 +599,17 @@ class StateStore:
     async def get_in_flight_operation(self, fleet_id: UUID) -> Operation | None:
         """The fleet's pending or running operation, if any."""
         return await _operations.get_in_flight_operation(self._ex, fleet_id)
+
+    @_bounded
+    async def get_operation_fence(self, operation_id: UUID, step: OperationStep) -> int | None:
+        """The fencing token of ``operation_id``'s ``step``: None unless it is running it.
+
+        Every operation write (create, claim, advance, complete, fail) raises its fleet's
+        fence by one in its own statement, so a process that read this token is behind as
+        soon as the operation moves on; supervisors refuse its state-changing calls once they
+        have seen a newer one (``X-Haru-Fence``).
+        """
+        return await _operations.get_operation_fence(self._ex, operation_id, step)
 
     @_bounded
     async def list_recent_operations(self, fleet_id: UUID, *, limit: int = 64) -> list[Operation]:

@@ -149,6 +149,9 @@ fleets = sa.Table(
     # The longest HARU_ROUTE_LEASE_MS a server process routes this fleet with (it only grows):
     # demote_old_sleep waits it out after the flip (migration 0006).
     sa.Column("route_lease_ms", sa.Integer(), nullable=True),
+    # The fencing token: grows by one with every operation write of this fleet, in the same
+    # statement (migration 0007); supervisors refuse state-changing calls with an older one.
+    sa.Column("fence", sa.BigInteger(), nullable=False, server_default=sa.text("0")),
     *_timestamps(),
     sa.UniqueConstraint("slug"),
     sa.CheckConstraint(SlugIsValid("slug"), name="slug_format"),

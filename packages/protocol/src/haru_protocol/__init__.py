@@ -136,6 +136,9 @@ from haru_protocol._resources import (
     render_json_schemas,
 )
 from haru_protocol._supervisor import (
+    FENCE_HEADER,
+    MAX_FENCE,
+    FenceParseError,
     GpuMemory,
     GpuMemoryResponse,
     GpuProcess,
@@ -149,6 +152,7 @@ from haru_protocol._supervisor import (
     SleepRequest,
     SlotStatus,
     SupervisorConfig,
+    SupervisorFence,
     SupervisorInferenceSlot,
     SupervisorModel,
     SupervisorSlot,
@@ -166,10 +170,12 @@ __all__ = (
     # Errors (SPEC 9)
     "ERROR_STATUS",
     "EVENT_PAYLOADS",
+    "FENCE_HEADER",
     # Vocabularies (SPEC 4)
     "IN_FLIGHT_OPERATION_STATES",
     # Bases and scalar types
     "MAX_DURATION_MS",
+    "MAX_FENCE",
     "MAX_FLEET_REF_LENGTH",
     "MAX_REQUEST_ID_LENGTH",
     "REQUEST_ID_HEADER",
@@ -211,6 +217,7 @@ __all__ = (
     "EventPayload",
     "EventType",
     "FailedModel",
+    "FenceParseError",
     "Flag",
     "FleetLayout",
     "FleetLayoutApplied",
@@ -284,6 +291,7 @@ __all__ = (
     "SlotStatus",
     "Slug",
     "SupervisorConfig",
+    "SupervisorFence",
     "SupervisorInferenceSlot",
     "SupervisorModel",
     "SupervisorSlot",

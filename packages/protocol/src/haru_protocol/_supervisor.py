@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import re
+from dataclasses import dataclass
+from typing import Annotated, Final, Literal
+from uuid import UUID
 
 from pydantic import Field, StrictInt, model_validator
 
@@ -245,3 +248,56 @@ class ProbeResponse(PeerModel):
 
     ok: bool
     results: tuple[ProbeResult, ...]
+
+
+FENCE_HEADER: Final = "X-Haru-Fence"
+"""Request header carrying a :class:`SupervisorFence`: ``<fleet-id>:<token>``."""
+
+MAX_FENCE: Final = 2**63 - 1
+"""The largest token (the store's counter is a signed 64-bit integer)."""
+
+_FENCE_VALUE = re.compile(r"(?P<fleet>[0-9a-fA-F-]{32,36}):(?P<token>[0-9]{1,19})")
+
+
+class FenceParseError(ValueError):
+    """An ``X-Haru-Fence`` value that is not ``<fleet-uuid>:<decimal token>``."""
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorFence:
+    """The fencing token of the operation step a supervisor call is made for.
+
+    The server's store raises a fleet's token with every operation write (create, claim,
+    advance, complete, fail); a supervisor refuses a state-changing call whose token is lower
+    than the highest it has seen for that fleet (``409 stale_fence``): the caller lost the
+    step to another server process.
+    """
+
+    fleet_id: UUID
+    token: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.token <= MAX_FENCE:
+            raise FenceParseError(f"{FENCE_HEADER}: the token is outside 0..{MAX_FENCE}")
+
+    def header_value(self) -> str:
+        """The value of :data:`FENCE_HEADER`."""
+        return f"{self.fleet_id}:{self.token}"
+
+    @classmethod
+    def parse(cls, raw: str) -> SupervisorFence:
+        """Parse a :data:`FENCE_HEADER` value.
+
+        Raises:
+            FenceParseError: Not ``<fleet-uuid>:<decimal token>`` within range.
+        """
+        match = _FENCE_VALUE.fullmatch(raw.strip())
+        if match is None:
+            raise FenceParseError(
+                f"{FENCE_HEADER} must be '<fleet-uuid>:<token>' (a decimal token)"
+            )
+        try:
+            fleet_id = UUID(match["fleet"])
+        except ValueError as exc:
+            raise FenceParseError(f"{FENCE_HEADER}: the fleet id is not a UUID") from exc
+        return cls(fleet_id, int(match["token"]))

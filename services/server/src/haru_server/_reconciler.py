@@ -779,7 +779,8 @@ class Reconciler:
                 exit_mirror=result.mirror,
             )
         else:
-            landed = await self._store.advance_step(
+            # advance_step returns the new step's fencing token (None: the CAS lost).
+            fence = await self._store.advance_step(
                 operation.id,
                 from_step=step,
                 to_step=following,
@@ -788,6 +789,7 @@ class Reconciler:
                 exit_mirror=result.mirror,
                 entry_mirror=self._entry_mirror(fleet, operation, following),
             )
+            landed = fence is not None
         if not landed:
             return await self._reread(operation), False, False
         self._step_metrics(operation, step, "done", now)

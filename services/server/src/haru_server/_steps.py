@@ -7,6 +7,12 @@ again until the step's budget runs out), except a 401/403 from the TARGET's supe
 which fails the step ``supervisor_unauthorized``. Source-side steps (``demote_old_*``) never
 fail. Every supervisor call is bounded by what remains of the step's budget.
 
+Every state-changing supervisor call (sleep, wake, training start and stop) carries the
+step's fencing token, read from the store just before it (``StateStore.get_operation_fence``):
+a process that lost the step (the operation moved on) calls nothing, and a supervisor that
+has seen a newer token refuses the call (``409 stale_fence``); either way the step stays
+pending and the next tick starts from the operation as the store has it.
+
 Executors only mirror slot states (guarded CAS from-lists that the proof justifies); moving
 the operation itself is the reconciler's job (one CAS per step result). A step's last slot move
 (the one its proof justifies) is returned with :class:`Done` and rides that CAS; a step's first
@@ -41,6 +47,7 @@ from haru_protocol import (
     Provider,
     RoutingSwitched,
     SlotKind,
+    SupervisorFence,
     SupervisorStatus,
     TrainingRunState,
     TrainingSlotState,
@@ -49,6 +56,7 @@ from haru_supervisor.client import (
     HEARTBEAT_TIMEOUT_S,
     SupervisorCallError,
     SupervisorClient,
+    SupervisorStaleFenceError,
     SupervisorUnauthorizedError,
 )
 
@@ -245,6 +253,22 @@ def _supervisor_url(domain: DomainSnapshot) -> str:
     return domain.supervisor_url
 
 
+async def _fence(ctx: StepContext) -> SupervisorFence:
+    """The fencing token of the step, read just before a state-changing supervisor call.
+
+    None from the store means the operation has left the step (another process advanced or
+    failed it): this process lost the claim and acts no more.
+    """
+    token = await ctx.store.get_operation_fence(ctx.operation.id, ctx.step)
+    if token is None:
+        raise _Outcome(
+            Pending(
+                f"lost the claim: operation {ctx.operation.id} is no longer at {ctx.step.value}"
+            )
+        )
+    return SupervisorFence(ctx.fleet.id, token)
+
+
 async def _call(ctx: StepContext, call: Awaitable[_T], *, target_side: bool) -> _T:
     try:
         return await call
@@ -252,6 +276,13 @@ async def _call(ctx: StepContext, call: Awaitable[_T], *, target_side: bool) -> 
         if target_side:
             raise _Outcome(Failed(OperationErrorCode.SUPERVISOR_UNAUTHORIZED, str(exc))) from exc
         raise _Outcome(Pending(str(exc))) from exc
+    except SupervisorStaleFenceError as exc:
+        # Another process wrote the operation since this one read its token: never retried,
+        # the next tick starts from the operation as the store has it.
+        logger.warning(
+            "operation %s: lost the claim on %s: %s", ctx.operation.id, ctx.step.value, exc
+        )
+        raise _Outcome(Pending(f"lost the claim: {exc}")) from exc
     except SupervisorCallError as exc:
         raise _Outcome(Pending(str(exc))) from exc
 
@@ -335,12 +366,15 @@ async def _stop_training(ctx: StepContext) -> StepResult:
     if not training_slots(target):
         return Done(OperationStepDone(step=ctx.step, skipped="no training slots"))
     url = _supervisor_url(target)
+    fence = await _fence(ctx)
     if not ctx.entered:
         await _apply(ctx, target, _STOPPING)
     grace = ctx.fleet.policy.training_stop_grace_ms
     await _call(
         ctx,
-        ctx.client.stop_training(url, timeout_s=ctx.bound(HEARTBEAT_TIMEOUT_S), grace_ms=grace),
+        ctx.client.stop_training(
+            url, timeout_s=ctx.bound(HEARTBEAT_TIMEOUT_S), grace_ms=grace, fence=fence
+        ),
         target_side=True,
     )
     busy = await _poll_until(
@@ -420,11 +454,12 @@ async def _wake_vllm(ctx: StepContext) -> StepResult:
             f"domain {target.slug!r} has no inference slot with a model binding",
         )
     url = _supervisor_url(target)
+    fence = await _fence(ctx)
     if not ctx.entered:
         await _apply(ctx, target, _WAKING)
     # Waking an awake vLLM is a harmless no-op, so no status read first (sleep differs:
     # sleeping again aborts queued requests).
-    await _call(ctx, ctx.client.wake(url, timeout_s=ctx.bound()), target_side=True)
+    await _call(ctx, ctx.client.wake(url, timeout_s=ctx.bound(), fence=fence), target_side=True)
     asleep = await _poll_until(
         ctx,
         lambda: _status(ctx, target),
@@ -515,11 +550,12 @@ async def _sleep_domain(ctx: StepContext, domain: DomainSnapshot, *, drain: bool
     awake: Sequence[object] = models_not_in(domain, status, asleep=True)
     # Already asleep: that status poll is the proof (polling again would prove nothing new).
     if awake:
+        fence = await _fence(ctx)
         remaining = ctx.remaining_now_ms()
         drain_ms = max(1, int(remaining * DRAIN_SHARE)) if drain and remaining > 1 else None
         await _call(
             ctx,
-            ctx.client.sleep(url, timeout_s=ctx.bound(), drain_timeout_ms=drain_ms),
+            ctx.client.sleep(url, timeout_s=ctx.bound(), drain_timeout_ms=drain_ms, fence=fence),
             target_side=target_side,
         )
         awake = await _poll_until(
@@ -551,9 +587,10 @@ async def _train_domain(ctx: StepContext, domain: DomainSnapshot) -> StepResult:
     idle: Sequence[object] = training_not_running(domain, status)
     # Already running: that status poll is the proof.
     if idle:
+        fence = await _fence(ctx)
         await _call(
             ctx,
-            ctx.client.start_training(url, timeout_s=ctx.bound(HEARTBEAT_TIMEOUT_S)),
+            ctx.client.start_training(url, timeout_s=ctx.bound(HEARTBEAT_TIMEOUT_S), fence=fence),
             target_side=target_side,
         )
         idle = await _poll_until(

@@ -22,8 +22,16 @@ from haru_web import (
 )
 
 from haru_supervisor._actions import AdminActions
+from haru_supervisor._fence import FenceBook
 from haru_supervisor._gpu import NvmlLoader, load_pynvml, open_gpu_reader
-from haru_supervisor._keys import actions_key, gpu_key, runs_key, settings_key, vllm_key
+from haru_supervisor._keys import (
+    actions_key,
+    fences_key,
+    gpu_key,
+    runs_key,
+    settings_key,
+    vllm_key,
+)
 from haru_supervisor._metrics import SupervisorMetrics, metrics_key
 from haru_supervisor._ready import ready_routes
 from haru_supervisor._routes import MAX_BODY_BYTES, routes
@@ -79,6 +87,7 @@ def create_app(
     app[metrics_key] = metrics
     app[settings_key] = settings
     app[actions_key] = AdminActions()
+    app[fences_key] = FenceBook()
     runs = TrainingRuns(
         settings.config.training_slots,
         base_env=settings.trainer_env,

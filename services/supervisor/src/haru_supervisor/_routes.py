@@ -10,7 +10,9 @@ from typing import Final
 
 from aiohttp import web
 from haru_protocol import (
+    FENCE_HEADER,
     ErrorCode,
+    FenceParseError,
     GpuMemoryResponse,
     Health,
     ModelStatus,
@@ -23,6 +25,7 @@ from haru_protocol import (
     SlotKind,
     SlotStatus,
     SupervisorConfig,
+    SupervisorFence,
     SupervisorInferenceSlot,
     SupervisorModel,
     TrainingRunState,
@@ -41,7 +44,14 @@ from haru_supervisor._errors import (
     VllmAdminError,
 )
 from haru_supervisor._gpu import SOURCE_HEADER
-from haru_supervisor._keys import actions_key, gpu_key, runs_key, settings_key, vllm_key
+from haru_supervisor._keys import (
+    actions_key,
+    fences_key,
+    gpu_key,
+    runs_key,
+    settings_key,
+    vllm_key,
+)
 from haru_supervisor._metrics import admin_call, metrics_key
 
 logger = logging.getLogger(__name__)
@@ -175,6 +185,45 @@ def _training_gpus(config: SupervisorConfig) -> tuple[int, ...]:
     return tuple(slot.gpu_index for slot in config.training_slots)
 
 
+def admit_fence(request: web.Request, action: str) -> SupervisorFence | None:
+    """Check the request's ``X-Haru-Fence`` before a state-changing ``action``.
+
+    Returns:
+        The admitted fence, or None for a call without one (accepted, logged).
+
+    Raises:
+        ApiError: 400 ``invalid_request`` for a malformed or repeated header; 409
+            ``stale_fence`` when a higher token was seen for the fleet.
+    """
+    values = request.headers.getall(FENCE_HEADER, [])
+    if not values:
+        logger.info("%s without %s (not fenced: an operator's direct call?)", action, FENCE_HEADER)
+        return None
+    if len(values) > 1:
+        raise ApiError(ErrorCode.INVALID_REQUEST, f"{FENCE_HEADER} given more than once")
+    try:
+        fence = SupervisorFence.parse(values[0])
+    except FenceParseError as exc:
+        # The message never quotes the value (it is the client's, newlines included).
+        raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
+    seen = request.app[fences_key].admit(fence)
+    if seen is not None:
+        logger.warning(
+            "refused %s for fleet %s: fence %d is older than %d (the caller lost its step)",
+            action,
+            fence.fleet_id,
+            fence.token,
+            seen,
+        )
+        raise ApiError(
+            ErrorCode.STALE_FENCE,
+            f"{action} refused: fence {fence.token} of fleet {fence.fleet_id} is older than "
+            f"{seen}, the newest this supervisor has seen; the caller lost its operation step",
+            status=409,
+        )
+    return fence
+
+
 # Every admin action below runs through `actions_key`: one at a time per GPU it touches, and a
 # request identical to one already queued or running joins it (same answer for all).
 
@@ -182,6 +231,7 @@ def _training_gpus(config: SupervisorConfig) -> tuple[int, ...]:
 @routes.post("/v1/vllm/sleep")
 @admin_call("sleep")
 async def vllm_sleep(request: web.Request) -> web.Response:
+    admit_fence(request, "sleep")
     body = await parse_body(request, SleepRequest, limit=MAX_BODY_BYTES, empty_ok=True)
     config = _config(request)
     models = _target_models(config, body.gpu_index)
@@ -201,6 +251,7 @@ async def vllm_sleep(request: web.Request) -> web.Response:
 @routes.post("/v1/vllm/wake")
 @admin_call("wake")
 async def vllm_wake(request: web.Request) -> web.Response:
+    admit_fence(request, "wake")
     body = await parse_body(request, WakeRequest, limit=MAX_BODY_BYTES, empty_ok=True)
     config = _config(request)
     models = _target_models(config, body.gpu_index)
@@ -232,6 +283,7 @@ async def vllm_wake(request: web.Request) -> web.Response:
 @routes.post("/v1/training/start")
 @admin_call("training_start")
 async def training_start(request: web.Request) -> web.Response:
+    admit_fence(request, "training start")
     await parse_body(request, NoParameters, limit=MAX_BODY_BYTES, empty_ok=True)
     runs = request.app[runs_key]
     actions = request.app[actions_key]
@@ -252,6 +304,7 @@ async def training_start(request: web.Request) -> web.Response:
 @routes.post("/v1/training/stop")
 @admin_call("training_stop")
 async def training_stop(request: web.Request) -> web.Response:
+    admit_fence(request, "training stop")
     body = await parse_body(request, TrainingStopRequest, limit=MAX_BODY_BYTES, empty_ok=True)
     settings = request.app[settings_key]
     grace_s = settings.stop_grace_s if body.grace_ms is None else body.grace_ms / 1000

@@ -16,8 +16,14 @@ Hierarchy::
     ├── SupervisorUnreachableError   connect failure, reset, refused, unusable URL
     ├── SupervisorTimeoutError       no complete answer within the call's bound
     ├── SupervisorRejectedError      another non-2xx answer, e.g. 502 from a failed sleep
-    │                                (.status, .code)
+    │   │                            (.status, .code)
+    │   └── SupervisorStaleFenceError  409 stale_fence: the call's fencing token is older than
+    │                                one the supervisor has seen (the caller lost its step)
     └── SupervisorBadResponseError   2xx, but not the documented body
+
+The state-changing calls (sleep, wake, training start and stop) take the fencing token of the
+operation step they are made for (:class:`~haru_protocol.SupervisorFence`, sent as
+``X-Haru-Fence``); None sends none (an operator's call, accepted and logged).
 """
 
 from __future__ import annotations
@@ -30,13 +36,16 @@ from typing import TypeVar
 
 import aiohttp
 from haru_protocol import (
+    FENCE_HEADER,
     REQUEST_ID_HEADER,
+    ErrorCode,
     GpuMemoryResponse,
     OkResponse,
     PeerModel,
     ProbeRequest,
     ProbeResponse,
     SleepRequest,
+    SupervisorFence,
     SupervisorStatus,
     TrainingStopRequest,
     UrlJoinError,
@@ -56,6 +65,7 @@ __all__ = (
     "SupervisorCallError",
     "SupervisorClient",
     "SupervisorRejectedError",
+    "SupervisorStaleFenceError",
     "SupervisorTimeoutError",
     "SupervisorUnauthorizedError",
     "SupervisorUnreachableError",
@@ -103,6 +113,14 @@ class SupervisorRejectedError(SupervisorCallError):
         super().__init__(message, url=url)
         self.status = status
         self.code = code
+
+
+class SupervisorStaleFenceError(SupervisorRejectedError):
+    """409 ``stale_fence``: the supervisor has seen a newer fencing token for the fleet.
+
+    Another server process wrote the operation since this caller read its token: the caller
+    lost the step, and retrying with the same token can never succeed.
+    """
 
 
 class SupervisorBadResponseError(SupervisorCallError):
@@ -177,27 +195,53 @@ class SupervisorClient:
         """``GET /v1/gpu/processes``: memory and the compute processes holding each GPU."""
         return await self._call("GET", base_url, "/v1/gpu/processes", GpuMemoryResponse, timeout_s)
 
-    async def wake(self, base_url: str, *, timeout_s: float) -> None:
+    async def wake(
+        self, base_url: str, *, timeout_s: float, fence: SupervisorFence | None = None
+    ) -> None:
         """``POST /v1/vllm/wake`` for every inference slot."""
         await self._call(
-            "POST", base_url, "/v1/vllm/wake", OkResponse, timeout_s, body=WakeRequest()
+            "POST",
+            base_url,
+            "/v1/vllm/wake",
+            OkResponse,
+            timeout_s,
+            body=WakeRequest(),
+            fence=fence,
         )
 
     async def sleep(
-        self, base_url: str, *, timeout_s: float, drain_timeout_ms: int | None = None
+        self,
+        base_url: str,
+        *,
+        timeout_s: float,
+        drain_timeout_ms: int | None = None,
+        fence: SupervisorFence | None = None,
     ) -> None:
         """``POST /v1/vllm/sleep`` for every inference slot, draining first when asked."""
         body = SleepRequest(drain_timeout_ms=drain_timeout_ms)
-        await self._call("POST", base_url, "/v1/vllm/sleep", OkResponse, timeout_s, body=body)
+        await self._call(
+            "POST", base_url, "/v1/vllm/sleep", OkResponse, timeout_s, body=body, fence=fence
+        )
 
-    async def start_training(self, base_url: str, *, timeout_s: float) -> None:
+    async def start_training(
+        self, base_url: str, *, timeout_s: float, fence: SupervisorFence | None = None
+    ) -> None:
         """``POST /v1/training/start`` (idempotent on the supervisor)."""
-        await self._request("POST", base_url, "/v1/training/start", timeout_s)
+        await self._request("POST", base_url, "/v1/training/start", timeout_s, fence=fence)
 
-    async def stop_training(self, base_url: str, *, timeout_s: float, grace_ms: int) -> None:
+    async def stop_training(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float,
+        grace_ms: int,
+        fence: SupervisorFence | None = None,
+    ) -> None:
         """``POST /v1/training/stop``: SIGTERM now, SIGKILL after ``grace_ms``."""
         body = TrainingStopRequest(grace_ms=grace_ms)
-        await self._request("POST", base_url, "/v1/training/stop", timeout_s, body=body)
+        await self._request(
+            "POST", base_url, "/v1/training/stop", timeout_s, body=body, fence=fence
+        )
 
     async def probe(
         self, base_url: str, *, timeout_s: float, prompt: str, max_tokens: int
@@ -222,8 +266,9 @@ class SupervisorClient:
         timeout_s: float,
         *,
         body: WireModel | None = None,
+        fence: SupervisorFence | None = None,
     ) -> _M:
-        url, raw = await self._request(method, base_url, path, timeout_s, body=body)
+        url, raw = await self._request(method, base_url, path, timeout_s, body=body, fence=fence)
         try:
             return model.model_validate_json(raw)
         except ValidationError as exc:
@@ -241,6 +286,7 @@ class SupervisorClient:
         timeout_s: float,
         *,
         body: WireModel | None = None,
+        fence: SupervisorFence | None = None,
     ) -> tuple[str, bytes]:
         try:
             url = join_url(base_url, path)
@@ -255,6 +301,8 @@ class SupervisorClient:
             headers[REQUEST_ID_HEADER] = request_id
         if data is not None:
             headers["Content-Type"] = "application/json"
+        if fence is not None:
+            headers[FENCE_HEADER] = fence.header_value()
         bound = max(timeout_s, MIN_CALL_TIMEOUT_S)
         try:
             async with (
@@ -289,6 +337,10 @@ class SupervisorClient:
         if not 200 <= status < 300:
             code, message = _error_envelope(raw)
             detail = f": {code}: {message}" if code is not None else ""
+            if status == 409 and code == ErrorCode.STALE_FENCE.value:
+                raise SupervisorStaleFenceError(
+                    f"{method} {url}: HTTP {status}{detail}", url=url, status=status, code=code
+                )
             raise SupervisorRejectedError(
                 f"{method} {url}: HTTP {status}{detail}", url=url, status=status, code=code
             )

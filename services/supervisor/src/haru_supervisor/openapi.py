@@ -14,6 +14,7 @@ from importlib import metadata
 from typing import Final
 
 from haru_protocol import (
+    FENCE_HEADER,
     GpuMemoryResponse,
     Health,
     OkResponse,
@@ -27,12 +28,24 @@ from haru_protocol import (
     TrainingStopRequest,
     WakeRequest,
 )
-from haru_web import OPENAPI_PATH, ApiRoute, ApiTable, openapi_command, route
+from haru_web import OPENAPI_PATH, ApiRoute, ApiTable, Param, openapi_command, route
 
 from haru_supervisor._routes import NoParameters
 
 _GPU_ERRORS: Final = (501, 502)
 """No GPU memory source on this host (501); the source failed (502)."""
+
+_FENCE: Final = (
+    Param(
+        name=FENCE_HEADER,
+        where="header",
+        schema={"type": "string", "pattern": "^[0-9a-fA-F-]{32,36}:[0-9]{1,19}$"},
+        description="`<fleet-id>:<token>`: the fencing token of the operation step the call is "
+        "made for. A token lower than the highest this supervisor has seen for the fleet is "
+        "refused (409 `stale_fence`); without the header the call is accepted and logged.",
+    ),
+)
+"""The fencing header of every state-changing route."""
 
 ROUTES: Final[tuple[ApiRoute, ...]] = (
     route("GET", "/healthz", "Liveness", Health, tag="health"),
@@ -63,7 +76,8 @@ ROUTES: Final[tuple[ApiRoute, ...]] = (
         OkResponse,
         body=SleepRequest,
         body_required=False,
-        errors=(404, 502, 503),
+        params=_FENCE,
+        errors=(404, 409, 502, 503),
         tag="vllm",
     ),
     route(
@@ -73,6 +87,7 @@ ROUTES: Final[tuple[ApiRoute, ...]] = (
         OkResponse,
         body=WakeRequest,
         body_required=False,
+        params=_FENCE,
         errors=(404, 409, 502, 503),
         tag="vllm",
     ),
@@ -83,7 +98,8 @@ ROUTES: Final[tuple[ApiRoute, ...]] = (
         OkResponse,
         body=NoParameters,
         body_required=False,
-        errors=(503,),
+        params=_FENCE,
+        errors=(409, 503),
         tag="training",
     ),
     route(
@@ -94,7 +110,8 @@ ROUTES: Final[tuple[ApiRoute, ...]] = (
         status=202,
         body=TrainingStopRequest,
         body_required=False,
-        errors=(503,),
+        params=_FENCE,
+        errors=(409, 503),
         tag="training",
     ),
     route("GET", "/v1/training/status", "Training runs", TrainingStatusResponse, tag="training"),
