@@ -1142,6 +1142,110 @@ async def test_old_active_sleeps_only_after_the_route_guard_on_the_reconcile_clo
     assert "timedOut" not in slept[0].payload
 
 
+LONG_LEASE_MS = 10_000
+"""``HARU_ROUTE_LEASE_MS`` of some process: its route guard outlasts a 3 s sleep budget."""
+
+
+async def test_a_route_guard_longer_than_the_sleep_budget_still_holds_the_old_active(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    """The guard wait does not consume ``sleepTimeoutMs``: the old active sleeps after it.
+
+    Were the wait counted against the sleep budget, ``demote_old_sleep`` would time out
+    3 s after the flip and its restore demote would sleep the old active at once, while a
+    process with the long lease may still route to it.
+    """
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock, policy=PolicyPatch(sleep_timeout_ms=3_000))
+    guard_ms = lease_guard_ms(LONG_LEASE_MS)
+    tuning = StepTuning(
+        settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05, route_guard_s=guard_ms / 1000
+    )
+    reconciler = make_reconciler(store, tuning=tuning)
+    await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    alpha_sims = fleet.domain("alpha").sims.values()
+    # Past the sleep budget, well inside the guard: still waiting, nothing asleep.
+    clock.advance(ms=3_500)
+    for _ in range(3):
+        result = await reconciler.tick("local")
+        assert result.operation is not None
+        assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    assert all(not sim.sleeping and sim.sleeps == 0 for sim in alpha_sims)
+    clock.advance(ms=-3_500)
+    await sleeps_only_after(reconciler, clock, guard_ms, alpha_sims, helpers)
+    types = await event_types(store, seeded.id)
+    assert EventType.OPERATION_RESTORE_DEMOTE not in types
+    assert EventType.OPERATION_STEP_TIMEOUT_BEST_EFFORT not in types
+
+
+async def test_a_restore_demote_of_the_old_active_waits_out_the_stored_route_guard(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    """A demote of a domain that was active within the guard sleeps it only after the guard.
+
+    Another replica (whose own budget ran out) ends the promotion right after the flip and
+    queues the restore demote of the old active, as a best-effort timeout does. The demote's
+    ``sleep_vllm`` waits until the flip plus the longest lease any process recorded.
+    """
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock, policy=PolicyPatch(sleep_timeout_ms=3_000))
+    assert await store.record_route_lease(seeded.id, LONG_LEASE_MS)  # a proxy process's lease
+    tuning = StepTuning(settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05, route_guard_s=0.01)
+    reconciler = make_reconciler(store, tuning=tuning)
+    alpha, beta = domain_id(seeded, "alpha"), domain_id(seeded, "beta")
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
+    )
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    flipped = result.operation.step_started_at
+    assert flipped == clock()
+    # The other replica: its step ran out, it ends the promotion and queues the restore.
+    clock.advance(ms=100)
+    assert await store.complete_operation(
+        promote.id, from_step=OperationStep.DEMOTE_OLD_SLEEP, at=clock()
+    )
+    demote, created = await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.DEMOTE, target_domain_id=alpha, at=clock()
+    )
+    assert created
+    alpha_sims = fleet.domain("alpha").sims.values()
+    guard_ms = lease_guard_ms(LONG_LEASE_MS)
+    clock.advance(ms=guard_ms - 1 - 100)
+    for _ in range(3):
+        result = await reconciler.tick("local")
+        assert result.operation is not None
+        assert result.operation.id == demote.id
+        assert result.operation.current_step is OperationStep.SLEEP_VLLM
+    assert all(not sim.sleeping and sim.sleeps == 0 for sim in alpha_sims)
+    clock.advance(ms=1)
+    results = await helpers.tick_until_settled(reconciler, "local")
+    final = results[-1].operation
+    assert final is not None
+    assert final.id == demote.id
+    assert final.state is OperationState.SUCCEEDED, final.error
+    assert all(sim.sleeping and sim.sleeps == 1 for sim in alpha_sims)
+
+
 class LeaseBlindStore(StateStore):
     """Snapshots that predate every lease record (a tick that read before one landed)."""
 

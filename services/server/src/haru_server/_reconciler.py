@@ -86,6 +86,7 @@ from haru_server._steps import (
     StepResult,
     StepTuning,
     entry_mirror,
+    route_guard_until,
     run_step,
 )
 
@@ -689,6 +690,19 @@ class Reconciler:
         now = self._clock()
         started = operation.step_started_at or now
         policy = fleet.policy
+        guard_until = await route_guard_until(
+            self._store,
+            self._options.tuning,
+            fleet,
+            operation,
+            step,
+            now,
+            recent_limit=RECENT_OPERATIONS,
+        )
+        if guard_until is not None and guard_until > started:
+            # The route-guard wait comes on top of the step's budget (it never consumes it):
+            # the budget counts from the end of the guard.
+            started = guard_until
         if is_step_overdue(policy, step, started_at=started, now=now):
             return await self._timeout(fleet, operation, step)
         target = fleet.domain(operation.target_domain_id)
@@ -710,6 +724,7 @@ class Reconciler:
             remaining_ms=remaining,
             deadline=time.monotonic() + remaining / 1000,
             entered=entered,
+            guard_until=guard_until,
         )
         return await run_step(ctx)
 
