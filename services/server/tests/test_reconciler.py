@@ -34,7 +34,7 @@ from haru_protocol import (
     TrainingRunState,
 )
 from haru_server._clock import ManualClock
-from haru_server._reconciler import Accepted, Reconciler
+from haru_server._reconciler import Accepted, Reconciler, ReconcilerOptions
 from haru_server._route_cache import lease_guard_ms
 from haru_server._steps import StepTuning
 from haru_sim import read_trainer_checkpoint
@@ -1290,3 +1290,63 @@ async def test_the_old_active_waits_out_the_longest_lease_any_process_recorded(
     finally:
         if store is not sqlite_store:
             await store.close()
+
+
+async def test_a_hung_supervisor_delays_no_other_domains_heartbeat_nor_the_failover(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    clock: ManualClock,
+    http: aiohttp.ClientSession,
+    helpers: Any,
+) -> None:
+    """One standby's supervisor accepts TCP but never answers; the others are healthy.
+
+    Its poll is bounded by the heartbeat timeout (as good as forever here), yet every tick
+    records the healthy domains' heartbeats and the failover to the healthy standby happens:
+    no tick waits for the hung poll beyond the round it was started in.
+    """
+    held: list[asyncio.StreamReader] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(reader)
+        await reader.read()  # until the client gives up and closes
+        writer.close()
+
+    hung = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=(), domains=("alpha", "beta", "gamma"))
+    port = hung.sockets[0].getsockname()[1]
+    fleet.domain("beta").supervisor_url = f"http://127.0.0.1:{port}"
+    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
+    reconciler = Reconciler(
+        store,
+        SupervisorClient(http, token=None),
+        clock=clock,
+        options=ReconcilerOptions(heartbeat_timeout_s=3_600, heartbeat_round_s=0.2),
+    )
+    try:
+        # A failure detector for the old behaviour (a tick waiting out the hung poll), not a
+        # timing assertion: every tick below needs milliseconds.
+        async with asyncio.timeout(60):
+            for _ in range(5):
+                clock.advance(ms=1_000)
+                await reconciler.tick("local")
+                snapshot = await snapshot_of(store)
+                seen = {d.slug: d.last_seen_at for d in snapshot.domains}
+                assert seen["alpha"] == clock()
+                assert seen["gamma"] == clock()
+                assert seen["beta"] is None
+            assert held  # the hung supervisor was polled (and never answered)
+            await fleet.stop_supervisor("alpha")
+            clock.advance(ms=(AUTO.heartbeat_stale_ms or 0) + 1)
+            result = await reconciler.tick("local")
+    finally:
+        await reconciler.close()
+        hung.close()
+        await hung.wait_closed()
+    assert result.operation is not None
+    assert result.operation.kind is OperationKind.PROMOTE
+    assert result.operation.target_domain_id == domain_id(seeded, "gamma")
+    events = await store.list_events(seeded.id, limit=1000)
+    auto = [e for e in events if e.type == EventType.OPERATION_AUTO_FAILOVER]
+    assert [e.payload["reason"] for e in auto] == ["active_stale"]

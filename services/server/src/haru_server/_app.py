@@ -182,6 +182,7 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
         try:
             yield
         finally:
+            await app[reconciler_key].close()
             await provisioner.close()
 
 

@@ -109,6 +109,20 @@ class _Refused:
 IN_FLIGHT_REUSE_S = 0.25
 """A tick reuses its in-flight read across a heartbeat round at most this long."""
 
+HEARTBEAT_ROUND_S = 1.0
+"""How long a tick waits for the heartbeats it starts (each poll has its own, longer bound)."""
+
+_Answer = SupervisorStatus | _Refused | None
+
+
+@dataclass(slots=True)
+class _PollInFlight:
+    """A heartbeat poll of one domain, which may outlive the tick that started it."""
+
+    fleet_id: UUID
+    url: str
+    task: asyncio.Task[_Answer]
+
 
 @dataclass(frozen=True, slots=True)
 class ReconcilerOptions:
@@ -116,12 +130,18 @@ class ReconcilerOptions:
 
     Attributes:
         heartbeat_timeout_s: Bound of each heartbeat poll (SPEC: about 5 s).
+        heartbeat_round_s: How long a tick waits for the polls it started. A poll still
+            running then (a hung supervisor) goes on in the background, up to its own bound;
+            its domain is left unjudged until a later tick finds the poll done, and a tick
+            never waits for a poll an earlier tick started. So a hung supervisor delays no
+            other domain's heartbeat, and no failover decision, by more than this once.
         chaining: Run the next step in the same tick after a step resolves done.
         chain_budget_s: Per-tick time bound of step chaining (wall clock).
         tuning: How long an executor keeps polling for its proof after acting.
     """
 
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    heartbeat_round_s: float = HEARTBEAT_ROUND_S
     chaining: bool = True
     chain_budget_s: float = 10.0
     tuning: StepTuning = field(default_factory=StepTuning)
@@ -191,6 +211,15 @@ class Reconciler:
         self._auth_logged_at: dict[UUID, float] = {}
         # Each domain's answer to this process's latest heartbeat (None: it did not answer).
         self._heartbeat_answers: dict[UUID, SupervisorStatus | None] = {}
+        self._polls: dict[UUID, _PollInFlight] = {}
+
+    async def close(self) -> None:
+        """Cancel the heartbeat polls still running (a hung supervisor's)."""
+        polls = [p.task for p in self._polls.values()]
+        self._polls.clear()
+        for task in polls:
+            task.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
 
     @property
     def options(self) -> ReconcilerOptions:
@@ -386,11 +415,11 @@ class Reconciler:
             if in_flight is None
             else {in_flight.target_domain_id, in_flight.source_domain_id} - {None}
         )
-        answers = await asyncio.gather(*(self._poll(d, url) for d, url in polled))
+        answers = await self._round(fleet, polled)
         now = self._clock()
         landed = False
         verdicts: list[tuple[DomainSnapshot, SupervisorStatus | None, bool]] = []
-        for (domain, _), answer in zip(polled, answers, strict=True):
+        for domain, answer in answers:
             refused = answer if isinstance(answer, _Refused) else None
             await self._auth_verdict(fleet, domain, refused, now)
             status = answer if isinstance(answer, SupervisorStatus) else None
@@ -424,6 +453,44 @@ class Reconciler:
             d.model_copy(update={"last_seen_at": now}) if d.id in seen else d for d in fleet.domains
         )
         return fleet.model_copy(update={"domains": domains}), answered
+
+    async def _round(
+        self, fleet: FleetSnapshot, polled: list[tuple[DomainSnapshot, str]]
+    ) -> list[tuple[DomainSnapshot, _Answer]]:
+        """Each domain's heartbeat answer that is in, after waiting a bounded round.
+
+        A domain gets a new poll unless one is still running; the tick waits for its new
+        polls up to ``heartbeat_round_s``, never for older ones, so calls to different domains
+        never wait for each other beyond that. A domain whose poll is still running is left
+        out (unjudged this tick: neither seen nor failed); its answer, or its failure once the
+        poll's own bound runs out, is taken by the first tick that finds the poll done.
+        """
+        polling = {d.id for d, _ in polled}
+        for domain_id, stale in list(self._polls.items()):
+            # A domain that left the fleet, or has no supervisor URL any more.
+            if stale.fleet_id == fleet.id and domain_id not in polling:
+                stale.task.cancel()
+                del self._polls[domain_id]
+        started: list[asyncio.Task[_Answer]] = []
+        for domain, url in polled:
+            poll = self._polls.get(domain.id)
+            if poll is not None and poll.url != url:
+                poll.task.cancel()  # the supervisor moved (a relaunch): poll the new address
+                poll = None
+            if poll is None:
+                task = asyncio.create_task(self._poll(domain, url))
+                self._polls[domain.id] = _PollInFlight(fleet.id, url, task)
+                started.append(task)
+        if started:
+            await asyncio.wait(started, timeout=self._options.heartbeat_round_s)
+        answers: list[tuple[DomainSnapshot, _Answer]] = []
+        for domain, _ in polled:
+            task = self._polls[domain.id].task
+            if not task.done():
+                continue
+            del self._polls[domain.id]
+            answers.append((domain, None if task.cancelled() else task.result()))
+        return answers
 
     async def _mirror_slots(
         self,
@@ -562,6 +629,8 @@ class Reconciler:
         domain = fleet.domain(domain_id)
         if domain is None or domain.supervisor_url is None:
             return False
+        if domain_id in self._polls:
+            return False  # its heartbeat is still unanswered (hung?): no call to wait for
         seen = self._heartbeat_answers.get(domain_id)
         if seen is None or not restore_confirmed(domain, seen, reason):
             return False
