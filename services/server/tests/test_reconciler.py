@@ -1350,3 +1350,49 @@ async def test_a_hung_supervisor_delays_no_other_domains_heartbeat_nor_the_failo
     events = await store.list_events(seeded.id, limit=1000)
     auto = [e for e in events if e.type == EventType.OPERATION_AUTO_FAILOVER]
     assert [e.payload["reason"] for e in auto] == ["active_stale"]
+
+
+async def test_a_probe_right_after_a_supervisor_restart_waits_for_not_ready_models(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    """The target's supervisor restarts between the wake and the probe; one vLLM still starts.
+
+    The restarted supervisor cannot report that server awake (it does not answer yet): the
+    probe step waits ("not ready yet") instead of failing ``probe_failed``, and the promotion
+    succeeds once the server answers.
+    """
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store, chaining=False)
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    for _ in range(3):  # stop_training, verify_gpu, wake_vllm
+        await reconciler.tick("local")
+    running = await store.get_operation(promote.id)
+    assert running is not None
+    assert running.current_step is OperationStep.PROBE
+    starting = fleet.domain("beta").sims["example-chat-medium"]
+    await starting.set_listening(False)
+    await fleet.restart_supervisor("beta")
+    for _ in range(2):
+        result = await reconciler.tick("local")
+        assert result.operation is not None
+        assert result.operation.state is OperationState.RUNNING, result.operation.error
+        assert result.operation.current_step is OperationStep.PROBE
+    assert (await snapshot_of(store)).active_domain_id == seeded.active_domain_id
+    await starting.set_listening(True)
+    results = await helpers.tick_until_settled(reconciler, "local")
+    final = results[-1].operation
+    assert final is not None
+    assert final.id == promote.id
+    assert final.state is OperationState.SUCCEEDED, final.error
+    assert (await snapshot_of(store)).active_domain_id == domain_id(seeded, "beta")

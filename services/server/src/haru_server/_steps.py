@@ -445,6 +445,13 @@ async def _wake_vllm(ctx: StepContext) -> StepResult:
 async def _probe(ctx: StepContext) -> StepResult:
     target = ctx.target
     url = _supervisor_url(target)
+    # A supervisor restarted since the wake (its vLLM servers still starting, or their state
+    # not read yet) cannot prove them awake: that is "not ready yet", retried within the
+    # budget (step_timeout at its end), not a probe_failed naming models that never answered.
+    status = await _call(ctx, _status(ctx, target), target_side=True)
+    not_ready = models_not_in(target, status, asleep=False)
+    if not_ready:
+        return Pending(f"model(s) not ready yet (not reported awake): {not_ready}")
     probe = ctx.fleet.policy.probe
     response = await _call(
         ctx,
