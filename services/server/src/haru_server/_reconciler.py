@@ -462,15 +462,23 @@ class Reconciler:
         A domain gets a new poll unless one is still running; the tick waits for its new
         polls up to ``heartbeat_round_s``, never for older ones, so calls to different domains
         never wait for each other beyond that. A domain whose poll is still running is left
-        out (unjudged this tick: neither seen nor failed); its answer, or its failure once the
-        poll's own bound runs out, is taken by the first tick that finds the poll done.
+        out (unjudged this tick: neither seen nor failed); the answer of a poll an earlier
+        tick left running (or its failure once the poll's own bound ran out) is taken by the
+        first tick that finds it done, unless that tick's new poll answers in its round.
         """
         polling = {d.id for d, _ in polled}
-        for domain_id, stale in list(self._polls.items()):
-            # A domain that left the fleet, or has no supervisor URL any more.
-            if stale.fleet_id == fleet.id and domain_id not in polling:
-                stale.task.cancel()
+        earlier: dict[UUID, _Answer] = {}
+        for domain_id, left in list(self._polls.items()):
+            if left.fleet_id != fleet.id:
+                continue
+            if domain_id not in polling:
+                # A domain that left the fleet, or has no supervisor URL any more.
+                left.task.cancel()
                 del self._polls[domain_id]
+            elif left.task.done():
+                del self._polls[domain_id]
+                if not left.task.cancelled():
+                    earlier[domain_id] = left.task.result()
         started: list[asyncio.Task[_Answer]] = []
         for domain, url in polled:
             poll = self._polls.get(domain.id)
@@ -486,10 +494,11 @@ class Reconciler:
         answers: list[tuple[DomainSnapshot, _Answer]] = []
         for domain, _ in polled:
             task = self._polls[domain.id].task
-            if not task.done():
-                continue
-            del self._polls[domain.id]
-            answers.append((domain, None if task.cancelled() else task.result()))
+            if task.done():
+                del self._polls[domain.id]
+                answers.append((domain, None if task.cancelled() else task.result()))
+            elif domain.id in earlier:
+                answers.append((domain, earlier[domain.id]))
         return answers
 
     async def _mirror_slots(
