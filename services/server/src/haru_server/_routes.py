@@ -63,6 +63,7 @@ from haru_server._keys import (
     store_key,
 )
 from haru_server._reconciler import RECENT_OPERATIONS, Accepted
+from haru_server._steps import former_active_guard_until
 
 logger = logging.getLogger(__name__)
 
@@ -452,4 +453,24 @@ async def domain_down(request: web.Request) -> web.Response:
         )
     if domain.state in (DomainState.STOPPING, DomainState.STOPPED):
         return _json(DomainActionResponse(domain=domain), status=200)
+    now = request.app[clock_key]()
+    until = await former_active_guard_until(
+        request.app[store_key],
+        request.app[reconciler_key].options.tuning,
+        fleet.id,
+        domain.id,
+        since=now,
+        now=now,
+        recent_limit=RECENT_OPERATIONS,
+    )
+    if until is not None and until > now:
+        # A promotion waits out the guard before it sleeps its old active, but never sleeps a
+        # skyserve one (always awake): taking it down now would stop what processes still
+        # route to.
+        raise ApiError(
+            ErrorCode.OPERATION_CONFLICT,
+            f"domain {domain.slug!r} was the active domain until a promotion moved routing "
+            f"away from it; processes may route to it for {(until - now).total_seconds():.1f} s "
+            "more (their route lease): retry then",
+        )
     return await _domain_action(request, fleet, domain, DomainState.STOPPING)

@@ -628,6 +628,43 @@ async def _flipped_at(store: StateStore, promote: Operation, now: datetime) -> d
     return promote.finished_at or now
 
 
+async def former_active_guard_until(
+    store: StateStore,
+    tuning: StepTuning,
+    fleet_id: UUID,
+    domain_id: UUID,
+    *,
+    since: datetime,
+    now: datetime,
+    recent_limit: int = 64,
+) -> datetime | None:
+    """Until when a process may still route to ``domain_id``, a former active.
+
+    The fleet's newest committed promotion away from it flipped the pointer at some time; the
+    guard (:func:`_guard_s`) runs from then. None when it never was the source of one, or
+    when the guard was over before ``since`` (judged from the promotion's end, no later than
+    its flip, so without reading its event).
+    """
+    recent = await store.list_recent_operations(fleet_id, limit=recent_limit)
+    promote = next(
+        (
+            op
+            for op in sorted(recent, key=lambda op: op.created_at, reverse=True)
+            if op.kind is OperationKind.PROMOTE
+            and op.routing_committed
+            and op.source_domain_id == domain_id
+            and op.target_domain_id != domain_id
+        ),
+        None,
+    )
+    if promote is None:
+        return None
+    guard = timedelta(seconds=await _guard_s(store, tuning, fleet_id))
+    if (promote.finished_at or now) + guard <= since:
+        return None
+    return await _flipped_at(store, promote, now) + guard
+
+
 async def route_guard_until(
     store: StateStore,
     tuning: StepTuning,
@@ -663,27 +700,15 @@ async def route_guard_until(
         if now < own:
             return own  # pending anyway: the store is read once this process's guard passed
     elif step is _S.SLEEP_VLLM:
-        recent = await store.list_recent_operations(fleet.id, limit=recent_limit)
-        promote = next(
-            (
-                op
-                for op in sorted(recent, key=lambda op: op.created_at, reverse=True)
-                if op.kind is OperationKind.PROMOTE
-                and op.routing_committed
-                and op.source_domain_id == operation.target_domain_id
-                and op.target_domain_id != operation.target_domain_id
-            ),
-            None,
+        return await former_active_guard_until(
+            store,
+            tuning,
+            fleet.id,
+            operation.target_domain_id,
+            since=operation.step_started_at or now,
+            now=now,
+            recent_limit=recent_limit,
         )
-        if promote is None:
-            return None
-        flipped = promote.finished_at or now
-        started = operation.step_started_at or now
-        guard = timedelta(seconds=await _guard_s(store, tuning, fleet.id))
-        if flipped + guard <= started:
-            return None  # the flip (no later than the promotion's end) was long before
-        flipped = await _flipped_at(store, promote, now)
-        return flipped + guard
     else:
         return None
     return flipped + timedelta(seconds=await _guard_s(store, tuning, fleet.id))
