@@ -109,8 +109,8 @@ class _Refused:
 IN_FLIGHT_REUSE_S = 0.25
 """A tick reuses its in-flight read across a heartbeat round at most this long."""
 
-HEARTBEAT_ROUND_S = 1.0
-"""How long a tick waits for the heartbeats it starts (each poll has its own, longer bound)."""
+HEARTBEAT_ROUND_S = 2.0
+"""How long a tick waits for the heartbeats it starts (each poll has its own bound too)."""
 
 _Answer = SupervisorStatus | _Refused | None
 
@@ -132,9 +132,10 @@ class ReconcilerOptions:
         heartbeat_timeout_s: Bound of each heartbeat poll (SPEC: about 5 s).
         heartbeat_round_s: How long a tick waits for the polls it started. A poll still
             running then (a hung supervisor) goes on in the background, up to its own bound;
-            its domain is left unjudged until a later tick finds the poll done, and a tick
-            never waits for a poll an earlier tick started. So a hung supervisor delays no
-            other domain's heartbeat, and no failover decision, by more than this once.
+            its domain is left unjudged until a later tick finds the poll done, and no tick
+            waits for it, nor for the domain's next polls until one answers within a round.
+            So a hung supervisor delays no other domain's heartbeat, and no failover
+            decision, by more than this, once.
         chaining: Run the next step in the same tick after a step resolves done.
         chain_budget_s: Per-tick time bound of step chaining (wall clock).
         tuning: How long an executor keeps polling for its proof after acting.
@@ -212,6 +213,8 @@ class Reconciler:
         # Each domain's answer to this process's latest heartbeat (None: it did not answer).
         self._heartbeat_answers: dict[UUID, SupervisorStatus | None] = {}
         self._polls: dict[UUID, _PollInFlight] = {}
+        # Domains whose latest poll outlived its round: no tick waits for their polls.
+        self._suspects: set[UUID] = set()
 
     async def close(self) -> None:
         """Cancel the heartbeat polls still running (a hung supervisor's)."""
@@ -454,19 +457,11 @@ class Reconciler:
         )
         return fleet.model_copy(update={"domains": domains}), answered
 
-    async def _round(
-        self, fleet: FleetSnapshot, polled: list[tuple[DomainSnapshot, str]]
-    ) -> list[tuple[DomainSnapshot, _Answer]]:
-        """Each domain's heartbeat answer that is in, after waiting a bounded round.
+    def _left_running(self, fleet: FleetSnapshot, polling: set[UUID]) -> dict[UUID, _Answer]:
+        """The answers of the polls earlier ticks of ``fleet`` left running that are done now.
 
-        A domain gets a new poll unless one is still running; the tick waits for its new
-        polls up to ``heartbeat_round_s``, never for older ones, so calls to different domains
-        never wait for each other beyond that. A domain whose poll is still running is left
-        out (unjudged this tick: neither seen nor failed); the answer of a poll an earlier
-        tick left running (or its failure once the poll's own bound ran out) is taken by the
-        first tick that finds it done, unless that tick's new poll answers in its round.
+        Drops those done and those of domains not polled any more (cancelled).
         """
-        polling = {d.id for d, _ in polled}
         earlier: dict[UUID, _Answer] = {}
         for domain_id, left in list(self._polls.items()):
             if left.fleet_id != fleet.id:
@@ -475,10 +470,29 @@ class Reconciler:
                 # A domain that left the fleet, or has no supervisor URL any more.
                 left.task.cancel()
                 del self._polls[domain_id]
+                self._suspects.discard(domain_id)
             elif left.task.done():
                 del self._polls[domain_id]
                 if not left.task.cancelled():
                     earlier[domain_id] = left.task.result()
+                    if earlier[domain_id] is not None:
+                        self._suspects.discard(domain_id)  # it answers again: wait for it
+        return earlier
+
+    async def _round(
+        self, fleet: FleetSnapshot, polled: list[tuple[DomainSnapshot, str]]
+    ) -> list[tuple[DomainSnapshot, _Answer]]:
+        """Each domain's heartbeat answer that is in, after waiting a bounded round.
+
+        A domain gets a new poll unless one is still running; the tick waits for its new
+        polls up to ``heartbeat_round_s``, never for older ones nor for a suspect's (a domain
+        whose latest poll outlived its round), so calls to different domains never wait for
+        each other beyond that. A domain whose poll is still running is left out (unjudged
+        this tick: neither seen nor failed); the answer of a poll an earlier tick left
+        running (or its failure once the poll's own bound ran out) is taken by the first
+        tick that finds it done, unless that tick's new poll answers in its round.
+        """
+        earlier = self._left_running(fleet, {d.id for d, _ in polled})
         started: list[asyncio.Task[_Answer]] = []
         for domain, url in polled:
             poll = self._polls.get(domain.id)
@@ -488,7 +502,8 @@ class Reconciler:
             if poll is None:
                 task = asyncio.create_task(self._poll(domain, url))
                 self._polls[domain.id] = _PollInFlight(fleet.id, url, task)
-                started.append(task)
+                if domain.id not in self._suspects:
+                    started.append(task)
         if started:
             await asyncio.wait(started, timeout=self._options.heartbeat_round_s)
         answers: list[tuple[DomainSnapshot, _Answer]] = []
@@ -496,8 +511,13 @@ class Reconciler:
             task = self._polls[domain.id].task
             if task.done():
                 del self._polls[domain.id]
-                answers.append((domain, None if task.cancelled() else task.result()))
-            elif domain.id in earlier:
+                answer = None if task.cancelled() else task.result()
+                answers.append((domain, answer))
+                if answer is not None:
+                    self._suspects.discard(domain.id)  # it answers within a round again
+                continue
+            self._suspects.add(domain.id)
+            if domain.id in earlier:
                 answers.append((domain, earlier[domain.id]))
         return answers
 
@@ -638,8 +658,8 @@ class Reconciler:
         domain = fleet.domain(domain_id)
         if domain is None or domain.supervisor_url is None:
             return False
-        if domain_id in self._polls:
-            return False  # its heartbeat is still unanswered (hung?): no call to wait for
+        if domain_id in self._suspects:
+            return False  # its heartbeats outlive their round (hung?): no call to wait for
         seen = self._heartbeat_answers.get(domain_id)
         if seen is None or not restore_confirmed(domain, seen, reason):
             return False
