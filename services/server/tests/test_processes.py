@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 from haru_db import StateStore
 from haru_demo.localfleet import LocalFleet
-from haru_protocol import EventType, OperationState
+from haru_protocol import EventType, OperationState, PolicyPatch
 from haru_server._clock import ManualClock
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -227,6 +227,75 @@ async def test_two_server_processes_drive_one_promotion(
         assert "Traceback" not in first.log + second.log
     finally:
         await store.close()
+
+
+async def test_repeated_demotes_of_a_standby_in_posture_hold_no_failover(
+    sqlite_store: StateStore, make_fleet: MakeFleet
+) -> None:
+    """Twenty demotes of a standby already demoted create no operation; the failover follows.
+
+    Each operation holds the fleet's one in-flight slot (failover detection waits for it), so
+    the demote that left the standby in posture answers every repeat, and the failover after
+    the active dies is the next operation.
+    """
+    from datetime import UTC, datetime
+
+    store = sqlite_store
+    fleet = await make_fleet()
+    policy = PolicyPatch(auto_failover=True, heartbeat_stale_ms=2_000, degraded_grace_ms=60_000)
+    # The server uses the real clock: seed with it too.
+    await store.apply_fleet_layout(fleet.layout(policy=policy), at=datetime.now(UTC))
+    seeded = await store.get_fleet_snapshot("local")
+    assert seeded is not None
+    beta = next(d.id for d in seeded.domains if d.slug == "beta")
+    env = {
+        "DATABASE_URL": store.url,
+        "PORT": "0",
+        "HARU_API_TOKEN": TOKEN,
+        "HARU_RECONCILE_INTERVAL_MS": "200",
+    }
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with haru_serve(env) as server, aiohttp.ClientSession(headers=headers) as http:
+
+        async def get(path: str) -> dict[str, Any]:
+            async with http.get(f"{server.url}/v1/fleets/local{path}") as response:
+                assert response.status == 200
+                body: dict[str, Any] = await response.json()
+                return body
+
+        async def demote() -> dict[str, Any]:
+            async with http.post(
+                f"{server.url}/v1/fleets/local/demote", json={"targetDomainId": str(beta)}
+            ) as response:
+                assert response.status == 202, await response.text()
+                operation: dict[str, Any] = (await response.json())["operation"]
+                return operation
+
+        async with asyncio.timeout(60):  # failure detectors, not timing assertions
+            while not all(d["state"] == "ready" for d in (await get(""))["domains"]):
+                await asyncio.sleep(0.05)
+            first = await demote()
+            while (await get(f"/operations/{first['id']}"))["state"] != "succeeded":
+                await asyncio.sleep(0.05)
+            for _ in range(20):
+                again = await demote()
+                assert again["id"] == first["id"]
+                assert again["state"] == "succeeded"
+            await fleet.stop_supervisor("alpha")
+            while not any(
+                e.type == EventType.OPERATION_AUTO_FAILOVER
+                for e in await store.list_events(seeded.id, limit=1000)
+            ):
+                await asyncio.sleep(0.05)
+    operations = await store.list_recent_operations(seeded.id)
+    assert [(op.kind.value, op.target_domain_id) for op in reversed(operations)] == [
+        ("demote", beta),
+        ("promote", beta),
+    ]
+    events = await store.list_events(seeded.id, limit=1000)
+    requested = [e for e in events if e.type == EventType.OPERATION_REQUESTED_DEMOTE]
+    assert len(requested) == 1
+    assert "Traceback" not in server.log
 
 
 async def test_boot_refuses_a_read_only_sqlite_file(tmp_path: Path) -> None:

@@ -37,11 +37,14 @@ from haru_protocol import (
     FleetSnapshot,
     OperationKind,
     OperationState,
+    OperationStep,
+    RoutingSwitched,
 )
 from haru_server import create_app
 from haru_server._clock import ManualClock
 from haru_server._provisioning import Provisioner, ProvisionerOptions
 from haru_server._reconciler import Reconciler, ReconcilerOptions
+from haru_server._route_cache import lease_guard_ms
 from haru_server._settings import Settings
 from haru_server._steps import StepTuning
 from haru_server.cli import app as cli_app
@@ -721,3 +724,73 @@ async def test_the_relaunch_streak_survives_a_server_restart(
     assert domain(await snapshot(store), "alpha").launch_attempt == 5
     relaunches = await events(store, fleet.id, EventType.DOMAIN_RELAUNCH)
     assert (relaunches[-1].payload["relaunch"], relaunches[-1].payload["backoffMs"]) == (1, 1_000)
+
+
+async def test_down_of_a_former_active_waits_out_the_route_guard(
+    sqlite_store: StateStore, clock: ManualClock, sky: FakeSky, aiohttp_client: AiohttpClient
+) -> None:
+    """A domain routing just moved away from is not taken down while a lease may reach it.
+
+    A promotion never sleeps a skyserve old active (always awake), so it ends right after its
+    flip; a ``down`` of that domain would then stop what a process with a long route lease
+    still routes to. It is refused (409) until the guard has run out since the flip.
+    """
+    store = sqlite_store
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    fleet = await snapshot(store)
+    for slug in ("alpha", "beta"):
+        got = domain(fleet, slug)
+        assert await store.claim_launch(got.id, expected_attempt=0, at=clock())
+        assert await store.mark_launched(got.id, attempt=1, at=clock())
+        assert await store.record_domain_address(
+            got.id,
+            attempt=1,
+            supervisor_url="http://127.0.0.1:9",
+            serving_base_url="http://127.0.0.1:9",
+            model_urls={},
+            at=clock(),
+        )
+        assert await store.transition_domain(
+            got.id, from_states=(DomainState.PROVISIONING,), to=DomainState.READY, at=clock()
+        )
+        sky.set_status(f"haru-local-{slug}", "UP")
+    alpha, beta = domain(fleet, "alpha").id, domain(fleet, "beta").id
+    assert await store.record_route_lease(fleet.id, 10_000)  # a proxy process's lease
+    # Another replica's promotion of beta: the flip, its event, and its end at once.
+    promote, _ = await store.create_operation(
+        fleet_id=fleet.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
+    )
+    assert await store.claim_operation(
+        promote.id, first_step=OperationStep.SWITCH_ACTIVE, at=clock()
+    )
+    assert await store.switch_active(
+        fleet_id=fleet.id,
+        expected_active_domain_id=alpha,
+        target_domain_id=beta,
+        operation_id=promote.id,
+        at=clock(),
+    )
+    await store.append_event(
+        fleet_id=fleet.id,
+        payload=RoutingSwitched(from_domain_id=alpha, to_domain_id=beta, route_revision=None),
+        at=clock(),
+        domain_id=beta,
+        operation_id=promote.id,
+    )
+    assert await store.complete_operation(
+        promote.id, from_step=OperationStep.SWITCH_ACTIVE, at=clock()
+    )
+    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+
+    clock.advance(ms=lease_guard_ms(10_000) - 1)
+    response = await client.post("/v1/fleets/local/domains/alpha/down")
+    assert response.status == 409
+    error = (await response.json())["error"]
+    assert error["code"] == "operation_conflict"
+    assert "route lease" in error["message"]
+    assert domain(await snapshot(store), "alpha").state is DomainState.READY
+
+    clock.advance(ms=1)
+    response = await client.post("/v1/fleets/local/domains/alpha/down")
+    assert response.status == 202
+    assert (await response.json())["domain"]["state"] == "stopping"

@@ -34,7 +34,7 @@ from haru_protocol import (
     TrainingRunState,
 )
 from haru_server._clock import ManualClock
-from haru_server._reconciler import Accepted, Reconciler
+from haru_server._reconciler import Accepted, Reconciler, ReconcilerOptions
 from haru_server._route_cache import lease_guard_ms
 from haru_server._steps import StepTuning
 from haru_sim import read_trainer_checkpoint
@@ -1142,6 +1142,110 @@ async def test_old_active_sleeps_only_after_the_route_guard_on_the_reconcile_clo
     assert "timedOut" not in slept[0].payload
 
 
+LONG_LEASE_MS = 10_000
+"""``HARU_ROUTE_LEASE_MS`` of some process: its route guard outlasts a 3 s sleep budget."""
+
+
+async def test_a_route_guard_longer_than_the_sleep_budget_still_holds_the_old_active(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    """The guard wait does not consume ``sleepTimeoutMs``: the old active sleeps after it.
+
+    Were the wait counted against the sleep budget, ``demote_old_sleep`` would time out
+    3 s after the flip and its restore demote would sleep the old active at once, while a
+    process with the long lease may still route to it.
+    """
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock, policy=PolicyPatch(sleep_timeout_ms=3_000))
+    guard_ms = lease_guard_ms(LONG_LEASE_MS)
+    tuning = StepTuning(
+        settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05, route_guard_s=guard_ms / 1000
+    )
+    reconciler = make_reconciler(store, tuning=tuning)
+    await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    alpha_sims = fleet.domain("alpha").sims.values()
+    # Past the sleep budget, well inside the guard: still waiting, nothing asleep.
+    clock.advance(ms=3_500)
+    for _ in range(3):
+        result = await reconciler.tick("local")
+        assert result.operation is not None
+        assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    assert all(not sim.sleeping and sim.sleeps == 0 for sim in alpha_sims)
+    clock.advance(ms=-3_500)
+    await sleeps_only_after(reconciler, clock, guard_ms, alpha_sims, helpers)
+    types = await event_types(store, seeded.id)
+    assert EventType.OPERATION_RESTORE_DEMOTE not in types
+    assert EventType.OPERATION_STEP_TIMEOUT_BEST_EFFORT not in types
+
+
+async def test_a_restore_demote_of_the_old_active_waits_out_the_stored_route_guard(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    """A demote of a domain that was active within the guard sleeps it only after the guard.
+
+    Another replica (whose own budget ran out) ends the promotion right after the flip and
+    queues the restore demote of the old active, as a best-effort timeout does. The demote's
+    ``sleep_vllm`` waits until the flip plus the longest lease any process recorded.
+    """
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock, policy=PolicyPatch(sleep_timeout_ms=3_000))
+    assert await store.record_route_lease(seeded.id, LONG_LEASE_MS)  # a proxy process's lease
+    tuning = StepTuning(settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05, route_guard_s=0.01)
+    reconciler = make_reconciler(store, tuning=tuning)
+    alpha, beta = domain_id(seeded, "alpha"), domain_id(seeded, "beta")
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
+    )
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.current_step is OperationStep.DEMOTE_OLD_SLEEP
+    flipped = result.operation.step_started_at
+    assert flipped == clock()
+    # The other replica: its step ran out, it ends the promotion and queues the restore.
+    clock.advance(ms=100)
+    assert await store.complete_operation(
+        promote.id, from_step=OperationStep.DEMOTE_OLD_SLEEP, at=clock()
+    )
+    demote, created = await store.create_operation(
+        fleet_id=seeded.id, kind=OperationKind.DEMOTE, target_domain_id=alpha, at=clock()
+    )
+    assert created
+    alpha_sims = fleet.domain("alpha").sims.values()
+    guard_ms = lease_guard_ms(LONG_LEASE_MS)
+    clock.advance(ms=guard_ms - 1 - 100)
+    for _ in range(3):
+        result = await reconciler.tick("local")
+        assert result.operation is not None
+        assert result.operation.id == demote.id
+        assert result.operation.current_step is OperationStep.SLEEP_VLLM
+    assert all(not sim.sleeping and sim.sleeps == 0 for sim in alpha_sims)
+    clock.advance(ms=1)
+    results = await helpers.tick_until_settled(reconciler, "local")
+    final = results[-1].operation
+    assert final is not None
+    assert final.id == demote.id
+    assert final.state is OperationState.SUCCEEDED, final.error
+    assert all(sim.sleeping and sim.sleeps == 1 for sim in alpha_sims)
+
+
 class LeaseBlindStore(StateStore):
     """Snapshots that predate every lease record (a tick that read before one landed)."""
 
@@ -1186,3 +1290,109 @@ async def test_the_old_active_waits_out_the_longest_lease_any_process_recorded(
     finally:
         if store is not sqlite_store:
             await store.close()
+
+
+async def test_a_hung_supervisor_delays_no_other_domains_heartbeat_nor_the_failover(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    clock: ManualClock,
+    http: aiohttp.ClientSession,
+    helpers: Any,
+) -> None:
+    """One standby's supervisor accepts TCP but never answers; the others are healthy.
+
+    Its poll is bounded by the heartbeat timeout (as good as forever here), yet every tick
+    records the healthy domains' heartbeats and the failover to the healthy standby happens:
+    no tick waits for the hung poll beyond the round it was started in.
+    """
+    held: list[asyncio.StreamReader] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(reader)
+        await reader.read()  # until the client gives up and closes
+        writer.close()
+
+    hung = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=(), domains=("alpha", "beta", "gamma"))
+    port = hung.sockets[0].getsockname()[1]
+    fleet.domain("beta").supervisor_url = f"http://127.0.0.1:{port}"
+    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
+    reconciler = Reconciler(
+        store,
+        SupervisorClient(http, token=None),
+        clock=clock,
+        options=ReconcilerOptions(heartbeat_timeout_s=3_600, heartbeat_round_s=0.2),
+    )
+    try:
+        # A failure detector for the old behaviour (a tick waiting out the hung poll), not a
+        # timing assertion: every tick below needs milliseconds.
+        async with asyncio.timeout(60):
+            for _ in range(5):
+                clock.advance(ms=1_000)
+                await reconciler.tick("local")
+                snapshot = await snapshot_of(store)
+                seen = {d.slug: d.last_seen_at for d in snapshot.domains}
+                assert seen["alpha"] == clock()
+                assert seen["gamma"] == clock()
+                assert seen["beta"] is None
+            assert held  # the hung supervisor was polled (and never answered)
+            await fleet.stop_supervisor("alpha")
+            clock.advance(ms=(AUTO.heartbeat_stale_ms or 0) + 1)
+            result = await reconciler.tick("local")
+    finally:
+        await reconciler.close()
+        hung.close()
+        await hung.wait_closed()
+    assert result.operation is not None
+    assert result.operation.kind is OperationKind.PROMOTE
+    assert result.operation.target_domain_id == domain_id(seeded, "gamma")
+    events = await store.list_events(seeded.id, limit=1000)
+    auto = [e for e in events if e.type == EventType.OPERATION_AUTO_FAILOVER]
+    assert [e.payload["reason"] for e in auto] == ["active_stale"]
+
+
+async def test_a_probe_right_after_a_supervisor_restart_waits_for_not_ready_models(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    """The target's supervisor restarts between the wake and the probe; one vLLM still starts.
+
+    The restarted supervisor cannot report that server awake (it does not answer yet): the
+    probe step waits ("not ready yet") instead of failing ``probe_failed``, and the promotion
+    succeeds once the server answers.
+    """
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    seeded = await helpers.seed(store, fleet, clock)
+    reconciler = make_reconciler(store, chaining=False)
+    promote, _ = await store.create_operation(
+        fleet_id=seeded.id,
+        kind=OperationKind.PROMOTE,
+        target_domain_id=domain_id(seeded, "beta"),
+        at=clock(),
+    )
+    for _ in range(3):  # stop_training, verify_gpu, wake_vllm
+        await reconciler.tick("local")
+    running = await store.get_operation(promote.id)
+    assert running is not None
+    assert running.current_step is OperationStep.PROBE
+    starting = fleet.domain("beta").sims["example-chat-medium"]
+    await starting.set_listening(False)
+    await fleet.restart_supervisor("beta")
+    for _ in range(2):
+        result = await reconciler.tick("local")
+        assert result.operation is not None
+        assert result.operation.state is OperationState.RUNNING, result.operation.error
+        assert result.operation.current_step is OperationStep.PROBE
+    assert (await snapshot_of(store)).active_domain_id == seeded.active_domain_id
+    await starting.set_listening(True)
+    results = await helpers.tick_until_settled(reconciler, "local")
+    final = results[-1].operation
+    assert final is not None
+    assert final.id == promote.id
+    assert final.state is OperationState.SUCCEEDED, final.error
+    assert (await snapshot_of(store)).active_domain_id == domain_id(seeded, "beta")

@@ -185,6 +185,7 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
         try:
             yield
         finally:
+            await app[reconciler_key].close()
             await provisioner.close()
 
 

@@ -86,6 +86,7 @@ from haru_server._steps import (
     StepResult,
     StepTuning,
     entry_mirror,
+    route_guard_until,
     run_step,
 )
 
@@ -108,6 +109,20 @@ class _Refused:
 IN_FLIGHT_REUSE_S = 0.25
 """A tick reuses its in-flight read across a heartbeat round at most this long."""
 
+HEARTBEAT_ROUND_S = 2.0
+"""How long a tick waits for the heartbeats it starts (each poll has its own bound too)."""
+
+_Answer = SupervisorStatus | _Refused | None
+
+
+@dataclass(slots=True)
+class _PollInFlight:
+    """A heartbeat poll of one domain, which may outlive the tick that started it."""
+
+    fleet_id: UUID
+    url: str
+    task: asyncio.Task[_Answer]
+
 
 @dataclass(frozen=True, slots=True)
 class ReconcilerOptions:
@@ -115,12 +130,19 @@ class ReconcilerOptions:
 
     Attributes:
         heartbeat_timeout_s: Bound of each heartbeat poll (SPEC: about 5 s).
+        heartbeat_round_s: How long a tick waits for the polls it started. A poll still
+            running then (a hung supervisor) goes on in the background, up to its own bound;
+            its domain is left unjudged until a later tick finds the poll done, and no tick
+            waits for it, nor for the domain's next polls until one answers within a round.
+            So a hung supervisor delays no other domain's heartbeat, and no failover
+            decision, by more than this, once.
         chaining: Run the next step in the same tick after a step resolves done.
         chain_budget_s: Per-tick time bound of step chaining (wall clock).
         tuning: How long an executor keeps polling for its proof after acting.
     """
 
     heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
+    heartbeat_round_s: float = HEARTBEAT_ROUND_S
     chaining: bool = True
     chain_budget_s: float = 10.0
     tuning: StepTuning = field(default_factory=StepTuning)
@@ -190,6 +212,17 @@ class Reconciler:
         self._auth_logged_at: dict[UUID, float] = {}
         # Each domain's answer to this process's latest heartbeat (None: it did not answer).
         self._heartbeat_answers: dict[UUID, SupervisorStatus | None] = {}
+        self._polls: dict[UUID, _PollInFlight] = {}
+        # Domains whose latest poll outlived its round: no tick waits for their polls.
+        self._suspects: set[UUID] = set()
+
+    async def close(self) -> None:
+        """Cancel the heartbeat polls still running (a hung supervisor's)."""
+        polls = [p.task for p in self._polls.values()]
+        self._polls.clear()
+        for task in polls:
+            task.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
 
     @property
     def options(self) -> ReconcilerOptions:
@@ -385,11 +418,11 @@ class Reconciler:
             if in_flight is None
             else {in_flight.target_domain_id, in_flight.source_domain_id} - {None}
         )
-        answers = await asyncio.gather(*(self._poll(d, url) for d, url in polled))
+        answers = await self._round(fleet, polled)
         now = self._clock()
         landed = False
         verdicts: list[tuple[DomainSnapshot, SupervisorStatus | None, bool]] = []
-        for (domain, _), answer in zip(polled, answers, strict=True):
+        for domain, answer in answers:
             refused = answer if isinstance(answer, _Refused) else None
             await self._auth_verdict(fleet, domain, refused, now)
             status = answer if isinstance(answer, SupervisorStatus) else None
@@ -423,6 +456,70 @@ class Reconciler:
             d.model_copy(update={"last_seen_at": now}) if d.id in seen else d for d in fleet.domains
         )
         return fleet.model_copy(update={"domains": domains}), answered
+
+    def _left_running(self, fleet: FleetSnapshot, polling: set[UUID]) -> dict[UUID, _Answer]:
+        """The answers of the polls earlier ticks of ``fleet`` left running that are done now.
+
+        Drops those done and those of domains not polled any more (cancelled).
+        """
+        earlier: dict[UUID, _Answer] = {}
+        for domain_id, left in list(self._polls.items()):
+            if left.fleet_id != fleet.id:
+                continue
+            if domain_id not in polling:
+                # A domain that left the fleet, or has no supervisor URL any more.
+                left.task.cancel()
+                del self._polls[domain_id]
+                self._suspects.discard(domain_id)
+            elif left.task.done():
+                del self._polls[domain_id]
+                if not left.task.cancelled():
+                    earlier[domain_id] = left.task.result()
+                    if earlier[domain_id] is not None:
+                        self._suspects.discard(domain_id)  # it answers again: wait for it
+        return earlier
+
+    async def _round(
+        self, fleet: FleetSnapshot, polled: list[tuple[DomainSnapshot, str]]
+    ) -> list[tuple[DomainSnapshot, _Answer]]:
+        """Each domain's heartbeat answer that is in, after waiting a bounded round.
+
+        A domain gets a new poll unless one is still running; the tick waits for its new
+        polls up to ``heartbeat_round_s``, never for older ones nor for a suspect's (a domain
+        whose latest poll outlived its round), so calls to different domains never wait for
+        each other beyond that. A domain whose poll is still running is left out (unjudged
+        this tick: neither seen nor failed); the answer of a poll an earlier tick left
+        running (or its failure once the poll's own bound ran out) is taken by the first
+        tick that finds it done, unless that tick's new poll answers in its round.
+        """
+        earlier = self._left_running(fleet, {d.id for d, _ in polled})
+        started: list[asyncio.Task[_Answer]] = []
+        for domain, url in polled:
+            poll = self._polls.get(domain.id)
+            if poll is not None and poll.url != url:
+                poll.task.cancel()  # the supervisor moved (a relaunch): poll the new address
+                poll = None
+            if poll is None:
+                task = asyncio.create_task(self._poll(domain, url))
+                self._polls[domain.id] = _PollInFlight(fleet.id, url, task)
+                if domain.id not in self._suspects:
+                    started.append(task)
+        if started:
+            await asyncio.wait(started, timeout=self._options.heartbeat_round_s)
+        answers: list[tuple[DomainSnapshot, _Answer]] = []
+        for domain, _ in polled:
+            task = self._polls[domain.id].task
+            if task.done():
+                del self._polls[domain.id]
+                answer = None if task.cancelled() else task.result()
+                answers.append((domain, answer))
+                if answer is not None:
+                    self._suspects.discard(domain.id)  # it answers within a round again
+                continue
+            self._suspects.add(domain.id)
+            if domain.id in earlier:
+                answers.append((domain, earlier[domain.id]))
+        return answers
 
     async def _mirror_slots(
         self,
@@ -561,6 +658,8 @@ class Reconciler:
         domain = fleet.domain(domain_id)
         if domain is None or domain.supervisor_url is None:
             return False
+        if domain_id in self._suspects:
+            return False  # its heartbeats outlive their round (hung?): no call to wait for
         seen = self._heartbeat_answers.get(domain_id)
         if seen is None or not restore_confirmed(domain, seen, reason):
             return False
@@ -689,6 +788,19 @@ class Reconciler:
         now = self._clock()
         started = operation.step_started_at or now
         policy = fleet.policy
+        guard_until = await route_guard_until(
+            self._store,
+            self._options.tuning,
+            fleet,
+            operation,
+            step,
+            now,
+            recent_limit=RECENT_OPERATIONS,
+        )
+        if guard_until is not None and guard_until > started:
+            # The route-guard wait comes on top of the step's budget (it never consumes it):
+            # the budget counts from the end of the guard.
+            started = guard_until
         if is_step_overdue(policy, step, started_at=started, now=now):
             return await self._timeout(fleet, operation, step)
         target = fleet.domain(operation.target_domain_id)
@@ -710,6 +822,7 @@ class Reconciler:
             remaining_ms=remaining,
             deadline=time.monotonic() + remaining / 1000,
             entered=entered,
+            guard_until=guard_until,
         )
         return await run_step(ctx)
 

@@ -13,6 +13,8 @@ from haru_core import (
     build_route_intent,
     decide_demotion,
     decide_promotion,
+    inference_slots,
+    training_slots,
 )
 from haru_driver_skypilot import SkyDriverError, cluster_name
 from haru_protocol import (
@@ -35,12 +37,16 @@ from haru_protocol import (
     FleetRoutePointer,
     FleetSnapshot,
     Health,
+    InferenceSlotState,
+    Operation,
     OperationKind,
     OperationRequestedDemote,
     OperationRequestedPromote,
+    OperationState,
     PeerModel,
     PromoteRequest,
     ReconcileResponse,
+    TrainingSlotState,
     WireModel,
     parse_fleet_ref,
 )
@@ -56,7 +62,8 @@ from haru_server._keys import (
     reconciler_key,
     store_key,
 )
-from haru_server._reconciler import Accepted
+from haru_server._reconciler import RECENT_OPERATIONS, Accepted
+from haru_server._steps import former_active_guard_until
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +210,13 @@ async def _request_operation(
     if isinstance(decision, InvalidTarget):
         raise ApiError(ErrorCode.INVALID_TARGET, decision.message)
     store = request.app[store_key]
+    if kind is OperationKind.DEMOTE:
+        done = await _demote_in_effect(request, fleet, decision.target_domain_id)
+        if done is not None:
+            # Idempotent (the demote that did it, as a join answers the one doing it): every
+            # operation holds the fleet's one in-flight slot, so a stream of redundant demotes
+            # would keep failover detection from running between them.
+            return _json(AcceptedResponse(operation=done), status=202)
     now = request.app[clock_key]()
     operation, created = await store.create_operation(
         fleet_id=fleet.id, kind=decision.kind, target_domain_id=decision.target_domain_id, at=now
@@ -248,6 +262,34 @@ async def _request_operation(
     else:
         request.app[kick_fleet_key](fleet.id)
     return _json(AcceptedResponse(operation=operation), status=202)
+
+
+async def _demote_in_effect(
+    request: web.Request, fleet: FleetSnapshot, target_domain_id: UUID
+) -> Operation | None:
+    """The succeeded demote that left ``target_domain_id`` in standby posture, if it still is.
+
+    In posture as recorded: every inference slot ``sleeping`` and every training slot
+    ``training``, with no operation in flight and none involving the domain since that demote.
+    """
+    domain = fleet.domain(target_domain_id)
+    if domain is None:
+        return None
+    if any(s.state is not InferenceSlotState.SLEEPING for s in inference_slots(domain)):
+        return None
+    if any(s.state is not TrainingSlotState.TRAINING for s in training_slots(domain)):
+        return None
+    recent = await request.app[store_key].list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
+    newest = max(
+        (op for op in recent if target_domain_id in (op.target_domain_id, op.source_domain_id)),
+        key=lambda op: op.created_at,
+        default=None,
+    )
+    if any(op.finished_at is None for op in recent) or newest is None:
+        return None
+    if newest.kind is OperationKind.DEMOTE and newest.state is OperationState.SUCCEEDED:
+        return newest
+    return None
 
 
 @routes.post("/v1/fleets/{ref}/promote")
@@ -411,4 +453,24 @@ async def domain_down(request: web.Request) -> web.Response:
         )
     if domain.state in (DomainState.STOPPING, DomainState.STOPPED):
         return _json(DomainActionResponse(domain=domain), status=200)
+    now = request.app[clock_key]()
+    until = await former_active_guard_until(
+        request.app[store_key],
+        request.app[reconciler_key].options.tuning,
+        fleet.id,
+        domain.id,
+        since=now,
+        now=now,
+        recent_limit=RECENT_OPERATIONS,
+    )
+    if until is not None and until > now:
+        # A promotion waits out the guard before it sleeps its old active, but never sleeps a
+        # skyserve one (always awake): taking it down now would stop what processes still
+        # route to.
+        raise ApiError(
+            ErrorCode.OPERATION_CONFLICT,
+            f"domain {domain.slug!r} was the active domain until a promotion moved routing "
+            f"away from it; processes may route to it for {(until - now).total_seconds():.1f} s "
+            "more (their route lease): retry then",
+        )
     return await _domain_action(request, fleet, domain, DomainState.STOPPING)

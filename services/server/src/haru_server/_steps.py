@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TypeVar
 from uuid import UUID
 
@@ -34,6 +34,7 @@ from haru_core import inference_bindings, model_sleep_states, training_slots
 from haru_db import SlotMirror, StateStore
 from haru_protocol import (
     DomainSnapshot,
+    EventType,
     FailedModel,
     FleetRoutePointer,
     FleetSnapshot,
@@ -42,6 +43,7 @@ from haru_protocol import (
     InferenceSlotState,
     Operation,
     OperationErrorCode,
+    OperationKind,
     OperationStep,
     OperationStepDone,
     Provider,
@@ -144,11 +146,12 @@ class StepTuning:
             the same tick instead of one loop interval later. 0 = a single poll.
         first_poll_s: First pause between polls; it doubles up to ``max_poll_s``.
         max_poll_s: Longest pause between polls.
-        route_guard_s: ``demote_old_sleep`` stays pending until this long after the flip (its
-            step start, on the reconcile clock): every process's route lease has run out by
-            then (``haru_server._route_cache.lease_guard_ms``; see the README). The fleet's
-            stored ``route_lease_ms`` (the longest lease any process records, read after the
-            flip) lengthens it.
+        route_guard_s: A step that sleeps a former active (``demote_old_sleep``, and
+            ``sleep_vllm`` of a domain a promotion flipped away from) stays pending until this
+            long after the flip, on the reconcile clock: every process's route lease has run
+            out by then (``haru_server._route_cache.lease_guard_ms``; see the README). The
+            fleet's stored ``route_lease_ms`` (the longest lease any process records, read
+            after the flip) lengthens it. See :func:`route_guard_until`.
         route_moved: Told the new pointer after a flip, so this process routes with it at once.
     """
 
@@ -176,6 +179,8 @@ class StepContext:
     """``time.monotonic()`` at which the step's budget runs out."""
     entered: bool = False
     """The CAS that started this step already applied its :func:`entry_mirror`."""
+    guard_until: datetime | None = None
+    """:func:`route_guard_until` of this step: it sleeps nothing before then."""
 
     def bound(self, cap_s: float | None = None) -> float:
         """Seconds a supervisor call may take: what remains of the budget, capped."""
@@ -475,6 +480,13 @@ async def _wake_vllm(ctx: StepContext) -> StepResult:
 async def _probe(ctx: StepContext) -> StepResult:
     target = ctx.target
     url = _supervisor_url(target)
+    # A supervisor restarted since the wake (its vLLM servers still starting, or their state
+    # not read yet) cannot prove them awake: that is "not ready yet", retried within the
+    # budget (step_timeout at its end), not a probe_failed naming models that never answered.
+    status = await _call(ctx, _status(ctx, target), target_side=True)
+    not_ready = models_not_in(target, status, asleep=False)
+    if not_ready:
+        return Pending(f"model(s) not ready yet (not reported awake): {not_ready}")
     probe = ctx.fleet.policy.probe
     response = await _call(
         ctx,
@@ -614,26 +626,140 @@ async def _train_domain(ctx: StepContext, domain: DomainSnapshot) -> StepResult:
 _ALWAYS_AWAKE = "the previous active is a skyserve domain (always awake, no supervisor)"
 
 
+def _route_guard(ctx: StepContext) -> Pending | None:
+    """Pending while processes may still route to the domain this step would sleep."""
+    until = ctx.guard_until
+    if until is None or ctx.now >= until:
+        return None
+    left = (until - ctx.now).total_seconds()
+    return Pending(f"every route lease runs out in {left:.3f} s (route guard)")
+
+
+async def _guard_s(store: StateStore, tuning: StepTuning, fleet_id: UUID) -> float:
+    """The route guard after a flip: this process's own, or the longest lease recorded.
+
+    Read after the flip (whatever snapshot the tick holds): a process whose pointer predates
+    the flip recorded its lease before it read that pointer.
+    """
+    stored = await store.get_route_lease_ms(fleet_id)
+    if stored is None:
+        return tuning.route_guard_s
+    return max(tuning.route_guard_s, lease_guard_ms(stored) / 1000)
+
+
+async def _flipped_at(store: StateStore, promote: Operation, now: datetime) -> datetime:
+    """When ``promote`` moved the routing pointer (its ``routing.switched`` event).
+
+    Without that event (a process died between the flip and its event), the latest time it
+    can have happened: the promotion's end.
+    """
+    events = await store.list_domain_events(
+        promote.fleet_id,
+        promote.target_domain_id,
+        types=(EventType.ROUTING_SWITCHED.value,),
+        limit=8,
+    )
+    for event in events:
+        if event.operation_id == promote.id:
+            return event.created_at
+    return promote.finished_at or now
+
+
+async def former_active_guard_until(
+    store: StateStore,
+    tuning: StepTuning,
+    fleet_id: UUID,
+    domain_id: UUID,
+    *,
+    since: datetime,
+    now: datetime,
+    recent_limit: int = 64,
+) -> datetime | None:
+    """Until when a process may still route to ``domain_id``, a former active.
+
+    The fleet's newest committed promotion away from it flipped the pointer at some time; the
+    guard (:func:`_guard_s`) runs from then. None when it never was the source of one, or
+    when the guard was over before ``since`` (judged from the promotion's end, no later than
+    its flip, so without reading its event).
+    """
+    recent = await store.list_recent_operations(fleet_id, limit=recent_limit)
+    promote = next(
+        (
+            op
+            for op in sorted(recent, key=lambda op: op.created_at, reverse=True)
+            if op.kind is OperationKind.PROMOTE
+            and op.routing_committed
+            and op.source_domain_id == domain_id
+            and op.target_domain_id != domain_id
+        ),
+        None,
+    )
+    if promote is None:
+        return None
+    guard = timedelta(seconds=await _guard_s(store, tuning, fleet_id))
+    if (promote.finished_at or now) + guard <= since:
+        return None
+    return await _flipped_at(store, promote, now) + guard
+
+
+async def route_guard_until(
+    store: StateStore,
+    tuning: StepTuning,
+    fleet: FleetSnapshot,
+    operation: Operation,
+    step: OperationStep,
+    now: datetime,
+    *,
+    recent_limit: int = 64,
+) -> datetime | None:
+    """Until when a process may still route to the domain ``step`` would sleep (None: never).
+
+    The domain is one a promotion flipped the pointer away from: ``demote_old_sleep``'s source
+    (flipped when the step started), or the target of a demote's ``sleep_vllm`` when the
+    fleet's newest committed promotion away from it flipped less than a guard ago (a restore
+    demote queued by another replica whose budget ran out, say). A sleep before then would
+    reach a vLLM server that some process still routes requests to. The reconciler adds the
+    wait to the step's budget, so a guard longer than ``sleepTimeoutMs`` never times the step
+    out (and so never queues a restore demote that would sleep the old active at once).
+    """
+    flipped: datetime | None
+    if step is _S.DEMOTE_OLD_SLEEP:
+        source_id = operation.source_domain_id
+        source = None if source_id is None else fleet.domain(source_id)
+        if source is None or source.id == operation.target_domain_id:
+            return None
+        if source.provider is Provider.SKYSERVE:
+            return None
+        flipped = operation.step_started_at
+        if flipped is None:
+            return None
+        own = flipped + timedelta(seconds=tuning.route_guard_s)
+        if now < own:
+            return own  # pending anyway: the store is read once this process's guard passed
+    elif step is _S.SLEEP_VLLM:
+        return await former_active_guard_until(
+            store,
+            tuning,
+            fleet.id,
+            operation.target_domain_id,
+            since=operation.step_started_at or now,
+            now=now,
+            recent_limit=recent_limit,
+        )
+    else:
+        return None
+    return flipped + timedelta(seconds=await _guard_s(store, tuning, fleet.id))
+
+
 async def _demote_old_sleep(ctx: StepContext) -> StepResult:
     source = ctx.source
     if source is None:
         return Done(OperationStepDone(step=ctx.step, skipped="no previous active domain"))
     if source.provider is Provider.SKYSERVE:
         return Done(OperationStepDone(step=ctx.step, domain_id=source.id, skipped=_ALWAYS_AWAKE))
-    flipped = ctx.operation.step_started_at
-    if flipped is not None:
-        # Processes may route to the old active until their lease runs out: the step stays
-        # pending (re-evaluated on the next tick) until that has passed on the reconcile clock.
-        # First this process's own guard; then the longest lease any process recorded, read
-        # now (after the flip, whatever snapshot this tick holds): a process whose pointer
-        # predates the flip recorded its lease before it read that pointer.
-        left = ctx.tuning.route_guard_s - (ctx.now - flipped).total_seconds()
-        if left <= 0:
-            stored = await ctx.store.get_route_lease_ms(ctx.fleet.id)
-            if stored is not None:
-                left = lease_guard_ms(stored) / 1000 - (ctx.now - flipped).total_seconds()
-        if left > 0:
-            return Pending(f"every route lease runs out in {left:.3f} s (route guard)")
+    guarded = _route_guard(ctx)
+    if guarded is not None:
+        return guarded
     return await _sleep_domain(ctx, source, drain=True)
 
 
@@ -652,6 +778,9 @@ async def _sleep_vllm(ctx: StepContext) -> StepResult:
             OperationErrorCode.TARGET_IS_ACTIVE,
             f"domain {ctx.target.slug!r} became the active domain; it cannot be put to sleep",
         )
+    guarded = _route_guard(ctx)
+    if guarded is not None:
+        return guarded
     return await _sleep_domain(ctx, ctx.target, drain=False)
 
 
