@@ -84,26 +84,17 @@ def escape_control(text: str) -> str:
     return _CONTROL.sub(_escape_char, text)
 
 
-def _escaped_record(record: logging.LogRecord) -> logging.LogRecord:
-    """``record`` as a formatter may print it: its message and extras free of controls.
+def _escaped_copy(record: logging.LogRecord) -> logging.LogRecord:
+    """A copy of ``record`` whose message and extra fields are free of control characters.
 
-    A copy when anything needs escaping (other handlers, pytest's included, see the
-    original); the record itself, untouched, in the usual case.
+    A copy: the other handlers (pytest's included) see the record as it was logged.
     """
-    message = record.getMessage()
-    extras = {
-        key: value
-        for key, value in record.__dict__.items()
-        if key not in _STANDARD_ATTRS and isinstance(value, str) and _CONTROL.search(value)
-    }
-    has_trace = record.exc_info is not None or record.exc_text or record.stack_info
-    if not extras and not has_trace and _CONTROL.search(message) is None:
-        return record
     copy = logging.makeLogRecord(record.__dict__)
-    copy.msg = escape_control(message)
+    copy.msg = escape_control(record.getMessage())
     copy.args = None
-    for key, value in extras.items():
-        setattr(copy, key, escape_control(value))
+    for key, value in record.__dict__.items():
+        if key not in _STANDARD_ATTRS and isinstance(value, str):
+            setattr(copy, key, escape_control(value))
     copy.exc_text = None  # formatted again by this formatter (another may have cached it raw)
     return copy
 
@@ -195,7 +186,14 @@ class TextFormatter(logging.Formatter):
         super().__init__(_TEXT_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
-        record = _escaped_record(record)
+        if record.exc_info is None and not record.exc_text and not record.stack_info:
+            line = self._line(record)
+            # The usual case, checked in C on the finished line: nothing to escape.
+            if line.isprintable():
+                return line
+        return self._line(_escaped_copy(record))
+
+    def _line(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         rid = getattr(record, "request_id", None)
         if rid is None:
@@ -214,7 +212,11 @@ class _JsonFormatter(JsonFormatter):
     """python-json-logger's format, with the message and extras escaped like the text one."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return super().format(_escaped_record(record))
+        line = super().format(record)
+        # ASCII JSON (ensure_ascii) without a backslash holds no escaped control character.
+        if "\\" not in line and "\x7f" not in line:
+            return line
+        return super().format(_escaped_copy(record))
 
 
 def _json_formatter() -> logging.Formatter:
