@@ -120,7 +120,7 @@ async def test_half_sent_heads_of_one_peer_do_not_lock_out_another(
 
 
 async def test_the_per_peer_bound_keeps_one_address_to_its_share() -> None:
-    gate_busy = []
+    others = []
     async with serve(max_connections=50, max_connections_per_peer=5) as port:
         flood = []
         for _ in range(40):
@@ -137,13 +137,13 @@ async def test_the_per_peer_bound_keeps_one_address_to_its_share() -> None:
                 "127.0.0.1", port, local_addr=("127.0.0.3", 0)
             )
             writer.write(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            gate_busy.append((reader, writer))
-        for reader, _ in gate_busy:
+            others.append((reader, writer))
+        for reader, _ in others:
             line = await asyncio.wait_for(reader.readline(), READ_S)
             assert line.startswith(b"HTTP/1.1 200")
         answer = await exchange(port, HEALTHZ, source="127.0.0.1")
         assert status_of(answer) == 200
-        for _, writer in flood + gate_busy:
+        for _, writer in flood + others:
             writer.close()
 
 
