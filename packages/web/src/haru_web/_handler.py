@@ -78,10 +78,6 @@ class ConnectionRegistry:
     def __len__(self) -> int:
         return len(self._open)
 
-    def of_peer(self, group: str) -> int:
-        """Open connections of one peer group (see :func:`peer_group`)."""
-        return len(self._by_peer.get(group, ()))
-
     def admit(self, handler: HardenedRequestHandler) -> str | None:
         """Register ``handler``, evicting to make room; None, or why it is refused.
 
