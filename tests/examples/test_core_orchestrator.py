@@ -46,6 +46,9 @@ async def test_the_example_promotes_a_standby_through_the_supervisors(tmp_path: 
     async with LocalFleet(tmp_path / "fleet", options) as fleet:
         layout = tmp_path / "layout.json"
         layout.write_text(fleet.layout().model_dump_json(by_alias=True), encoding="utf-8")
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN + "\n", encoding="utf-8")
+        token_file.chmod(0o600)
         # The standby trains before the promotion, as a demoted domain does.
         async with aiohttp.ClientSession() as session:
             client = SupervisorClient(session, token=TOKEN)
@@ -58,8 +61,8 @@ async def test_the_example_promotes_a_standby_through_the_supervisors(tmp_path: 
             str(EXAMPLE),
             str(layout),
             "beta",
-            "--token",
-            TOKEN,
+            "--token-file",
+            str(token_file),
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
         )

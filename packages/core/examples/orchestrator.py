@@ -3,7 +3,10 @@
 Needs only ``pip install haru-core haru-supervisor``. Run it with a fleet layout and the
 domain to make active::
 
-    python orchestrator.py layout.json beta [--token SUPERVISOR_TOKEN]
+    python orchestrator.py layout.json beta [--token-file PATH]
+
+The supervisors' token comes from ``HARU_SUPERVISOR_TOKEN`` or a file, never from an
+argument: every user of the machine sees a command line (``ps``).
 """
 
 from __future__ import annotations
@@ -114,10 +117,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("layout", type=Path, help="fleet layout JSON")
     parser.add_argument("target", help="slug of the domain to make active")
-    parser.add_argument("--token", default=os.environ.get("HARU_SUPERVISOR_TOKEN"))
+    parser.add_argument("--token-file", type=Path, help="file holding the supervisors' token")
     args = parser.parse_args()
+    token = (
+        args.token_file.read_text(encoding="utf-8").strip()
+        if args.token_file is not None
+        else os.environ.get("HARU_SUPERVISOR_TOKEN")
+    )
     layout = FleetLayout.model_validate_json(args.layout.read_text(encoding="utf-8"))
-    result = asyncio.run(promote(layout, args.target, token=args.token))
+    result = asyncio.run(promote(layout, args.target, token=token))
     print(json.dumps({"activeDomainSlug": result.active_domain_slug}))
 
 

@@ -145,3 +145,9 @@ def test_bearer_header() -> None:
     assert bearer_header(None) == {}
     token = "abc.def"
     assert bearer_matches(bearer_header(token)["Authorization"], token)
+
+
+def test_a_token_that_was_not_utf8_on_the_wire_does_not_match() -> None:
+    # An HTTP server keeps undecodable header bytes as lone surrogates.
+    header = b"Bearer \xffs3cret".decode("utf-8", "surrogateescape")
+    assert bearer_matches(header, "s3cret") is False

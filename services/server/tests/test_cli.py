@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -27,6 +28,10 @@ from typer.testing import CliRunner, Result
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 
 WIDE = {"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
+
+
+TOKEN = "cli-token-0123456789"
+AUTH_ENV = {"HARU_API_TOKEN": TOKEN}
 
 
 def invoke(*args: str, env: dict[str, str] | None = None) -> Result:
@@ -87,31 +92,15 @@ def test_remote_commands_explain_an_unreachable_server() -> None:
     assert "cannot reach the server" in result.output
 
 
-@pytest.fixture
-async def served(tmp_path: Path, make_fleet: MakeFleet) -> AsyncIterator[tuple[str, LocalFleet]]:
-    """A ``haru serve`` process on a SQLite file seeded with a local fleet, with its loop."""
-    fleet = await make_fleet()
-    url = f"sqlite:///{tmp_path / 'served.db'}"
-    from datetime import UTC, datetime
-
-    from haru_db import upgrade
-
-    await upgrade(url)
-    store = StateStore.open(url)
-    await store.apply_fleet_layout(fleet.layout(), at=datetime.now(UTC))
-    await store.close()
+@contextlib.asynccontextmanager
+async def haru_serve(url: str, **env: str) -> AsyncIterator[str]:
+    """A ``haru serve`` process on the store at ``url``; yields its base URL."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "haru_server",
         "serve",
-        env={
-            "PATH": "/usr/bin:/bin",
-            "DATABASE_URL": url,
-            "PORT": "0",
-            "HARU_API_TOKEN": "cli-token-0123456789",
-            "HARU_RECONCILE_INTERVAL_MS": "100",
-        },
+        env={"PATH": "/usr/bin:/bin", "DATABASE_URL": url, "PORT": "0", **AUTH_ENV, **env},
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
@@ -136,7 +125,7 @@ async def served(tmp_path: Path, make_fleet: MakeFleet) -> AsyncIterator[tuple[s
                 base = line.rsplit("(", 1)[1].rstrip(")\n ")
     reader = asyncio.create_task(drain())
     try:
-        yield base, fleet
+        yield base
     finally:
         process.send_signal(signal.SIGTERM)
         async with asyncio.timeout(20):
@@ -144,28 +133,47 @@ async def served(tmp_path: Path, make_fleet: MakeFleet) -> AsyncIterator[tuple[s
         await reader
 
 
-async def run_cli(*args: str) -> Result:
-    return await asyncio.to_thread(invoke, *args)
+@pytest.fixture
+async def served(tmp_path: Path, make_fleet: MakeFleet) -> AsyncIterator[tuple[str, LocalFleet]]:
+    """A ``haru serve`` process on a SQLite file seeded with a local fleet, with its loop."""
+    fleet = await make_fleet()
+    url = f"sqlite:///{tmp_path / 'served.db'}"
+    from datetime import UTC, datetime
+
+    from haru_db import upgrade
+
+    await upgrade(url)
+    store = StateStore.open(url)
+    await store.apply_fleet_layout(fleet.layout(), at=datetime.now(UTC))
+    await store.close()
+    async with haru_serve(url, HARU_RECONCILE_INTERVAL_MS="100") as base:
+        yield base, fleet
 
 
-def invoke_split(*args: str) -> Result:
+async def run_cli(*args: str, env: dict[str, str] | None = None) -> Result:
+    """``haru ARGS`` with the token in the environment (``env`` replaces it)."""
+    return await asyncio.to_thread(invoke, *args, env=AUTH_ENV if env is None else env)
+
+
+def invoke_split(*args: str, env: dict[str, str] | None = None) -> Result:
     """Run ``haru ARGS`` with stdout and stderr apart, as a script sees them (narrow COLUMNS)."""
     runner = CliRunner()
-    env = {**WIDE, "COLUMNS": "40"}
-    return runner.invoke(app, list(args), env=env, catch_exceptions=False)
+    return runner.invoke(
+        app, list(args), env={**WIDE, "COLUMNS": "40", **(env or {})}, catch_exceptions=False
+    )
 
 
 async def run_split(*args: str) -> Result:
-    return await asyncio.to_thread(invoke_split, *args)
+    return await asyncio.to_thread(invoke_split, *args, env=AUTH_ENV)
 
 
 async def test_remote_commands_against_a_running_server(served: tuple[str, LocalFleet]) -> None:
     base, _fleet = served
-    auth = ("--url", base, "--token", "cli-token-0123456789")
-    denied = await run_cli("fleets", "--url", base, "--token", "wrong")
+    auth = ("--url", base)
+    denied = await run_cli("fleets", "--url", base, env={"HARU_API_TOKEN": "wrong"})
     assert denied.exit_code == 1
     assert "401" in denied.output
-    assert "cli-token-0123456789" not in denied.output
+    assert TOKEN not in denied.output
 
     listing = await run_cli("fleets", *auth)
     assert listing.exit_code == 0, listing.output
@@ -210,7 +218,7 @@ async def test_json_output_for_scripts_and_the_wait_exit_codes(
     served: tuple[str, LocalFleet],
 ) -> None:
     base, fleet = served
-    auth = ("--url", base, "--token", "cli-token-0123456789")
+    auth = ("--url", base)
 
     listing = await run_split("fleets", "--json", *auth)
     assert listing.exit_code == 0, listing.output
@@ -259,3 +267,84 @@ async def test_json_output_for_scripts_and_the_wait_exit_codes(
     pending = Operation.model_validate_json(timed_out.stdout)
     assert pending.state in (OperationState.PENDING, OperationState.RUNNING)
     assert "still" in timed_out.stderr
+
+
+def test_a_token_on_the_command_line_is_refused_naming_the_alternatives() -> None:
+    import subprocess
+
+    for argv in (["fleets", "--token", TOKEN], ["fleets", f"--token={TOKEN}"], ["--token", TOKEN]):
+        done = subprocess.run(
+            [sys.executable, "-m", "haru_server", *argv, "--url", "http://127.0.0.1:1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={"PATH": "/usr/bin:/bin", "COLUMNS": "200", "NO_COLOR": "1"},
+            check=False,
+        )
+        assert done.returncode == 2, done
+        assert "visible to every user" in done.stderr
+        assert "HARU_API_TOKEN" in done.stderr
+        assert "--token-file" in done.stderr
+        assert TOKEN not in done.stdout + done.stderr
+        assert "Traceback" not in done.stderr
+
+
+async def test_the_token_comes_from_a_file_with_a_warning_when_others_can_read_it(
+    served: tuple[str, LocalFleet], tmp_path: Path
+) -> None:
+    base, _fleet = served
+    private = tmp_path / "private-token"
+    private.write_text(f"  {TOKEN}\n", encoding="utf-8")
+    private.chmod(0o600)
+    shared = tmp_path / "shared-token"
+    shared.write_text(TOKEN, encoding="utf-8")
+    shared.chmod(0o644)
+
+    quiet = await run_cli("fleets", "--url", base, "--token-file", str(private), env={})
+    assert quiet.exit_code == 0, quiet.output
+    assert "local" in quiet.stdout
+    assert "warning" not in quiet.output
+
+    loose = await asyncio.to_thread(
+        invoke_split, "fleets", "--url", base, "--token-file", str(shared)
+    )
+    assert loose.exit_code == 0, loose.output
+    assert "local" in loose.stdout
+    assert "readable by other users" in loose.stderr
+    assert "chmod 600" in loose.stderr
+    assert TOKEN not in loose.stderr
+
+    # HARU_API_TOKEN_FILE is the same; a file that cannot be read is a usage error.
+    by_env = await run_cli("fleets", "--url", base, env={"HARU_API_TOKEN_FILE": str(private)})
+    assert by_env.exit_code == 0, by_env.output
+    missing = await run_cli("fleets", "--url", base, "--token-file", str(tmp_path / "none"))
+    assert missing.exit_code == 2
+    assert "cannot read the token file" in missing.output
+
+
+MARKUP = "[red]x[/red] [link=http://evil.example]y[/link] [bold]z"
+
+
+async def test_server_and_layout_text_is_printed_verbatim_not_as_markup(tmp_path: Path) -> None:
+    from haru_db import upgrade
+
+    url = f"sqlite:///{tmp_path / 'markup.db'}"
+    await upgrade(url)
+    layout = json.loads(example_layout_json())
+    layout["displayName"] = MARKUP
+    for domain in layout["domains"]:
+        for slot in domain["slots"]:
+            if slot["kind"] == "training":
+                slot["command"] = ["train", "[red]arg[/red]", ":warning:"]
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps(layout), encoding="utf-8")
+    seeded = await asyncio.to_thread(invoke, "seed", str(path), "--database-url", url)
+    assert seeded.exit_code == 0, seeded.output
+    async with haru_serve(url) as base:
+        shown = await run_cli("fleet", "show", "example", "--url", base)
+        missing = await run_cli("promote", "example", "[red]gamma[/red]", "--url", base)
+    assert shown.exit_code == 0, shown.output
+    assert MARKUP in shown.output
+    assert "train [red]arg[/red] :warning:" in shown.output
+    assert missing.exit_code == 2
+    assert "no domain '[red]gamma[/red]'" in " ".join(missing.output.split())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
@@ -383,3 +384,140 @@ async def test_sigterm_drains_with_readyz_failing_before_the_listener_closes(
             code = await server.process.wait()
     assert code == 0
     assert "draining" in server.log
+
+
+# ---- hostile clients at the HTTP edge ------------------------------------------------------
+
+EDGE_TOKEN = "edge-process-token-0123456789"
+FORGED = "2026-01-01 00:00:00,000 WARNING haru_server: forged"
+FORGED_PATH = b"/nowhere%0d%0a" + FORGED.replace(" ", "%20").encode() + b"%1b[31m"
+HALF_HEAD = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+async def raw_http(url: str, data: bytes, *, source: str = "127.0.0.1") -> bytes:
+    """Send ``data`` from ``source`` on a fresh connection; everything up to the close."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(url), local_addr=(source, 0))
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+def get(path: bytes, *headers: bytes) -> bytes:
+    lines = [b"GET " + path + b" HTTP/1.1", b"Host: 127.0.0.1", b"Connection: close", *headers]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+def status_of(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1])
+
+
+async def wait_for_line(server: ServerProcess, needle: str) -> str:
+    """The first log line containing ``needle`` (waits for the process to write it)."""
+    async with asyncio.timeout(10):
+        while True:
+            found = next((line for line in server.lines if needle in line), None)
+            if found is not None:
+                return found
+            await asyncio.sleep(0.02)
+
+
+async def _closed_by_server(reader: asyncio.StreamReader) -> None:
+    with contextlib.suppress(ConnectionError):
+        async with asyncio.timeout(10):
+            await reader.read()
+
+
+async def flood_half_sent_heads(url: str, count: int, *, source: str) -> list[Any]:
+    """``count`` connections from ``source``, each stopped half-way through its head."""
+    flood = []
+    for _ in range(count):
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", _port(url), local_addr=(source, 0)
+        )
+        writer.write(HALF_HEAD)
+        flood.append((reader, writer))
+    for _, writer in flood:
+        await writer.drain()
+    return flood
+
+
+async def test_hostile_clients_get_401s_escaped_logs_and_cannot_lock_out_others(
+    tmp_path: Path,
+) -> None:
+    env = {
+        "PORT": "0",
+        "HARU_API_TOKEN": EDGE_TOKEN,
+        "HARU_HTTP_MAX_CONNECTIONS": "64",
+        "HARU_HTTP_MAX_CONNECTIONS_PER_PEER": "8",
+        "HARU_HTTP_HEADER_TIMEOUT_MS": "60000",
+    }
+    async with haru_serve(env, cwd=tmp_path) as server:
+        # A token that is not UTF-8 is a wrong token like any other.
+        for token in (b"\xff\xfe" + EDGE_TOKEN.encode(), b"\x80" * 20):
+            answer = await raw_http(
+                server.url, get(b"/v1/fleets", b"Authorization: Bearer " + token)
+            )
+            assert status_of(answer) == 401, answer
+            assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "unauthorized"
+
+        # An encoded CR/LF (and ESC) in the path cannot forge a line.
+        answer = await raw_http(server.url, get(FORGED_PATH))
+        assert status_of(answer) == 404
+        line = await wait_for_line(server, "/nowhere")
+        assert "/nowhere\\r\\n" + FORGED + "\\x1b[31m 404" in line
+
+        # No trusted proxy: X-Forwarded-For is the client's word, not its address.
+        await raw_http(server.url, get(b"/xff-probe", b"X-Forwarded-For: 203.0.113.9"))
+        line = await wait_for_line(server, "/xff-probe")
+        assert line.split(" 404 ")[1].split()[1] == "peer=127.0.0.1"
+
+        # Hundreds of half-sent heads from 127.0.0.2: its own bound (8) evicts its own.
+        flood = await flood_half_sent_heads(server.url, 300, source="127.0.0.2")
+        await asyncio.gather(*(_closed_by_server(reader) for reader, _ in flood[:-8]))
+        for path in (b"/healthz", b"/readyz"):
+            answer = await raw_http(server.url, get(path), source="127.0.0.1")
+            assert status_of(answer) == 200, answer
+        for _, writer in flood:
+            writer.close()
+    lines = server.lines
+    assert "Traceback" not in server.log
+    assert not [line for line in lines if line.startswith(FORGED)]
+    assert not [line for line in lines if "\x1b" in line or "\r" in line]
+    assert "203.0.113.9" not in server.log
+    # One access line per undecodable token, nothing else about it.
+    assert len([line for line in lines if "/v1/fleets 401" in line]) == 2
+    assert "per-peer connection bound (8) reached by 127.0.0.2" in server.log
+
+
+async def test_forwarded_for_is_logged_from_a_trusted_proxy_in_json_lines(tmp_path: Path) -> None:
+    env = {
+        "PORT": "0",
+        "HARU_API_TOKEN": EDGE_TOKEN,
+        "HARU_LOG_FORMAT": "json",
+        "HARU_TRUSTED_PROXIES": "10.0.0.0/8, 127.0.0.0/8",
+    }
+    async with haru_serve(env, cwd=tmp_path) as server:
+        await raw_http(
+            server.url,
+            get(b"/xff-probe", b"X-Forwarded-For: 198.51.100.1, 203.0.113.9, 10.1.2.3"),
+        )
+        await raw_http(server.url, get(FORGED_PATH))
+        await wait_for_line(server, "/xff-probe")
+        await wait_for_line(server, "/nowhere")
+    records = [json.loads(line) for line in server.lines if line.strip()]
+    [probe] = [r for r in records if r.get("path") == "/xff-probe"]
+    # Right to left past the trusted proxies; what the client wrote further left is ignored.
+    assert probe["peer"] == "203.0.113.9"
+    assert probe["message"].endswith("peer=203.0.113.9")
+    [forged] = [r for r in records if str(r.get("path", "")).startswith("/nowhere")]
+    assert forged["path"] == "/nowhere\\r\\n" + FORGED + "\\x1b[31m"
+    assert "\n" not in forged["message"]
+    assert "\x1b" not in forged["message"]

@@ -256,3 +256,17 @@ def test_clock_offset_file_is_a_test_hook_off_by_default(tmp_path: Path) -> None
     clock = create_app(settings)[clock_key]
     assert isinstance(clock, OffsetFileClock)
     assert clock.path == path
+
+
+def test_per_peer_bound_and_trusted_proxies_from_the_environment() -> None:
+    limits = Settings.from_env(
+        {"HARU_HTTP_MAX_CONNECTIONS_PER_PEER": "8", "HARU_TRUSTED_PROXIES": " 10.0.0.0/8 , ::1"}
+    ).http_limits
+    assert limits.max_connections_per_peer == 8
+    assert [str(n) for n in limits.trusted_proxies] == ["10.0.0.0/8", "::1/128"]
+    defaults = Settings.from_env({}).http_limits
+    assert (defaults.max_connections_per_peer, defaults.trusted_proxies) == (256, ())
+    with pytest.raises(SettingsError, match="HARU_TRUSTED_PROXIES"):
+        Settings.from_env({"HARU_TRUSTED_PROXIES": "proxy.example"})
+    with pytest.raises(SettingsError, match="HARU_HTTP_MAX_CONNECTIONS_PER_PEER"):
+        Settings.from_env({"HARU_HTTP_MAX_CONNECTIONS_PER_PEER": "0"})

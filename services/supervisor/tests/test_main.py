@@ -303,3 +303,84 @@ async def test_version_and_help_answer_without_any_configuration() -> None:
     code, _, err = await run("--bogus")
     assert code == 2
     assert "usage: haru-supervisor" in err
+
+
+HALF_HEAD = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+FORGED = "2026-01-01 00:00:00,000 WARNING haru_supervisor: forged"
+
+
+async def _raw_http(port: int, data: bytes, *, source: str = "127.0.0.1") -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(10):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+def _get(path: bytes, *headers: bytes) -> bytes:
+    lines = [b"GET " + path + b" HTTP/1.1", b"Host: 127.0.0.1", b"Connection: close", *headers]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+async def _closed_by_server(reader: asyncio.StreamReader) -> None:
+    with contextlib.suppress(ConnectionError):
+        async with asyncio.timeout(10):
+            await reader.read()
+
+
+async def test_hostile_clients_at_the_supervisor_edge(
+    launch: Any, unused_port: Callable[[], int]
+) -> None:
+    token = "edge-supervisor-token-0123"
+    config = {
+        "slots": [
+            {"kind": "inference", "gpuIndex": 0, "models": [{"name": "m", "port": unused_port()}]}
+        ]
+    }
+    supervisor = await launch(
+        _base_env(
+            HARU_SUPERVISOR_CONFIG=json.dumps(config),
+            HARU_SUPERVISOR_TOKEN=token,
+            # The per-peer bound above the cap: the cap's own eviction keeps room for others.
+            HARU_HTTP_MAX_CONNECTIONS="32",
+            HARU_HTTP_MAX_CONNECTIONS_PER_PEER="1000",
+            HARU_HTTP_HEADER_TIMEOUT_MS="60000",
+        )
+    )
+    port = supervisor.port
+    for bad in (b"\xff\xfe" + token.encode(), b"\x80" * 20):
+        answer = await _raw_http(port, _get(b"/v1/status", b"Authorization: Bearer " + bad))
+        assert answer.startswith(b"HTTP/1.1 401 "), answer
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "unauthorized"
+
+    path = b"/nowhere%0d%0a" + FORGED.replace(" ", "%20").encode() + b"%1b[31m"
+    assert (await _raw_http(port, _get(path))).startswith(b"HTTP/1.1 404 ")
+
+    flood = []
+    for _ in range(300):
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, local_addr=("127.0.0.2", 0)
+        )
+        writer.write(HALF_HEAD)
+        flood.append((reader, writer))
+    await asyncio.gather(*(_closed_by_server(reader) for reader, _ in flood[:-32]))
+    for probe in (b"/healthz", b"/readyz"):
+        answer = await _raw_http(port, _get(probe), source="127.0.0.1")
+        # /readyz may say "not ready" (no vLLM here): it answers, in the envelope or not.
+        assert answer.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 503 ")), answer
+        assert probe != b"/healthz" or answer.startswith(b"HTTP/1.1 200 ")
+    for _, writer in flood:
+        writer.close()
+
+    supervisor.process.send_signal(signal.SIGINT)
+    assert await asyncio.wait_for(supervisor.process.wait(), 15) == 0
+    await asyncio.gather(*supervisor.readers)
+    lines = supervisor.lines
+    assert "Traceback" not in supervisor.log
+    assert not [line for line in lines if line.startswith(FORGED)]
+    assert [line for line in lines if "/nowhere\\r\\n" + FORGED + "\\x1b[31m 404" in line]
+    assert len([line for line in lines if "/v1/status 401" in line]) == 2
+    assert "closing an idle or half-sent connection of 127.0.0.2" in supervisor.log

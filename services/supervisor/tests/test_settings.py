@@ -294,3 +294,17 @@ def test_an_open_supervisor_is_never_exposed_by_accident(opt_in: str | None) -> 
 def test_a_malformed_supervisor_host_is_a_boot_error() -> None:
     with pytest.raises(SettingsError, match=r"^HARU_HOST must be an IP address or a host name"):
         load_settings({"HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG), "HARU_HOST": "a b"})
+
+
+def test_per_peer_bound_and_trusted_proxies_from_the_environment() -> None:
+    base = {"HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG)}
+    limits = load_settings(
+        {**base, "HARU_HTTP_MAX_CONNECTIONS_PER_PEER": "8", "HARU_TRUSTED_PROXIES": "192.0.2.7"}
+    ).http_limits
+    assert limits.max_connections_per_peer == 8
+    assert [str(n) for n in limits.trusted_proxies] == ["192.0.2.7/32"]
+    assert load_settings(base).http_limits.trusted_proxies == ()
+    with pytest.raises(SettingsError, match="HARU_TRUSTED_PROXIES"):
+        load_settings({**base, "HARU_TRUSTED_PROXIES": "10.0.0.0/33"})
+    with pytest.raises(SettingsError, match="HARU_HTTP_MAX_CONNECTIONS_PER_PEER"):
+        load_settings({**base, "HARU_HTTP_MAX_CONNECTIONS_PER_PEER": "-1"})

@@ -27,7 +27,12 @@ def bearer_matches(authorization: str | None, expected: str | None) -> bool:
     scheme, _, presented = authorization.strip().partition(" ")
     if scheme.lower() != "bearer":
         return False
-    return hmac.compare_digest(presented.strip().encode(), token.encode())
+    try:
+        offered = presented.strip().encode()
+    except UnicodeEncodeError:
+        # Bytes that are not UTF-8 (an HTTP server keeps them as lone surrogates): no match.
+        return False
+    return hmac.compare_digest(offered, token.encode())
 
 
 def bearer_header(token: str | None) -> dict[str, str]:

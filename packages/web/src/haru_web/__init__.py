@@ -23,15 +23,16 @@ from haru_web._body import (
     read_body,
     require_json,
 )
-from haru_web._env import EnvInt, EnvLogLevel
+from haru_web._env import EnvInt, EnvLogLevel, TrustedProxies
 from haru_web._envelope import json_error, raw_error_bytes, render_api_error
 from haru_web._errors import ApiError, HaruWebError, ListenError
-from haru_web._handler import HardenedRequestHandler, describe_protocol_error
+from haru_web._handler import HardenedRequestHandler, client_address, describe_protocol_error
 from haru_web._limits import (
     DEFAULT_BODY_IDLE_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_KEEPALIVE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_CONNECTIONS_PER_PEER,
     RateLimitedLog,
     ServerLimits,
     connection_cap,
@@ -48,6 +49,7 @@ from haru_web._logs import (
     configure_logging,
     current_request_id,
     echo_request_id,
+    escape_control,
     install_request_ids,
     new_request_id,
     parse_log_format,
@@ -79,6 +81,14 @@ from haru_web._openapi import (
     route,
     undeclared_routes,
 )
+from haru_web._peers import (
+    TRUSTED_PROXIES_VAR,
+    Network,
+    forwarded_client,
+    is_trusted,
+    parse_trusted_proxies,
+    peer_group,
+)
 from haru_web._serve import HardenedAppRunner, Listening, StopSignals, serving
 from haru_web._tokens import MIN_TOKEN_LENGTH, TokenConfigError, check_token, resolve_token
 
@@ -89,6 +99,7 @@ __all__ = (
     "DEFAULT_HEADER_TIMEOUT_S",
     "DEFAULT_KEEPALIVE_TIMEOUT_S",
     "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_CONNECTIONS_PER_PEER",
     "HOST_VAR",
     "JSON_MEDIA_TYPE",
     "LOG_FORMATS",
@@ -97,6 +108,7 @@ __all__ = (
     "MIN_TOKEN_LENGTH",
     "OPENAPI_PATH",
     "OPEN_BIND_VAR",
+    "TRUSTED_PROXIES_VAR",
     "VALIDATION_ERRORS_SHOWN",
     "AccessLogger",
     "ApiError",
@@ -111,6 +123,7 @@ __all__ = (
     "ListenError",
     "Listening",
     "LogFormat",
+    "Network",
     "Param",
     "RateLimitedLog",
     "RequestIdFilter",
@@ -118,6 +131,7 @@ __all__ = (
     "StopSignals",
     "TextFormatter",
     "TokenConfigError",
+    "TrustedProxies",
     "accept_request_id",
     "access_logged_key",
     "add_metrics_route",
@@ -125,6 +139,7 @@ __all__ = (
     "browser_guard_middleware",
     "check_token",
     "choose_bind_host",
+    "client_address",
     "configure_logging",
     "connection_cap",
     "current_request_id",
@@ -132,11 +147,14 @@ __all__ = (
     "describe_validation_error",
     "echo_request_id",
     "error_middleware",
+    "escape_control",
+    "forwarded_client",
     "install_request_ids",
     "int_query",
     "is_api_path",
     "is_loopback_bind",
     "is_loopback_host",
+    "is_trusted",
     "json_error",
     "metrics_guarded",
     "new_request_id",
@@ -147,6 +165,8 @@ __all__ = (
     "parse_body",
     "parse_log_format",
     "parse_log_level",
+    "parse_trusted_proxies",
+    "peer_group",
     "raw_error_bytes",
     "read_body",
     "registered_routes",

@@ -8,6 +8,7 @@ from typing import Annotated, Final
 from pydantic import BeforeValidator
 
 from haru_web._logs import parse_log_level
+from haru_web._peers import Network, parse_trusted_proxies
 
 _DIGITS: Final = re.compile(r"[0-9]{1,20}")
 
@@ -21,6 +22,10 @@ def _ascii_int(value: object) -> object:
     return value
 
 
+def _trusted_proxies(value: object) -> object:
+    return parse_trusted_proxies(value) if isinstance(value, str) else value
+
+
 def _log_level(value: object) -> object:
     return parse_log_level(value) if isinstance(value, str) else value
 
@@ -31,3 +36,8 @@ non-ASCII digits that ``int()`` would accept)."""
 
 EnvLogLevel = Annotated[int, BeforeValidator(_log_level)]
 """A :mod:`logging` level; from the environment one of :data:`LOG_LEVELS`."""
+
+TrustedProxies = Annotated[tuple[Network, ...], BeforeValidator(_trusted_proxies)]
+"""``HARU_TRUSTED_PROXIES``: from the environment a comma-separated list of addresses or
+networks (``10.0.0.0/8, 192.0.2.7``); blank is none. (A service's settings add pydantic-settings'
+``NoDecode``: the value is not JSON.)"""

@@ -7,7 +7,8 @@ be ``Authorization: Bearer <token>``. This subclass:
 
 - closes a connection whose request head is not complete within ``header_timeout_s`` (408),
 - closes one whose request body stays silent for ``body_idle_timeout_s`` while awaited,
-- keeps at most ``max_connections`` open (evicting the longest-idle one, else 503),
+- keeps at most ``max_connections`` open, and ``max_connections_per_peer`` per peer, by
+  evicting an idle or half-sent connection (one peer's before the others'), else 503,
 - refuses request lines other than HTTP/1.0 and HTTP/1.1 (505),
 - answers every protocol error in the JSON envelope with a fixed message, and logs it as one
   rate-limited WARNING line naming the error's kind only (never its text).
@@ -32,6 +33,7 @@ from haru_protocol import ErrorCode
 
 from haru_web._envelope import json_error, raw_error_bytes
 from haru_web._limits import RateLimitedLog, ServerLimits
+from haru_web._peers import forwarded_client, is_trusted, peer_group
 
 logger = logging.getLogger("haru_web.protocol")
 
@@ -65,33 +67,76 @@ def describe_protocol_error(status: int, exc: BaseException | None) -> tuple[Err
 
 
 class ConnectionRegistry:
-    """The open connections of one listening service, oldest first."""
+    """The open connections of one listening service, oldest first, and by peer."""
 
     def __init__(self, limits: ServerLimits, protocol_log: RateLimitedLog) -> None:
         self.limits = limits
         self.protocol_log = protocol_log
         self._open: dict[HardenedRequestHandler, None] = {}
+        self._by_peer: dict[str, dict[HardenedRequestHandler, None]] = {}
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def admit(self, handler: HardenedRequestHandler) -> bool:
-        """Register ``handler``; at the cap evict the longest-idle one, or refuse (False)."""
-        if len(self._open) >= self.limits.max_connections:
-            victim = next((h for h in self._open if h.idle), None)
+    def admit(self, handler: HardenedRequestHandler) -> str | None:
+        """Register ``handler``, evicting to make room; None, or why it is refused.
+
+        At the per-peer bound the peer's own oldest evictable connection goes; at the global
+        cap the oldest evictable one of the peer holding the most connections (so a client
+        that opens hundreds of half-sent requests evicts its own, not the others').
+        """
+        limits = self.limits
+        mine = self._by_peer.get(handler.peer_group, {})
+        if not handler.trusted_proxy and len(mine) >= limits.max_connections_per_peer:
+            victim = _first_evictable(mine)
             if victim is None:
-                return False
+                return f"per-peer connection bound ({limits.max_connections_per_peer}) reached"
             self.protocol_log.warning(
-                "connection cap (%d) reached: closing the longest-idle connection",
-                self.limits.max_connections,
+                "per-peer connection bound (%d) reached by %s: closing its oldest idle "
+                "or half-sent connection",
+                limits.max_connections_per_peer,
+                handler.peer_group,
             )
-            victim.force_close()
-            self._open.pop(victim, None)
+            self._evict(victim)
+        if len(self._open) >= limits.max_connections:
+            victim = self._global_victim()
+            if victim is None:
+                return f"connection cap ({limits.max_connections}) reached, every one busy"
+            self.protocol_log.warning(
+                "connection cap (%d) reached: closing an idle or half-sent connection of %s",
+                limits.max_connections,
+                victim.peer_group,
+            )
+            self._evict(victim)
         self._open[handler] = None
-        return True
+        self._by_peer.setdefault(handler.peer_group, {})[handler] = None
+        return None
+
+    def _global_victim(self) -> HardenedRequestHandler | None:
+        groups = sorted(self._by_peer.values(), key=len, reverse=True)
+        for group in groups:
+            victim = _first_evictable(group)
+            if victim is not None:
+                return victim
+        return None
+
+    def _evict(self, victim: HardenedRequestHandler) -> None:
+        victim.force_close()
+        self.discard(victim)
 
     def discard(self, handler: HardenedRequestHandler) -> None:
         self._open.pop(handler, None)
+        group = self._by_peer.get(handler.peer_group)
+        if group is not None:
+            group.pop(handler, None)
+            if not group:
+                del self._by_peer[handler.peer_group]
+
+
+def _first_evictable(
+    handlers: dict[HardenedRequestHandler, None],
+) -> HardenedRequestHandler | None:
+    return next((h for h in handlers if h.evictable), None)
 
 
 class HardenedRequestHandler(RequestHandler):
@@ -110,20 +155,28 @@ class HardenedRequestHandler(RequestHandler):
         self._finished = 0
         self._watchdog: asyncio.TimerHandle | None = None
         self._admitted = False
+        self.peer_group = "-"
+        """The key this connection counts under for the per-peer bound."""
+        self.trusted_proxy = False
+        """The direct peer is one of :attr:`ServerLimits.trusted_proxies`."""
 
     @property
-    def idle(self) -> bool:
-        """No request in flight and no byte of a next one received (safe to evict)."""
-        return not self._head_partial and self._request_count == self._finished
+    def evictable(self) -> bool:
+        """Idle, or half-way through sending a request head: no request is being served."""
+        return self._request_count == self._finished and not self._force_close
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         now = self._loop.time()
         self._head_since = now
-        if not self._registry.admit(self):
+        peer = self.peername
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        self.peer_group = peer_group(address)
+        self.trusted_proxy = is_trusted(address, self._limits.trusted_proxies)
+        refused = self._registry.admit(self)
+        if refused is not None:
             self._registry.protocol_log.warning(
-                "connection cap (%d) reached and every connection is busy: refusing one",
-                self._limits.max_connections,
+                "refused a connection from %s: %s", self.peer_group, refused
             )
             self._answer_raw(503, ErrorCode.OVERLOADED, "too many connections; retry shortly")
             return
@@ -244,6 +297,19 @@ class HardenedRequestHandler(RequestHandler):
         response = json_error(code, text, status=status)
         response.force_close()
         return response
+
+
+def client_address(request: BaseRequest) -> str:
+    """The client's address for logs.
+
+    The direct peer, or the client ``X-Forwarded-For`` names when the direct peer is a trusted
+    proxy (``HARU_TRUSTED_PROXIES``; none by default, so a client cannot forge its address).
+    """
+    protocol = request.protocol
+    trusted = (
+        protocol._limits.trusted_proxies if isinstance(protocol, HardenedRequestHandler) else ()
+    )
+    return forwarded_client(request.remote, request.headers.get("X-Forwarded-For"), trusted)
 
 
 class HardenedServer(web.Server):

@@ -9,10 +9,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from haru_web._peers import Network
+
 DEFAULT_HEADER_TIMEOUT_S: Final = 10.0
 DEFAULT_BODY_IDLE_TIMEOUT_S: Final = 30.0
 DEFAULT_KEEPALIVE_TIMEOUT_S: Final = 75.0
 DEFAULT_MAX_CONNECTIONS: Final = 512
+DEFAULT_MAX_CONNECTIONS_PER_PEER: Final = 256
 
 FD_RESERVE: Final = 64
 """File descriptors kept out of the connection cap (database, upstreams, trainers, logs)."""
@@ -30,15 +33,23 @@ class ServerLimits:
             is waiting for (a body the handler is not reading yet does not count). On expiry
             the connection is closed and the handler sees the client as gone (499).
         keepalive_timeout_s: How long an idle keep-alive connection is kept between requests.
-        max_connections: Open client connections. At the cap a new connection evicts the
-            longest-idle one (no request in flight, nothing sent); when every connection is
-            busy, the new one gets 503 ``overloaded`` and is closed.
+        max_connections: Open client connections. At the cap a new connection evicts an
+            idle or half-sent one (no request in flight): the oldest of the peer holding the
+            most connections; when every connection is busy, the new one gets 503
+            ``overloaded`` and is closed.
+        max_connections_per_peer: Open connections of one peer (an IPv4 address or an IPv6
+            /64). At this bound a new connection of the peer evicts the peer's own oldest
+            idle or half-sent one, else gets 503 ``overloaded``. Trusted proxies are exempt.
+        trusted_proxies: Reverse proxies (addresses or networks) whose ``X-Forwarded-For``
+            names the client in the access log; they are exempt from the per-peer bound.
     """
 
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_idle_timeout_s: float = DEFAULT_BODY_IDLE_TIMEOUT_S
     keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER
+    trusted_proxies: tuple[Network, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_idle_timeout_s", "keepalive_timeout_s"):
@@ -46,6 +57,8 @@ class ServerLimits:
                 raise ValueError(f"{name} must be positive")
         if self.max_connections < 1:
             raise ValueError("max_connections must be at least 1")
+        if self.max_connections_per_peer < 1:
+            raise ValueError("max_connections_per_peer must be at least 1")
 
     @property
     def check_interval_s(self) -> float:

@@ -8,6 +8,11 @@ makes on its behalf can forward it) and written by the access logger.
 
 What is never logged: a token, a prompt or an answer. Log calls name fleets, domains, models,
 statuses and durations; bodies stay out.
+
+Both formats escape control characters (CR, LF, ESC, DEL, C1 controls, Unicode line separators
+and bidi overrides, lone surrogates) in the message and every extra field, whatever a log call
+passed: a client's path, model name or header cannot forge a line or drive the reader's
+terminal. Only a traceback keeps its line breaks, each of its lines indented.
 """
 
 from __future__ import annotations
@@ -16,15 +21,18 @@ import contextlib
 import contextvars
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator
-from typing import Final, Literal, TextIO
+from typing import Any, Final, Literal, TextIO
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 from aiohttp.typedefs import Handler
 from haru_protocol import REQUEST_ID_HEADER, is_request_id
 from pythonjsonlogger.json import JsonFormatter
+
+from haru_web._handler import client_address
 
 LogFormat = Literal["text", "json"]
 """``HARU_LOG_FORMAT``: ``text`` (default) or ``json`` (one JSON object per line)."""
@@ -46,6 +54,54 @@ _current: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 _TEXT_FORMAT: Final = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _JSON_FIELDS: Final = "%(asctime)s %(levelname)s %(name)s %(message)s"
 _ACCESS_LOGGER: Final = "aiohttp.access"
+
+
+_CONTROL: Final = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
+"""What never reaches a log line raw: C0/C1 controls and DEL, Unicode line and paragraph
+separators, bidirectional overrides (which reorder what a terminal shows), lone surrogates
+(undecodable bytes of a header)."""
+_NAMED: Final = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_STANDARD_ATTRS: Final = frozenset(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message",
+    "asctime",
+}
+_TRACE_INDENT: Final = "    "
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    char = match.group()
+    named = _NAMED.get(char)
+    if named is not None:
+        return named
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def escape_control(text: str) -> str:
+    r"""``text`` with every control character escaped (``\n``, ``\x1b``, ``\u2028``...)."""
+    return _CONTROL.sub(_escape_char, text)
+
+
+def _escaped_copy(record: logging.LogRecord) -> logging.LogRecord:
+    """A copy of ``record`` whose message and extra fields are free of control characters.
+
+    A copy: the other handlers (pytest's included) see the record as it was logged.
+    """
+    copy = logging.makeLogRecord(record.__dict__)
+    copy.msg = escape_control(record.getMessage())
+    copy.args = None
+    for key, value in record.__dict__.items():
+        if key not in _STANDARD_ATTRS and isinstance(value, str):
+            setattr(copy, key, escape_control(value))
+    copy.exc_text = None  # formatted again by this formatter (another may have cached it raw)
+    return copy
+
+
+def _indented(trace: str) -> str:
+    # A traceback keeps its lines, each indented: an exception's text cannot start a line.
+    return "\n".join(_TRACE_INDENT + escape_control(line) for line in trace.split("\n"))
 
 
 def current_request_id() -> str | None:
@@ -120,19 +176,51 @@ class RequestIdFilter(logging.Filter):
 
 
 class TextFormatter(logging.Formatter):
-    """The human format, with ``request_id=...`` appended when the line has one."""
+    """The human format, with ``request_id=...`` appended when the line has one.
+
+    Control characters are escaped and a traceback's lines are indented: one record, one
+    line starting at column 0.
+    """
 
     def __init__(self) -> None:
         super().__init__(_TEXT_FORMAT)
 
     def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info is None and not record.exc_text and not record.stack_info:
+            line = self._line(record)
+            # The usual case, checked in C on the finished line: nothing to escape.
+            if line.isprintable():
+                return line
+        return self._line(_escaped_copy(record))
+
+    def _line(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         rid = getattr(record, "request_id", None)
-        return line if rid is None else f"{line} request_id={rid}"
+        if rid is None:
+            return line
+        head, newline, trace = line.partition("\n")
+        return f"{head} request_id={rid}{newline}{trace}"
+
+    def formatException(self, ei: Any) -> str:  # noqa: N802  (logging's name)
+        return _indented(super().formatException(ei))
+
+    def formatStack(self, stack_info: str) -> str:  # noqa: N802  (logging's name)
+        return _indented(super().formatStack(stack_info))
+
+
+class _JsonFormatter(JsonFormatter):
+    """python-json-logger's format, with the message and extras escaped like the text one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = super().format(record)
+        # ASCII JSON (ensure_ascii) without a backslash holds no escaped control character.
+        if "\\" not in line and "\x7f" not in line:
+            return line
+        return super().format(_escaped_copy(record))
 
 
 def _json_formatter() -> logging.Formatter:
-    return JsonFormatter(
+    return _JsonFormatter(
         _JSON_FIELDS,
         rename_fields={"asctime": "time", "levelname": "level", "name": "logger"},
         timestamp=False,
@@ -144,7 +232,8 @@ class AccessLogger(AbstractAccessLogger):
 
     Heartbeats, scrapes and health checks arrive every few seconds: a line each would drown
     the rest. Everything else (writes, errors) is logged at INFO. The path is logged without
-    its query string.
+    its query string; the peer is the client's address (:func:`client_address`: the direct
+    peer unless it is a trusted proxy).
     """
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
@@ -154,19 +243,22 @@ class AccessLogger(AbstractAccessLogger):
         level = logging.DEBUG if quiet else logging.INFO
         if not self.logger.isEnabledFor(level):
             return
+        peer = client_address(request)
         self.logger.log(
             level,
-            "%s %s %d %.3fs",
+            "%s %s %d %.3fs peer=%s",
             request.method,
             request.path,
             response.status,
             time,
+            peer,
             extra={
                 "request_id": request.get(request_id_key),
                 "method": request.method,
                 "path": request.path,
                 "status": response.status,
                 "duration_s": round(time, 6),
+                "peer": peer,
             },
         )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from collections.abc import AsyncIterator
@@ -33,12 +34,7 @@ class HardenedAppRunner(web.AppRunner):
                 limits.max_connections,
                 cap,
             )
-            limits = ServerLimits(
-                header_timeout_s=limits.header_timeout_s,
-                body_idle_timeout_s=limits.body_idle_timeout_s,
-                keepalive_timeout_s=limits.keepalive_timeout_s,
-                max_connections=cap,
-            )
+            limits = dataclasses.replace(limits, max_connections=cap)
         self.registry = ConnectionRegistry(
             limits, RateLimitedLog(logging.getLogger("haru_web.protocol"))
         )

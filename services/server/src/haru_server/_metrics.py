@@ -37,7 +37,7 @@ from haru_protocol import (
     SupervisorStatus,
     TrainingRunState,
 )
-from haru_web import CLIENT_CLOSED_STATUS, ApiError, access_logged_key
+from haru_web import CLIENT_CLOSED_STATUS, ApiError, access_logged_key, client_address
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -479,8 +479,9 @@ def _record(request: web.Request, note: ProxyNote, status: int, total_s: float) 
         metrics.proxy_stale.labels(note.fleet).inc()
     if note.snapshot is not None:
         metrics.fleet_seen(note.snapshot)
+    peer = client_address(request)
     access_logger.info(
-        "proxy %s fleet=%s model=%s status=%d upstream=%s headers=%s total=%.3fs",
+        "proxy %s fleet=%s model=%s status=%d upstream=%s headers=%s total=%.3fs peer=%s",
         request.path,
         note.fleet,
         note.model,
@@ -488,6 +489,7 @@ def _record(request: web.Request, note: ProxyNote, status: int, total_s: float) 
         note.upstream or "-",
         "-" if note.headers_s is None else f"{note.headers_s:.3f}s",
         total_s,
+        peer,
         extra={
             "route": request.path,
             "fleet": note.fleet,
@@ -497,5 +499,6 @@ def _record(request: web.Request, note: ProxyNote, status: int, total_s: float) 
             "upstream_headers_s": None if note.headers_s is None else round(note.headers_s, 6),
             "total_s": round(total_s, 6),
             "stale": note.stale,
+            "peer": peer,
         },
     )

@@ -15,13 +15,16 @@ from typing import Annotated, Any, Final
 
 from haru_protocol import MAX_DURATION_MS
 from haru_web import (
+    DEFAULT_MAX_CONNECTIONS_PER_PEER,
     HOST_VAR,
     OPEN_BIND_VAR,
+    TRUSTED_PROXIES_VAR,
     EnvInt,
     EnvLogLevel,
     LogFormat,
     ServerLimits,
     TokenConfigError,
+    TrustedProxies,
     check_token,
     choose_bind_host,
     is_loopback_bind,
@@ -158,7 +161,21 @@ class Settings(BaseSettings):
         512, validation_alias=_env("HARU_HTTP_MAX_CONNECTIONS", "http_max_connections")
     )
     """``HARU_HTTP_MAX_CONNECTIONS``: open client connections (lowered to fit the open-file
-    limit); at the cap the longest-idle one is closed, or the newcomer gets 503."""
+    limit); at the cap an idle or half-sent one is closed, or the newcomer gets 503."""
+    http_max_connections_per_peer: Annotated[EnvInt, Field(ge=1, le=1_000_000)] = Field(
+        DEFAULT_MAX_CONNECTIONS_PER_PEER,
+        validation_alias=_env(
+            "HARU_HTTP_MAX_CONNECTIONS_PER_PEER", "http_max_connections_per_peer"
+        ),
+    )
+    """``HARU_HTTP_MAX_CONNECTIONS_PER_PEER``: open connections of one client address (IPv6: one
+    /64); at the bound its own idle or half-sent one is closed, or the newcomer gets 503.
+    Trusted proxies are exempt."""
+    trusted_proxies: Annotated[TrustedProxies, NoDecode] = Field(
+        (), validation_alias=_env(TRUSTED_PROXIES_VAR, "trusted_proxies")
+    )
+    """``HARU_TRUSTED_PROXIES``: reverse proxies (addresses or CIDR networks, comma-separated)
+    whose ``X-Forwarded-For`` names the client in the access log; empty = never trusted."""
     route_lease_ms: Annotated[EnvInt, Field(ge=0, le=60_000)] = Field(
         300, validation_alias=_env("HARU_ROUTE_LEASE_MS", "route_lease_ms")
     )
@@ -269,6 +286,8 @@ class Settings(BaseSettings):
             body_idle_timeout_s=self.http_body_idle_timeout_ms / 1000,
             keepalive_timeout_s=self.http_keepalive_timeout_ms / 1000,
             max_connections=self.http_max_connections,
+            max_connections_per_peer=self.http_max_connections_per_peer,
+            trusted_proxies=self.trusted_proxies,
         )
 
     def api_token_value(self) -> str | None:

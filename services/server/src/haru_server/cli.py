@@ -1,7 +1,9 @@
 """The ``haru`` command line: run the server, prepare the store, and drive fleets over HTTP.
 
 Every command that talks to a fleet does so through a running server's control API (``--url``
-/ ``HARU_URL``, ``--token`` / ``HARU_API_TOKEN``); only ``haru serve``, ``haru db upgrade`` and
+/ ``HARU_URL``; the token from ``HARU_API_TOKEN`` or a file, ``--token-file`` /
+``HARU_API_TOKEN_FILE``, never from the command line, which ``ps`` shows to every user); only
+``haru serve``, ``haru db upgrade`` and
 ``haru seed`` open the state store (``DATABASE_URL``). Adding a command is one registration in
 :func:`_register`; installed packages add commands under the ``haru.commands`` entry-point group
 (haru-demo registers ``demo``).
@@ -78,14 +80,27 @@ PIPED_WIDTH: Final = 100_000
 """Console width when stdout is not a terminal: tables are never truncated or wrapped."""
 
 
+# No emoji codes either: a server's ":warning:" prints as typed.
 @cache
 def _console() -> Console:
     from rich.console import Console
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, emoji=False)
     if not console.is_terminal:
-        console = Console(highlight=False, width=PIPED_WIDTH, soft_wrap=True)
+        console = Console(highlight=False, emoji=False, width=PIPED_WIDTH, soft_wrap=True)
     return console
+
+
+def _escape(value: object) -> str:
+    """``value`` as text that Rich prints verbatim (a server's ``[red]`` is not markup)."""
+    from rich.markup import escape
+
+    return escape(str(value))
+
+
+def _cells(*values: object) -> list[str]:
+    """Table cells that print verbatim (a table cell is Rich markup otherwise)."""
+    return [_escape(value) for value in values]
 
 
 def _print_json(document: str) -> None:
@@ -98,22 +113,88 @@ def _print_json(document: str) -> None:
 def _err_console() -> Console:
     from rich.console import Console
 
-    return Console(stderr=True, highlight=False)
+    return Console(stderr=True, highlight=False, emoji=False)
 
 
 UrlOption = Annotated[
     str,
     typer.Option("--url", envvar="HARU_URL", help="Base URL of a running haru server."),
 ]
+TOKEN_VAR: Final = "HARU_API_TOKEN"  # noqa: S105  (a variable name, not a secret)
+TOKEN_FILE_VAR: Final = "HARU_API_TOKEN_FILE"  # noqa: S105
+REFUSED_TOKEN_FLAG: Final = "--token"  # noqa: S105
+
+
+def _token_from_file(path: str) -> str:
+    import os
+    import stat
+
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as handle:
+            mode = os.fstat(handle.fileno()).st_mode
+            content = handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise _fail(
+            CliFailure(f"cannot read the token file {path}: {reason}", code=EXIT_USAGE)
+        ) from None
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        # Still used (the operator asked for it), but another user may already have read it.
+        _err_console().print(
+            f"[bold yellow]warning:[/] the token file {_escape(path)} is readable by other "
+            f"users (mode {stat.S_IMODE(mode):04o}); make it private: chmod 600 {_escape(path)}",
+            soft_wrap=True,
+        )
+    token = content.strip()
+    if not token:
+        raise _fail(CliFailure(f"the token file {path} is empty", code=EXIT_USAGE))
+    return token
+
+
+def _resolve_token(token_file: str | None) -> str | None:
+    """The API token: from ``--token-file`` / ``HARU_API_TOKEN_FILE``, else ``HARU_API_TOKEN``."""
+    import os
+
+    if token_file is not None and token_file.strip():
+        return _token_from_file(token_file.strip())
+    return os.environ.get(TOKEN_VAR, "").strip() or None
+
+
 TokenOption = Annotated[
     str | None,
     typer.Option(
-        "--token",
-        envvar="HARU_API_TOKEN",
-        help="Bearer token of the server's API (HARU_API_TOKEN).",
+        "--token-file",
+        envvar=TOKEN_FILE_VAR,
+        metavar="PATH",
+        callback=_resolve_token,
+        help=(
+            "File holding the bearer token of the server's API (HARU_API_TOKEN_FILE); "
+            "without it the token is read from HARU_API_TOKEN. There is no --token: a "
+            "command line is visible to every user (ps)."
+        ),
         show_default=False,
     ),
 ]
+"""The API token, resolved (the parameter holds the token, not the file's name)."""
+
+
+def refuse_token_argument(args: Sequence[str]) -> None:
+    """Refuse ``--token VALUE`` anywhere before ``--`` (exit 2), naming the alternatives."""
+    for arg in args:
+        if arg == "--":
+            return
+        if arg == REFUSED_TOKEN_FLAG or arg.startswith(REFUSED_TOKEN_FLAG + "="):
+            raise _fail(
+                CliFailure(
+                    "--token is not accepted: a token on the command line is visible to every "
+                    f"user of this machine (ps). Set {TOKEN_VAR} in the environment, or put the "
+                    f"token in a file only you can read and pass --token-file PATH (or set "
+                    f"{TOKEN_FILE_VAR}).",
+                    code=EXIT_USAGE,
+                )
+            )
+
+
 DatabaseOption = Annotated[
     str | None,
     typer.Option(
@@ -178,7 +259,7 @@ def _run_db(coro: Awaitable[_T]) -> _T:
 
 
 def _fail(exc: CliFailure) -> typer.Exit:
-    _err_console().print(f"[bold red]error:[/] {exc}")
+    _err_console().print(f"[bold red]error:[/] {_escape(exc)}")
     return typer.Exit(exc.code)
 
 
@@ -236,7 +317,7 @@ def db_upgrade(database_url: DatabaseOption = None) -> None:
     def body() -> None:
         revision = _run_db(go())
         where = redact_database_url(resolve_database_url(database_url))
-        _console().print(f"{where}: schema at revision [bold]{revision}[/]")
+        _console().print(f"{_escape(where)}: schema at revision [bold]{_escape(revision)}[/]")
 
     _guard(body)
 
@@ -257,7 +338,9 @@ def db_current(database_url: DatabaseOption = None, as_json: JsonOption = False)
         else:
             state = "at head" if revision == head else f"head is {head}"
             shown = "none (never migrated)" if revision is None else revision
-            _console().print(f"{where}: schema at revision [bold]{shown}[/] ({state})")
+            _console().print(
+                f"{_escape(where)}: schema at revision [bold]{_escape(shown)}[/] ({_escape(state)})"
+            )
         if revision != head:
             raise typer.Exit(EXIT_ERROR)
 
@@ -363,7 +446,7 @@ def seed(
         finally:
             await store.close()
         return (
-            f"fleet [bold]{document.slug}[/] ({result.fleet_id}): "
+            f"fleet [bold]{_escape(document.slug)}[/] ({result.fleet_id}): "
             f"{'created' if result.fleet_created else 'already present'}, "
             f"{result.domains_created} domain(s) and {result.slots_created} slot(s) added"
             + (", routing pointer set" if result.pointer_set else "")
@@ -413,10 +496,12 @@ def fleets(
         table = Table("slug", "id", "active domain", "route revision")
         for fleet in listing.fleets:
             table.add_row(
-                fleet.slug,
-                str(fleet.id),
-                slugs[str(fleet.id)] or "-",
-                str(fleet.route_revision),
+                *_cells(
+                    fleet.slug,
+                    fleet.id,
+                    slugs[str(fleet.id)] or "-",
+                    fleet.route_revision,
+                )
             )
         _console().print(table)
 
@@ -436,7 +521,9 @@ def render_fleet(fleet: FleetSnapshot) -> list[Table]:
     """The fleet as two tables: its domains, then their slots."""
     from haru_core import is_active
     from rich.table import Table
+    from rich.text import Text
 
+    shown = fleet.slug if fleet.display_name is None else f"{fleet.slug} ({fleet.display_name})"
     domains = Table(
         "domain",
         "role",
@@ -444,18 +531,20 @@ def render_fleet(fleet: FleetSnapshot) -> list[Table]:
         "provider",
         "supervisor",
         "last seen",
-        title=f"fleet {fleet.slug}",
+        title=Text(f"fleet {shown}"),
     )
     slots = Table("domain", "gpu", "kind", "state", "models / command")
     for domain in fleet.domains:
         role = "[bold green]active[/]" if is_active(fleet, domain) else "standby"
         domains.add_row(
-            domain.slug,
+            _escape(domain.slug),
             role,
-            domain.state.value,
-            domain.provider.value,
-            domain.supervisor_url or "-",
-            _ago(domain.last_seen_at),
+            *_cells(
+                domain.state.value,
+                domain.provider.value,
+                domain.supervisor_url or "-",
+                _ago(domain.last_seen_at),
+            ),
         )
         for slot in domain.slots:
             spec = slot.inference_spec
@@ -465,10 +554,10 @@ def render_fleet(fleet: FleetSnapshot) -> list[Table]:
                 else " ".join(slot.training_spec.command if slot.training_spec else ())
             )
             slots.add_row(
-                domain.slug, str(slot.gpu_index), slot.kind.value, slot.state.value, detail
+                *_cells(domain.slug, slot.gpu_index, slot.kind.value, slot.state.value, detail)
             )
     active = fleet.active_domain
-    domains.caption = (
+    domains.caption = Text(
         f"id {fleet.id}  active domain {active.slug if active is not None else '-'}  "
         f"route revision {fleet.route_revision}  "
         f"autoFailover {'on' if fleet.policy.auto_failover else 'off'}"
@@ -539,7 +628,7 @@ async def _follow_operation(
     plan = plan_for(operation.kind)
     shown = 0
     deadline = time.monotonic() + timeout_s
-    status = None if quiet else console.status(f"{operation.kind.value}: waiting")
+    status = None if quiet else console.status(_escape(f"{operation.kind.value}: waiting"))
     with status if status is not None else contextlib.nullcontext():
         while True:
             if operation.current_step is not None and status is not None:
@@ -547,9 +636,9 @@ async def _follow_operation(
                 succeeded = operation.state is OperationState.SUCCEEDED
                 upto = reached + 1 if succeeded else reached
                 for step in plan[shown:upto]:
-                    console.print(f"  [green]done[/]  {step.value}")
+                    console.print(f"  [green]done[/]  {_escape(step.value)}")
                 shown = max(shown, upto)
-                status.update(f"{operation.kind.value}: {operation.current_step.value}")
+                status.update(_escape(f"{operation.kind.value}: {operation.current_step.value}"))
             if operation.state not in (OperationState.PENDING, OperationState.RUNNING):
                 return operation
             if time.monotonic() >= deadline:
@@ -587,15 +676,15 @@ def _request(
                 return None
             if isinstance(answer, AlreadyActiveResponse):
                 console.print(
-                    f"domain [bold]{target.slug}[/] is already active "
+                    f"domain [bold]{_escape(target.slug)}[/] is already active "
                     f"(route revision {answer.route_revision})"
                 )
                 return None
             operation = answer.operation
             if not as_json:
                 console.print(
-                    f"{kind.value} of [bold]{target.slug}[/] accepted: operation {operation.id} "
-                    f"({operation.state.value})"
+                    f"{kind.value} of [bold]{_escape(target.slug)}[/] accepted: "
+                    f"operation {operation.id} ({_escape(operation.state.value)})"
                 )
             if not wait:
                 return None
@@ -616,7 +705,7 @@ def _request(
             _print_json(final.model_dump_json())
         if final.state is OperationState.SUCCEEDED:
             if not as_json:
-                console.print(f"[bold green]{kind.value} succeeded[/]")
+                console.print(f"[bold green]{_escape(kind.value)} succeeded[/]")
             return
         error = final.error
         reason = (
@@ -702,13 +791,16 @@ def domain_status(
             return
         row = answer.domain
         console.print(
-            f"domain [bold]{row.slug}[/] ({row.provider.value}, {answer.role}): "
-            f"{row.state.value}, launch attempt {row.launch_attempt}"
+            f"domain [bold]{_escape(row.slug)}[/] "
+            + _escape(
+                f"({row.provider.value}, {answer.role}): "
+                f"{row.state.value}, launch attempt {row.launch_attempt}"
+            )
         )
-        console.print(f"supervisor: {row.supervisor_url or '-'}")
+        console.print(f"supervisor: {row.supervisor_url or '-'}", markup=False)
         if answer.cluster_name is not None:
             shown = answer.cluster_status or f"unknown ({answer.cluster_error})"
-            console.print(f"cluster {answer.cluster_name}: {shown}")
+            console.print(f"cluster {answer.cluster_name}: {shown}", markup=False)
         for event in answer.events:
             console.print(format_event(event), markup=False, highlight=False)
 
@@ -727,7 +819,8 @@ def _domain_action(
             _print_json(answer.model_dump_json())
             return
         console.print(
-            f"domain [bold]{answer.domain.slug}[/] {action} accepted: {answer.domain.state.value}"
+            f"domain [bold]{_escape(answer.domain.slug)}[/] {action} accepted: "
+            + _escape(answer.domain.state.value)
         )
 
     _guard(lambda: _run(go()))
@@ -923,6 +1016,11 @@ def _group_class(
                 distribution, what = OPTIONAL_COMMANDS[cmd_name]
                 return _missing_command(cmd_name, distribution, what)
             return None
+
+        def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+            refuse_token_argument(args)
+            result: list[str] = super().parse_args(ctx, args)
+            return result
 
         def resolve_command(self, ctx: Any, args: list[str]) -> tuple[str | None, Any, list[str]]:
             name, command, rest = super().resolve_command(ctx, args)

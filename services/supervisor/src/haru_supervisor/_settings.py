@@ -16,13 +16,16 @@ from typing import Annotated, Any, Final, Literal, get_args
 
 from haru_protocol import SupervisorConfig, normalize_token
 from haru_web import (
+    DEFAULT_MAX_CONNECTIONS_PER_PEER,
     HOST_VAR,
     OPEN_BIND_VAR,
+    TRUSTED_PROXIES_VAR,
     EnvInt,
     EnvLogLevel,
     LogFormat,
     ServerLimits,
     TokenConfigError,
+    TrustedProxies,
     check_token,
     choose_bind_host,
     is_loopback_bind,
@@ -39,7 +42,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 from haru_supervisor._errors import SettingsError
 from haru_supervisor._users import check_run_as
@@ -59,6 +62,7 @@ HEADER_TIMEOUT_VAR: Final = "HARU_HTTP_HEADER_TIMEOUT_MS"
 BODY_IDLE_VAR: Final = "HARU_HTTP_BODY_IDLE_TIMEOUT_MS"
 KEEPALIVE_VAR: Final = "HARU_HTTP_KEEPALIVE_TIMEOUT_MS"
 MAX_CONNECTIONS_VAR: Final = "HARU_HTTP_MAX_CONNECTIONS"
+MAX_CONNECTIONS_PER_PEER_VAR: Final = "HARU_HTTP_MAX_CONNECTIONS_PER_PEER"
 METRICS_PUBLIC_VAR: Final = "HARU_METRICS_PUBLIC"
 LOG_FORMAT_VAR: Final = "HARU_LOG_FORMAT"
 LOG_LEVEL_VAR: Final = "HARU_LOG_LEVEL"
@@ -162,6 +166,17 @@ class Settings(BaseSettings):
         512, validation_alias=AliasChoices("http_max_connections", MAX_CONNECTIONS_VAR)
     )
     """``HARU_HTTP_MAX_CONNECTIONS``: open client connections (see haru-web)."""
+    http_max_connections_per_peer: Annotated[EnvInt, Field(ge=1, le=1_000_000)] = Field(
+        DEFAULT_MAX_CONNECTIONS_PER_PEER,
+        validation_alias=AliasChoices(
+            "http_max_connections_per_peer", MAX_CONNECTIONS_PER_PEER_VAR
+        ),
+    )
+    """``HARU_HTTP_MAX_CONNECTIONS_PER_PEER``: open connections of one client (see haru-web)."""
+    trusted_proxies: Annotated[TrustedProxies, NoDecode] = Field(
+        (), validation_alias=AliasChoices("trusted_proxies", TRUSTED_PROXIES_VAR)
+    )
+    """``HARU_TRUSTED_PROXIES``: proxies whose ``X-Forwarded-For`` is logged (see haru-web)."""
     metrics_public: bool = Field(
         False, validation_alias=AliasChoices("metrics_public", METRICS_PUBLIC_VAR)
     )
@@ -247,6 +262,8 @@ class Settings(BaseSettings):
             body_idle_timeout_s=self.http_body_idle_timeout_ms / 1000,
             keepalive_timeout_s=self.http_keepalive_timeout_ms / 1000,
             max_connections=self.http_max_connections,
+            max_connections_per_peer=self.http_max_connections_per_peer,
+            trusted_proxies=self.trusted_proxies,
         )
 
 
@@ -377,6 +394,8 @@ _ENV_VARS: Final = {
     BODY_IDLE_VAR: BODY_IDLE_VAR,
     KEEPALIVE_VAR: KEEPALIVE_VAR,
     MAX_CONNECTIONS_VAR: MAX_CONNECTIONS_VAR,
+    MAX_CONNECTIONS_PER_PEER_VAR: MAX_CONNECTIONS_PER_PEER_VAR,
+    TRUSTED_PROXIES_VAR: TRUSTED_PROXIES_VAR,
     METRICS_PUBLIC_VAR: METRICS_PUBLIC_VAR,
     LOG_FORMAT_VAR: LOG_FORMAT_VAR,
     LOG_LEVEL_VAR: LOG_LEVEL_VAR,
@@ -390,6 +409,8 @@ _FIELD_VARS: Final = {
     "http_body_idle_timeout_ms": BODY_IDLE_VAR,
     "http_keepalive_timeout_ms": KEEPALIVE_VAR,
     "http_max_connections": MAX_CONNECTIONS_VAR,
+    "http_max_connections_per_peer": MAX_CONNECTIONS_PER_PEER_VAR,
+    "trusted_proxies": TRUSTED_PROXIES_VAR,
     "metrics_public": METRICS_PUBLIC_VAR,
     "log_format": LOG_FORMAT_VAR,
     "log_level": LOG_LEVEL_VAR,
