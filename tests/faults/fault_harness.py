@@ -48,7 +48,14 @@ from fault_procs import (
     trainers_in,
 )
 from haru_db import StateStore
-from haru_demo import DemoError, DemoTimings, DemoTopology, TopologyOptions, operation_budget_s
+from haru_demo import (
+    DemoError,
+    DemoTimings,
+    DemoTopology,
+    TopologyOptions,
+    operation_budget_s,
+    promote_budget_s,
+)
 from haru_demo._gpu import trainer_processes
 from haru_protocol import (
     Cloud,
@@ -216,6 +223,9 @@ request that reached it is answered once it runs again)."""
 CLOCK_OFFSET_MS = (2_000, 3 * 3_600_000)
 """Size range of a clock offset (log-uniform, either sign): from past every step budget to
 three hours."""
+DRILL_SLACK_S = 10.0
+"""Failover drill: beyond ``heartbeatStaleMs`` and the promote's step budgets, two ticks whose
+heartbeat round waits out the stopped supervisor's call deadline."""
 HOSTILE_HEADS = 600
 """Half-sent request heads a hostile client holds open: more than the default connection cap
 (``HARU_HTTP_MAX_CONNECTIONS``, 512)."""
@@ -983,6 +993,10 @@ class Run:
         settled = await self.settle(settle_s)
         self.phases["settle"] = self.history.now() - self.faults_end
         await traffic.stop()
+        if any(f.kind == "clock_offset" for f in self.schedule.faults):
+            drill_start = self.history.now()
+            await self.failover_drill(settle_s)
+            self.phases["drill"] = self.history.now() - drill_start
         stop.set()
         await monitor
         checks_start = self.history.now()
@@ -993,7 +1007,75 @@ class Run:
         self.phases["checks"] = self.history.now() - checks_start
         return self.result(traffic)
 
-    async def settle(self, bound_s: float) -> str | None:
+    async def failover_drill(self, settle_s: float) -> None:
+        """After a clock offset, a decision that reads stored times must come in its bound.
+
+        Once settled (traffic stopped, the monitor still running), the active's supervisor is
+        stopped (SIGSTOP): its heartbeats go stale and an automatic failover must move the route
+        pointer away within ``heartbeatStaleMs`` + the promote's step budgets +
+        :data:`DRILL_SLACK_S` + the longest promotion backoff announced so far (a duration from
+        the event, started before the drill), all on the harness's monotonic clock. A stored
+        heartbeat, finish or backoff time from the future (written while a replica's clock ran
+        ahead) that holds the failover back is a ``decision-delayed`` violation. Then the
+        supervisor resumes and the fleet must settle again.
+        """
+        assert self.topology is not None
+        active = await self._pointer_slug()
+        supervisor = self.topology.domains[active].supervisor if active else None
+        if active is None or supervisor is None:
+            self.history.note("drill", "no active domain to stop; no drill")
+            return
+        policy = resolve_policy(POLICY)
+        backoff_s = await self._announced_backoff_s()
+        bound = (
+            policy.heartbeat_stale_ms / 1000 + promote_budget_s(policy) + DRILL_SLACK_S + backoff_s
+        )
+        started = self.history.now()
+        window = Window("supervisor_outage", active, started)
+        self.windows.append(window)
+        supervisor.signal_group(signal.SIGSTOP)
+        self.history.note(
+            "drill", f"{active}'s supervisor stopped: a failover is due within {bound:.1f}s"
+        )
+        moved: str | None = None
+        try:
+            while self.history.now() - started < bound:
+                slug = await self._pointer_slug()
+                if slug is not None and slug != active:
+                    moved = slug
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            supervisor.signal_group(signal.SIGCONT)
+            window.end = self.history.now()
+        took = window.end - started
+        if moved is None:
+            self.history.violation(
+                "decision-delayed",
+                f"no failover away from {active} within {bound:.1f}s of its supervisor stopping "
+                "(harness clock)",
+            )
+        else:
+            self.history.note("drill", f"failover to {moved} after {took:.1f}s; settling again")
+        await self.settle(settle_s, since=window.end)
+
+    async def _announced_backoff_s(self) -> float:
+        """The longest automatic-promotion backoff the fleet announced so far (its duration)."""
+        assert self.store is not None
+        try:
+            events = await self._all_events()
+        except Exception:  # noqa: BLE001 - then no backoff is allowed for
+            return 0.0
+        return max(
+            (
+                int(e.payload.get("delayMs", 0)) / 1000
+                for e in events
+                if e.type == "operation.promotion_backoff"
+            ),
+            default=0.0,
+        )
+
+    async def settle(self, bound_s: float, *, since: float | None = None) -> str | None:
         """Wait until the fleet matches its supervisors; returns the last mismatch, or None.
 
         Settled means matching twice, :data:`SETTLE_CONFIRM_S` apart, with no operation
@@ -1010,7 +1092,8 @@ class Run:
                 matched = None
             elif matched is not None and matched[1] == newest:
                 if self.history.now() - matched[0] >= SETTLE_CONFIRM_S:
-                    self.history.note("settled", f"after {matched[0] - self.faults_end:.1f}s")
+                    began = self.faults_end if since is None else since
+                    self.history.note("settled", f"after {matched[0] - began:.1f}s")
                     return None
             else:
                 if matched is not None:
