@@ -1317,8 +1317,10 @@ class Run:
     async def _check_hostile(self) -> None:
         """What hostile clients did must not show: no 500, no forged log line, nothing at the
         recorder, ``/healthz`` answering (unless the process was down or stopped)."""
-        for at, name, label in self.hostile_5xx:
+        for at, name, label in self.hostile_5xx[:10]:
             self.history.violation("hostile-500", f"{name} answered 500 to {label} at {at:.2f}s")
+        if len(self.hostile_5xx) > 10:
+            self.history.violation("hostile-500", f"... {len(self.hostile_5xx)} in all")
         if self.recorder is not None:
             for hit in self.recorder.hits:
                 self.history.violation("hostile-reached-recorder", hit)
