@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import random
 import signal
@@ -30,18 +31,31 @@ from fault_procs import (
     TEMPLATE,
     FaultTopology,
     PgForwarder,
+    Recorder,
+    RedirectTrap,
     Replica,
     SqliteWriteLock,
     checkpoint_dirs_of,
     clock_offset_file,
     drop_database,
+    forged_lines,
+    hold_heads,
     hold_slow_clients,
+    hostile_requests,
+    raw_request,
     restart_supervisor,
     set_clock_offset,
     trainers_in,
 )
 from haru_db import StateStore
-from haru_demo import DemoError, DemoTimings, DemoTopology, TopologyOptions, operation_budget_s
+from haru_demo import (
+    DemoError,
+    DemoTimings,
+    DemoTopology,
+    TopologyOptions,
+    operation_budget_s,
+    promote_budget_s,
+)
 from haru_demo._gpu import trainer_processes
 from haru_protocol import (
     Cloud,
@@ -136,11 +150,15 @@ class Schedule:
     trainer_args: tuple[str, ...]
     faults: tuple[Fault, ...]
     fault_window_s: float
+    workers: tuple[tuple[int, int], ...] = ()
+    """(replica index, ``HARU_WORKERS``) of the replicas that run several worker processes."""
 
     def describe(self) -> list[str]:
+        workers = " ".join(f"replica{i}={n}" for i, n in self.workers)
         lines = [
             f"seed={self.seed} variant={self.variant} domains={','.join(self.domains)} "
-            f"replicas={self.replicas} trainer_args={' '.join(self.trainer_args) or '-'}",
+            f"replicas={self.replicas} trainer_args={' '.join(self.trainer_args) or '-'}"
+            + (f" workers={workers}" if workers else ""),
         ]
         lines += [f"  fault {f.describe()}" for f in self.faults]
         return lines
@@ -199,6 +217,71 @@ def _extra_faults(seed: int, variant: str, replicas: int, window_s: float) -> li
     return extra
 
 
+PAUSE_S = (1.0, 7.0)
+"""How long a SIGSTOPped worker or replica stays stopped (below the clients' 10 s timeout: a
+request that reached it is answered once it runs again)."""
+CLOCK_OFFSET_MS = (2_000, 3 * 3_600_000)
+"""Size range of a clock offset (log-uniform, either sign): from past every step budget to
+three hours."""
+DRILL_SLACK_S = 10.0
+"""Failover drill: beyond ``heartbeatStaleMs`` and the promote's step budgets, two ticks whose
+heartbeat round waits out the stopped supervisor's call deadline."""
+HOSTILE_HEADS = 600
+"""Half-sent request heads a hostile client holds open: more than the default connection cap
+(``HARU_HTTP_MAX_CONNECTIONS``, 512)."""
+
+
+def _round_three_faults(
+    seed: int, variant: str, replicas: int, domains: tuple[str, ...], window_s: float
+) -> tuple[list[Fault], dict[int, int]]:
+    """Faults of the third round, from a stream of their own (``<variant>:<seed>:round3``: the
+    faults a seed drew before stay the same): a replica running two worker processes, a
+    worker or replica SIGSTOPped for a while, a clock offset of any size on one replica, and
+    hostile clients beside the schedule. Returns the faults and replica index -> workers."""
+    rng = random.Random(f"{variant}:{seed}:round3")
+    workers: dict[int, int] = {}
+    if rng.random() < 0.5:
+        workers[rng.randrange(replicas)] = 2
+    faults: list[Fault] = []
+    for _ in range(rng.choice((0, 1, 1, 2))):
+        target = rng.randrange(replicas)
+        what = f"worker {rng.randrange(2)}" if target in workers and rng.random() < 0.8 else ""
+        faults.append(
+            Fault(
+                round(rng.uniform(0, window_s), 1),
+                "pause",
+                str(target),
+                round(rng.uniform(*PAUSE_S), 1),
+                what or "whole replica",
+            )
+        )
+    if rng.random() < 0.5:
+        low, high = (math.log10(v) for v in CLOCK_OFFSET_MS)
+        ms = round(10 ** rng.uniform(low, high)) * rng.choice((-1, 1))
+        faults.append(
+            Fault(
+                round(rng.uniform(0, window_s), 1),
+                "clock_offset",
+                str(rng.randrange(replicas)),
+                round(rng.uniform(2.0, 8.0), 1),
+                f"{ms:+d} ms",
+            )
+        )
+    if rng.random() < 0.3:
+        where = str(rng.randrange(replicas)) if rng.random() < 0.6 else rng.choice(domains)
+        faults.append(
+            Fault(
+                round(rng.uniform(0, window_s), 1),
+                "hostile_clients",
+                where,
+                round(rng.uniform(2.0, 8.0), 1),
+                f"{HOSTILE_HEADS} half-sent heads, non-UTF-8 bearer, CR/LF path"
+                + (", redirects" if where.isdigit() else ""),
+            )
+        )
+    return faults, workers
+
+
 def make_schedule(seed: int, variant: str, *, faults: int = 8, window_s: float = 20.0) -> Schedule:
     rng = random.Random(f"{variant}:{seed}")
     domains = ("alpha", "beta", "gamma")[: rng.choice((2, 3))]
@@ -229,8 +312,19 @@ def make_schedule(seed: int, variant: str, *, faults: int = 8, window_s: float =
             target, extra = rng.choice(domains), ""
         chosen.append(Fault(at, kind, target, duration, extra))
     chosen += _extra_faults(seed, variant, replicas, window_s)
+    third, workers = _round_three_faults(seed, variant, replicas, domains, window_s)
+    chosen += third
     chosen.sort(key=lambda f: f.at_s)
-    return Schedule(seed, variant, domains, replicas, trainer_args, tuple(chosen), window_s)
+    return Schedule(
+        seed,
+        variant,
+        domains,
+        replicas,
+        trainer_args,
+        tuple(chosen),
+        window_s,
+        tuple(sorted(workers.items())),
+    )
 
 
 def fleet_shape(domains: tuple[str, ...]) -> FleetLayout:
@@ -404,7 +498,7 @@ class Run:
         self.workdir = workdir
         self.admin_url = admin_url
         self.history = History(workdir / "history.txt")
-        self.topology: DemoTopology | None = None
+        self.topology: FaultTopology | None = None
         self.replicas: list[Replica] = []
         self.forwarder: PgForwarder | None = None
         self.store: StateStore | None = None
@@ -429,6 +523,18 @@ class Run:
         self.starts: dict[int, list[float]] = defaultdict(list)
         self.outcomes: list[Outcome] = []
         self._process_locks: dict[str, asyncio.Lock] = {}
+        # When the monitor first saw each operation, and last saw it pending or running, in
+        # history time (the harness's monotonic clock: the one time source of the "decision
+        # delayed" invariant).
+        self.op_seen: dict[UUID, float] = {}
+        self.op_running: dict[UUID, float] = {}
+        hostile = any(f.kind == "hostile_clients" for f in schedule.faults)
+        self.trap = RedirectTrap() if hostile else None
+        self.recorder = Recorder() if hostile else None
+        self.forged = f"FORGED-{schedule.seed}-{os.getpid()}"
+        """What a client-made log line would begin with (the CR/LF path's payload)."""
+        self.hostile_5xx: list[tuple[float, str, str]] = []
+        self.healthz_failures: list[tuple[float, str, str]] = []
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -455,6 +561,8 @@ class Run:
             )
         else:
             direct_url = str(self.workdir / "fleet" / "haru.db")
+        if self.recorder is not None:
+            await self.recorder.start()
         self.topology = FaultTopology(
             TopologyOptions(
                 workdir=self.workdir / "fleet",
@@ -462,7 +570,9 @@ class Run:
                 timings=timings,
                 supervisor_token=TOKEN,
                 layout=fleet_shape(s.domains),
-            )
+            ),
+            workers=dict(s.workers),
+            trap=self.trap,
         )
         (self.workdir / "fleet" / "logs").mkdir(parents=True, exist_ok=True)
         # The extra replicas boot while the fleet starts (the database is already migrated: a
@@ -495,6 +605,10 @@ class Run:
             await self.topology.close()
         if self.forwarder is not None:
             await self.forwarder.close()
+        if self.trap is not None:
+            await self.trap.close()
+        if self.recorder is not None:
+            await self.recorder.close()
         if self.db_name is not None and self.admin_url is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(drop_database, self.admin_url, self.db_name)
@@ -542,8 +656,11 @@ class Run:
             return f"supervisor {fault.target}"
         if fault.kind == "vllm_crash":
             return f"vllm {fault.target}"
-        if fault.kind == "replica_kill":
+        if fault.kind in ("replica_kill", "pause"):
             return f"replica {fault.target}"
+        if fault.kind in ("clock_jump", "clock_offset"):
+            # Each resets the offset file to 0 when it ends: one at a time per replica.
+            return f"clock {fault.target}"
         return None
 
     async def _restart_replica(self, replica: Replica) -> None:
@@ -597,10 +714,11 @@ class Run:
             window.end = self.history.now()
             self.history.note("fault-end", f"{fault.kind} {fault.target}")
 
-    async def _apply_for(self, fault: Fault, topo: DemoTopology) -> None:
+    async def _apply_for(self, fault: Fault, topo: DemoTopology) -> None:  # noqa: C901 - per kind
         d = fault.duration_s
         slug = fault.target
         if fault.kind == "vllm_crash":
+            await self.check_sims()  # its counters go with it
             await topo.kill_vllm(slug)
             await asyncio.sleep(d)
             # A restarted vLLM comes up in the mode its role implies (an operator's unit file).
@@ -662,9 +780,15 @@ class Run:
                 await asyncio.sleep(d)
             finally:
                 await lock.release()
-        elif fault.kind == "clock_jump":
+        elif fault.kind == "pause":
+            await self._pause(fault)
+        elif fault.kind == "hostile_clients":
+            await self._hostile(fault)
+        elif fault.kind in ("clock_jump", "clock_offset"):
             offset_ms = float(fault.extra.split()[0])
             path = clock_offset_file(topo.workdir, int(slug))
+            # The store-time checks (over-budget, backoff) compare times different processes
+            # wrote: their slack grows by the offset; "decision-delayed" needs none.
             self.max_skew_s = max(self.max_skew_s, abs(offset_ms) / 1000)
             set_clock_offset(path, offset_ms)
             try:
@@ -672,7 +796,138 @@ class Run:
             finally:
                 set_clock_offset(path, 0)
 
+    async def _pause(self, fault: Fault) -> None:
+        """SIGSTOP one worker process of a replica (``HARU_WORKERS`` > 1) or the whole replica
+        for the fault's duration, then SIGCONT: a process descheduled, swapped out or stopped
+        under a debugger that resumes with whatever it had cached."""
+        replica = self.replicas[int(fault.target)]
+        if not replica.running:
+            self.history.note("fault", f"replica {replica.index} is down: nothing to pause")
+            return
+        workers = await replica.worker_pids()
+        if fault.extra.startswith("worker") and workers:
+            pid = workers[int(fault.extra.split()[1]) % len(workers)]
+
+            def send(signum: signal.Signals) -> None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+
+            what = f"worker pid {pid} of replica {replica.index}"
+        else:
+
+            def send(signum: signal.Signals) -> None:
+                replica.signal_all(signum, workers)
+
+            what = f"replica {replica.index} (pids {[replica.process.pid, *workers]})"  # type: ignore[union-attr]
+        send(signal.SIGSTOP)
+        self.history.note("fault", f"stopped {what}")
+        try:
+            await asyncio.sleep(fault.duration_s)
+        finally:
+            send(signal.SIGCONT)
+
+    async def _hostile(self, fault: Fault) -> None:
+        """Hostile clients beside the schedule, from another peer address (:data:`HOSTILE_PEER`)
+        than the good ones: half-sent heads held past the connection cap, a bearer token that
+        is not UTF-8, a path with encoded CR/LF, and (through a replica) chats the trap answers
+        with a redirect to the recorder or to a sleeping server. Meanwhile ``/healthz`` is
+        asked from the good peer on a new connection every 0.3 s."""
+        assert self.topology is not None
+        if fault.target.isdigit():
+            replica = self.replicas[int(fault.target)]
+            port, name = replica.port, f"replica {fault.target}"
+        else:
+            url = self.topology.domains[fault.target].supervisor_url
+            port, name = int(url.rsplit(":", 1)[1]), f"supervisor {fault.target}"
+        redirect_ids: list[int] = []
+        trap = self.trap if fault.target.isdigit() else None
+        if trap is not None and self.recorder is not None:
+            trap.locations[0] = f"{self.recorder.url}/sleep"
+            redirect_ids += [0, 1]
+        requests = hostile_requests(port, self.forged, redirect_ids)
+        statuses: Counter[str] = Counter()
+        stop = asyncio.Event()
+
+        async def attack() -> None:
+            while not stop.is_set():
+                if trap is not None:
+                    # Location 1: a server asleep right now (else the marked chat goes through).
+                    asleep = await self._sleeping_server()
+                    if asleep is None:
+                        trap.locations.pop(1, None)
+                    else:
+                        trap.locations[1] = f"{asleep}/v1/chat/completions"
+                for label, raw in requests:
+                    status = await raw_request(port, raw)
+                    statuses[f"{label}: {status}"] += 1
+                    if status == 500:
+                        self.hostile_5xx.append((self.history.now(), name, label))
+                await asyncio.sleep(0.3)
+
+        async def health() -> None:
+            # A new connection each time: a kept-alive one would hide a locked-out listener.
+            connector = aiohttp.TCPConnector(force_close=True)
+            timeout = aiohttp.ClientTimeout(total=2)
+            async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+                while not stop.is_set():
+                    at = self.history.now()
+                    why = ""
+                    try:
+                        async with session.get(f"http://127.0.0.1:{port}/healthz") as response:
+                            if response.status != 200:
+                                why = f"HTTP {response.status}"
+                    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                        why = type(exc).__name__
+                    if why:
+                        self.healthz_failures.append((at, fault.target, why))
+                    await asyncio.sleep(0.3)
+
+        helpers = [asyncio.create_task(attack()), asyncio.create_task(health())]
+        try:
+            held = await hold_heads(port, HOSTILE_HEADS, fault.duration_s)
+        finally:
+            stop.set()
+            await asyncio.gather(*helpers, return_exceptions=True)
+        self.history.note(
+            "fault", f"hostile on {name}: {held} half-sent heads held; answers {dict(statuses)}"
+        )
+
+    async def _sleeping_server(self) -> str | None:
+        """The URL of an emulated vLLM server that says it is asleep, or None."""
+        assert self.topology is not None
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
+            for domain in self.topology.domains.values():
+                for server in domain.vllm.values():
+                    with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                        async with session.get(f"{server.url}/_sim/state") as response:
+                            if (await response.json()).get("sleeping") is True:
+                                return server.url
+        return None
+
     # -- continuous checks ----------------------------------------------------------------------
+
+    async def check_sims(self, session: aiohttp.ClientSession | None = None) -> None:
+        """No emulated vLLM server counts a request that arrived while it slept (per process:
+        a restarted server counts from 0)."""
+        assert self.topology is not None
+        if session is None:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as own:
+                await self.check_sims(own)
+            return
+        for domain in self.topology.domains.values():
+            for server in domain.vllm.values():
+                with contextlib.suppress(Exception):
+                    async with session.get(f"{server.url}/_sim/state") as response:
+                        state = await response.json()
+                    key = (f"{domain.slug}/{server.name}", server.process.pid)
+                    count = int(state["counters"]["arrived_while_sleeping"])
+                    if count > self.awake_counts.get(key, 0):
+                        self.history.violation(
+                            "forwarded-to-asleep",
+                            f"{key[0]} (pid {key[1]}) counted {count} request(s) that "
+                            "arrived while it slept",
+                        )
+                        self.awake_counts[key] = count
 
     async def monitor(self, stop: asyncio.Event) -> None:
         assert self.store is not None
@@ -681,7 +936,13 @@ class Run:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1)) as session:
             while not stop.is_set():
                 with contextlib.suppress(Exception):
+                    asked = self.history.now()
                     recent = await self.store.list_recent_operations(self.fleet_id, limit=50)
+                    for op in recent:
+                        self.op_seen.setdefault(op.id, asked)
+                        if op.state in (OperationState.PENDING, OperationState.RUNNING):
+                            # Still running when the read began: it ended later than this.
+                            self.op_running[op.id] = asked
                     in_flight = [
                         o
                         for o in recent
@@ -701,20 +962,7 @@ class Run:
                             self.history.note(
                                 "pointer", f"-> {slug} revision {pointer.route_revision}"
                             )
-                for domain in self.topology.domains.values():
-                    for server in domain.vllm.values():
-                        with contextlib.suppress(Exception):
-                            async with session.get(f"{server.url}/_sim/state") as response:
-                                state = await response.json()
-                            key = (f"{domain.slug}/{server.name}", server.process.pid)
-                            count = int(state["counters"]["arrived_while_sleeping"])
-                            if count > self.awake_counts.get(key, 0):
-                                self.history.violation(
-                                    "forwarded-to-asleep",
-                                    f"{key[0]} (pid {key[1]}) counted {count} request(s) that "
-                                    "arrived while it slept",
-                                )
-                                self.awake_counts[key] = count
+                await self.check_sims(session)
                 await asyncio.sleep(0.15)
 
     # -- the schedule ---------------------------------------------------------------------------
@@ -745,14 +993,89 @@ class Run:
         settled = await self.settle(settle_s)
         self.phases["settle"] = self.history.now() - self.faults_end
         await traffic.stop()
+        if any(f.kind == "clock_offset" for f in self.schedule.faults):
+            drill_start = self.history.now()
+            await self.failover_drill(settle_s)
+            self.phases["drill"] = self.history.now() - drill_start
         stop.set()
         await monitor
         checks_start = self.history.now()
+        await self.check_sims()
         await self.final_checks(settled)
+        self._check_decisions()
+        await self._check_hostile()
         self.phases["checks"] = self.history.now() - checks_start
         return self.result(traffic)
 
-    async def settle(self, bound_s: float) -> str | None:
+    async def failover_drill(self, settle_s: float) -> None:
+        """After a clock offset, a decision that reads stored times must come in its bound.
+
+        Once settled (traffic stopped, the monitor still running), the active's supervisor is
+        stopped (SIGSTOP): its heartbeats go stale and an automatic failover must move the route
+        pointer away within ``heartbeatStaleMs`` + the promote's step budgets +
+        :data:`DRILL_SLACK_S` + the longest promotion backoff announced so far (a duration from
+        the event, started before the drill), all on the harness's monotonic clock. A stored
+        heartbeat, finish or backoff time from the future (written while a replica's clock ran
+        ahead) that holds the failover back is a ``decision-delayed`` violation. Then the
+        supervisor resumes and the fleet must settle again.
+        """
+        assert self.topology is not None
+        active = await self._pointer_slug()
+        supervisor = self.topology.domains[active].supervisor if active else None
+        if active is None or supervisor is None:
+            self.history.note("drill", "no active domain to stop; no drill")
+            return
+        policy = resolve_policy(POLICY)
+        backoff_s = await self._announced_backoff_s()
+        bound = (
+            policy.heartbeat_stale_ms / 1000 + promote_budget_s(policy) + DRILL_SLACK_S + backoff_s
+        )
+        started = self.history.now()
+        window = Window("supervisor_outage", active, started)
+        self.windows.append(window)
+        supervisor.signal_group(signal.SIGSTOP)
+        self.history.note(
+            "drill", f"{active}'s supervisor stopped: a failover is due within {bound:.1f}s"
+        )
+        moved: str | None = None
+        try:
+            while self.history.now() - started < bound:
+                slug = await self._pointer_slug()
+                if slug is not None and slug != active:
+                    moved = slug
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            supervisor.signal_group(signal.SIGCONT)
+            window.end = self.history.now()
+        took = window.end - started
+        if moved is None:
+            self.history.violation(
+                "decision-delayed",
+                f"no failover away from {active} within {bound:.1f}s of its supervisor stopping "
+                "(harness clock)",
+            )
+        else:
+            self.history.note("drill", f"failover to {moved} after {took:.1f}s; settling again")
+        await self.settle(settle_s, since=window.end)
+
+    async def _announced_backoff_s(self) -> float:
+        """The longest automatic-promotion backoff the fleet announced so far (its duration)."""
+        assert self.store is not None
+        try:
+            events = await self._all_events()
+        except Exception:  # noqa: BLE001 - then no backoff is allowed for
+            return 0.0
+        return max(
+            (
+                int(e.payload.get("delayMs", 0)) / 1000
+                for e in events
+                if e.type == "operation.promotion_backoff"
+            ),
+            default=0.0,
+        )
+
+    async def settle(self, bound_s: float, *, since: float | None = None) -> str | None:
         """Wait until the fleet matches its supervisors; returns the last mismatch, or None.
 
         Settled means matching twice, :data:`SETTLE_CONFIRM_S` apart, with no operation
@@ -769,7 +1092,8 @@ class Run:
                 matched = None
             elif matched is not None and matched[1] == newest:
                 if self.history.now() - matched[0] >= SETTLE_CONFIRM_S:
-                    self.history.note("settled", f"after {matched[0] - self.faults_end:.1f}s")
+                    began = self.faults_end if since is None else since
+                    self.history.note("settled", f"after {matched[0] - began:.1f}s")
                     return None
             else:
                 if matched is not None:
@@ -967,6 +1291,59 @@ class Run:
                 "tick-rate", f"{len(auto)} automatic promotions in {duration:.0f}s"
             )
 
+    def _check_decisions(self) -> None:
+        """No decision delayed by a stored future time, on the harness's monotonic clock only.
+
+        Every operation the monitor saw must not be seen still pending or running more than
+        its budget (every step's budget, +3 s) after it was first seen or after the last fault
+        cleared, whichever is later. Both ends are history times of the monitor's own reads (no
+        time written by a replica or the store is used): the first sighting is after the
+        operation was created, and the last sighting while it ran is before it ended, so the
+        measured span never exceeds the real one. A step budget measured against a start time
+        some replica wrote from a clock running ahead (or a claim, heartbeat or backoff time
+        from the future) shows up here as an operation that outlives its budget.
+        """
+        budget = operation_budget_s(resolve_policy(POLICY)) + 3.0
+        for op_id, last in sorted(self.op_running.items(), key=lambda item: item[1]):
+            began = max(self.op_seen[op_id], self.faults_end)
+            if last - began > budget:
+                self.history.violation(
+                    "decision-delayed",
+                    f"operation {op_id} still in flight {last - began:.1f}s after "
+                    f"{'it was first seen' if began > self.faults_end else 'the faults stopped'} "
+                    f"(harness clock; budget {budget:.1f}s)",
+                )
+
+    async def _check_hostile(self) -> None:
+        """What hostile clients did must not show: no 500, no forged log line, nothing at the
+        recorder, ``/healthz`` answering (unless the process was down or stopped)."""
+        for at, name, label in self.hostile_5xx[:10]:
+            self.history.violation("hostile-500", f"{name} answered 500 to {label} at {at:.2f}s")
+        if len(self.hostile_5xx) > 10:
+            self.history.violation("hostile-500", f"... {len(self.hostile_5xx)} in all")
+        if self.recorder is not None:
+            for hit in self.recorder.hits:
+                self.history.violation("hostile-reached-recorder", hit)
+        if self.trap is not None:
+            self.history.note("hostile", f"{self.trap.redirects} redirect(s) answered upstream")
+        found = await asyncio.to_thread(forged_lines, self.workdir / "fleet" / "logs", self.forged)
+        for line in found[:10]:
+            self.history.violation("log-forged", line)
+        down = {
+            "replica_kill",
+            "pause",
+            "supervisor_restart",
+            "supervisor_outage",
+            "token_rotation",
+        }
+        for at, target, why in self.healthz_failures:
+            excused = any(
+                w.kind in down and w.target == target and w.start - 0.5 <= at <= w.end + 2.5
+                for w in self.windows
+            )
+            if not excused:
+                self.history.violation("healthz", f"{target} /healthz at {at:.2f}s: {why}")
+
     # -- traffic verdicts -----------------------------------------------------------------------
 
     def excuse(self, outcome: Outcome) -> str | None:
@@ -982,6 +1359,12 @@ class Run:
             if w.start - 0.2 <= outcome.end and outcome.start <= w.end + grace:
                 if w.kind == "replica_kill" and int(w.target) == outcome.replica:
                     return "replica down (a load balancer retries another)"
+                if (
+                    w.kind == "pause"
+                    and int(w.target) == outcome.replica
+                    and (outcome.cause == "timeout" or outcome.cause.startswith("connection"))
+                ):
+                    return "replica or worker stopped (a health check takes it out)"
                 if w.kind.startswith("vllm_") and w.kind != "vllm_wake_fails":
                     return f"{w.kind} on {w.target}: no domain could serve"
                 if w.kind in ("store_cut", "store_stall") and not self._warm(
