@@ -78,7 +78,9 @@ class StateStore:
     Create it with :meth:`open` and close it with :meth:`close`, inside the event loop that
     uses it (its connections belong to that loop). Every method is one short statement (reads
     included), so the store may be shared by any number of concurrent tasks and processes.
-    Times are the caller's clock (timezone-aware); the database clock is never used for state.
+    Times are the caller's ``at`` (timezone-aware). Callers that share the store take them
+    from one clock, the database's (:meth:`database_now`; the server samples it), so times
+    written by different processes compare; the store itself never substitutes its own.
     Every method fails with :class:`~haru_db.StateStoreUnavailableError` when the database
     does not answer within ``call_timeout_s`` (a write's outcome is then unknown: re-read).
     """
@@ -612,6 +614,20 @@ class StateStore:
             StateStoreUnavailableError: The database cannot be reached.
         """
         await _reads.ping(self._ex)
+
+    @_bounded
+    async def database_now(self) -> datetime:
+        """The database's clock, now (aware UTC): the time source shared by every process.
+
+        PostgreSQL: ``clock_timestamp()`` of the server. SQLite: ``'now'``, the clock of the
+        host that runs the statement; every process sharing one SQLite file runs on that host.
+        The value is read when the statement runs, between the call and its return: time the
+        call to bound the read's own error.
+
+        Raises:
+            StateStoreUnavailableError: The database cannot be reached.
+        """
+        return await _reads.database_now(self._ex)
 
     @_bounded
     async def check_writable(self) -> None:

@@ -74,7 +74,7 @@ from haru_supervisor.client import (
 )
 from haru_web import request_id_scope
 
-from haru_server._clock import Clock
+from haru_server._clock import Clock, SkewGate
 from haru_server._errors import FleetNotFoundError
 from haru_server._metrics import ServerMetrics
 from haru_server._provisioning import Provisioner
@@ -166,6 +166,7 @@ class Reconciler:
         metrics: The app's metrics (a private set when None).
         provisioner: Drives the ``skypilot`` domains (launch, UP, address, loss, relaunch);
             None leaves them to the operator.
+        gate: Refuses ticks while this host's clock is off the database's; None never does.
     """
 
     def __init__(
@@ -177,7 +178,9 @@ class Reconciler:
         options: ReconcilerOptions | None = None,
         metrics: ServerMetrics | None = None,
         provisioner: Provisioner | None = None,
+        gate: SkewGate | None = None,
     ) -> None:
+        self._gate = gate
         self._provisioner = provisioner
         self._metrics = metrics if metrics is not None else ServerMetrics()
         self._store = store
@@ -214,11 +217,14 @@ class Reconciler:
 
         Raises:
             FleetNotFoundError: No such fleet.
+            ClockSkewedError: The gate refuses: this host's clock is off the database's.
             haru_db.StateStoreUnavailableError: The store failed; the tick stops there.
         """
         # A tick of the loop gets its own request id (its log lines and supervisor calls share
         # it); a tick run by POST /reconcile keeps the request's.
         with request_id_scope():
+            if self._gate is not None:
+                await self._gate.check(fleet_ref)
             started = time.monotonic()
             ok = False
             try:
