@@ -229,6 +229,27 @@ class StateStore:
         return await _transitions.mark_domains_seen(self._ex, domain_ids, at=at)
 
     @_bounded
+    async def clamp_future_times(
+        self, fleet_id: UUID, *, operation_ids: Collection[UUID] = (), at: datetime
+    ) -> int:
+        """Write ``at`` over the fleet's stored times that lie after it (domains, operations).
+
+        Every domain of the fleet, and the operations ``operation_ids`` (of this fleet).
+
+        A time from the future (a process whose clock ran fast, an older release) would make
+        "time since it" stay zero for as long as it lies ahead: heartbeat staleness, step
+        budgets, backoffs and grace periods would wait it out. Clamped, they count from
+        ``at``. Two statements (domains, then operations), each idempotent and guarded by
+        "later than ``at``", so a time written meanwhile by a correct clock is kept.
+
+        Returns:
+            How many rows changed.
+        """
+        return await _transitions.clamp_future_times(
+            self._ex, fleet_id, operation_ids=operation_ids, at=at
+        )
+
+    @_bounded
     async def record_route_lease(self, fleet_id: UUID, lease_ms: int) -> bool:
         """Raise the fleet's recorded route lease to ``lease_ms`` (it never lowers).
 

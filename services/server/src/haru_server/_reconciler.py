@@ -26,9 +26,11 @@ from haru_core import (
     detect_restores,
     domain_change_on_heartbeat,
     first_step,
+    fleet_times_ahead,
     is_best_effort,
     is_step_overdue,
     next_step,
+    operations_ahead,
     promotion_backoff,
     restore_candidates,
     restore_confirmed,
@@ -193,6 +195,8 @@ class Reconciler:
         self._auth_logged_at: dict[UUID, float] = {}
         # Each domain's answer to this process's latest heartbeat (None: it did not answer).
         self._heartbeat_answers: dict[UUID, SupervisorStatus | None] = {}
+        # Per fleet, recent operations seen holding a time from the future (next tick clamps).
+        self._ahead: dict[UUID, frozenset[UUID]] = {}
 
     @property
     def options(self) -> ReconcilerOptions:
@@ -271,6 +275,7 @@ class Reconciler:
             # the state it expects, and an operation created meanwhile is found by the
             # one-in-flight rule and driven by the next tick.
             operation = await self._store.get_in_flight_operation(fleet.id)
+        fleet, operation = await self._clamp_future(fleet, operation)
         if self._provisioner is not None and await self._provisioner.step(fleet, operation):
             fleet = await self._load(str(fleet.id))
         if operation is None:
@@ -288,6 +293,32 @@ class Reconciler:
         in_flight = queued or operation.state in (OperationState.PENDING, OperationState.RUNNING)
         return TickResult(fleet.id, operation, in_flight=in_flight)
 
+    async def _clamp_future(
+        self, fleet: FleetSnapshot, operation: Operation | None
+    ) -> tuple[FleetSnapshot, Operation | None]:
+        """Write ``now`` over stored times from the future, so no decision waits them out.
+
+        Decisions already count such a time as ``now`` (haru_core's clamp); once it is
+        rewritten, the time since it grows again, and every process sees the same value.
+        """
+        now = self._clock()
+        ahead = set(self._ahead.pop(fleet.id, frozenset()))
+        if operation is not None:
+            ahead |= operations_ahead((operation,), now=now)
+        if not ahead and not fleet_times_ahead(fleet, now=now):
+            return fleet, operation
+        count = await self._store.clamp_future_times(fleet.id, operation_ids=ahead, at=now)
+        if count == 0:
+            return fleet, operation
+        logger.warning(
+            "fleet %s: %d stored row(s) held times from the future (a fast clock wrote them); "
+            "clamped to now",
+            fleet.slug,
+            count,
+        )
+        fresh = None if operation is None else await self._store.get_operation(operation.id)
+        return await self._load(str(fleet.id)), fresh if fresh is not None else operation
+
     async def _load(self, ref: str) -> FleetSnapshot:
         fleet = await self._store.get_fleet_snapshot(ref)
         if fleet is None:
@@ -302,9 +333,13 @@ class Reconciler:
         failover decisions read them from the snapshot.
         """
         recent = await self._store.list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
+        now = self._clock()
+        ahead = operations_ahead(recent, now=now)
+        if ahead:
+            self._ahead[fleet.id] = ahead
         domains = []
         for domain in fleet.domains:
-            backoff = promotion_backoff(fleet.policy, domain.id, recent)
+            backoff = promotion_backoff(fleet.policy, domain.id, recent, now=now)
             domains.append(
                 domain.model_copy(
                     update={
@@ -916,7 +951,7 @@ class Reconciler:
 
     async def _backoff_event(self, fleet: FleetSnapshot, failed: Operation, now: datetime) -> None:
         recent = await self._store.list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
-        backoff = promotion_backoff(fleet.policy, failed.target_domain_id, recent)
+        backoff = promotion_backoff(fleet.policy, failed.target_domain_id, recent, now=now)
         if backoff is None:  # pragma: no cover - the failed promote itself is among them
             return
         logger.warning(
