@@ -222,7 +222,8 @@ async def test_a_skewed_replica_never_times_out_a_step_another_started(
     set_offset(on_time, 0)
     set_offset(ahead, THREE_HOURS_MS)
     try:
-        fleet = await make_fleet()
+        # A wake that takes seconds: the skewed replica ticks while the step is in flight.
+        fleet = await make_fleet(wake_latency_ms=3000)
         fleet_id = await seeded(store, fleet)
         async with AsyncExitStack() as stack:
             first = await stack.enter_async_context(haru_serve(replica_env(url, on_time)))
