@@ -120,9 +120,6 @@ class OffsetFileClock:
         return datetime.now(UTC) + self._offset
 
 
-DEFAULT_MAX_SKEW_MS = 2_000
-"""Default ``HARU_MAX_CLOCK_SKEW_MS``."""
-
 SAMPLE_INTERVAL_S = 5.0
 """How often the server re-reads the database clock (a monotonic clock drifts by ppm)."""
 
