@@ -134,6 +134,12 @@ async def wait_for_event(
             await asyncio.sleep(0.05)
 
 
+def standbys(snapshot: Any) -> list[Any]:
+    """The standbys of ``snapshot`` (the domains a demote may target)."""
+    assert snapshot is not None
+    return [d for d in snapshot.domains if d.id != snapshot.active_domain_id]
+
+
 async def wait_for(check: Callable[[], Awaitable[bool]], *, timeout_s: float = 30) -> None:
     async with asyncio.timeout(timeout_s):
         while not await check():
@@ -151,7 +157,7 @@ async def test_a_replica_hours_ahead_refuses_to_act_and_stores_database_time(
         fleet = await make_fleet()
         fleet_id = await seeded(store, fleet)
         await confirm_domains(store, "local", at=await store.database_now())
-        beta = fleet_snapshot_domains(await store.get_fleet_snapshot("local"))[0].id
+        beta = standbys(await store.get_fleet_snapshot("local"))[0].id
         async with AsyncExitStack() as stack:
             skewed = await stack.enter_async_context(haru_serve(replica_env(url, offset)))
             http = await stack.enter_async_context(aiohttp.ClientSession())
@@ -207,12 +213,6 @@ async def test_a_replica_hours_ahead_refuses_to_act_and_stores_database_time(
         await store.close()
 
 
-def fleet_snapshot_domains(snapshot: Any) -> list[Any]:
-    """The standbys of ``snapshot`` (the domains a demote may target)."""
-    assert snapshot is not None
-    return [d for d in snapshot.domains if d.id != snapshot.active_domain_id]
-
-
 async def test_a_skewed_replica_never_times_out_a_step_another_started(
     database_url_factory: UrlFactory, make_fleet: MakeFleet, tmp_path: Path
 ) -> None:
@@ -237,7 +237,7 @@ async def test_a_skewed_replica_never_times_out_a_step_another_started(
 
             await wait_for(confirmed)
             snapshot = await store.get_fleet_snapshot("local")
-            beta = fleet_snapshot_domains(snapshot)[0].id
+            beta = standbys(snapshot)[0].id
             async with http.post(
                 f"{first.url}/v1/fleets/local/promote", json={"targetDomainId": str(beta)}
             ) as response:
