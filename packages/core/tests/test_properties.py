@@ -7,15 +7,18 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 from haru_core import (
+    PROMOTE_STEPS,
     CreateOperation,
     InvalidTarget,
     build_route_intent,
     can_transition,
+    clamp_to_now,
     decide_demotion,
     decide_promotion,
     detect_degraded_escalation,
     detect_failover,
     domain_change_on_heartbeat,
+    elapsed_since,
     has_inference_bindings,
     inference_slots,
     is_stale,
@@ -24,6 +27,8 @@ from haru_core import (
     rank_standbys,
     slot_bindings,
     slot_health_changes,
+    step_budget_ms,
+    step_remaining_ms,
 )
 from haru_protocol import (
     Cloud,
@@ -34,6 +39,7 @@ from haru_protocol import (
     InferenceSlotState,
     ModelBinding,
     ModelStatus,
+    OperationStep,
     Placement,
     Policy,
     Provider,
@@ -386,3 +392,91 @@ def test_heartbeat_changes_are_allowed_by_the_tables(
         if domain_change is not None:
             assert domain_change.from_state is domain.state
             assert can_transition("domain", domain_change.from_state, domain_change.to_state)
+
+
+# ---- stored times from the future ----
+
+# hypothesis takes naive bounds and attaches the zone itself.
+INSTANTS = st.datetimes(
+    min_value=datetime(2000, 1, 1),  # noqa: DTZ001
+    max_value=datetime(2100, 1, 1),  # noqa: DTZ001
+    timezones=st.just(UTC),
+)
+
+
+@PROPERTY_SETTINGS
+@given(stored=INSTANTS, now=INSTANTS)
+def test_a_stored_time_never_lies_ahead_of_now(stored: datetime, now: datetime) -> None:
+    clamped = clamp_to_now(stored, now=now)
+    assert clamped == (stored if stored <= now else now)
+    assert elapsed_since(stored, now=now) == now - clamped >= timedelta(0)
+
+
+@PROPERTY_SETTINGS
+@given(stored=INSTANTS, now=INSTANTS, later_ms=st.integers(0, 10**9))
+def test_elapsed_time_never_shrinks_as_now_advances(
+    stored: datetime, now: datetime, later_ms: int
+) -> None:
+    later = now + timedelta(milliseconds=later_ms)
+    assert elapsed_since(stored, now=later) >= elapsed_since(stored, now=now)
+
+
+def _seen_now_at_most(fleet: FleetSnapshot) -> FleetSnapshot:
+    domains = tuple(
+        d.model_copy(
+            update={
+                "last_seen_at": None if d.last_seen_at is None else min(d.last_seen_at, NOW),
+                "state_updated_at": min(d.state_updated_at, NOW),
+            }
+        )
+        for d in fleet.domains
+    )
+    return fleet.model_copy(update={"domains": domains})
+
+
+@PROPERTY_SETTINGS
+@given(fleet=st.one_of(fleets(), fleets(failover_due=True)), ahead_ms=st.integers(1, 10**10))
+def test_a_time_from_the_future_decides_like_a_time_written_now(
+    fleet: FleetSnapshot, ahead_ms: int
+) -> None:
+    # Push some of the fleet's stored times far ahead (a fast clock wrote them): every decision
+    # must be the one taken had they been written now.
+    ahead = timedelta(milliseconds=ahead_ms)
+    pushed = fleet.model_copy(
+        update={
+            "domains": tuple(
+                d.model_copy(
+                    update={
+                        "last_seen_at": None if d.last_seen_at is None else NOW + ahead,
+                        "state_updated_at": NOW + ahead,
+                    }
+                )
+                if i % 2 == 0
+                else d
+                for i, d in enumerate(fleet.domains)
+            )
+        }
+    )
+    flat = _seen_now_at_most(pushed)
+    stale_ms = fleet.policy.heartbeat_stale_ms
+    for d, f in zip(pushed.domains, flat.domains, strict=True):
+        assert is_stale(d, now=NOW, heartbeat_stale_ms=stale_ms) == is_stale(
+            f, now=NOW, heartbeat_stale_ms=stale_ms
+        )
+        assert is_viable_standby(pushed, d, now=NOW) == is_viable_standby(flat, f, now=NOW)
+    assert detect_degraded_escalation(pushed, now=NOW) == detect_degraded_escalation(flat, now=NOW)
+    decided, expected = detect_failover(pushed, now=NOW), detect_failover(flat, now=NOW)
+    assert (decided is None) == (expected is None)
+    if decided is not None and expected is not None:
+        assert decided.reason == expected.reason
+
+
+@PROPERTY_SETTINGS
+@given(ahead_ms=st.integers(1, 10**10), step=st.sampled_from(PROMOTE_STEPS))
+def test_a_step_started_in_the_future_keeps_its_whole_budget(
+    ahead_ms: int, step: OperationStep
+) -> None:
+    policy = Policy()
+    started = NOW + timedelta(milliseconds=ahead_ms)
+    remaining = step_remaining_ms(policy, step, started_at=started, now=NOW)
+    assert remaining == step_budget_ms(policy, step)

@@ -128,6 +128,8 @@ STORED: dict[str, dict[str, Any]] = {
     "domain.up.requested": {"from": "stopped"},
     "domain.down.requested": {"from": "ready"},
     "domain.teardown": {"cluster": "haru-f-a", "ok": True},
+    "server.clock.skewed": {"skewMs": 10800000, "maxSkewMs": 2000, "host": "cp-2", "pid": 41},
+    "server.clock.recovered": {"skewMs": -12, "maxSkewMs": 2000, "host": "cp-2", "pid": 41},
 }
 
 

@@ -52,7 +52,7 @@ async def test_ready_when_the_store_answers_at_head(store: StateStore) -> None:
         # Open like /healthz: a load balancer probes it without the token.
         assert await get(url + "/readyz") == (
             200,
-            {"ready": True, "checks": ["state store", "schema at head"]},
+            {"ready": True, "checks": ["state store", "schema at head", "clock"]},
         )
 
 
@@ -95,7 +95,7 @@ async def test_ready_follows_the_reconcile_loop(store: StateStore) -> None:
                     break
                 assert "first pass" in not_ready(status, body)
                 await asyncio.sleep(0.02)
-        assert body["checks"] == ["state store", "schema at head", "reconcile loop"]
+        assert body["checks"] == ["state store", "schema at head", "clock", "reconcile loop"]
         loop = app[loop_key]  # type: ignore[index]
         assert loop is not None
         assert loop.stalled(time.monotonic()) is None

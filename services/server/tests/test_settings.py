@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from haru_server._app import create_app
-from haru_server._clock import OffsetFileClock, utc_now
+from haru_server._clock import OffsetFileClock, StoreClock, utc_now
 from haru_server._keys import clock_key
 from haru_server._settings import Settings, SettingsError
 from pydantic import ValidationError
@@ -249,13 +250,28 @@ def test_direct_construction_applies_the_same_rule() -> None:
 def test_clock_offset_file_is_a_test_hook_off_by_default(tmp_path: Path) -> None:
     assert Settings.from_env({}).clock_offset_file is None
     db = {"DATABASE_URL": str(tmp_path / "haru.db")}
-    assert create_app(Settings.from_env(db))[clock_key] is utc_now
+    # The app's clock is the database's; the offset hook shifts only the local clock it is
+    # compared with.
+    clock = create_app(Settings.from_env(db))[clock_key]
+    assert isinstance(clock, StoreClock)
+    assert clock.local is utc_now
+    assert clock.max_skew == timedelta(milliseconds=2000)
     path = tmp_path / "offset"
-    settings = Settings.from_env({**db, "HARU_CLOCK_OFFSET_FILE": str(path)})
+    settings = Settings.from_env(
+        {**db, "HARU_CLOCK_OFFSET_FILE": str(path), "HARU_MAX_CLOCK_SKEW_MS": "500"}
+    )
     assert settings.clock_offset_file == path
     clock = create_app(settings)[clock_key]
-    assert isinstance(clock, OffsetFileClock)
-    assert clock.path == path
+    assert isinstance(clock, StoreClock)
+    assert isinstance(clock.local, OffsetFileClock)
+    assert clock.local.path == path
+    assert clock.max_skew == timedelta(milliseconds=500)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon"])
+def test_a_bad_clock_skew_bound_is_a_boot_error(value: str) -> None:
+    with pytest.raises(SettingsError, match="HARU_MAX_CLOCK_SKEW_MS"):
+        Settings.from_env({"HARU_MAX_CLOCK_SKEW_MS": value})
 
 
 def test_per_peer_bound_and_trusted_proxies_from_the_environment() -> None:

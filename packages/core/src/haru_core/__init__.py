@@ -84,6 +84,14 @@ from haru_core._states import (
     states_with_edge_to,
     valid_states,
 )
+from haru_core._time import (
+    FUTURE_TOLERANCE,
+    clamp_to_now,
+    elapsed_since,
+    fleet_times_ahead,
+    lies_ahead,
+    operations_ahead,
+)
 
 __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     # State tables (SPEC 4)
@@ -136,6 +144,13 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "backoff_delay_ms",
     "promotion_backoff",
     "in_backoff",
+    # Time: a stored time from the future counts as now
+    "FUTURE_TOLERANCE",
+    "clamp_to_now",
+    "elapsed_since",
+    "lies_ahead",
+    "fleet_times_ahead",
+    "operations_ahead",
     # Standby posture (restore demotes)
     "RESTORE_REASON_TRAINING_IDLE",
     "RESTORE_REASON_VLLM_AWAKE",

@@ -16,7 +16,7 @@ from uuid import UUID
 
 from haru_protocol import Operation, OperationKind, OperationState, Policy
 
-from haru_core._time import require_aware
+from haru_core._time import clamp_to_now, require_aware
 
 MAX_BACKOFF_EXPONENT = 30
 """Doubling stops here; the policy's maximum bounds the pause long before."""
@@ -53,12 +53,17 @@ def backoff_delay_ms(policy: Policy, consecutive_failures: int) -> int:
 
 
 def promotion_backoff(
-    policy: Policy, target_domain_id: UUID, operations: Iterable[Operation]
+    policy: Policy,
+    target_domain_id: UUID,
+    operations: Iterable[Operation],
+    *,
+    now: datetime | None = None,
 ) -> PromotionBackoff | None:
     """The backoff of ``target_domain_id`` given the fleet's recent ``operations`` (any order).
 
     Only finished promotions of the target count: failed ones add up, newest first, until a
-    succeeded one; in-flight and cancelled ones and demotes are ignored.
+    succeeded one; in-flight and cancelled ones and demotes are ignored. With ``now``, a
+    ``finishedAt`` after it counts as ``now`` (:func:`clamp_to_now`).
 
     Returns:
         The backoff, or None when the target's last finished promotion did not fail.
@@ -83,6 +88,8 @@ def promotion_backoff(
     if failures == 0:
         return None
     last = promotions[0].finished_at or promotions[0].created_at  # finished: filtered above
+    if now is not None:
+        last = clamp_to_now(last, now=now)
     delay = backoff_delay_ms(policy, failures)
     return PromotionBackoff(
         target_domain_id=target_domain_id,

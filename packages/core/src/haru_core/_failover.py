@@ -12,7 +12,7 @@ from haru_protocol import DomainSnapshot, DomainState, FleetSnapshot, InferenceS
 from haru_core._backoff import in_backoff
 from haru_core._bindings import has_inference_bindings, inference_slots, is_active
 from haru_core._states import PROMOTABLE_DOMAIN_STATES
-from haru_core._time import require_aware
+from haru_core._time import elapsed_since, require_aware
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _STATE_RANK = {DomainState.READY: 0, DomainState.DEGRADED: 1}
@@ -33,12 +33,14 @@ def is_stale(domain: DomainSnapshot, *, now: datetime, heartbeat_stale_ms: int) 
     """Whether the last heartbeat of ``domain`` is older than ``heartbeat_stale_ms``.
 
     A domain that was never seen is NOT stale: its supervisor may simply not have been polled
-    yet, and failing over away from it would be a guess.
+    yet, and failing over away from it would be a guess. A ``lastSeenAt`` after ``now``
+    counts as ``now`` (:func:`clamp_to_now`).
     """
     require_aware("now", now)
     if domain.last_seen_at is None:
         return False
-    return now - domain.last_seen_at > timedelta(milliseconds=heartbeat_stale_ms)
+    stale = timedelta(milliseconds=heartbeat_stale_ms)
+    return elapsed_since(domain.last_seen_at, now=now) > stale
 
 
 def is_viable_standby(fleet: FleetSnapshot, domain: DomainSnapshot, *, now: datetime) -> bool:
@@ -161,7 +163,8 @@ def detect_degraded_escalation(fleet: FleetSnapshot, *, now: datetime) -> UUID |
     active = fleet.active_domain
     if active is None or active.state is not DomainState.DEGRADED or active.auth_failing:
         return None
-    if now - active.state_updated_at <= timedelta(milliseconds=fleet.policy.degraded_grace_ms):
+    grace = timedelta(milliseconds=fleet.policy.degraded_grace_ms)
+    if elapsed_since(active.state_updated_at, now=now) <= grace:
         return None
     if not any(
         is_viable_standby(fleet, d, now=now) and not in_backoff(d.promotion_backoff_until, now=now)

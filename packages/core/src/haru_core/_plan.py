@@ -7,7 +7,7 @@ from typing import assert_never
 
 from haru_protocol import OperationKind, OperationStep, Policy
 
-from haru_core._time import require_aware
+from haru_core._time import elapsed_since, require_aware
 
 _S = OperationStep
 
@@ -91,15 +91,16 @@ def step_remaining_ms(
 ) -> int:
     """Milliseconds left of the budget of ``step`` that started at ``started_at``.
 
-    Elapsed time is counted in whole milliseconds and floored at zero, so a clock that reads
-    earlier than ``started_at`` (skew between processes) never grants more than the budget.
+    Elapsed time is counted in whole milliseconds from ``started_at`` clamped to ``now``
+    (:func:`clamp_to_now`), so a ``started_at`` from the future never grants more than the
+    budget.
     The result is floored at 0.
 
     Raises:
         ValueError: ``started_at`` or ``now`` is a naive datetime.
     """
-    elapsed = require_aware("now", now) - require_aware("started_at", started_at)
-    elapsed_ms = max(0, elapsed // _ONE_MS)
+    require_aware("started_at", started_at)
+    elapsed_ms = elapsed_since(started_at, now=require_aware("now", now)) // _ONE_MS
     return max(0, step_budget_ms(policy, step) - elapsed_ms)
 
 

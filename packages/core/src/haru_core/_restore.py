@@ -44,7 +44,7 @@ from haru_core._bindings import (
     training_slots,
 )
 from haru_core._heartbeat import model_sleep_states
-from haru_core._time import require_aware
+from haru_core._time import clamp_to_now, require_aware
 
 RESTORE_REASON_TRAINING_IDLE = "training_idle"
 """The ``reason`` of a restore demote queued because a standby's training stopped."""
@@ -144,7 +144,11 @@ def restore_candidates(fleet: FleetSnapshot) -> tuple[DomainSnapshot, ...]:
 
 
 def restore_backoff(
-    policy: Policy, target_domain_id: UUID, operations: Iterable[Operation]
+    policy: Policy,
+    target_domain_id: UUID,
+    operations: Iterable[Operation],
+    *,
+    now: datetime | None = None,
 ) -> PromotionBackoff | None:
     """How long a new restore demote of ``target_domain_id`` waits, from recent ``operations``.
 
@@ -184,6 +188,8 @@ def restore_backoff(
     if restores < 1:
         return None
     last = finished[0].finished_at or finished[0].created_at  # finished: filtered above
+    if now is not None:
+        last = clamp_to_now(last, now=now)
     delay = backoff_delay_ms(policy, restores)
     return PromotionBackoff(
         target_domain_id=target_domain_id,
@@ -266,7 +272,7 @@ def detect_restores(
         for domain in domains:
             if not (launched_as_standby(domain) or reached_standby_posture(domain.id, recent)):
                 continue
-            backoff = restore_backoff(fleet.policy, domain.id, recent)
+            backoff = restore_backoff(fleet.policy, domain.id, recent, now=now)
             if not in_backoff(None if backoff is None else backoff.until, now=now):
                 decisions.append(RestoreDecision(target_domain_id=domain.id, reason=reason))
     return tuple(decisions)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
 from haru_protocol import FleetLayout
@@ -47,7 +47,7 @@ async def seed_layout_file(
     Args:
         url: Any form :func:`haru_db.resolve_database_url` accepts.
         path: A JSON fleet layout.
-        at: The time written on created rows (default: now, UTC).
+        at: The time written on created rows (default: the database's clock, now).
 
     Raises:
         LayoutFileError: The layout cannot be read or is invalid (nothing is written).
@@ -59,6 +59,8 @@ async def seed_layout_file(
     await check_schema(url)
     store = StateStore.open(url)
     try:
-        return await store.apply_fleet_layout(layout, at=at or datetime.now(UTC))
+        return await store.apply_fleet_layout(
+            layout, at=at if at is not None else await store.database_now()
+        )
     finally:
         await store.close()

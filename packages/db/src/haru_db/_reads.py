@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
 
@@ -100,6 +101,25 @@ async def get_operation(
 
 async def ping(ex: Executor) -> None:
     await ex.read(sa.select(sa.literal(1).label("ok")))
+
+
+# SQLite's 'now' is the host's clock, read by the process running the statement: every process
+# sharing one SQLite file runs on that host, so they all read the same clock.
+_SQLITE_NOW = sa.text("SELECT strftime('%Y-%m-%d %H:%M:%f', 'now') AS now")
+# clock_timestamp(), not now(): now() is the transaction's start, and the read is timed by the
+# caller around this very statement.
+_POSTGRES_NOW = sa.text("SELECT clock_timestamp() AS now")
+
+
+async def database_now(ex: Executor) -> datetime:
+    if ex.dialect == "postgresql":
+        rows = await ex.read(_POSTGRES_NOW)
+        value = rows[0]["now"]
+        if not isinstance(value, datetime) or value.tzinfo is None:
+            raise TypeError(f"clock_timestamp() returned {value!r}")
+        return value.astimezone(UTC)
+    rows = await ex.read(_SQLITE_NOW)
+    return datetime.fromisoformat(str(rows[0]["now"])).replace(tzinfo=UTC)
 
 
 def _parsed(ref: str | FleetRef) -> FleetRef:

@@ -78,7 +78,9 @@ class StateStore:
     Create it with :meth:`open` and close it with :meth:`close`, inside the event loop that
     uses it (its connections belong to that loop). Every method is one short statement (reads
     included), so the store may be shared by any number of concurrent tasks and processes.
-    Times are the caller's clock (timezone-aware); the database clock is never used for state.
+    Times are the caller's ``at`` (timezone-aware). Callers that share the store take them
+    from one clock, the database's (:meth:`database_now`; the server samples it), so times
+    written by different processes compare; the store itself never substitutes its own.
     Every method fails with :class:`~haru_db.StateStoreUnavailableError` when the database
     does not answer within ``call_timeout_s`` (a write's outcome is then unknown: re-read).
     """
@@ -225,6 +227,27 @@ class StateStore:
             The domains whose heartbeat was recorded.
         """
         return await _transitions.mark_domains_seen(self._ex, domain_ids, at=at)
+
+    @_bounded
+    async def clamp_future_times(
+        self, fleet_id: UUID, *, operation_ids: Collection[UUID] = (), at: datetime
+    ) -> int:
+        """Write ``at`` over the fleet's stored times that lie after it (domains, operations).
+
+        Every domain of the fleet, and the operations ``operation_ids`` (of this fleet).
+
+        A time from the future (a process whose clock ran fast, an older release) would make
+        "time since it" stay zero for as long as it lies ahead: heartbeat staleness, step
+        budgets, backoffs and grace periods would wait it out. Clamped, they count from
+        ``at``. Two statements (domains, then operations), each idempotent and guarded by
+        "later than ``at``", so a time written meanwhile by a correct clock is kept.
+
+        Returns:
+            How many rows changed.
+        """
+        return await _transitions.clamp_future_times(
+            self._ex, fleet_id, operation_ids=operation_ids, at=at
+        )
 
     @_bounded
     async def record_route_lease(self, fleet_id: UUID, lease_ms: int) -> bool:
@@ -631,6 +654,20 @@ class StateStore:
             StateStoreUnavailableError: The database cannot be reached.
         """
         await _reads.ping(self._ex)
+
+    @_bounded
+    async def database_now(self) -> datetime:
+        """The database's clock, now (aware UTC): the time source shared by every process.
+
+        PostgreSQL: ``clock_timestamp()`` of the server. SQLite: ``'now'``, the clock of the
+        host that runs the statement; every process sharing one SQLite file runs on that host.
+        The value is read when the statement runs, between the call and its return: time the
+        call to bound the read's own error.
+
+        Raises:
+            StateStoreUnavailableError: The database cannot be reached.
+        """
+        return await _reads.database_now(self._ex)
 
     @_bounded
     async def check_writable(self) -> None:

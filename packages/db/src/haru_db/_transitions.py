@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from datetime import datetime, timedelta
+from typing import Any
 from uuid import UUID
 
 import sqlalchemy as sa
@@ -175,3 +176,42 @@ async def record_route_lease(ex: Executor, fleet_id: UUID, lease_ms: int) -> boo
         .returning(fleets.c.id)
     )
     return bool(await ex.write(stmt))
+
+
+_DOMAIN_TIMES = ("last_seen_at", "state_updated_at", "launch_started_at", "launched_at")
+_OPERATION_TIMES = ("created_at", "step_started_at", "finished_at")
+
+
+def _clamped(table: sa.Table, names: tuple[str, ...], at: datetime) -> tuple[Any, Any]:
+    """``SET c = CASE WHEN c > at THEN at ELSE c END`` per column, and their ``OR`` guard."""
+    columns = [table.c[name] for name in names]
+    values = {c.name: sa.case((c > at, sa.literal(at, type_=c.type)), else_=c) for c in columns}
+    return values, sa.or_(*(c > at for c in columns))
+
+
+async def clamp_future_times(
+    ex: Executor, fleet_id: UUID, *, operation_ids: Collection[UUID], at: datetime
+) -> int:
+    at = aware(at)
+    values, ahead = _clamped(domains, _DOMAIN_TIMES, at)
+    moved = await ex.write(
+        sa.update(domains)
+        .where(domains.c.fleet_id == fleet_id, ahead)
+        .values(values)
+        .returning(domains.c.id)
+    )
+    count = len(moved)
+    if operation_ids:
+        values, ahead = _clamped(operations, _OPERATION_TIMES, at)
+        moved = await ex.write(
+            sa.update(operations)
+            .where(
+                operations.c.fleet_id == fleet_id,
+                operations.c.id.in_(tuple(operation_ids)),
+                ahead,
+            )
+            .values(values)
+            .returning(operations.c.id)
+        )
+        count += len(moved)
+    return count

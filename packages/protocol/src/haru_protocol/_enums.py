@@ -166,3 +166,5 @@ class EventType(StrEnum):
     DOMAIN_UP_REQUESTED = "domain.up.requested"
     DOMAIN_DOWN_REQUESTED = "domain.down.requested"
     DOMAIN_TEARDOWN = "domain.teardown"
+    SERVER_CLOCK_SKEWED = "server.clock.skewed"
+    SERVER_CLOCK_RECOVERED = "server.clock.recovered"

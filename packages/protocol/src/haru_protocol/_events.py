@@ -439,6 +439,31 @@ class DomainTeardown(EventPayload):
     stderr: str | None = _optional()
 
 
+# ---- server processes ------------------------------------------------------------------------
+
+
+class _ServerClock(EventPayload):
+    skew_ms: StrictInt
+    """This process's wall clock minus the database's, in milliseconds."""
+    max_skew_ms: StrictInt
+    """Its ``HARU_MAX_CLOCK_SKEW_MS``."""
+    host: str
+    """The host name of the process."""
+    pid: StrictInt
+
+
+class ServerClockSkewed(_ServerClock):
+    """``server.clock.skewed``: a server process's clock left the bound; it stops reconciling."""
+
+    event_type = EventType.SERVER_CLOCK_SKEWED
+
+
+class ServerClockRecovered(_ServerClock):
+    """``server.clock.recovered``: a server process's clock is within the bound again."""
+
+    event_type = EventType.SERVER_CLOCK_RECOVERED
+
+
 # ---- reading ---------------------------------------------------------------------------------
 
 
@@ -485,6 +510,8 @@ KnownEventPayload = (
     | DomainUpRequested
     | DomainDownRequested
     | DomainTeardown
+    | ServerClockSkewed
+    | ServerClockRecovered
 )
 """Every typed payload (one per :class:`EventType`)."""
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable
+from datetime import timedelta
 from uuid import UUID
 
 import aiohttp
@@ -28,7 +30,14 @@ from haru_web import (
     request_id_middleware,
 )
 
-from haru_server._clock import Clock, OffsetFileClock, utc_now
+from haru_server._clock import (
+    SAMPLE_INTERVAL_S,
+    Clock,
+    OffsetFileClock,
+    SkewGate,
+    StoreClock,
+    utc_now,
+)
 from haru_server._keys import (
     FleetKicker,
     clock_key,
@@ -39,6 +48,7 @@ from haru_server._keys import (
     provisioner_key,
     reconciler_key,
     settings_key,
+    store_clock_key,
     store_key,
 )
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
@@ -80,8 +90,10 @@ def create_app(
         store: An open state store to use (the caller closes it); None opens one from
             ``settings.database_url`` and closes it at cleanup. Migrations are not applied
             here (see :func:`haru_server.serve`).
-        clock: The application clock (tests inject one to drive budgets); None reads the
-            real clock, plus ``settings.clock_offset_file``'s offset when that is set.
+        clock: The application clock (tests inject one to drive budgets); None samples the
+            database's clock (:class:`StoreClock`), compared with this host's (plus
+            ``settings.clock_offset_file``'s offset when that is set) to refuse ticks beyond
+            ``settings.max_clock_skew_ms``.
         reconciler_options: Tuning of the reconcile tick.
         busy_interval_s: Loop pause between ticks of a fleet with an operation in flight.
     """
@@ -108,20 +120,30 @@ def create_app(
     app[_owns_store_key] = store is None
     app[store_key] = store if store is not None else StateStore.open(settings.database_url)
     app_clock: Clock
+    store_clock: StoreClock | None = None
     if clock is not None:
         app_clock = clock
-    elif settings.clock_offset_file is not None:
-        app_clock = OffsetFileClock(settings.clock_offset_file)
     else:
-        app_clock = utc_now
+        local: Clock = utc_now
+        if settings.clock_offset_file is not None:
+            local = OffsetFileClock(settings.clock_offset_file)
+        # Stored times are the database's: wall clocks of different hosts never meet.
+        store_clock = StoreClock(
+            app[store_key].database_now,
+            local=local,
+            max_skew=timedelta(milliseconds=settings.max_clock_skew_ms),
+        )
+        app_clock = store_clock
+        metrics.watch_clock_skew(lambda: store_clock.skew)
     app[clock_key] = app_clock
+    app[store_clock_key] = store_clock
     kickers = FleetKickers()
     app[_kickers_key] = kickers
     kick: FleetKicker = kickers
     app[kick_fleet_key] = kick
     app[_reconciler_options_key] = reconciler_options or ReconcilerOptions()
     app[_busy_interval_key] = busy_interval_s
-    app.cleanup_ctx.extend([_store_ctx, _reconciler_ctx, _loop_ctx])
+    app.cleanup_ctx.extend([_store_ctx, _clock_ctx, _reconciler_ctx, _loop_ctx])
     app.add_routes(routes)
     app.add_routes(ready_routes)
     install_proxy(app)
@@ -144,6 +166,28 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
     yield
     if app[_owns_store_key]:
         await app[store_key].close()
+
+
+async def _clock_ctx(app: web.Application) -> AsyncIterator[None]:
+    clock = app[store_clock_key]
+    if clock is None:
+        yield
+        return
+    # Read before listening, so the first requests and ticks already use the database's time.
+    await clock.sample()
+    task = asyncio.create_task(_sample_clock(clock), name="haru-clock-sample")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _sample_clock(clock: StoreClock) -> None:
+    while True:
+        await asyncio.sleep(SAMPLE_INTERVAL_S)
+        await clock.sample()
 
 
 async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -174,6 +218,7 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             options=ProvisionerOptions(status_interval_s=settings.sky_status_interval_ms / 1000),
         )
         app[provisioner_key] = provisioner
+        store_clock = app[store_clock_key]
         app[reconciler_key] = Reconciler(
             app[store_key],
             client,
@@ -181,6 +226,7 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             options=dataclasses.replace(options, tuning=tuning),
             metrics=app[metrics_key],
             provisioner=provisioner,
+            gate=None if store_clock is None else SkewGate(store_clock, app[store_key]),
         )
         try:
             yield

@@ -4,7 +4,8 @@ Hierarchy::
 
     HaruServerError
     ├── SettingsError(ValueError)        (_settings: the environment holds an unusable value)
-    └── FleetNotFoundError               (a fleet reference matches no fleet)
+    ├── FleetNotFoundError               (a fleet reference matches no fleet)
+    └── ClockSkewedError                 (this host's clock is off the database's: no tick)
 
 A failed call to a supervisor raises ``haru_supervisor.client.SupervisorCallError``; it is never
 fatal to a reconcile tick: the step that made the call turns it into a pending, failed or
@@ -24,3 +25,7 @@ class FleetNotFoundError(HaruServerError):
     def __init__(self, ref: str) -> None:
         super().__init__(f"fleet {ref!r} not found")
         self.ref = ref
+
+
+class ClockSkewedError(HaruServerError):
+    """This process must not reconcile: its clock is off the database's, or not compared yet."""

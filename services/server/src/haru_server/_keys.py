@@ -11,6 +11,7 @@ from aiohttp import web
 from haru_db import StateStore
 
 from haru_server._clock import Clock as Clock
+from haru_server._clock import StoreClock
 from haru_server._loop import ReconcileLoop
 from haru_server._provisioning import Provisioner
 from haru_server._reconciler import Accepted, Reconciler
@@ -27,6 +28,8 @@ class FleetKicker(Protocol):
 settings_key = web.AppKey("settings", Settings)
 store_key = web.AppKey("store", StateStore)
 clock_key: web.AppKey[Clock] = web.AppKey("clock")
+store_clock_key: web.AppKey[StoreClock | None] = web.AppKey("store_clock")
+"""The database-clock sampler behind ``clock_key``; None when a clock was injected."""
 kick_fleet_key: web.AppKey[FleetKicker] = web.AppKey("kick_fleet")
 reconciler_key = web.AppKey("reconciler", Reconciler)
 """Runs reconcile ticks (set at start-up, once the supervisor client session exists)."""

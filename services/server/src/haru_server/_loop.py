@@ -19,7 +19,7 @@ from uuid import UUID
 
 from haru_db import StateStore, StateStoreUnavailableError
 
-from haru_server._errors import FleetNotFoundError
+from haru_server._errors import ClockSkewedError, FleetNotFoundError
 from haru_server._reconciler import Accepted, Reconciler
 
 logger = logging.getLogger(__name__)
@@ -229,6 +229,9 @@ class ReconcileLoop:
                 logger.info("reconcile loop: fleet %s is gone; its worker stops", ref)
                 self._workers.pop(worker.fleet_id, None)
                 return
+            except ClockSkewedError:
+                # The gate logged why and recorded the event; the loop keeps polling it.
+                failing = "clock skewed"
             except StateStoreUnavailableError as exc:
                 message = f"state store unavailable: {exc}"
                 if failing != message:

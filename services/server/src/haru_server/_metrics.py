@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Final
 from uuid import UUID
 
@@ -249,6 +249,12 @@ class ServerMetrics:
             ["fleet", "domain"],
             registry=r,
         )
+        self.clock_skew = Gauge(
+            "haru_clock_skew_seconds",
+            "This host's wall clock minus the database's (0 before the first reading); "
+            "beyond HARU_MAX_CLOCK_SKEW_MS the process stops reconciling.",
+            registry=r,
+        )
         self._active: dict[str, str] = {}
         self._seen: dict[str, FleetSnapshot] = {}
         # Label children of the per-request metrics, looked up once per label set (the
@@ -310,6 +316,15 @@ class ServerMetrics:
                 )
         ready = sum(1 for d in fleet.domains if is_viable_standby(fleet, d, now=now))
         self.standby_ready.labels(fleet.slug).set(ready)
+
+    def watch_clock_skew(self, skew: Callable[[], timedelta | None]) -> None:
+        """Report ``skew()`` (read at each scrape) as ``haru_clock_skew_seconds``."""
+
+        def seconds() -> float:
+            value = skew()
+            return 0.0 if value is None else value.total_seconds()
+
+        self.clock_skew.set_function(seconds)
 
     def fleet_seen(self, fleet: FleetSnapshot) -> None:
         """Record a snapshot's route revision and active domain."""

@@ -1,9 +1,10 @@
 """``GET /readyz``: whether this server should receive traffic (liveness is ``/healthz``).
 
-Ready when the state store answers, its schema is at this code's head revision, and the
-background reconcile loop (when ``HARU_RECONCILE_INTERVAL_MS`` enables it) is ticking, and the
-server is not draining after a stop signal (``HARU_SHUTDOWN_DRAIN_MS``). Otherwise 503
-``not_ready`` in the error envelope, its message saying why.
+Ready when the state store answers, its schema is at this code's head revision, this host's
+clock is within ``HARU_MAX_CLOCK_SKEW_MS`` of the database's (when the server samples it),
+the background reconcile loop (when ``HARU_RECONCILE_INTERVAL_MS`` enables it) is ticking,
+and the server is not draining after a stop signal (``HARU_SHUTDOWN_DRAIN_MS``). Otherwise
+503 ``not_ready`` in the error envelope, its message saying why.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from haru_db import HaruDbError, SchemaOutdatedError, SchemaTooNewError, check_s
 from haru_protocol import ErrorCode, Readiness
 from haru_web import ApiError
 
-from haru_server._keys import draining_key, loop_key, store_key
+from haru_server._keys import draining_key, loop_key, store_clock_key, store_key
 
 ready_routes = web.RouteTableDef()
 
@@ -44,6 +45,15 @@ async def readyz(request: web.Request) -> web.Response:
         raise _not_ready(f"state store: {exc}") from None
     except TimeoutError:
         raise _not_ready("state store: the schema check timed out") from None
+    clock = request.app[store_clock_key]
+    if clock is not None:
+        checks.append("clock")
+        if not clock.synced:
+            # Read it now: a store that was down at start-up may answer by now.
+            await clock.sample()
+        reason = clock.refusal()
+        if reason is not None:
+            raise _not_ready(reason)
     loop = request.app[loop_key]
     if loop is not None:
         checks.append("reconcile loop")

@@ -26,9 +26,11 @@ from haru_core import (
     detect_restores,
     domain_change_on_heartbeat,
     first_step,
+    fleet_times_ahead,
     is_best_effort,
     is_step_overdue,
     next_step,
+    operations_ahead,
     promotion_backoff,
     restore_candidates,
     restore_confirmed,
@@ -74,7 +76,7 @@ from haru_supervisor.client import (
 )
 from haru_web import request_id_scope
 
-from haru_server._clock import Clock
+from haru_server._clock import Clock, SkewGate
 from haru_server._errors import FleetNotFoundError
 from haru_server._metrics import ServerMetrics
 from haru_server._provisioning import Provisioner
@@ -188,6 +190,7 @@ class Reconciler:
         metrics: The app's metrics (a private set when None).
         provisioner: Drives the ``skypilot`` domains (launch, UP, address, loss, relaunch);
             None leaves them to the operator.
+        gate: Refuses ticks while this host's clock is off the database's; None never does.
     """
 
     def __init__(
@@ -199,7 +202,9 @@ class Reconciler:
         options: ReconcilerOptions | None = None,
         metrics: ServerMetrics | None = None,
         provisioner: Provisioner | None = None,
+        gate: SkewGate | None = None,
     ) -> None:
+        self._gate = gate
         self._provisioner = provisioner
         self._metrics = metrics if metrics is not None else ServerMetrics()
         self._store = store
@@ -215,6 +220,8 @@ class Reconciler:
         self._polls: dict[UUID, _PollInFlight] = {}
         # Domains whose latest poll outlived its round: no tick waits for their polls.
         self._suspects: set[UUID] = set()
+        # Per fleet, recent operations seen holding a time from the future (next tick clamps).
+        self._ahead: dict[UUID, frozenset[UUID]] = {}
 
     async def close(self) -> None:
         """Cancel the heartbeat polls still running (a hung supervisor's)."""
@@ -247,11 +254,14 @@ class Reconciler:
 
         Raises:
             FleetNotFoundError: No such fleet.
+            ClockSkewedError: The gate refuses: this host's clock is off the database's.
             haru_db.StateStoreUnavailableError: The store failed; the tick stops there.
         """
         # A tick of the loop gets its own request id (its log lines and supervisor calls share
         # it); a tick run by POST /reconcile keeps the request's.
         with request_id_scope():
+            if self._gate is not None:
+                await self._gate.check(fleet_ref)
             started = time.monotonic()
             ok = False
             try:
@@ -298,6 +308,7 @@ class Reconciler:
             # the state it expects, and an operation created meanwhile is found by the
             # one-in-flight rule and driven by the next tick.
             operation = await self._store.get_in_flight_operation(fleet.id)
+        fleet, operation = await self._clamp_future(fleet, operation)
         if self._provisioner is not None and await self._provisioner.step(fleet, operation):
             fleet = await self._load(str(fleet.id))
         if operation is None:
@@ -315,6 +326,32 @@ class Reconciler:
         in_flight = queued or operation.state in (OperationState.PENDING, OperationState.RUNNING)
         return TickResult(fleet.id, operation, in_flight=in_flight)
 
+    async def _clamp_future(
+        self, fleet: FleetSnapshot, operation: Operation | None
+    ) -> tuple[FleetSnapshot, Operation | None]:
+        """Write ``now`` over stored times from the future, so no decision waits them out.
+
+        Decisions already count such a time as ``now`` (haru_core's clamp); once it is
+        rewritten, the time since it grows again, and every process sees the same value.
+        """
+        now = self._clock()
+        ahead = set(self._ahead.pop(fleet.id, frozenset()))
+        if operation is not None:
+            ahead |= operations_ahead((operation,), now=now)
+        if not ahead and not fleet_times_ahead(fleet, now=now):
+            return fleet, operation
+        count = await self._store.clamp_future_times(fleet.id, operation_ids=ahead, at=now)
+        if count == 0:
+            return fleet, operation
+        logger.warning(
+            "fleet %s: %d stored row(s) held times from the future (a fast clock wrote them); "
+            "clamped to now",
+            fleet.slug,
+            count,
+        )
+        fresh = None if operation is None else await self._store.get_operation(operation.id)
+        return await self._load(str(fleet.id)), fresh if fresh is not None else operation
+
     async def _load(self, ref: str) -> FleetSnapshot:
         fleet = await self._store.get_fleet_snapshot(ref)
         if fleet is None:
@@ -329,9 +366,13 @@ class Reconciler:
         failover decisions read them from the snapshot.
         """
         recent = await self._store.list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
+        now = self._clock()
+        ahead = operations_ahead(recent, now=now)
+        if ahead:
+            self._ahead[fleet.id] = ahead
         domains = []
         for domain in fleet.domains:
-            backoff = promotion_backoff(fleet.policy, domain.id, recent)
+            backoff = promotion_backoff(fleet.policy, domain.id, recent, now=now)
             domains.append(
                 domain.model_copy(
                     update={
@@ -1025,7 +1066,7 @@ class Reconciler:
 
     async def _backoff_event(self, fleet: FleetSnapshot, failed: Operation, now: datetime) -> None:
         recent = await self._store.list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
-        backoff = promotion_backoff(fleet.policy, failed.target_domain_id, recent)
+        backoff = promotion_backoff(fleet.policy, failed.target_domain_id, recent, now=now)
         if backoff is None:  # pragma: no cover - the failed promote itself is among them
             return
         logger.warning(

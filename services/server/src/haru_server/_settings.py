@@ -115,6 +115,12 @@ class Settings(BaseSettings):
     """``HARU_CLOCK_OFFSET_FILE``: test and fault-injection hook; the process's clock reads
     the real time plus the offset (milliseconds) this file holds, re-read when it changes.
     Never set in production."""
+    max_clock_skew_ms: DurationMs = Field(
+        2_000, validation_alias=_env("HARU_MAX_CLOCK_SKEW_MS", "max_clock_skew_ms")
+    )
+    """``HARU_MAX_CLOCK_SKEW_MS``: the largest difference between this host's clock and the
+    database's at which the process still reconciles; beyond it the reconcile loop stops and
+    ``/readyz`` fails (stored times always come from the database's clock)."""
     chat_header_timeout_ms: DurationMs = Field(
         30_000, validation_alias=_env("HARU_CHAT_HEADER_TIMEOUT_MS", "chat_header_timeout_ms")
     )

@@ -434,15 +434,14 @@ def seed(
     database_url: DatabaseOption = None,
 ) -> None:
     """Apply a fleet layout to the state store (idempotent, additive; migrates first)."""
-    from datetime import UTC, datetime
-
     from haru_db import StateStore, upgrade
 
     async def go(document: FleetLayout) -> str:
         await upgrade(database_url)
         store = StateStore.open(database_url)
         try:
-            result = await store.apply_fleet_layout(document, at=datetime.now(UTC))
+            # Stored times are the database's clock, not this machine's.
+            result = await store.apply_fleet_layout(document, at=await store.database_now())
         finally:
             await store.close()
         return (
