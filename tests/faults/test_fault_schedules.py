@@ -38,8 +38,16 @@ def _drop_template() -> Iterator[None]:
 # Each draws faults of the third round (docs/FAULTS.md): sqlite-single:13 pauses each of its
 # replica's two worker processes; sqlite-single:24 sets the one replica's clock 1.3 h ahead
 # during a promotion, then runs the failover drill; pg-replicas:23 sets a replica's clock 41 min
-# ahead during a promotion, kills both replicas, pauses one whole, then runs the drill.
-CI_SEEDS = [("sqlite-single", 13), ("sqlite-single", 24), ("pg-replicas", 23)]
+# ahead during a promotion, kills both replicas, pauses one whole, then runs the drill;
+# pg-replicas:1 resumes a paused replica just after a failover (it must read before routing);
+# pg-replicas:100 sends hostile clients and redirecting upstreams beside the schedule.
+CI_SEEDS = [
+    ("sqlite-single", 13),
+    ("sqlite-single", 24),
+    ("pg-replicas", 23),
+    ("pg-replicas", 1),
+    ("pg-replicas", 100),
+]
 
 
 @pytest.mark.timeout(420)
