@@ -30,7 +30,7 @@ kick_fleet_key: web.AppKey[FleetKicker] = web.AppKey("kick_fleet")
 reconciler_key = web.AppKey("reconciler", Reconciler)
 """Runs reconcile ticks (set at start-up, once the supervisor client session exists)."""
 loop_key: web.AppKey[ReconcileLoop | None] = web.AppKey("reconcile_loop")
-"""The background loop, or None when ``HARU_RECONCILE_INTERVAL_MS`` is unset."""
+"""The background loop, or None when ``HARU_RECONCILE_INTERVAL_MS`` turns it off."""
 provisioner_key = web.AppKey("provisioner", Provisioner)
 """Drives ``skypilot`` domains; the domain routes read cluster status through it."""
 promotion_accepted_key: web.AppKey[Callable[[UUID], None]] = web.AppKey("promotion_accepted")

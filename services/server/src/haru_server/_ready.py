@@ -1,7 +1,7 @@
 """``GET /readyz``: whether this server should receive traffic (liveness is ``/healthz``).
 
 Ready when the state store answers, its schema is at this code's head revision, and the
-background reconcile loop (when ``HARU_RECONCILE_INTERVAL_MS`` enables it) is ticking.
+background reconcile loop (unless ``HARU_RECONCILE_INTERVAL_MS`` turns it off) is ticking.
 Otherwise 503 ``not_ready`` in the error envelope, its message saying why.
 """
 

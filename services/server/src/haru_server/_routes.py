@@ -144,7 +144,7 @@ async def loop_coverage(app: web.Application, fleet: FleetSnapshot) -> FleetSnap
         if fleet.policy.auto_failover:
             warnings.append(
                 "autoFailover is on but no reconcile loop runs (HARU_RECONCILE_INTERVAL_MS is "
-                "unset): nothing fails over automatically"
+                "off): nothing fails over automatically"
             )
     else:
         reconciled = await loop.covers(fleet.id)

@@ -44,6 +44,9 @@ from haru_server._errors import HaruServerError
 
 API_TOKEN_VAR: Final = "HARU_API_TOKEN"  # noqa: S105  (a variable name, not a secret)
 SUPERVISOR_TOKEN_VAR: Final = "HARU_SUPERVISOR_TOKEN"  # noqa: S105
+RECONCILE_INTERVAL_DEFAULT_MS: Final = 500
+"""An idle fleet's tick costs about 10 ms of CPU (docs/BENCHMARKS.md, *Reconcile loop
+interval*): 2 % of a core per fleet buys a failure seen within half a second."""
 
 
 class SettingsError(HaruServerError, ValueError):
@@ -125,9 +128,11 @@ class Settings(BaseSettings):
     )
     """``HARU_CHAT_MAX_BODY_BYTES``: largest inference request body (413 beyond)."""
     reconcile_interval_ms: DurationMs | None = Field(
-        None, validation_alias=_env("HARU_RECONCILE_INTERVAL_MS", "reconcile_interval_ms")
+        RECONCILE_INTERVAL_DEFAULT_MS,
+        validation_alias=_env("HARU_RECONCILE_INTERVAL_MS", "reconcile_interval_ms"),
     )
-    """``HARU_RECONCILE_INTERVAL_MS``: enables the background reconcile loop."""
+    """``HARU_RECONCILE_INTERVAL_MS``: pause between two ticks of an idle fleet in the background
+    reconcile loop; ``0`` or ``off`` (None here) = no loop, nothing fails over."""
     reconcile_fleets: Annotated[tuple[str, ...] | None, NoDecode] = Field(
         None, validation_alias=_env("HARU_RECONCILE_FLEETS", "reconcile_fleets")
     )
@@ -227,6 +232,15 @@ class Settings(BaseSettings):
             token_var=API_TOKEN_VAR,
         )
         return self
+
+    @field_validator("reconcile_interval_ms", mode="before")
+    @classmethod
+    def _loop_off(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() in ("0", "off"):
+            return None
+        if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+            return None
+        return value
 
     @field_validator("reconcile_fleets", mode="before")
     @classmethod
