@@ -45,6 +45,7 @@ class ErrorCode(StrEnum):
     HTTP_VERSION_NOT_SUPPORTED = "http_version_not_supported"
     FLEET_NOT_RECONCILED = "fleet_not_reconciled"
     NOT_READY = "not_ready"
+    POLICY_CONFLICT = "policy_conflict"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -71,6 +72,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.HTTP_VERSION_NOT_SUPPORTED: 505,
     ErrorCode.FLEET_NOT_RECONCILED: 409,
     ErrorCode.NOT_READY: 503,
+    ErrorCode.POLICY_CONFLICT: 409,
 }
 """The usual HTTP status of each code (a route may document a different one)."""
 
