@@ -199,6 +199,8 @@ class TrainingSlotStatus(PeerModel):
     gpu_index: int
     state: TrainingRunState
     pids: tuple[int, ...] = ()
+    last_stop: TrainingStop | None = Field(default=None, exclude_if=lambda value: value is None)
+    """As in :class:`TrainingStatus`."""
 
 
 class TrainingStatusResponse(PeerModel):
