@@ -138,7 +138,9 @@ async def _serve_haru(
         partial.replace(counter_file)  # atomic: the parent never reads half a file
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
-    settings = Settings(database_url=url, port=port, default_fleet=FLEET)
+    settings = Settings(
+        database_url=url, port=port, default_fleet=FLEET, reconcile_interval_ms=None
+    )
     await run_server(settings, on_listening=lambda u: print(f"READY {u}", flush=True))
 
 
@@ -466,8 +468,13 @@ def start_haru_workers(procs: Processes, tmp: Path, upstream: str, workers: int)
     subprocess.run([sys.executable, __file__, "_seed", upstream, url], check=True, timeout=120)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
+    # No loop: the seeded domain has no supervisor to heartbeat, and the bench times the proxy.
     env.update(
-        DATABASE_URL=url, PORT=str(port), HARU_DEFAULT_FLEET=FLEET, HARU_WORKERS=str(workers)
+        DATABASE_URL=url,
+        PORT=str(port),
+        HARU_DEFAULT_FLEET=FLEET,
+        HARU_WORKERS=str(workers),
+        HARU_RECONCILE_INTERVAL_MS="off",
     )
     child = subprocess.Popen(
         [sys.executable, "-m", "haru_server", "serve"],

@@ -25,6 +25,7 @@ E2E_POLICY = PolicyPatch(
     heartbeat_stale_ms=3_000,
     degraded_grace_ms=500,
     training_stop_grace_ms=1_000,
+    failover_training_stop_grace_ms=1_000,
     stop_training_timeout_ms=5_000,
     verify_gpu_timeout_ms=5_000,
     wake_timeout_ms=10_000,

@@ -79,6 +79,7 @@ POLICY = PolicyPatch(
     heartbeat_stale_ms=2_000,
     degraded_grace_ms=600,
     training_stop_grace_ms=800,
+    failover_training_stop_grace_ms=800,
     stop_training_timeout_ms=4_000,
     verify_gpu_timeout_ms=3_000,
     wake_timeout_ms=4_000,

@@ -144,6 +144,7 @@ async def test_control_server_survives_schemathesis(fleet: LocalFleet, tmp_path:
             api_token=SecretStr(API_TOKEN),
             supervisor_token=SecretStr(SUPERVISOR_TOKEN),
             default_fleet=fleet.options.slug,
+            reconcile_interval_ms=None,
         )
         runner, base = await serve(create_app(settings, store=store))
         try:

@@ -94,6 +94,11 @@ STORED: dict[str, dict[str, Any]] = {
         "slotsCreated": 8,
         "pointerSet": True,
     },
+    "fleet.policy.changed": {
+        "old": {"autoFailover": True, "wakeTimeoutMs": 5000},
+        "new": {"autoFailover": True, "degradedGraceMs": 2000},
+        "changed": ["degradedGraceMs", "wakeTimeoutMs"],
+    },
     "domain.launch.started": {"cluster": "haru-f-a", "attempt": 1, "role": "standby"},
     "domain.launch.succeeded": {"cluster": "haru-f-a", "attempt": 1, "observed": False},
     "domain.provisioning.failed": {

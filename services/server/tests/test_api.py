@@ -60,7 +60,9 @@ def domain_id(snapshot: FleetSnapshot, slug: str) -> UUID:
 async def api(
     store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
 ) -> TestClient[web.Request, web.Application]:
-    app = create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
+    app = create_app(
+        Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None), store=store, clock=clock
+    )
     return await aiohttp_client(app, headers=AUTH)
 
 
@@ -78,7 +80,9 @@ async def test_healthz_is_open_and_never_touches_the_database(
     aiohttp_client: AiohttpClient, clock: ManualClock
 ) -> None:
     broken = StateStore.open("postgresql://haru@127.0.0.1:1/haru")
-    app = create_app(Settings(api_token=SecretStr(TOKEN)), store=broken, clock=clock)
+    app = create_app(
+        Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None), store=broken, clock=clock
+    )
     client = await aiohttp_client(app)
     response = await client.get("/healthz")
     assert response.status == 200
@@ -117,7 +121,11 @@ async def test_v1_requires_the_bearer_token(
     store: StateStore, clock: ManualClock, headers: dict[str, str], aiohttp_client: AiohttpClient
 ) -> None:
     client = await aiohttp_client(
-        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
+        create_app(
+            Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None),
+            store=store,
+            clock=clock,
+        )
     )
     for method, path in [
         ("GET", "/v1/fleets"),
@@ -137,7 +145,11 @@ async def test_bearer_scheme_is_case_insensitive(
     store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
 ) -> None:
     client = await aiohttp_client(
-        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
+        create_app(
+            Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None),
+            store=store,
+            clock=clock,
+        )
     )
     response = await client.get("/v1/fleets", headers={"Authorization": f"bEaReR {TOKEN}"})
     assert response.status == 200
@@ -146,7 +158,7 @@ async def test_bearer_scheme_is_case_insensitive(
 async def test_without_a_token_the_api_is_open(
     store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
 ) -> None:
-    settings = Settings()
+    settings = Settings(reconcile_interval_ms=None)
     assert settings.host == "127.0.0.1"
     client = await aiohttp_client(create_app(settings, store=store, clock=clock))
     response = await client.get("/v1/fleets")
@@ -178,7 +190,9 @@ async def test_unexpected_fault_is_500_without_a_trace_and_logged_once(
     async def explode() -> None:
         raise RuntimeError("secret internals")
 
-    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(reconcile_interval_ms=None), store=store, clock=clock)
+    )
     monkeypatch.setattr(store, "list_fleets", explode)
     with caplog.at_level(logging.ERROR):
         response = await client.get("/v1/fleets")
@@ -464,7 +478,11 @@ async def test_413_comes_after_the_bearer_check(
     store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
 ) -> None:
     client = await aiohttp_client(
-        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
+        create_app(
+            Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None),
+            store=store,
+            clock=clock,
+        )
     )
     response = await client.post("/v1/fleets/example/promote", data=b"x" * 20_000)
     assert (await error_of(response))[:2] == (401, "unauthorized")
@@ -483,7 +501,9 @@ async def test_control_bodies_must_be_json(
     content_type: str,
 ) -> None:
     snapshot = await example(store, clock)
-    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(reconcile_interval_ms=None), store=store, clock=clock)
+    )
     body = b'{"targetDomainId": "%s"}' % str(snapshot.active_domain_id).encode()
     response = await client.post(
         f"/v1/fleets/example/{route}", data=body, headers={"Content-Type": content_type}
@@ -509,7 +529,9 @@ async def test_an_open_api_refuses_foreign_origins_and_hosts(
     headers: dict[str, str],
 ) -> None:
     snapshot = await example(store, clock)
-    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(reconcile_interval_ms=None), store=store, clock=clock)
+    )
     body = b'{"targetDomainId": "%s"}' % str(snapshot.domains[1].id).encode()
     response = await client.post(
         "/v1/fleets/example/promote", data=body, headers={**JSON, **headers}
@@ -535,7 +557,9 @@ async def test_an_open_api_serves_loopback_clients(
     aiohttp_client: AiohttpClient,
     headers: dict[str, str],
 ) -> None:
-    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(reconcile_interval_ms=None), store=store, clock=clock)
+    )
     assert (await client.get("/v1/fleets", headers=headers)).status == 200
 
 
@@ -543,7 +567,11 @@ async def test_with_a_token_origin_and_host_are_not_checked(
     store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
 ) -> None:
     client = await aiohttp_client(
-        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock)
+        create_app(
+            Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None),
+            store=store,
+            clock=clock,
+        )
     )
     headers = {**AUTH, "Host": "haru.internal:8700", "Origin": "https://console.internal"}
     assert (await client.get("/v1/fleets", headers=headers)).status == 200

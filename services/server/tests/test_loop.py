@@ -264,7 +264,7 @@ async def test_boot_warns_when_auto_failover_has_no_loop(
 ) -> None:
     await store.apply_fleet_layout(load_example_layout(), at=clock())  # autoFailover: true
     with caplog.at_level(logging.WARNING, logger="haru_server"):
-        app = create_app(Settings(), store=store, clock=clock)
+        app = create_app(Settings(reconcile_interval_ms=None), store=store, clock=clock)
         client = await aiohttp_client(app)
     warnings = [r for r in caplog.records if "autoFailover is ON" in r.getMessage()]
     assert len(warnings) == 1

@@ -110,7 +110,12 @@ async def test_auto_failover_without_any_loop_is_flagged_in_the_snapshot(
 ) -> None:
     await seed_two_fleets(store, clock)
     client = await aiohttp_client(
-        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock), headers=AUTH
+        create_app(
+            Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None),
+            store=store,
+            clock=clock,
+        ),
+        headers=AUTH,
     )
     second = FleetSnapshot.model_validate_json(await (await client.get("/v1/fleets/second")).read())
     assert second.reconciled is None

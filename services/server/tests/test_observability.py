@@ -140,7 +140,12 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     fleet = await make_fleet()
     snapshot = await helpers.seed(store, fleet, clock)
     api = await aiohttp_client(
-        create_app(Settings(api_token=SecretStr(TOKEN)), store=store, clock=clock), headers=AUTH
+        create_app(
+            Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None),
+            store=store,
+            clock=clock,
+        ),
+        headers=AUTH,
     )
 
     async def reconcile(request_id: str) -> dict[str, Any]:

@@ -33,7 +33,10 @@ def test_the_regenerate_command_writes_the_document(tmp_path: Path) -> None:
 
 
 def test_every_registered_route_is_declared_and_every_declared_route_exists() -> None:
-    app = create_app(Settings(), store=StateStore.open("postgresql://haru@127.0.0.1:1/haru"))
+    app = create_app(
+        Settings(reconcile_interval_ms=None),
+        store=StateStore.open("postgresql://haru@127.0.0.1:1/haru"),
+    )
     missing, extra = undeclared_routes(app, api_table())
     assert not missing, f"routes missing from haru_server/openapi.py ROUTES: {sorted(missing)}"
     assert not extra, f"ROUTES declares routes the app does not register: {sorted(extra)}"
@@ -78,7 +81,9 @@ async def test_openapi_json_is_served_without_a_token_and_without_the_store(
 ) -> None:
     broken = StateStore.open("postgresql://haru@127.0.0.1:1/haru")
     clock = ManualClock(datetime(2030, 1, 1, tzinfo=UTC))
-    app = create_app(Settings(api_token=SecretStr(TOKEN)), store=broken, clock=clock)
+    app = create_app(
+        Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None), store=broken, clock=clock
+    )
     client = await aiohttp_client(app)
     response = await client.get("/openapi.json")
     assert response.status == 200

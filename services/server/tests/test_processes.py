@@ -153,6 +153,69 @@ async def test_embedded_default_is_announced_and_sigterm_stops_cleanly(tmp_path:
     assert (tmp_path / "haru.db").exists()
 
 
+async def test_the_reconcile_loop_runs_by_default_and_off_turns_it_off(
+    tmp_path: Path, make_fleet: MakeFleet
+) -> None:
+    """No loop setting at all: heartbeats confirm the domains and a promote runs to the end."""
+    from datetime import UTC, datetime
+
+    from haru_db import upgrade
+
+    url = f"sqlite:///{tmp_path / 'default.db'}"
+    await upgrade(url)
+    fleet = await make_fleet()
+    store = StateStore.open(url)
+    try:
+        layout = fleet.layout().model_copy(update={"policy": PolicyPatch(auto_failover=True)})
+        await store.apply_fleet_layout(layout, at=datetime.now(UTC))
+        seeded = await store.get_fleet_snapshot("local")
+    finally:
+        await store.close()
+    assert seeded is not None
+    beta = next(d.id for d in seeded.domains if d.slug == "beta")
+    async with (
+        haru_serve({"DATABASE_URL": url, "PORT": "0"}) as server,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.get(f"{server.url}/readyz") as response:
+            assert (await response.json())["checks"][-1] == "reconcile loop"
+        async with asyncio.timeout(30):
+            while True:  # only the loop's heartbeats confirm the new domains
+                async with http.get(f"{server.url}/v1/fleets/local") as response:
+                    body = await response.json()
+                if all(d["state"] == "ready" for d in body["domains"]):
+                    break
+                await asyncio.sleep(0.05)
+        assert body["reconciled"] is True
+        assert body["warnings"] == []
+        async with http.post(
+            f"{server.url}/v1/fleets/local/promote", json={"targetDomainId": str(beta)}
+        ) as response:
+            assert response.status == 202
+            operation_id = (await response.json())["operation"]["id"]
+        async with asyncio.timeout(60):
+            while True:
+                async with http.get(
+                    f"{server.url}/v1/fleets/local/operations/{operation_id}"
+                ) as response:
+                    operation = await response.json()
+                if operation["state"] not in ("pending", "running"):
+                    break
+                await asyncio.sleep(0.05)
+        assert operation["state"] == OperationState.SUCCEEDED.value, operation
+    assert "reconcile loop every 500 ms" in server.log
+    assert "autoFailover is ON" not in server.log
+    off = {"DATABASE_URL": url, "PORT": "0", "HARU_RECONCILE_INTERVAL_MS": "off"}
+    async with haru_serve(off) as server, aiohttp.ClientSession() as http:
+        async with http.get(f"{server.url}/readyz") as response:
+            assert (await response.json())["checks"] == ["state store", "schema at head"]
+        async with http.get(f"{server.url}/v1/fleets/local") as response:
+            body = await response.json()
+        assert body["reconciled"] is None
+        assert "HARU_RECONCILE_INTERVAL_MS is off" in body["warnings"][0]
+    assert "HARU_RECONCILE_INTERVAL_MS is off" in server.log
+
+
 @pytest.mark.postgres
 async def test_two_server_processes_drive_one_promotion(
     postgres_url_factory: UrlFactory, make_fleet: MakeFleet, clock: ManualClock, helpers: Any
@@ -365,12 +428,13 @@ async def test_sigterm_drains_with_readyz_failing_before_the_listener_closes(
         async with http.get(f"{server.url}/readyz") as response:
             assert response.status == 200
         server.process.send_signal(signal.SIGTERM)
+        body: dict[str, Any] = {}
         async with asyncio.timeout(15):
-            while True:
+            while not body:
                 async with http.get(f"{server.url}/readyz") as response:
                     if response.status == 503:
                         body = await response.json()
-                        break
+                        continue
                 await asyncio.sleep(0.05)
         assert body["error"]["code"] == "not_ready"
         assert "draining" in body["error"]["message"]

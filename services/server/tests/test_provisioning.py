@@ -571,7 +571,9 @@ async def test_domain_status_up_and_down_through_the_api(
             got.id, from_states=(DomainState.PROVISIONING,), to=DomainState.READY, at=clock()
         )
         sky.set_status(f"haru-local-{slug}", "UP")
-    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(reconcile_interval_ms=None), store=store, clock=clock)
+    )
 
     response = await client.get("/v1/fleets/local/domains/beta")
     assert response.status == 200

@@ -373,7 +373,9 @@ async def test_service_to_ready_on_its_ready_replicas_with_the_endpoint_as_servi
     assert address.payload["servingBaseUrl"] == "http://127.0.0.1:30001"
 
     # The API: the service's status, and `down` refused for the active.
-    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(reconcile_interval_ms=None), store=store, clock=clock)
+    )
     response = await client.get("/v1/fleets/local/domains/alpha")
     body = await response.json()
     assert (body["role"], body["clusterName"], body["clusterStatus"]) == (
@@ -582,7 +584,9 @@ async def test_lost_active_service_fails_over_relaunches_and_goes_down(
     await provisioner.close()
 
     # `haru domain down` of the (now standby) service: `sky serve down`, then stopped.
-    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(reconcile_interval_ms=None), store=store, clock=clock)
+    )
     response = await client.post("/v1/fleets/local/domains/alpha/down")
     assert response.status == 202
     for _ in range(200):

@@ -1080,6 +1080,7 @@ async def test_proxy_inside_the_server_app_behind_the_bearer_check(
         api_token=SecretStr("server-token-0123456789"),
         default_fleet="prod",
         chat_max_body_bytes=2048,
+        reconcile_interval_ms=None,
     )
     runner = web.AppRunner(create_app(settings, store=sqlite_store))
     await runner.setup()
@@ -1562,7 +1563,12 @@ async def test_a_promotion_accepted_by_this_process_holds_at_once(
         domain["supervisorUrl"] = "http://127.0.0.1:9"
     env = Setup(await apply(sqlite_store, FleetLayout.model_validate(document)), alpha, beta)
     # A lease that outlasts the test: only the accept itself can tell this process's proxy.
-    settings = Settings(default_fleet="prod", route_lease_ms=60_000, failover_hold_ms=60_000)
+    settings = Settings(
+        default_fleet="prod",
+        route_lease_ms=60_000,
+        failover_hold_ms=60_000,
+        reconcile_interval_ms=None,
+    )
     app = create_app(settings, store=sqlite_store)
     runner = web.AppRunner(app)
     await runner.setup()

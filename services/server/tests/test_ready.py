@@ -48,7 +48,10 @@ def not_ready(status: int, body: dict[str, object]) -> str:
 
 
 async def test_ready_when_the_store_answers_at_head(store: StateStore) -> None:
-    async with served(Settings(api_token=SecretStr(TOKEN)), store) as (url, _):
+    async with served(Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None), store) as (
+        url,
+        _,
+    ):
         # Open like /healthz: a load balancer probes it without the token.
         assert await get(url + "/readyz") == (
             200,
@@ -63,7 +66,7 @@ async def test_not_ready_when_the_schema_is_not_at_head(
     await downgrade(url)
     store = StateStore.open(url)
     try:
-        async with served(Settings(), store) as (base, _):
+        async with served(Settings(reconcile_interval_ms=None), store) as (base, _):
             message = not_ready(*await get(base + "/readyz"))
             assert "schema" in message
             assert "haru db upgrade" in message
@@ -76,7 +79,7 @@ async def test_not_ready_when_the_schema_is_not_at_head(
 async def test_not_ready_when_the_store_does_not_answer() -> None:
     broken = StateStore.open("postgresql://haru:secret-pw@127.0.0.1:1/haru", call_timeout_s=2)
     try:
-        async with served(Settings(), broken) as (base, _):
+        async with served(Settings(reconcile_interval_ms=None), broken) as (base, _):
             message = not_ready(*await get(base + "/readyz"))
             assert message.startswith("not ready: state store")
             assert "secret-pw" not in message
@@ -110,12 +113,12 @@ async def test_ready_follows_the_reconcile_loop(store: StateStore) -> None:
 async def test_without_a_token_a_network_bind_needs_the_opt_in(store: StateStore) -> None:
     fleets_as = {"headers": {"Host": "haru-server:8700"}}
     # Default: loopback only, and a non-loopback Host is refused (DNS rebinding).
-    async with served(Settings(), store) as (base, _):
+    async with served(Settings(reconcile_interval_ms=None), store) as (base, _):
         assert base.startswith("http://127.0.0.1:")
         status, body = await get(base + "/v1/fleets", **fleets_as)
         assert (status, body["error"]["code"]) == (403, "forbidden")  # type: ignore[index]
     # Opted in: listens on every interface and answers its network name.
-    settings = Settings(bind_host="0.0.0.0", allow_open_bind=True)
+    settings = Settings(bind_host="0.0.0.0", allow_open_bind=True, reconcile_interval_ms=None)
     assert settings.open_to_network
     async with served(settings, store) as (base, _):
         assert await get(base + "/v1/fleets", **fleets_as) == (200, {"fleets": []})

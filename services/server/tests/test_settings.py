@@ -22,7 +22,7 @@ def test_defaults_when_nothing_is_set() -> None:
     assert settings.chat_header_timeout_ms == 30_000
     assert settings.snapshot_cache_ttl_ms == 2_000
     assert settings.chat_max_body_bytes == 33_554_432
-    assert settings.reconcile_interval_ms is None
+    assert settings.reconcile_interval_ms == 500  # the loop runs unless turned off
     assert settings.reconcile_fleets is None
 
 
@@ -42,7 +42,7 @@ def test_blank_values_count_as_unset_and_tokens_are_trimmed() -> None:
     assert settings.api_token_value() == "tok-0123456789abcdef"
     assert settings.supervisor_token is None
     assert settings.default_fleet is None
-    assert settings.reconcile_interval_ms is None
+    assert settings.reconcile_interval_ms == 500
     assert settings.host == "0.0.0.0"
 
 
@@ -61,6 +61,12 @@ def test_numbers_and_fleets_parse() -> None:
     assert settings.chat_max_body_bytes == 1024
 
 
+@pytest.mark.parametrize("value", ["0", "off", " OFF ", "Off"])
+def test_zero_or_off_turns_the_reconcile_loop_off(value: str) -> None:
+    assert Settings.from_env({"HARU_RECONCILE_INTERVAL_MS": value}).reconcile_interval_ms is None
+    assert Settings(reconcile_interval_ms=0).reconcile_interval_ms is None
+
+
 def test_reconcile_fleets_default_to_every_fleet_and_star_means_all() -> None:
     # HARU_DEFAULT_FLEET only picks the fleet of chat requests; it never narrows the loop (a
     # second fleet would otherwise never be reconciled).
@@ -75,8 +81,8 @@ def test_reconcile_fleets_default_to_every_fleet_and_star_means_all() -> None:
         ("PORT", "eighty"),
         ("PORT", "70000"),
         ("PORT", "-1"),
-        ("HARU_RECONCILE_INTERVAL_MS", "0"),
         ("HARU_RECONCILE_INTERVAL_MS", "1.5"),
+        ("HARU_RECONCILE_INTERVAL_MS", "none"),
         ("HARU_CHAT_HEADER_TIMEOUT_MS", "2147483648"),
         ("HARU_SNAPSHOT_CACHE_TTL_MS", "-5"),
     ],

@@ -441,7 +441,13 @@ async def test_training_start_stop_status(
     await wait_for(all_idle)
     assert not any(alive(pid) for pid in pids)
     body = await (await client.get("/v1/status", headers=auth)).json()
-    assert [s["training"] for s in body["slots"]] == [{"state": "idle", "pids": []}] * 2
+    trainings = [s["training"] for s in body["slots"]]
+    assert [(t["state"], t["pids"]) for t in trainings] == [("idle", [])] * 2
+    # How each stop ended: the second trainer ignores SIGTERM, so the grace ran out.
+    stops = [t["lastStop"] for t in trainings]
+    assert [stop["graceMs"] for stop in stops] == [300, 300]
+    assert stops[1]["killed"] is True
+    assert stops[1]["stopMs"] >= 300
 
 
 async def test_training_stop_uses_the_default_grace(
@@ -710,7 +716,8 @@ async def test_stop_leaves_no_process_of_a_trainer_whose_grandchild_escaped(
 
     async def idle() -> bool:
         body = await (await client.get("/v1/training/status", headers=auth)).json()
-        return bool(body["slots"][0] == {"gpuIndex": 0, "state": "idle", "pids": []})
+        slot = body["slots"][0]
+        return bool((slot["gpuIndex"], slot["state"], slot["pids"]) == (0, "idle", []))
 
     await wait_for(idle)
     assert not any(alive(pid) for pid in pids)

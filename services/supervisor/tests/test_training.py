@@ -78,6 +78,14 @@ async def test_a_trainer_that_exits_on_sigterm(
     checkpoint = read_trainer_checkpoint(tmp_path)
     assert checkpoint is not None
     assert checkpoint.gpu_index == 1
+    stop = (await run.status()).last_stop
+    assert stop is not None
+    assert (stop.killed, stop.grace_ms) == (False, 30_000)
+    # A new start forgets the last stop.
+    assert await run.start() is True
+    assert (await run.status()).last_stop is None
+    await run.stop(30.0)
+    await run.wait_idle()
 
 
 async def test_a_trainer_ignoring_sigterm_is_killed_at_the_grace(
@@ -103,6 +111,10 @@ async def test_a_trainer_ignoring_sigterm_is_killed_at_the_grace(
     assert not alive(pid)
     assert "SIGKILL to group" in caplog.text
     assert "ended by SIGKILL" in caplog.text
+    stop = (await run.status()).last_stop
+    assert stop is not None
+    assert (stop.killed, stop.grace_ms) == (True, 400)
+    assert stop.stop_ms >= 400
 
 
 async def test_the_whole_process_group_dies(

@@ -20,7 +20,7 @@ from haru_db._errors import (
 )
 from haru_db._events import OperationEvent
 from haru_db._exec import DEFAULT_CALL_TIMEOUT_S
-from haru_db._layout import LayoutApplyResult
+from haru_db._layout import LayoutApplyResult, StoredPolicy
 from haru_db._listen import ROUTE_CHANNEL, RouteListener
 from haru_db._migrate import check_schema, current_revision, downgrade, head_revision, upgrade
 from haru_db._mirrors import SlotMirror
@@ -51,6 +51,7 @@ __all__ = (
     "StateStore",
     "StateStoreReadOnlyError",
     "StateStoreUnavailableError",
+    "StoredPolicy",
     # Migrations, backups and operator helpers (the haru CLI)
     "backup_sqlite",
     "check_schema",

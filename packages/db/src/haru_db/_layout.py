@@ -5,6 +5,7 @@ Each step is one statement that ignores rows a racer inserted, so concurrent app
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from haru_protocol import (
     TrainingSlotState,
 )
 
-from haru_db._errors import HaruDbError
+from haru_db._errors import HaruDbError, MalformedFleetStateError
 from haru_db._events import append_event
 from haru_db._exec import Executor, aware
 from haru_db._tables import domains, fleets, slots
@@ -245,3 +246,45 @@ def initial_inference_state(
         .where(fleets.c.id == fleet_id)
         .scalar_subquery()
     )
+
+
+@dataclass(frozen=True, slots=True)
+class StoredPolicy:
+    """A fleet's stored policy patch (the operator's values), read for a compare-and-swap."""
+
+    fleet_id: UUID
+    patch: dict[str, Any]
+    """The operator's values as stored (camelCase); absent keys follow the current defaults."""
+    version: str
+    """The stored document's exact text: :meth:`StateStore.replace_fleet_policy` swaps only
+    while it is unchanged."""
+
+
+async def get_fleet_policy(ex: Executor, fleet_id: UUID) -> StoredPolicy | None:
+    # The JSON column is read as its stored text: that text (not a re-serialisation, whose key
+    # order or spacing could differ) is what the swap compares.
+    stmt = sa.select(sa.cast(fleets.c.policy, sa.Text).label("policy")).where(
+        fleets.c.id == fleet_id
+    )
+    rows = await ex.read(stmt)
+    if not rows:
+        return None
+    text = str(rows[0]["policy"])
+    patch = json.loads(text)
+    if not isinstance(patch, dict):
+        raise MalformedFleetStateError(f"fleet {fleet_id}: stored policy is not a JSON object")
+    return StoredPolicy(fleet_id=fleet_id, patch=patch, version=text)
+
+
+async def replace_fleet_policy(
+    ex: Executor, fleet_id: UUID, *, version: str, patch: Mapping[str, Any], at: datetime
+) -> bool:
+    # One guarded statement: it lands only while the stored text is the one the caller read.
+    # Neither the pointer nor the revision moves (no route notification fires).
+    stmt = (
+        sa.update(fleets)
+        .where(fleets.c.id == fleet_id, sa.cast(fleets.c.policy, sa.Text) == version)
+        .values(policy=dict(patch), updated_at=aware(at))
+        .returning(fleets.c.id)
+    )
+    return bool(await ex.write(stmt))

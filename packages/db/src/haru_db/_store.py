@@ -50,7 +50,7 @@ from haru_db._engine import create_engine, translate_errors, writer
 from haru_db._errors import StateStoreReadOnlyError
 from haru_db._events import OperationEvent
 from haru_db._exec import DEFAULT_CALL_TIMEOUT_S, Executor
-from haru_db._layout import LayoutApplyResult
+from haru_db._layout import LayoutApplyResult, StoredPolicy
 from haru_db._mirrors import SlotMirror
 from haru_db._urls import Dialect, redact_database_url, resolve_database_url
 
@@ -586,6 +586,30 @@ class StateStore:
         concurrently: each step is one statement that ignores rows a racer inserted.
         """
         return await _layout.apply_fleet_layout(self._ex, layout, at=at)
+
+    @_bounded
+    async def get_fleet_policy(self, fleet_id: UUID) -> StoredPolicy | None:
+        """The fleet's stored policy patch with its version (None: no such fleet).
+
+        Raises:
+            MalformedFleetStateError: The stored policy is not a JSON object.
+        """
+        return await _layout.get_fleet_policy(self._ex, fleet_id)
+
+    @_bounded
+    async def replace_fleet_policy(
+        self, fleet_id: UUID, *, version: str, patch: Mapping[str, Any], at: datetime
+    ) -> bool:
+        """Store ``patch`` as the fleet's policy patch, only while it is still at ``version``.
+
+        One compare-and-swap statement on the fleet row, guarded by the stored document's
+        exact text (:attr:`StoredPolicy.version`). False when another writer changed the
+        policy first (read it again and retry) or the fleet is gone. ``patch`` is stored as
+        given: validate it (:class:`haru_protocol.PolicyPatch`) first. No event is appended.
+        """
+        return await _layout.replace_fleet_policy(
+            self._ex, fleet_id, version=version, patch=patch, at=at
+        )
 
     # ---- reads -----------------------------------------------------------------------------
 

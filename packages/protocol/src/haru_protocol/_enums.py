@@ -157,6 +157,7 @@ class EventType(StrEnum):
     OPERATION_PROMOTION_BACKOFF = "operation.promotion_backoff"
     SLOT_STATE_CHANGED = "slot.state.changed"
     FLEET_LAYOUT_APPLIED = "fleet.layout.applied"
+    FLEET_POLICY_CHANGED = "fleet.policy.changed"
     DOMAIN_LAUNCH_STARTED = "domain.launch.started"
     DOMAIN_LAUNCH_SUCCEEDED = "domain.launch.succeeded"
     DOMAIN_PROVISIONING_FAILED = "domain.provisioning.failed"

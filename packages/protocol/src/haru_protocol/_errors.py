@@ -46,6 +46,7 @@ class ErrorCode(StrEnum):
     FLEET_NOT_RECONCILED = "fleet_not_reconciled"
     NOT_READY = "not_ready"
     STALE_FENCE = "stale_fence"
+    POLICY_CONFLICT = "policy_conflict"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -73,6 +74,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.FLEET_NOT_RECONCILED: 409,
     ErrorCode.NOT_READY: 503,
     ErrorCode.STALE_FENCE: 409,
+    ErrorCode.POLICY_CONFLICT: 409,
 }
 """The usual HTTP status of each code (a route may document a different one)."""
 

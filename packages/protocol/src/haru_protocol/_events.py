@@ -134,6 +134,16 @@ class GpuUsage(PeerModel):
     total_mib: float = Field(alias="totalMiB")
 
 
+class TrainingStopFact(PeerModel):
+    """How one training run stopped (``stop_training``)."""
+
+    gpu_index: StrictInt
+    stop_ms: StrictInt
+    """SIGTERM to the run's last process gone, on the supervisor's clock."""
+    killed: StrictBool
+    """The grace ran out and the run was SIGKILLed."""
+
+
 class OperationStepDone(EventPayload):
     """``operation.step.done``: a step's effect is proven; the facts depend on the step."""
 
@@ -158,6 +168,12 @@ class OperationStepDone(EventPayload):
     """The step ran out of its budget (best-effort, or routing had already moved)."""
     budget_ms: StrictInt | None = _optional()
     routing_committed: StrictBool | None = _optional()
+    automatic: StrictBool | None = _optional()
+    """``stop_training``: the operation is an automatic failover (its shorter grace)."""
+    grace_ms: StrictInt | None = _optional()
+    """``stop_training``: the SIGTERM-to-SIGKILL grace the trainers were given."""
+    training_stops: tuple[TrainingStopFact, ...] | None = _optional()
+    """``stop_training``: how each trainer stopped, as its supervisor measured it."""
 
 
 class OperationStepTimeoutBestEffort(EventPayload):
@@ -302,6 +318,19 @@ class FleetLayoutApplied(EventPayload):
     domains_created: StrictInt
     slots_created: StrictInt
     pointer_set: StrictBool
+
+
+class FleetPolicyChanged(EventPayload):
+    """``fleet.policy.changed``: ``PATCH /v1/fleets/{ref}/policy`` changed the operator's values."""
+
+    event_type = EventType.FLEET_POLICY_CHANGED
+
+    old: dict[str, Any]
+    """The operator's policy values before (camelCase; a key absent follows the default)."""
+    new: dict[str, Any]
+    """The operator's policy values after."""
+    changed: tuple[str, ...]
+    """The keys whose operator value was set, changed or removed."""
 
 
 # ---- provisioned domains ---------------------------------------------------------------------
@@ -501,6 +530,7 @@ KnownEventPayload = (
     | DomainSupervisorAuthorized
     | SlotStateChanged
     | FleetLayoutApplied
+    | FleetPolicyChanged
     | DomainLaunchStarted
     | DomainLaunchSucceeded
     | DomainProvisioningFailed

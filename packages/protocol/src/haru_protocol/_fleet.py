@@ -225,6 +225,18 @@ OperationRequestResponse = Annotated[
 """Answer of promote and demote."""
 
 
+class FleetPolicyResponse(PeerModel):
+    """Answer of ``PATCH /v1/fleets/{ref}/policy``."""
+
+    fleet_id: UUID
+    policy: Policy
+    """The resolved policy the next tick uses."""
+    patch: dict[str, Any]
+    """The operator's values (camelCase); every other key follows the current default."""
+    changed: tuple[str, ...]
+    """The keys this request set, changed or removed (empty: nothing changed, no event)."""
+
+
 class ReconcileResponse(PeerModel):
     """Result of one reconcile tick."""
 

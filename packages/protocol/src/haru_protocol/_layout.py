@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictFloat, StrictInt, model_validator
@@ -177,7 +178,10 @@ class Policy(WireModel):
     degraded_grace_ms: DurationMs = 60_000
     """How long the active may stay degraded before escalating to failed."""
     training_stop_grace_ms: DurationMs = 30_000
-    """SIGTERM to SIGKILL grace for training."""
+    """SIGTERM to SIGKILL grace for training (a planned promotion: room for a checkpoint)."""
+    failover_training_stop_grace_ms: DurationMs = 5_000
+    """SIGTERM to SIGKILL grace for training when the promotion is an automatic failover:
+    while the active is down every second is failed traffic, so the trainer gets less time."""
     stop_training_timeout_ms: DurationMs = 90_000
     verify_gpu_timeout_ms: DurationMs = 30_000
     wake_timeout_ms: DurationMs = 120_000
@@ -224,6 +228,7 @@ class PolicyPatch(WireModel):
     heartbeat_stale_ms: DurationMs | None = None
     degraded_grace_ms: DurationMs | None = None
     training_stop_grace_ms: DurationMs | None = None
+    failover_training_stop_grace_ms: DurationMs | None = None
     stop_training_timeout_ms: DurationMs | None = None
     verify_gpu_timeout_ms: DurationMs | None = None
     wake_timeout_ms: DurationMs | None = None
@@ -259,6 +264,53 @@ def resolve_policy(patch: PolicyPatch | None) -> Policy:
     if probe_values is not None:
         values["probe"] = ProbeSettings(**probe_values)
     return Policy(**values)
+
+
+def merge_policy_patch(stored: Mapping[str, Any], update: WireModel) -> dict[str, Any]:
+    """``stored`` (an operator's policy values, camelCase) with ``update`` merged in.
+
+    JSON Merge Patch (RFC 7396) over the keys ``update`` was given: a value replaces the
+    operator's, null removes it (the key follows the current default again), an object
+    (``probe``) is merged key by key; keys ``update`` was not given are kept.
+    """
+    merged = dict(stored)
+    for name in update.model_fields_set:
+        field = type(update).model_fields[name]
+        key = field.alias or name
+        value = getattr(update, name)
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, WireModel):
+            inner = merged.get(key)
+            nested = merge_policy_patch(inner if isinstance(inner, Mapping) else {}, value)
+            if nested:
+                merged[key] = nested
+            else:
+                merged.pop(key, None)
+        else:
+            merged[key] = value
+    return merged
+
+
+def policy_differences(left: Policy, right: Policy) -> list[tuple[str, object, object]]:
+    """Each resolved key whose value differs, as ``(key, left value, right value)``.
+
+    Keys are camelCase (``probe.prompt`` for a probe key), in the model's order.
+    """
+    first = left.model_dump(mode="json")
+    second = right.model_dump(mode="json")
+    differences: list[tuple[str, object, object]] = []
+    for key, value in first.items():
+        other = second.get(key)
+        if isinstance(value, dict) and isinstance(other, dict):
+            differences.extend(
+                (f"{key}.{inner}", value[inner], other.get(inner))
+                for inner in value
+                if value[inner] != other.get(inner)
+            )
+        elif value != other:
+            differences.append((key, value, other))
+    return differences
 
 
 class Provisioning(WireModel):

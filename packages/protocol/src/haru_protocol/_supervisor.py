@@ -125,11 +125,25 @@ class ModelStatus(PeerModel):
     """Why the supervisor refuses to drive this server (an unsupported vLLM version)."""
 
 
+class TrainingStop(PeerModel):
+    """How a run's last stop (``POST /v1/training/stop``) ended."""
+
+    stop_ms: int
+    """From SIGTERM to the run's last process gone (the supervisor's monotonic clock)."""
+    killed: bool
+    """The grace ran out: the run was SIGKILLed."""
+    grace_ms: int
+    """The grace it was given (the shortest, when several stops asked)."""
+
+
 class TrainingStatus(PeerModel):
     """One training run."""
 
     state: TrainingRunState
     pids: tuple[int, ...] = ()
+    last_stop: TrainingStop | None = Field(default=None, exclude_if=lambda value: value is None)
+    """The run's last stop since it was started (absent: not stopped since, or an older
+    supervisor)."""
 
 
 class SlotStatus(PeerModel):
@@ -188,6 +202,8 @@ class TrainingSlotStatus(PeerModel):
     gpu_index: int
     state: TrainingRunState
     pids: tuple[int, ...] = ()
+    last_stop: TrainingStop | None = Field(default=None, exclude_if=lambda value: value is None)
+    """As in :class:`TrainingStatus`."""
 
 
 class TrainingStatusResponse(PeerModel):

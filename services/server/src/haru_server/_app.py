@@ -278,9 +278,10 @@ async def _warn_auto_failover_without_loop(store: StateStore) -> None:
         return
     if armed:
         logger.warning(
-            "!!! autoFailover is ON for fleet(s) %s but HARU_RECONCILE_INTERVAL_MS is unset: "
-            "no reconcile loop runs, so NOTHING will fail over automatically. Set "
-            "HARU_RECONCILE_INTERVAL_MS (e.g. 1000) or drive POST /v1/fleets/{ref}/reconcile.",
+            "!!! autoFailover is ON for fleet(s) %s but HARU_RECONCILE_INTERVAL_MS is off: "
+            "no reconcile loop runs, so NOTHING will fail over automatically. Unset "
+            "HARU_RECONCILE_INTERVAL_MS (the loop's default) or drive "
+            "POST /v1/fleets/{ref}/reconcile.",
             ", ".join(armed),
         )
 

@@ -36,7 +36,7 @@ reconciler_key = web.AppKey("reconciler", Reconciler)
 draining_key = web.AppKey("draining", asyncio.Event)
 """Set once a stop signal came and the server drains (``/readyz`` fails meanwhile)."""
 loop_key: web.AppKey[ReconcileLoop | None] = web.AppKey("reconcile_loop")
-"""The background loop, or None when ``HARU_RECONCILE_INTERVAL_MS`` is unset."""
+"""The background loop, or None when ``HARU_RECONCILE_INTERVAL_MS`` turns it off."""
 provisioner_key = web.AppKey("provisioner", Provisioner)
 """Drives ``skypilot`` domains; the domain routes read cluster status through it."""
 promotion_accepted_key: web.AppKey[Callable[[UUID], None]] = web.AppKey("promotion_accepted")

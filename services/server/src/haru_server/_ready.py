@@ -2,7 +2,7 @@
 
 Ready when the state store answers, its schema is at this code's head revision, this host's
 clock is within ``HARU_MAX_CLOCK_SKEW_MS`` of the database's (when the server samples it),
-the background reconcile loop (when ``HARU_RECONCILE_INTERVAL_MS`` enables it) is ticking,
+the background reconcile loop (unless ``HARU_RECONCILE_INTERVAL_MS`` turns it off) is ticking,
 and the server is not draining after a stop signal (``HARU_SHUTDOWN_DRAIN_MS``). Otherwise
 503 ``not_ready`` in the error envelope, its message saying why.
 """

@@ -33,6 +33,8 @@ from haru_protocol import (
     EventList,
     EventType,
     FleetList,
+    FleetPolicyChanged,
+    FleetPolicyResponse,
     FleetRef,
     FleetRoutePointer,
     FleetSnapshot,
@@ -44,13 +46,16 @@ from haru_protocol import (
     OperationRequestedPromote,
     OperationState,
     PeerModel,
+    PolicyPatch,
     PromoteRequest,
     ReconcileResponse,
     TrainingSlotState,
     WireModel,
+    merge_policy_patch,
     parse_fleet_ref,
 )
 from haru_web import ApiError, int_query, parse_body
+from pydantic import ValidationError
 
 from haru_server._errors import ClockSkewedError, FleetNotFoundError
 from haru_server._keys import (
@@ -151,7 +156,7 @@ async def loop_coverage(app: web.Application, fleet: FleetSnapshot) -> FleetSnap
         if fleet.policy.auto_failover:
             warnings.append(
                 "autoFailover is on but no reconcile loop runs (HARU_RECONCILE_INTERVAL_MS is "
-                "unset): nothing fails over automatically"
+                "off): nothing fails over automatically"
             )
     else:
         reconciled = await loop.covers(fleet.id)
@@ -168,6 +173,54 @@ async def loop_coverage(app: web.Application, fleet: FleetSnapshot) -> FleetSnap
 async def get_fleet(request: web.Request) -> web.Response:
     fleet = await request.app[reconciler_key].annotate(await _snapshot(request))
     return _json(await loop_coverage(request.app, fleet))
+
+
+POLICY_SWAP_ATTEMPTS = 5
+"""Read-merge-swap rounds of a policy PATCH before it gives up on concurrent writers (409)."""
+
+
+@routes.patch("/v1/fleets/{ref}/policy")
+async def patch_policy(request: web.Request) -> web.Response:
+    update = await parse_body(request, PolicyPatch, limit=CONTROL_BODY_LIMIT)
+    fleet = await _snapshot(request)
+    store = request.app[store_key]
+    for _ in range(POLICY_SWAP_ATTEMPTS):
+        stored = await store.get_fleet_policy(fleet.id)
+        if stored is None:
+            raise _fleet_not_found(_fleet_ref(request))
+        try:
+            merged = PolicyPatch.model_validate(merge_policy_patch(stored.patch, update))
+        except ValidationError as exc:
+            # Only a stored key this release does not know can fail here (the body is valid).
+            raise ApiError(
+                ErrorCode.INVALID_REQUEST,
+                f"the fleet's stored policy cannot be merged: {exc.error_count()} error(s)",
+            ) from None
+        patch = merged.stored()
+        changed = sorted(
+            key
+            for key in stored.patch.keys() | patch.keys()
+            if stored.patch.get(key) != patch.get(key)
+        )
+        answer = FleetPolicyResponse(
+            fleet_id=fleet.id, policy=merged.resolve(), patch=patch, changed=tuple(changed)
+        )
+        if not changed:
+            return _json(answer)
+        now = request.app[clock_key]()
+        if await store.replace_fleet_policy(fleet.id, version=stored.version, patch=patch, at=now):
+            # The reconciler reads the policy with the fleet at every tick: nothing to notify.
+            await store.append_event(
+                fleet_id=fleet.id,
+                payload=FleetPolicyChanged(old=stored.patch, new=patch, changed=tuple(changed)),
+                at=now,
+            )
+            logger.info("fleet %s: policy changed (%s)", fleet.slug, ", ".join(changed))
+            return _json(answer)
+    raise ApiError(
+        ErrorCode.POLICY_CONFLICT,
+        f"the policy of fleet {fleet.slug!r} kept changing under this request; retry",
+    )
 
 
 @routes.get("/v1/fleets/{ref}/route-intent")

@@ -47,6 +47,9 @@ from haru_server._errors import HaruServerError
 
 API_TOKEN_VAR: Final = "HARU_API_TOKEN"  # noqa: S105  (a variable name, not a secret)
 SUPERVISOR_TOKEN_VAR: Final = "HARU_SUPERVISOR_TOKEN"  # noqa: S105
+RECONCILE_INTERVAL_DEFAULT_MS: Final = 500
+"""An idle fleet's tick costs about 10 ms of CPU (docs/BENCHMARKS.md, *Reconcile loop
+interval*): 2 % of a core per fleet buys a failure seen within half a second."""
 
 
 class SettingsError(HaruServerError, ValueError):
@@ -134,9 +137,11 @@ class Settings(BaseSettings):
     )
     """``HARU_CHAT_MAX_BODY_BYTES``: largest inference request body (413 beyond)."""
     reconcile_interval_ms: DurationMs | None = Field(
-        None, validation_alias=_env("HARU_RECONCILE_INTERVAL_MS", "reconcile_interval_ms")
+        RECONCILE_INTERVAL_DEFAULT_MS,
+        validation_alias=_env("HARU_RECONCILE_INTERVAL_MS", "reconcile_interval_ms"),
     )
-    """``HARU_RECONCILE_INTERVAL_MS``: enables the background reconcile loop."""
+    """``HARU_RECONCILE_INTERVAL_MS``: pause between two ticks of an idle fleet in the background
+    reconcile loop; ``0`` or ``off`` (None here) = no loop, nothing fails over."""
     shutdown_drain_ms: Annotated[EnvInt, Field(ge=0, le=600_000)] = Field(
         0, validation_alias=_env("HARU_SHUTDOWN_DRAIN_MS", "shutdown_drain_ms")
     )
@@ -256,6 +261,15 @@ class Settings(BaseSettings):
             token_var=API_TOKEN_VAR,
         )
         return self
+
+    @field_validator("reconcile_interval_ms", mode="before")
+    @classmethod
+    def _loop_off(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() in ("0", "off"):
+            return None
+        if isinstance(value, int) and not isinstance(value, bool) and value == 0:
+            return None
+        return value
 
     @field_validator("reconcile_fleets", mode="before")
     @classmethod

@@ -53,6 +53,7 @@ from haru_protocol import (
     SupervisorStatus,
     TrainingRunState,
     TrainingSlotState,
+    TrainingStopFact,
 )
 from haru_supervisor.client import (
     HEARTBEAT_TIMEOUT_S,
@@ -374,7 +375,9 @@ async def _stop_training(ctx: StepContext) -> StepResult:
     fence = await _fence(ctx)
     if not ctx.entered:
         await _apply(ctx, target, _STOPPING)
-    grace = ctx.fleet.policy.training_stop_grace_ms
+    automatic = await _is_automatic(ctx)
+    policy = ctx.fleet.policy
+    grace = policy.failover_training_stop_grace_ms if automatic else policy.training_stop_grace_ms
     await _call(
         ctx,
         ctx.client.stop_training(
@@ -382,15 +385,56 @@ async def _stop_training(ctx: StepContext) -> StepResult:
         ),
         target_side=True,
     )
+    last: list[SupervisorStatus] = []
+
+    async def fetch() -> SupervisorStatus:
+        status = await _status(ctx, target)
+        last[:] = [status]
+        return status
+
     busy = await _poll_until(
-        ctx,
-        lambda: _status(ctx, target),
-        lambda status: training_not_idle(target, status),
-        target_side=True,
+        ctx, fetch, lambda status: training_not_idle(target, status), target_side=True
     )
     if busy:
         return Pending(f"training still running on GPU(s) {busy}")
-    return Done(OperationStepDone(step=ctx.step), mirror=_IDLE)
+    detail = OperationStepDone(
+        step=ctx.step,
+        automatic=automatic,
+        grace_ms=grace,
+        training_stops=training_stops(target, last[0]) or None,
+    )
+    return Done(detail, mirror=_IDLE)
+
+
+async def _is_automatic(ctx: StepContext) -> bool:
+    """Whether the operation is an automatic failover (the reconciler created it).
+
+    Its ``operation.auto_failover`` event, appended right after the operation was created,
+    says so: the newest such event of the target domain names this operation.
+    """
+    events = await ctx.store.list_domain_events(
+        ctx.fleet.id, ctx.target.id, types=(EventType.OPERATION_AUTO_FAILOVER.value,), limit=1
+    )
+    return bool(events) and events[0].operation_id == ctx.operation.id
+
+
+def training_stops(
+    domain: DomainSnapshot, status: SupervisorStatus
+) -> tuple[TrainingStopFact, ...]:
+    """How each of the layout's training runs last stopped, as its supervisor measured it."""
+    gpus = {s.gpu_index for s in training_slots(domain)}
+    return tuple(
+        TrainingStopFact(
+            gpu_index=slot.gpu_index,
+            stop_ms=slot.training.last_stop.stop_ms,
+            killed=slot.training.last_stop.killed,
+        )
+        for slot in status.slots
+        if slot.gpu_index in gpus
+        and slot.kind is SlotKind.TRAINING
+        and slot.training is not None
+        and slot.training.last_stop is not None
+    )
 
 
 HOLDERS_TIMEOUT_S = 2.0

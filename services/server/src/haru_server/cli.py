@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         FleetSnapshot,
         Operation,
         OperationKind,
+        Policy,
     )
     from rich.console import Console
     from rich.table import Table
@@ -433,27 +434,54 @@ def seed(
     ] = None,
     database_url: DatabaseOption = None,
 ) -> None:
-    """Apply a fleet layout to the state store (idempotent, additive; migrates first)."""
-    from haru_db import StateStore, upgrade
+    """Apply a fleet layout to the state store (idempotent, additive; migrates first).
 
-    async def go(document: FleetLayout) -> str:
+    A fleet already present keeps its stored policy: when it differs from the layout's, the
+    differing keys are listed and the command exits 1 (change it with ``haru fleet policy set``).
+    """
+    import shlex
+
+    from haru_db import StateStore, upgrade
+    from haru_protocol import policy_differences, resolve_policy
+
+    async def go(document: FleetLayout) -> tuple[str, list[tuple[str, object, object]]]:
         await upgrade(database_url)
         store = StateStore.open(database_url)
         try:
             # Stored times are the database's clock, not this machine's.
             result = await store.apply_fleet_layout(document, at=await store.database_now())
+            stored = None if result.fleet_created else await store.get_fleet_snapshot(document.slug)
         finally:
             await store.close()
+        differences = (
+            []
+            if stored is None
+            else policy_differences(stored.policy, resolve_policy(document.policy))
+        )
         return (
             f"fleet [bold]{_escape(document.slug)}[/] ({result.fleet_id}): "
             f"{'created' if result.fleet_created else 'already present'}, "
             f"{result.domains_created} domain(s) and {result.slots_created} slot(s) added"
             + (", routing pointer set" if result.pointer_set else "")
-        )
+        ), differences
 
     def body() -> None:
         document = _load_layout(layout)
-        _console().print(_run_db(go(document)))
+        summary, differences = _run_db(go(document))
+        _console().print(summary)
+        if differences:
+            listed = "\n".join(
+                f"  {key}: stored {stored}, layout {wanted}" for key, stored, wanted in differences
+            )
+            command = " ".join(
+                shlex.quote(f"{key}={'default' if wanted is None else wanted}")
+                for key, _, wanted in differences
+            )
+            raise CliFailure(
+                f"the stored policy of fleet {document.slug} differs from the layout's "
+                f"(seed never changes a stored policy):\n{listed}\n"
+                f"to apply the layout's values: haru fleet policy set {document.slug} {command}"
+            )
 
     _guard(body)
 
@@ -561,7 +589,97 @@ def render_fleet(fleet: FleetSnapshot) -> list[Table]:
         f"route revision {fleet.route_revision}  "
         f"autoFailover {'on' if fleet.policy.auto_failover else 'off'}"
     )
-    return [domains, slots]
+    return [domains, slots, render_policy(fleet.policy)]
+
+
+def render_policy(policy: Policy) -> Table:
+    """The resolved policy, one key a line, with the default where the value differs."""
+    from haru_protocol import Policy, policy_differences
+    from rich.table import Table
+
+    defaults = {key: value for key, _, value in policy_differences(policy, Policy())}
+    table = Table("policy key", "value", "default", title="policy (resolved)")
+    for key, value in policy.model_dump(mode="json").items():
+        entries = value.items() if isinstance(value, dict) else [(None, value)]
+        for inner, shown in entries:
+            name = key if inner is None else f"{key}.{inner}"
+            default = defaults.get(name)
+            table.add_row(name, str(shown), "" if name not in defaults else str(default))
+    return table
+
+
+def parse_policy_assignment(text: str) -> tuple[list[str], object]:
+    """Parse ``key=value`` into (key path, JSON value).
+
+    ``true``/``false`` and integers are typed, ``default`` clears the operator's value (null),
+    anything else is a string.
+
+    Raises:
+        CliFailure: No ``=``, an empty key or an empty value (exit 2).
+    """
+    key, sep, raw = text.partition("=")
+    path = key.strip().split(".")
+    if not sep or not all(path):
+        raise CliFailure(f"{text!r}: expected key=value (camelCase key)", code=EXIT_USAGE)
+    if raw == "":
+        raise CliFailure(
+            f"{text!r} has no value; use {key}=default to follow the default again",
+            code=EXIT_USAGE,
+        )
+    value: object
+    if raw == "default":
+        value = None
+    elif raw in ("true", "false"):
+        value = raw == "true"
+    elif raw.isascii() and raw.isdigit():
+        value = int(raw)
+    else:
+        value = raw
+    return path, value
+
+
+def policy_set(
+    ref: Annotated[str, typer.Argument(help="Fleet slug or id.")],
+    assignments: Annotated[
+        list[str],
+        typer.Argument(
+            help="key=value (camelCase, e.g. degradedGraceMs=5000 autoFailover=true "
+            "probe.prompt=hi); key=default follows the default again.",
+            show_default=False,
+        ),
+    ],
+    url: UrlOption = DEFAULT_URL,
+    token: TokenOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Change a fleet's policy (validated by the server; the next reconcile tick uses it)."""
+    patch: dict[str, object] = {}
+
+    async def go() -> None:
+        async with _client(url, token) as client:
+            answer = await client.set_policy(ref, patch)
+        if as_json:
+            _print_json(answer.model_dump_json())
+            return
+        changed = ", ".join(answer.changed) if answer.changed else "nothing (already so)"
+        _console().print(f"fleet {ref} policy changed: {changed}")
+        _console().print(render_policy(answer.policy))
+
+    def body() -> None:
+        if not assignments:
+            raise CliFailure("give at least one key=value", code=EXIT_USAGE)
+        for text in assignments:
+            path, value = parse_policy_assignment(text)
+            target = patch
+            for part in path[:-1]:
+                nested = target.setdefault(part, {})
+                if not isinstance(nested, dict):
+                    raise CliFailure(f"{text!r} conflicts with another assignment", code=EXIT_USAGE)
+                target = nested
+            target[path[-1]] = value
+        _run(go())
+
+    _guard(body)
 
 
 def fleet_show(
@@ -1075,7 +1193,7 @@ def build_app(entries: Sequence[metadata.EntryPoint] | None = None) -> typer.Typ
 
 def _register(app: typer.Typer) -> None:
     db_app = typer.Typer(help="State store maintenance (uses DATABASE_URL).", no_args_is_help=True)
-    fleet_app = typer.Typer(help="Inspect one fleet.", no_args_is_help=True)
+    fleet_app = typer.Typer(help="Inspect or change one fleet.", no_args_is_help=True)
     app.command("serve")(serve)
     app.add_typer(db_app, name="db")
     db_app.command("upgrade")(db_upgrade)
@@ -1086,6 +1204,9 @@ def _register(app: typer.Typer) -> None:
     app.command("fleets")(fleets)
     app.add_typer(fleet_app, name="fleet")
     fleet_app.command("show")(fleet_show)
+    policy_app = typer.Typer(help="A fleet's policy.", no_args_is_help=True)
+    fleet_app.add_typer(policy_app, name="policy")
+    policy_app.command("set")(policy_set)
     domain_app = typer.Typer(help="Provisioned (skypilot) domains.", no_args_is_help=True)
     app.add_typer(domain_app, name="domain")
     domain_app.command("status")(domain_status)

@@ -15,6 +15,7 @@ from haru_protocol import (
     DomainStatusResponse,
     EventList,
     FleetList,
+    FleetPolicyResponse,
     FleetSnapshot,
     Operation,
     OperationKind,
@@ -110,6 +111,11 @@ class ControlClient:
         """``POST /v1/fleets/{ref}/reconcile``."""
         raw = await self._call("POST", f"{_fleet_path(ref)}/reconcile", body={})
         return parse_or_raise(ReconcileResponse, raw)
+
+    async def set_policy(self, ref: str, patch: dict[str, object]) -> FleetPolicyResponse:
+        """``PATCH /v1/fleets/{ref}/policy`` (a null value clears the operator's value)."""
+        raw = await self._call("PATCH", f"{_fleet_path(ref)}/policy", body=patch)
+        return parse_or_raise(FleetPolicyResponse, raw)
 
     async def domain_status(self, ref: str, domain: str) -> DomainStatusResponse:
         """``GET /v1/fleets/{ref}/domains/{domain}``."""

@@ -22,9 +22,11 @@ from haru_protocol import (
     DomainStatusResponse,
     EventList,
     FleetList,
+    FleetPolicyResponse,
     FleetSnapshot,
     Health,
     Operation,
+    PolicyPatch,
     PromoteRequest,
     Readiness,
     ReconcileResponse,
@@ -139,6 +141,19 @@ ROUTES: Final[tuple[ApiRoute, ...]] = (
         RouteIntent,
         errors=(404, _STORE),
         tag="control",
+    ),
+    route(
+        "PATCH",
+        f"{_FLEETS}/policy",
+        "Change the operator's policy values (JSON Merge Patch: null follows the default)",
+        FleetPolicyResponse,
+        body=PolicyPatch,
+        errors=(400, 404, 409, _STORE),
+        tag="control",
+        description="Keys set replace the operator's values, keys set to null remove them (the "
+        "key follows the current default again), other keys stay. Stored with one "
+        "compare-and-swap and a `fleet.policy.changed` event; the next reconcile tick uses "
+        "it. Answers the resolved policy.",
     ),
     route(
         "POST",

@@ -161,7 +161,9 @@ async def status(request: web.Request) -> web.Response:
             entry = SlotStatus(
                 gpu_index=slot.gpu_index,
                 kind=SlotKind.TRAINING,
-                training=TrainingStatus(state=training.state, pids=training.pids),
+                training=TrainingStatus(
+                    state=training.state, pids=training.pids, last_stop=training.last_stop
+                ),
             )
         slots.append(_slot_json(entry))
     body = {"slots": slots, "ready": _ready(statuses)}

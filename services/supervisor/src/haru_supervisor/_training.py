@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from haru_protocol import SupervisorTrainingSlot, TrainingRunState, TrainingSlotStatus
+from haru_protocol import SupervisorTrainingSlot, TrainingRunState, TrainingSlotStatus, TrainingStop
 
 from haru_supervisor._errors import ShuttingDownError, TrainingStartError
 from haru_supervisor._settings import CHECKPOINT_DIR_VAR, GPU_INDEX_VAR
@@ -304,6 +304,8 @@ class TrainingRun:
         self._tracker: _Tracker | None = None
         become_subreaper()
         self._kill_deadline: float | None = None
+        self._stop_started: float | None = None
+        self._last_stop: TrainingStop | None = None
         self._changed = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -340,7 +342,9 @@ class TrainingRun:
         """The run as ``GET /v1/training/status`` reports it."""
         state = self._state
         pids = await self.pids()
-        return TrainingSlotStatus(gpu_index=self.gpu_index, state=state, pids=pids)
+        return TrainingSlotStatus(
+            gpu_index=self.gpu_index, state=state, pids=pids, last_stop=self._last_stop
+        )
 
     async def start(self) -> bool:
         """Spawn the trainer unless the run is already running or stopping.
@@ -377,6 +381,8 @@ class TrainingRun:
             self._pgid = process.pid
             self._tracker = _Tracker(process.pid, marks=self._marks)
             self._kill_deadline = None
+            self._stop_started = None
+            self._last_stop = None
             self._idle.clear()
             self._changed.clear()
             self._watcher = asyncio.create_task(
@@ -398,7 +404,8 @@ class TrainingRun:
             if self._state is TrainingRunState.RUNNING:
                 # The latest descendants first: one spawned since the last poll gets SIGTERM too.
                 pids = await asyncio.to_thread(tracker.refresh)
-                deadline = self._clock() + max(0.0, grace_s)
+                self._stop_started = self._clock()
+                deadline = self._stop_started + max(0.0, grace_s)
                 self._state = TrainingRunState.STOPPING
                 self._kill_deadline = deadline
                 logger.info(
@@ -484,6 +491,16 @@ class TrainingRun:
                         )
                 await self._wait_for_change(leader, now=now)
             self._log_exit(process.returncode)
+            started = self._stop_started
+            if started is not None:
+                # What the server records in its operation: how long the trainer took, and
+                # whether the grace ran out.
+                deadline = self._kill_deadline if self._kill_deadline is not None else started
+                self._last_stop = TrainingStop(
+                    stop_ms=round((self._clock() - started) * 1000),
+                    killed=killed_at is not None,
+                    grace_ms=round((deadline - started) * 1000),
+                )
         finally:
             if not leader.done():
                 leader.cancel()
