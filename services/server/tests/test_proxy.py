@@ -46,6 +46,7 @@ from haru_server._proxy import (
     ProxyTuning,
     _KickDebouncer,
     _Proxy,
+    held_cap,
     install_proxy,
     observe_route_move,
     proxy_key,
@@ -53,7 +54,7 @@ from haru_server._proxy import (
 from haru_server._route_cache import RouteCache
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
-from haru_web import ApiError, render_api_error
+from haru_web import ApiError, connection_cap, render_api_error
 from pydantic import SecretStr
 from pytest_aiohttp import AiohttpServer
 
@@ -1654,18 +1655,23 @@ async def test_a_promotion_accepted_by_this_process_holds_at_once(
     assert cache.promotion_in_flight(env.fleet.id)
 
 
+@pytest.mark.parametrize("padding", [0, 900_000], ids=["after_the_body", "mid_body"])
 async def test_a_request_an_upstream_dropped_unanswered_is_sent_once_to_the_new_active(
     make_proxy: ProxyFactory,
     sqlite_store: StateStore,
     stack: contextlib.AsyncExitStack,
     raw_upstream: RawUpstreamFactory,
     http: aiohttp.ClientSession,
+    padding: int,
 ) -> None:
-    upstream, url = await raw_upstream("drop")  # takes the request, closes without answering
+    # Takes the request head and closes without answering: with a large body, while the
+    # proxy is still sending it.
+    upstream, url = await raw_upstream("drop")
     setup = await auto_failover_setup(sqlite_store, stack, alpha_url=url)
     proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000)
     running = proxy_of(proxy)
-    held = asyncio.create_task(post(http, proxy, chat_body(text="once more")))
+    body = chat_body(text="once more", padding="x" * padding)
+    held = asyncio.create_task(post(http, proxy, body))
     await eventually(lambda: running.holding == 1, within=30)
     # Held until the route moves: sent again to the upstream that dropped it, it would have
     # been dropped a second time and failed (a request reaches at most two upstreams).
@@ -1678,6 +1684,21 @@ async def test_a_request_an_upstream_dropped_unanswered_is_sent_once_to_the_new_
     assert arrived == ["once more"]
     assert running.retried_total == 1
     assert running.holding == 0
+
+
+def test_held_requests_take_at_most_half_the_connection_cap() -> None:
+    assert Settings().failover_hold_max == 256
+    assert held_cap(256, 512) == min(256, connection_cap(512) // 2)
+    assert held_cap(1_024, 64) == connection_cap(64) // 2 <= 32
+    assert held_cap(8, 64) == min(8, connection_cap(64) // 2)
+    assert held_cap(8, 1) == 0  # a single connection is never given to a held request
+
+
+async def test_the_proxy_lowers_its_hold_cap_to_half_the_connections(
+    make_proxy: ProxyFactory,
+) -> None:
+    proxy = await make_proxy(failover_hold_max=1_000, http_max_connections=20)
+    assert proxy_of(proxy).hold_max == held_cap(1_000, 20) <= 10
 
 
 async def test_a_request_dropped_by_two_actives_is_not_sent_a_third_time(
