@@ -13,14 +13,19 @@ or goes silent mid-answer breaks the client's connection (never a clean end of a
 answer).
 
 Routing comes from the route cache's lease (``HARU_ROUTE_LEASE_MS``), kept current by
-PostgreSQL NOTIFY where available. During a failover a request that nothing could serve yet
-(no routable active domain, or the active's server refused or timed out the connection, so
-nothing was sent) is held, when the fleet has ``autoFailover`` on or a promotion in flight
-(the flag rides the leased pointer read), until the pointer moves,
-for at most ``HARU_FAILOVER_HOLD_MS`` and with at most ``HARU_FAILOVER_HOLD_MAX`` held per
-process; a request whose body reached an upstream is never sent again. A request that fails
-for want of a route (503: no routable active domain, a store that cannot serve routing, or a
-hold that ran out) carries ``Retry-After``.
+PostgreSQL NOTIFY where available. During a failover a request that no server answered and of
+which nothing went to the client (no routable active domain; the active's server refused or
+timed out the connection; or it took the request and closed or reset the connection before
+any byte of an answer) is held, when the fleet has ``autoFailover`` on or a promotion in flight
+(the flag rides the leased pointer read), until the pointer moves. The bound is
+``HARU_FAILOVER_HOLD_MS`` while no promotion is in flight, and the promotion's step budgets up
+to the flip (from when this process first saw it) plus that while one is; at most
+``HARU_FAILOVER_HOLD_MAX`` requests are held per process, never more than half the connection
+cap (past it: 503 ``overloaded``). A request that reached an upstream is sent again at most
+once, to the active of a newer revision; one the upstream answered (any HTTP status) or timed
+out is never sent again. A request that fails for want of a route (503: no routable active
+domain, a store that cannot serve routing, a full hold cap, or a hold that ran out) carries
+``Retry-After``.
 """
 
 from __future__ import annotations
