@@ -46,6 +46,7 @@ from haru_server._proxy import (
     ProxyTuning,
     _KickDebouncer,
     _Proxy,
+    held_cap,
     install_proxy,
     observe_route_move,
     proxy_key,
@@ -53,7 +54,7 @@ from haru_server._proxy import (
 from haru_server._route_cache import RouteCache
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
-from haru_web import ApiError, render_api_error
+from haru_web import ApiError, connection_cap, render_api_error
 from pydantic import SecretStr
 from pytest_aiohttp import AiohttpServer
 
@@ -1481,9 +1482,12 @@ async def test_holds_respect_the_cap_and_need_auto_failover(
     held = asyncio.create_task(post(http, proxy, chat_body(text="held")))
     await eventually(lambda: running.holding == 1, within=30)
     status, headers, body = await post(http, proxy, chat_body(text="over the cap"))
-    assert status == 502
-    assert error_code(body) == "upstream_unreachable"
+    # Over the cap: refused at once, saying when to come back, never held.
+    assert status == 503
+    assert error_code(body) == "overloaded"
+    assert headers["Retry-After"] == "1"
     assert "X-Haru-Held-Ms" not in headers
+    assert running.over_cap == 1
     await promote(sqlite_store, setup.fleet)
     assert (await held)[0] == 200
     assert served(setup.beta) == 1
@@ -1526,6 +1530,73 @@ async def test_a_promotion_in_flight_holds_requests_without_auto_failover(
     assert int(headers["X-Haru-Held-Ms"]) >= 0
     assert served(setup.beta) == 1
     assert running.held_total == 1
+
+
+async def test_a_hold_outlasts_its_fixed_bound_while_a_promotion_is_in_flight(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    http: aiohttp.ClientSession,
+) -> None:
+    setup = await auto_failover_setup(sqlite_store, stack)
+    hold_ms = 100
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=hold_ms)
+    running = proxy_of(proxy)
+    await setup.alpha.set_faults(refuse=True)
+    operation_id = await start_promotion(sqlite_store, setup.fleet)
+    held = asyncio.create_task(post(http, proxy, chat_body()))
+    await eventually(lambda: running.holding == 1, within=30)
+    since = running.cache.promotion_since(setup.fleet.id)
+    assert since is not None
+    # Bounded by the promotion's own budgets up to the flip, not by HARU_FAILOVER_HOLD_MS.
+    snapshot = await sqlite_store.get_fleet_snapshot("prod")
+    assert snapshot is not None
+    policy = snapshot.policy
+    budget_s = (
+        policy.stop_training_timeout_ms
+        + policy.verify_gpu_timeout_ms
+        + policy.wake_timeout_ms
+        + policy.probe_timeout_ms
+        + policy.switch_active_timeout_ms
+    ) / 1000
+    assert running.hold_deadline(setup.fleet.id, since, policy) == since + budget_s + hold_ms / 1000
+    # The promotion takes several times the fixed bound to flip; the request waits for it.
+    loop = asyncio.get_running_loop()
+    flip_after = loop.time() + 5 * hold_ms / 1000
+    await eventually(lambda: loop.time() >= flip_after, within=30)
+    assert not held.done()
+    await flip_to_beta(sqlite_store, setup.fleet, operation_id)
+    status, headers, _ = await held
+    assert status == 200
+    assert int(headers["X-Haru-Held-Ms"]) >= 5 * hold_ms
+    assert served(setup.beta) == 1
+
+
+async def test_with_the_promotion_over_a_hold_falls_back_to_its_fixed_bound(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    http: aiohttp.ClientSession,
+) -> None:
+    setup = await auto_failover_setup(sqlite_store, stack)
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=200)
+    running = proxy_of(proxy)
+    await setup.alpha.set_faults(refuse=True)
+    operation_id = await start_promotion(sqlite_store, setup.fleet)
+    held = asyncio.create_task(post(http, proxy, chat_body()))
+    await eventually(lambda: running.holding == 1, within=30)
+    assert await sqlite_store.fail_operation(
+        operation_id,
+        error=OperationError(step=None, code="probe_failed", message="probe failed"),
+        at=now(),
+    )
+    # autoFailover may still bring another promotion: held for HARU_FAILOVER_HOLD_MS, then
+    # given up with Retry-After (not for the failed promotion's budgets, minutes by default).
+    status, headers, body = await asyncio.wait_for(held, timeout=30)
+    assert status == 502
+    assert error_code(body) == "upstream_unreachable"
+    assert headers["Retry-After"] == "1"
+    assert running.cache.promotion_since(setup.fleet.id) is None
 
 
 async def test_requests_held_for_a_promotion_fail_at_once_when_it_fails(
@@ -1590,7 +1661,98 @@ async def test_a_promotion_accepted_by_this_process_holds_at_once(
     assert cache.promotion_in_flight(env.fleet.id)
 
 
-async def test_a_request_that_reached_an_upstream_is_never_replayed(
+@pytest.mark.parametrize("padding", [0, 900_000], ids=["after_the_body", "mid_body"])
+async def test_a_request_an_upstream_dropped_unanswered_is_sent_once_to_the_new_active(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    raw_upstream: RawUpstreamFactory,
+    http: aiohttp.ClientSession,
+    padding: int,
+) -> None:
+    # Takes the request head and closes without answering: with a large body, while the
+    # proxy is still sending it.
+    upstream, url = await raw_upstream("drop")
+    setup = await auto_failover_setup(sqlite_store, stack, alpha_url=url)
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000)
+    running = proxy_of(proxy)
+    body = chat_body(text="once more", padding="x" * padding)
+    held = asyncio.create_task(post(http, proxy, body))
+    await eventually(lambda: running.holding == 1, within=30)
+    # Held until the route moves: sent again to the upstream that dropped it, it would have
+    # been dropped a second time and failed (a request reaches at most two upstreams).
+    await promote(sqlite_store, setup.fleet)
+    status, headers, _ = await held
+    assert status == 200
+    assert int(headers["X-Haru-Held-Ms"]) >= 0
+    assert len(upstream.writers) == 1  # never sent to the dropping upstream again
+    arrived = [json.loads(r.body)["messages"][0]["content"] for r in setup.beta.recorded_requests]
+    assert arrived == ["once more"]
+    assert running.retried_total == 1
+    assert running.holding == 0
+
+
+def test_held_requests_take_at_most_half_the_connection_cap() -> None:
+    assert Settings().failover_hold_max == 256
+    assert held_cap(256, 512) == min(256, connection_cap(512) // 2)
+    assert held_cap(1_024, 64) == connection_cap(64) // 2 <= 32
+    assert held_cap(8, 64) == min(8, connection_cap(64) // 2)
+    assert held_cap(8, 1) == 0  # a single connection is never given to a held request
+
+
+async def test_the_proxy_lowers_its_hold_cap_to_half_the_connections(
+    make_proxy: ProxyFactory,
+) -> None:
+    proxy = await make_proxy(failover_hold_max=1_000, http_max_connections=20)
+    assert proxy_of(proxy).hold_max == held_cap(1_000, 20) <= 10
+
+
+async def test_a_request_dropped_by_two_actives_is_not_sent_a_third_time(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    raw_upstream: RawUpstreamFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    first, first_url = await raw_upstream("drop")
+    second, second_url = await raw_upstream("drop")
+    alpha = dict.fromkeys(MODELS, first_url)
+    document = layout("prod", alpha, dict.fromkeys(MODELS, second_url)).model_copy(
+        update={"policy": PolicyPatch(auto_failover=True)}
+    )
+    fleet = await apply(sqlite_store, document)
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000)
+    running = proxy_of(proxy)
+    held = asyncio.create_task(post(http, proxy, chat_body()))
+    await eventually(lambda: running.holding == 1, within=30)
+    await promote(sqlite_store, fleet)
+    status, headers, body = await held
+    assert status == 502
+    assert error_code(body) == "upstream_unreachable"
+    assert headers["Retry-After"] == "1"
+    assert (len(first.writers), len(second.writers)) == (1, 1)
+    assert running.retried_total == 0
+
+
+async def test_an_upstream_answer_is_never_sent_again_even_a_500(
+    make_proxy: ProxyFactory,
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    http: aiohttp.ClientSession,
+) -> None:
+    setup = await auto_failover_setup(sqlite_store, stack)
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000)
+    await setup.alpha.set_faults(error_500=True)
+    status, headers, body = await post(http, proxy, chat_body())
+    assert status == 500
+    assert json.loads(body)["error"]["type"] == "InternalServerError"  # the upstream's own
+    assert "X-Haru-Held-Ms" not in headers
+    assert served(setup.alpha) == 1
+    assert served(setup.beta) == 0
+    assert proxy_of(proxy).holding == 0
+
+
+async def test_a_fleet_without_a_failover_coming_fails_a_dropped_request_at_once(
     make_proxy: ProxyFactory,
     sqlite_store: StateStore,
     stack: contextlib.AsyncExitStack,
@@ -1598,13 +1760,13 @@ async def test_a_request_that_reached_an_upstream_is_never_replayed(
     http: aiohttp.ClientSession,
 ) -> None:
     upstream, url = await raw_upstream("drop")
-    setup = await auto_failover_setup(sqlite_store, stack, alpha_url=url)
+    setup = await make_setup(sqlite_store, stack, extra_alpha={"chat-small": url})
     proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000)
     status, headers, body = await post(http, proxy, chat_body())
     assert status == 502
     assert error_code(body) == "upstream_unreachable"
     assert "X-Haru-Held-Ms" not in headers
-    assert len(upstream.writers) == 1  # one connection, one request: never sent again
+    assert len(upstream.writers) == 1
     assert served(setup.beta) == 0
 
 

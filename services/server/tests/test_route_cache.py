@@ -37,6 +37,7 @@ class Fleet:
     id: UUID
     slug: str
     revision: int = 1
+    promoting: bool = False
 
 
 @dataclass
@@ -72,6 +73,7 @@ class ScriptedStore:
         self.pointer_reads += 1
         fleet = self.find(ref)  # read "now": a gated read returns what was true when it started
         found = None if fleet is None else (fleet.id, fleet.slug, fleet.revision)
+        promoting = fleet is not None and fleet.promoting
         if self.pointer_gates:
             await self.pointer_gates.pop(0).wait()
         if self.pointer_hang:
@@ -86,7 +88,11 @@ class ScriptedStore:
         if found is None:
             return None
         return FleetRoutePointer(
-            id=found[0], slug=found[1], active_domain_id=None, route_revision=found[2]
+            id=found[0],
+            slug=found[1],
+            active_domain_id=None,
+            route_revision=found[2],
+            promotion_in_flight=promoting,
         )
 
     async def record_route_lease(self, fleet_id: UUID, lease_ms: int) -> bool:
@@ -858,3 +864,27 @@ async def test_a_read_in_flight_across_a_stall_keeps_its_bound(
     assert not lookup.stale  # the read was given the rest of its bound, not failed at once
     assert not cache.in_outage
     await cache.aclose()
+
+
+async def test_a_promotion_is_dated_from_when_this_process_first_saw_it(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    cache = make_cache(store, clock)
+    fleet = store.add("prod")
+    await cache.resolve("prod")
+    assert cache.promotion_since(fleet.id) is None
+    fleet.promoting = True
+    await cache.resolve("prod")
+    first = clock.now
+    assert cache.promotion_since(fleet.id) == first
+    clock.advance(5)
+    await cache.resolve("prod")  # the same promotion, still in flight: its sighting stays
+    assert cache.promotion_since(fleet.id) == first
+    assert cache.promotion_in_flight(fleet.id)
+    fleet.promoting = False
+    await cache.resolve("prod")
+    assert cache.promotion_since(fleet.id) is None
+    assert not cache.promotion_in_flight(fleet.id)
+    clock.advance(5)
+    cache.note_promotion(fleet.id)  # accepted by this process: known before any read
+    assert cache.promotion_since(fleet.id) == clock.now

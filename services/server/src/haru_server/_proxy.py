@@ -13,14 +13,19 @@ or goes silent mid-answer breaks the client's connection (never a clean end of a
 answer).
 
 Routing comes from the route cache's lease (``HARU_ROUTE_LEASE_MS``), kept current by
-PostgreSQL NOTIFY where available. During a failover a request that nothing could serve yet
-(no routable active domain, or the active's server refused or timed out the connection, so
-nothing was sent) is held, when the fleet has ``autoFailover`` on or a promotion in flight
-(the flag rides the leased pointer read), until the pointer moves,
-for at most ``HARU_FAILOVER_HOLD_MS`` and with at most ``HARU_FAILOVER_HOLD_MAX`` held per
-process; a request whose body reached an upstream is never sent again. A request that fails
-for want of a route (503: no routable active domain, a store that cannot serve routing, or a
-hold that ran out) carries ``Retry-After``.
+PostgreSQL NOTIFY where available. During a failover a request that no server answered and of
+which nothing went to the client (no routable active domain; the active's server refused or
+timed out the connection; or it took the request and closed or reset the connection before
+any byte of an answer) is held, when the fleet has ``autoFailover`` on or a promotion in flight
+(the flag rides the leased pointer read), until the pointer moves. The bound is
+``HARU_FAILOVER_HOLD_MS`` while no promotion is in flight, and the promotion's step budgets up
+to the flip (from when this process first saw it) plus that while one is; at most
+``HARU_FAILOVER_HOLD_MAX`` requests are held per process, never more than half the connection
+cap (past it: 503 ``overloaded``). A request that reached an upstream is sent again at most
+once, to the active of a newer revision; one the upstream answered (any HTTP status) or timed
+out is never sent again. A request that fails for want of a route (503: no routable active
+domain, a store that cannot serve routing, a full hold cap, or a hold that ran out) carries
+``Retry-After``.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from uuid import UUID
 import aiohttp
 from aiohttp import hdrs, web
 from haru_db import RouteListener
-from haru_protocol import REQUEST_ID_HEADER, ErrorCode, FleetRoutePointer
-from haru_web import ApiError, current_request_id
+from haru_protocol import REQUEST_ID_HEADER, ErrorCode, FleetRoutePointer, Policy
+from haru_web import ApiError, connection_cap, current_request_id
 from yarl import URL
 
 from haru_server._keys import FleetKicker, clock_key, kick_fleet_key, settings_key, store_key
@@ -50,6 +55,7 @@ from haru_server._proxy_routes import (
     MODELS_PATH,
     RouteTable,
     model_of,
+    promotion_budget_ms,
 )
 from haru_server._route_cache import (
     DEFAULT_LEASE_IDLE_MS,
@@ -120,6 +126,13 @@ class _HeldItem:
     revision: int
     unroutable: bool
     model: str
+    fleet_id: UUID
+    started: float
+    """Clock reading at which the request was first held."""
+    policy: Policy
+    """The fleet's policy as last read (its promotion budgets bound the hold)."""
+    deadline: float = 0.0
+    timer: asyncio.TimerHandle | None = None
 
 
 def _settle_held(future: asyncio.Future[bool], released: bool) -> None:
@@ -127,13 +140,21 @@ def _settle_held(future: asyncio.Future[bool], released: bool) -> None:
         future.set_result(released)
 
 
-class _NothingSentError(Exception):
-    """No server could take the request and nothing of it was sent: it may be held."""
+class _UnansweredError(Exception):
+    """No server answered the request and nothing was sent to the client: it may be held.
 
-    def __init__(self, error: ApiError, lookup: RouteLookup[RouteTable]) -> None:
+    ``reached``: the request reached an upstream that went away before any byte of an answer
+    (reset before the headers, gone mid-body): it may be sent once more, to another active.
+    Otherwise nothing of it reached a server (no route, refused, connect timeout).
+    """
+
+    def __init__(
+        self, error: ApiError, lookup: RouteLookup[RouteTable], *, reached: bool = False
+    ) -> None:
         super().__init__(error.message)
         self.error = error
         self.lookup = lookup
+        self.reached = reached
 
 
 class _DisconnectWatch:
@@ -234,12 +255,26 @@ class _Proxy:
         self._poll = tuning.disconnect_poll_ms / 1000
         self._mono = tuning.monotonic
         self._hold = settings.failover_hold_ms / 1000
-        self._hold_max = settings.failover_hold_max
+        self.hold_max = held_cap(settings.failover_hold_max, settings.http_max_connections)
+        """Requests held at once: ``HARU_FAILOVER_HOLD_MAX``, at most half the connection cap."""
+        if self.hold_max < settings.failover_hold_max:
+            logger.warning(
+                "HARU_FAILOVER_HOLD_MAX %d lowered to %d: held requests may take at most half "
+                "of the listener's %d connections, so health checks and the control API "
+                "always find one",
+                settings.failover_hold_max,
+                self.hold_max,
+                connection_cap(settings.http_max_connections),
+            )
         self._hold_poll = tuning.hold_poll_ms / 1000
         self.holding = 0
         """Requests held right now."""
         self.held_total = 0
         """Requests that were held and then dispatched."""
+        self.retried_total = 0
+        """Requests sent to a second upstream after the first went away without answering."""
+        self.over_cap = 0
+        """Requests failed at once because ``hold_max`` requests were held already."""
         self.longest_hold_ms = 0
         self.idle_cuts = 0
         """Answers cut because their upstream went silent mid-answer."""
@@ -372,9 +407,9 @@ class _Proxy:
             request, routes.snapshot, model=model if url is not None else None, stale=lookup.stale
         )
         if not routes.routable:
-            raise _NothingSentError(_unroutable(lookup), lookup)
+            raise _UnansweredError(_unroutable(lookup), lookup)
         if url is None and routes.unserved(model):
-            raise _NothingSentError(_unserved(lookup, model), lookup)
+            raise _UnansweredError(_unserved(lookup, model), lookup)
         if url is None:
             available = ", ".join(routes.models) or "none"
             raise ApiError(
@@ -397,33 +432,43 @@ class _Proxy:
         body: bytes,
         headers: dict[str, str],
     ) -> tuple[RouteLookup[RouteTable], aiohttp.ClientResponse, int | None]:
-        """Open the upstream answer, holding the request through a failover when allowed."""
+        """Open the upstream answer, holding the request through a failover when allowed.
+
+        A request reaches at most two upstreams: one that went away without answering
+        (:attr:`_UnansweredError.reached`) is sent again only after the route moved, once.
+        """
         try:
             lookup, upstream = await self._attempt(request, ref, model, path, body, headers)
-        except _NothingSentError as exc:
+        except _UnansweredError as exc:
             if not self._may_hold(exc.lookup):
                 raise exc.error from None
+            if self.holding >= self.hold_max:
+                raise self._over_cap(exc) from None
             failed = exc
         else:
             return lookup, upstream, None
-        # Held: nothing of this request reached a server, so it may go to the next active.
+        # Held: no server answered and nothing was sent to the client, so it may go to the
+        # next active.
+        reached = failed.reached
         self.holding += 1
         started = self._mono()
         try:
             while True:
-                remaining = started + self._hold - self._mono()
-                released = remaining > 0 and await self._held_until_release(
-                    ref, model, failed, remaining
-                )
-                if not released:
+                if not await self._held_until_release(ref, model, failed, started):
                     raise _with_held(failed.error, started, self._mono()) from None
                 try:
                     lookup, upstream = await self._attempt(request, ref, model, path, body, headers)
-                except _NothingSentError as exc:
+                except _UnansweredError as exc:
+                    if exc.reached and reached:
+                        # Twice sent, twice unanswered: never a third time.
+                        raise _with_held(exc.error, started, self._mono()) from None
+                    reached = reached or exc.reached
                     failed = exc
                     continue
                 held_ms = int((self._mono() - started) * 1000)
                 self.held_total += 1
+                if reached:
+                    self.retried_total += 1
                 metrics = request.app.get(metrics_key)
                 if metrics is not None:  # a bare proxy app (tests) has no metrics
                     metrics.request_held(lookup.routes.fleet_slug)
@@ -432,14 +477,64 @@ class _Proxy:
         finally:
             self.holding -= 1
 
+    def _over_cap(self, failed: _UnansweredError) -> ApiError:
+        self.over_cap += 1
+        if self.over_cap == 1 or self.over_cap % 1000 == 0:  # one line per burst, not per request
+            logger.warning(
+                "fleet %s: %d requests already held (HARU_FAILOVER_HOLD_MAX); failing more at "
+                "once with 503 (%d so far)",
+                failed.lookup.routes.fleet_slug,
+                self.holding,
+                self.over_cap,
+            )
+        return ApiError(
+            ErrorCode.OVERLOADED,
+            f"{self.holding} requests are already held for a failover in this process "
+            "(HARU_FAILOVER_HOLD_MAX); retry shortly",
+            headers=_retry_headers(failed.lookup),
+        )
+
+    def hold_deadline(self, fleet_id: UUID, started: float, policy: Policy) -> float:
+        """When a request of ``fleet_id`` held since ``started`` gives up (monotonic seconds).
+
+        ``HARU_FAILOVER_HOLD_MS`` after it was held; while a promotion is in flight, no sooner
+        than that promotion's step budgets up to the flip (counted from when this process
+        first saw it in flight) plus ``HARU_FAILOVER_HOLD_MS`` for the flip to reach it.
+        """
+        deadline = started + self._hold
+        since = self.cache.promotion_since(fleet_id)
+        if since is not None:
+            deadline = max(deadline, since + promotion_budget_ms(policy) / 1000 + self._hold)
+        return deadline
+
+    def _arm(self, item: _HeldItem) -> None:
+        """(Re)arm the timer that gives ``item`` up at its deadline, which may have moved."""
+        if item.released.done():
+            return
+        deadline = self.hold_deadline(item.fleet_id, item.started, item.policy)
+        if item.timer is not None and deadline == item.deadline:
+            return
+        now = self._mono()
+        if now >= deadline:
+            _settle_held(item.released, False)
+            return
+        if item.timer is not None:
+            item.timer.cancel()
+        item.deadline = deadline
+        item.timer = asyncio.get_running_loop().call_later(deadline - now, self._expire, item)
+
+    def _expire(self, item: _HeldItem) -> None:
+        item.timer = None
+        self._arm(item)
+
     async def _held_until_release(
-        self, ref: str, model: str, failed: _NothingSentError, within: float
+        self, ref: str, model: str, failed: _UnansweredError, started: float
     ) -> bool:
         """Queue behind the fleet's earlier held requests until the releaser lets this one go.
 
         One releaser task per fleet watches for the move and releases waiters in arrival
         order (their futures resolve in order, so they dispatch in order). False: the bound
-        ran out first.
+        (:meth:`hold_deadline`) ran out first.
         """
         loop = asyncio.get_running_loop()
         fleet_id = failed.lookup.fleet_id
@@ -447,18 +542,24 @@ class _Proxy:
         item = _HeldItem(
             loop.create_future(),
             failed.lookup.snapshot.route_revision,
+            # An upstream that went away (refused, or took the request and vanished) is only
+            # left behind by a move; a missing route or slot may also come back in place.
             unroutable=not routes.routable or routes.unserved(model),
             model=model,
+            fleet_id=fleet_id,
+            started=started,
+            policy=failed.lookup.snapshot.policy,
         )
         queue = self._held.setdefault(fleet_id, [])
         queue.append(item)
         if fleet_id not in self._releasers:
             self._releasers[fleet_id] = loop.create_task(self._release(ref, fleet_id))
-        timer = loop.call_later(within, _settle_held, item.released, False)
+        self._arm(item)
         try:
             return await item.released
         finally:
-            timer.cancel()
+            if item.timer is not None:
+                item.timer.cancel()
             if item in queue:
                 queue.remove(item)
 
@@ -485,6 +586,10 @@ class _Proxy:
                     elif hopeless:
                         queue.remove(item)
                         _settle_held(item.released, False)
+                    else:
+                        # A promotion that started, or ended, moves the bound.
+                        item.policy = lookup.snapshot.policy
+                        self._arm(item)
         finally:
             self._releasers.pop(fleet_id, None)
             if not self._held.get(fleet_id):
@@ -501,16 +606,7 @@ class _Proxy:
         )
 
     def _may_hold(self, lookup: RouteLookup[RouteTable]) -> bool:
-        if self._hold <= 0 or not self._holds_for(lookup):
-            return False
-        if self.holding >= self._hold_max:
-            logger.warning(
-                "fleet %s: %d requests already held (HARU_FAILOVER_HOLD_MAX); failing at once",
-                lookup.routes.fleet_slug,
-                self.holding,
-            )
-            return False
-        return True
+        return self._hold > 0 and self.hold_max > 0 and self._holds_for(lookup)
 
     async def _open(
         self,
@@ -530,20 +626,14 @@ class _Proxy:
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # Connect failures (refused, unroutable, connect timeout) mean the active domain's
             # server is not there: ask the reconciler to look now instead of at its next tick.
-            if self._kick(lookup.fleet_id):
-                logger.warning(
-                    "fleet %s: upstream %s unreachable (%s); requested a reconcile",
-                    lookup.routes.fleet_slug,
-                    _origin(url),
-                    exc,
-                )
+            self._kick_for(lookup, url, "unreachable", exc)
             # Refused, unroutable or a connect timeout: the body was never sent.
             error = ApiError(
                 ErrorCode.UPSTREAM_UNREACHABLE,
                 f"the model server of fleet {lookup.routes.fleet_slug!r} is unreachable",
                 headers=routing,
             )
-            raise _NothingSentError(error, lookup) from None
+            raise _UnansweredError(error, lookup) from None
         except TimeoutError:
             raise ApiError(
                 ErrorCode.UPSTREAM_TIMEOUT,
@@ -551,7 +641,20 @@ class _Proxy:
                 f"{int(self._header_timeout * 1000)} ms",
                 headers=routing,
             ) from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # The connection closed or was reset before any byte of an answer (a server that
+            # died with the request, or while its body was being sent): nothing came back, so
+            # it may be sent to the next active, once.
+            self._kick_for(lookup, url, "went away before answering", exc)
+            error = ApiError(
+                ErrorCode.UPSTREAM_UNREACHABLE,
+                f"the model server of fleet {lookup.routes.fleet_slug!r} went away before "
+                f"answering ({type(exc).__name__})",
+                headers=routing,
+            )
+            raise _UnansweredError(error, lookup, reached=True) from None
         except aiohttp.ClientError as exc:
+            # An answer that is not HTTP: the server did answer, so it is never sent again.
             logger.warning(
                 "fleet %s: upstream %s failed before answering: %s",
                 lookup.routes.fleet_slug,
@@ -564,6 +667,18 @@ class _Proxy:
                 f"answering ({type(exc).__name__})",
                 headers=routing,
             ) from None
+
+    def _kick_for(
+        self, lookup: RouteLookup[RouteTable], url: URL, what: str, exc: BaseException
+    ) -> None:
+        if self._kick(lookup.fleet_id):
+            logger.warning(
+                "fleet %s: upstream %s %s (%s); requested a reconcile",
+                lookup.routes.fleet_slug,
+                _origin(url),
+                what,
+                exc,
+            )
 
     async def _relay(
         self,
@@ -674,6 +789,16 @@ def _unserved(lookup: RouteLookup[RouteTable], model: str) -> ApiError:
         f"slot{where} is not serving; nothing can serve it right now",
         headers=_retry_headers(lookup),
     )
+
+
+def held_cap(configured: int, max_connections: int) -> int:
+    """Requests one process holds at once: ``configured``, at most half the connection cap.
+
+    A held request keeps its client's connection open; past the listener's cap new
+    connections are refused, health checks and the control API included. Half the cap (as
+    lowered to fit the open-file limit) always stays for them and for requests being served.
+    """
+    return min(configured, connection_cap(max_connections) // 2)
 
 
 def _with_held(error: ApiError, started: float, now: float) -> ApiError:

@@ -7,12 +7,21 @@ import logging
 from typing import Final
 
 from haru_core import (
+    PROMOTE_STEPS,
     ROUTABLE_DOMAIN_STATES,
     find_routable_binding,
     inference_bindings,
     routable_models,
+    step_budget_ms,
 )
-from haru_protocol import ErrorCode, FleetSnapshot, UrlJoinError, join_url
+from haru_protocol import (
+    ErrorCode,
+    FleetSnapshot,
+    OperationStep,
+    Policy,
+    UrlJoinError,
+    join_url,
+)
 from haru_web import ApiError
 from yarl import URL
 
@@ -92,6 +101,18 @@ class RouteTable:
         """The upstream URL of ``path`` for ``model``, or None when it is not eligible."""
         urls = self._targets.get(model)
         return None if urls is None else urls[path]
+
+
+_UNTIL_FLIP: Final = PROMOTE_STEPS[: PROMOTE_STEPS.index(OperationStep.SWITCH_ACTIVE) + 1]
+
+
+def promotion_budget_ms(policy: Policy) -> int:
+    """How long a promotion may take to move the pointer: its step budgets up to the flip.
+
+    ``stop_training`` + ``verify_gpu`` + ``wake_vllm`` + ``probe`` + ``switch_active``; the
+    steps after the flip (draining the old active) do not keep anyone from being served.
+    """
+    return sum(step_budget_ms(policy, step) for step in _UNTIL_FLIP)
 
 
 def _upstream_urls(serving_url: str) -> dict[str, URL] | str:

@@ -243,8 +243,9 @@ class RouteCache(Generic[T]):
         """fleet id -> clock reading once the store held this process's lease (_record_lease)."""
         self._recording: dict[UUID, asyncio.Task[None]] = {}
         self._record_retry_at: dict[UUID, float] = {}
-        self._promoting: dict[UUID, tuple[int, bool]] = {}
-        """fleet id -> (sequence number, whether that read saw a promotion in flight)."""
+        self._promoting: dict[UUID, tuple[int, float | None]] = {}
+        """fleet id -> (sequence number of the newest read, clock reading at which this process
+        first saw the promotion in flight that read saw; None: none in flight)."""
 
     # -- introspection (tests, diagnostics) ---------------------------------------------------
 
@@ -277,8 +278,18 @@ class RouteCache(Generic[T]):
         As current as the lease: a process that routes the fleet reads the pointer once per
         lease interval, and the flag rides that read.
         """
+        return self.promotion_since(fleet_id) is not None
+
+    def promotion_since(self, fleet_id: UUID) -> float | None:
+        """Clock reading at which this process first saw the promotion now in flight, or None.
+
+        The pointer read carries only whether a promotion is in flight, so this is the
+        earliest moment this process can vouch for: the operation started at or before it,
+        and its step budgets run out no later than that plus their sum. A promotion that ends
+        and another that starts between two reads look like one (the earlier sighting stays).
+        """
         known = self._promoting.get(fleet_id)
-        return known is not None and known[1]
+        return None if known is None else known[1]
 
     def note_promotion(self, fleet_id: UUID) -> None:
         """This process accepted a promotion of ``fleet_id``: know it before the next read."""
@@ -289,7 +300,10 @@ class RouteCache(Generic[T]):
         known = self._promoting.get(fleet_id)
         if known is not None and known[0] > seq:
             return  # an older read finishing late (another spelling's) teaches nothing
-        self._promoting[fleet_id] = (seq, in_flight)
+        since = None
+        if in_flight:
+            since = known[1] if known is not None and known[1] is not None else self._clock()
+        self._promoting[fleet_id] = (seq, since)
         if len(self._promoting) > 4 * self._max_fleets:
             self._promoting = {
                 k: v for k, v in self._promoting.items() if k in self._entries or k == fleet_id

@@ -198,9 +198,11 @@ class Settings(BaseSettings):
     )
     """``HARU_FAILOVER_HOLD_MS``: longest a request is held for a failover; 0 = never hold."""
     failover_hold_max: Annotated[EnvInt, Field(ge=1, le=1_000_000)] = Field(
-        1_024, validation_alias=_env("HARU_FAILOVER_HOLD_MAX", "failover_hold_max")
+        256, validation_alias=_env("HARU_FAILOVER_HOLD_MAX", "failover_hold_max")
     )
-    """``HARU_FAILOVER_HOLD_MAX``: requests held at once in this process."""
+    """``HARU_FAILOVER_HOLD_MAX``: requests held at once in this process, lowered to half the
+    listener's connection cap so that held requests never starve ``/healthz``, ``/readyz`` or
+    the control API; past it a request that would be held gets 503 with ``Retry-After``."""
     upstream_idle_timeout_ms: DurationMs = Field(
         300_000,
         validation_alias=_env("HARU_UPSTREAM_IDLE_TIMEOUT_MS", "upstream_idle_timeout_ms"),
