@@ -48,6 +48,7 @@ if importlib.util.find_spec("trustme") is not None:
 
     @pytest.fixture
     def pki(tmp_path: Path) -> Pki:
+        """Two fresh CAs (PEM files in ``tmp_path``); :meth:`Pki.leaf` issues certificates."""
         ca, other = trustme.CA(), trustme.CA()
         ca_file, other_file = tmp_path / "ca.pem", tmp_path / "other-ca.pem"
         ca.cert_pem.write_to_path(str(ca_file))
