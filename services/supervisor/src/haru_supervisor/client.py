@@ -443,8 +443,16 @@ class SupervisorClient:
         except (aiohttp.ServerFingerprintMismatch, aiohttp.ClientSSLError) as exc:
             raise SupervisorTlsError(f"{method} {url}: {_tls_reason(exc)}", url=url) from exc
         except aiohttp.ClientError as exc:
+            # TLS 1.3 checks a client certificate after the client's side of the handshake:
+            # a refusal reaches the client as a closed connection.
+            hint = (
+                " (over TLS this is also how a supervisor that requires a client certificate "
+                "refuses one it does not accept: see HARU_SUPERVISOR_CLIENT_CERT_FILE)"
+                if isinstance(exc, aiohttp.ServerDisconnectedError) and url.startswith("https:")
+                else ""
+            )
             raise SupervisorUnreachableError(
-                f"{method} {url}: {type(exc).__name__}: {exc}", url=url
+                f"{method} {url}: {type(exc).__name__}: {exc}{hint}", url=url
             ) from exc
         except OSError as exc:
             raise SupervisorUnreachableError(f"{method} {url}: {exc}", url=url) from exc
