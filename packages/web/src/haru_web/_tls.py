@@ -116,7 +116,9 @@ class ReloadingServerContext:
         self._lock = threading.Lock()
         self._stamps = self._read_stamps()
         self._current = server_context(files)
-        # The listener's context only routes each handshake to the current one.
+        # The listener's context routes each handshake to the current one. OpenSSL keeps the
+        # verify mode of the context a connection started with (the certificate, key and CA
+        # store come from the swapped-in one), so it is built from the same files.
         self.context = server_context(files)
         self.context.sni_callback = self._on_hello
 
