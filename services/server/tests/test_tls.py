@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import socket
 import ssl
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -210,3 +212,31 @@ def test_tls_settings_are_checked_at_boot(pki: Any, tmp_path: Path) -> None:
         Settings.from_env(
             {"HARU_SUPERVISOR_CA_FILE": str(tmp_path / "missing.pem")}
         ).supervisor_links()
+
+
+async def test_haru_serve_refuses_tls_files_that_do_not_load(pki: Any, tmp_path: Path) -> None:
+    cert, _ = pki.leaf("server")
+    _, other_key = pki.leaf("other")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
+    env.update(
+        DATABASE_URL=f"sqlite:///{tmp_path / 'boot.db'}",
+        PORT="0",
+        HARU_TLS_CERT_FILE=str(cert),
+        HARU_TLS_KEY_FILE=str(other_key),
+    )
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "haru_server",
+        "serve",
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(60):
+        _, err = await process.communicate()
+    log = err.decode(errors="replace")
+    assert process.returncode == 2, log
+    assert "cannot load the TLS certificate" in log
+    assert "Traceback" not in log
