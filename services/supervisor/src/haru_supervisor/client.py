@@ -83,6 +83,7 @@ __all__ = (
     "SupervisorUnauthorizedError",
     "SupervisorUnreachableError",
     "client_ssl_context",
+    "is_loopback_url",
     "pin_key",
     "probe_timeout_ms",
 )
