@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import ssl
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import pytest
 
 Command = Callable[..., tuple[str, ...]]
 
-_LISTENING = re.compile(r"listening on http://([0-9.]+):([0-9]+)")
+_LISTENING = re.compile(r"listening on https?://([0-9.]+):([0-9]+)")
 
 
 def _executable() -> str:
@@ -240,6 +241,42 @@ async def test_with_a_token_it_listens_everywhere_and_checks_it(
     supervisor.process.send_signal(signal.SIGINT)
     assert await asyncio.wait_for(supervisor.process.wait(), 15) == 0
     assert token not in supervisor.log
+
+
+async def test_it_serves_tls_requiring_client_certificates(launch: Any, pki: Any) -> None:
+    token = "proc-test-token-tls-7"
+    cert, key = pki.leaf("supervisor")
+    client = pki.leaf("server-client")
+    config = (
+        '{"slots": [{"kind": "inference", "gpuIndex": 0, "models": [{"name": "m", "port": 9}]}]}'
+    )
+    env = _base_env(
+        HARU_SUPERVISOR_CONFIG=config,
+        HARU_SUPERVISOR_TOKEN=token,
+        HARU_TLS_CERT_FILE=str(cert),
+        HARU_TLS_KEY_FILE=str(key),
+        HARU_TLS_CLIENT_CA_FILE=str(pki.ca_file),
+    )
+    supervisor = await launch(env)
+    assert "listening on https://0.0.0.0:" in supervisor.log
+    assert "client certificates required" in supervisor.log
+    assert "plain HTTP" not in supervisor.log
+    url = f"https://127.0.0.1:{supervisor.port}/v1/status"
+    headers = {"Authorization": f"Bearer {token}"}
+    trusted = ssl.create_default_context(cafile=pki.ca_file)
+    trusted.load_cert_chain(*client)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url, headers=headers, ssl=trusted) as response:
+            assert response.status == 200
+        no_cert = ssl.create_default_context(cafile=pki.ca_file)
+        with pytest.raises(aiohttp.ClientError):
+            async with http.get(url, headers=headers, ssl=no_cert) as response:
+                await response.read()
+        with pytest.raises(aiohttp.ClientError):
+            async with http.get(url.replace("https:", "http:"), headers=headers) as response:
+                await response.read()
+    supervisor.process.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(supervisor.process.wait(), 15) == 0
 
 
 async def test_an_invalid_config_exits_with_a_usage_error(launch: Any) -> None:

@@ -90,6 +90,16 @@ from haru_web._peers import (
     peer_group,
 )
 from haru_web._serve import HardenedAppRunner, Listening, StopSignals, serving
+from haru_web._tls import (
+    TLS_CERT_FILE_VAR,
+    TLS_CLIENT_CA_FILE_VAR,
+    TLS_KEY_FILE_VAR,
+    ReloadingServerContext,
+    TlsConfigError,
+    TlsFiles,
+    server_context,
+    tls_files,
+)
 from haru_web._tokens import MIN_TOKEN_LENGTH, TokenConfigError, check_token, resolve_token
 
 __all__ = (
@@ -108,6 +118,9 @@ __all__ = (
     "MIN_TOKEN_LENGTH",
     "OPENAPI_PATH",
     "OPEN_BIND_VAR",
+    "TLS_CERT_FILE_VAR",
+    "TLS_CLIENT_CA_FILE_VAR",
+    "TLS_KEY_FILE_VAR",
     "TRUSTED_PROXIES_VAR",
     "VALIDATION_ERRORS_SHOWN",
     "AccessLogger",
@@ -126,10 +139,13 @@ __all__ = (
     "Network",
     "Param",
     "RateLimitedLog",
+    "ReloadingServerContext",
     "RequestIdFilter",
     "ServerLimits",
     "StopSignals",
     "TextFormatter",
+    "TlsConfigError",
+    "TlsFiles",
     "TokenConfigError",
     "TrustedProxies",
     "accept_request_id",
@@ -178,6 +194,8 @@ __all__ = (
     "require_json",
     "resolve_token",
     "route",
+    "server_context",
     "serving",
+    "tls_files",
     "undeclared_routes",
 )

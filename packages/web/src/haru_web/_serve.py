@@ -18,6 +18,7 @@ from haru_web._errors import ListenError
 from haru_web._handler import ConnectionRegistry, harden
 from haru_web._limits import RateLimitedLog, ServerLimits, connection_cap
 from haru_web._logs import AccessLogger
+from haru_web._tls import ReloadingServerContext, TlsFiles
 
 logger = logging.getLogger("haru_web")
 
@@ -50,7 +51,8 @@ class Listening:
     Attributes:
         host: The bound address (``0.0.0.0`` or ``127.0.0.1``).
         port: The bound port (the real one when 0 was asked).
-        url: A base URL a local client can use (loopback for ``0.0.0.0``).
+        url: A base URL a local client can use (loopback for ``0.0.0.0``); ``https`` when
+            the listener serves TLS.
     """
 
     host: str
@@ -67,14 +69,19 @@ async def serving(
     limits: ServerLimits,
     shutdown_timeout: float,
     reuse_port: bool = False,
+    tls: TlsFiles | None = None,
 ) -> AsyncIterator[Listening]:
     """Start ``app`` on ``host:port`` with the hardened handler; clean up on exit.
 
     ``reuse_port`` binds with ``SO_REUSEPORT``, so several processes can share one port.
+    ``tls`` serves HTTPS only (never plain HTTP beside it), re-reading the files when they
+    change.
 
     Raises:
         ListenError: The address could not be bound.
+        TlsConfigError: The TLS files do not load.
     """
+    ssl_context = None if tls is None else ReloadingServerContext(tls).context
     runner = HardenedAppRunner(
         app,
         limits=limits,
@@ -84,7 +91,9 @@ async def serving(
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+        site = web.TCPSite(
+            runner, host, port, reuse_port=reuse_port or None, ssl_context=ssl_context
+        )
         try:
             await site.start()
         except OSError as exc:
@@ -94,7 +103,8 @@ async def serving(
         local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
         if ":" in local:
             local = f"[{local}]"
-        yield Listening(host=host, port=bound, url=f"http://{local}:{bound}")
+        scheme = "http" if ssl_context is None else "https"
+        yield Listening(host=host, port=bound, url=f"{scheme}://{local}:{bound}")
     finally:
         await runner.cleanup()
 

@@ -16,7 +16,7 @@ from aiohttp import web
 from haru_db import HaruDbError, StateStore
 from haru_driver_skypilot import SkyPilotDriver
 from haru_driver_skyserve import SkyServeDriver
-from haru_supervisor.client import SupervisorClient
+from haru_supervisor.client import SupervisorClient, SupervisorLinks, is_loopback_url
 from haru_web import (
     OPENAPI_PATH,
     add_metrics_route,
@@ -70,6 +70,7 @@ _kickers_key = web.AppKey("kickers", FleetKickers)
 _owns_store_key = web.AppKey("owns_store", bool)
 _reconciler_options_key = web.AppKey("reconciler_options", ReconcilerOptions)
 _busy_interval_key = web.AppKey("busy_interval_s", float)
+_links_key = web.AppKey("supervisor_links", SupervisorLinks)
 
 SUPERVISOR_CONNECTIONS = 64
 """Concurrent connections to supervisors (heartbeats of every fleet share them)."""
@@ -116,6 +117,7 @@ def create_app(
     app[metrics_key] = metrics
     add_metrics_route(app, metrics.registry)
     app[settings_key] = settings
+    app[_links_key] = settings.supervisor_links()
     app[draining_key] = asyncio.Event()
     app[_owns_store_key] = store is None
     app[store_key] = store if store is not None else StateStore.open(settings.database_url)
@@ -194,9 +196,14 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[settings_key]
     connector = aiohttp.TCPConnector(limit=SUPERVISOR_CONNECTIONS)
     async with aiohttp.ClientSession(connector=connector) as session:
+        links = app[_links_key]
         client = SupervisorClient(
-            session, token=settings.supervisor_token_value(), request_id=current_request_id
+            session,
+            token=settings.supervisor_token_value(),
+            request_id=current_request_id,
+            links=links,
         )
+        await _warn_plaintext_domains(app[store_key], allowed=links.allow_plaintext)
         options = app[_reconciler_options_key]
         # The control path honours the route lease: the old active is drained only once every
         # process's lease has run out, and a flip made here reaches this process's proxy at once.
@@ -284,6 +291,41 @@ async def _warn_auto_failover_without_loop(store: StateStore) -> None:
             "POST /v1/fleets/{ref}/reconcile.",
             ", ".join(armed),
         )
+
+
+async def _warn_plaintext_domains(store: StateStore, *, allowed: bool) -> None:
+    """Name every domain whose supervisor is reached over plain HTTP beyond loopback."""
+    try:
+        clear: list[tuple[str, str, str]] = []
+        for pointer in await store.list_fleets():
+            fleet = await store.get_fleet_snapshot(str(pointer.id))
+            if fleet is None:
+                continue
+            for domain in fleet.domains:
+                url = domain.supervisor_url
+                if url is not None and url.startswith("http://") and not is_loopback_url(url):
+                    clear.append((fleet.slug, domain.slug, url))
+    except HaruDbError as exc:
+        logger.warning("could not check domains for plain-HTTP supervisors at boot: %s", exc)
+        return
+    for fleet_slug, domain_slug, url in clear:
+        if allowed:
+            logger.warning(
+                "domain %s of fleet %s: supervisor %s is reached in CLEAR TEXT (the supervisor "
+                "token and every call readable on the network; HARU_ALLOW_PLAINTEXT is set)",
+                domain_slug,
+                fleet_slug,
+                url,
+            )
+        else:
+            logger.error(
+                "domain %s of fleet %s: supervisor %s is plain HTTP on another host: every call "
+                "to it is refused (its heartbeats fail) until it serves https:// or "
+                "HARU_ALLOW_PLAINTEXT=1 allows clear text on a private network",
+                domain_slug,
+                fleet_slug,
+                url,
+            )
 
 
 async def _warn_auto_failover_outside_loop(store: StateStore, loop: ReconcileLoop) -> None:

@@ -10,12 +10,12 @@ from collections.abc import Callable
 
 from aiohttp import web
 from haru_db import check_writable, redact_database_url, resolve_database_url, upgrade
-from haru_web import StopSignals, serving
+from haru_web import StopSignals, TlsConfigError, is_loopback_bind, server_context, serving
 
 from haru_server._app import create_app
 from haru_server._keys import draining_key
 from haru_server._metrics import metrics_key
-from haru_server._settings import Settings
+from haru_server._settings import Settings, SettingsError
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,27 @@ def announce(settings: Settings) -> None:
         )
     if settings.supervisor_token is None:
         logger.warning("HARU_SUPERVISOR_TOKEN is unset: supervisors are called without a token")
+    if settings.tls is None and not is_loopback_bind(settings.host):
+        logger.warning(
+            "serving plain HTTP on %s: API tokens, prompts and completions cross the network in "
+            "clear text; set HARU_TLS_CERT_FILE and HARU_TLS_KEY_FILE unless a TLS-terminating "
+            "proxy or a private network carries them",
+            settings.host,
+        )
+
+
+def check_tls(settings: Settings) -> None:
+    """Load the listener's and the supervisor links' TLS files once, before anything starts.
+
+    Raises:
+        SettingsError: A certificate, key or CA file does not load (named).
+    """
+    if settings.tls is not None:
+        try:
+            server_context(settings.tls)
+        except TlsConfigError as exc:
+            raise SettingsError(str(exc)) from None
+    settings.supervisor_links()
 
 
 async def migrate(settings: Settings) -> None:
@@ -107,7 +128,9 @@ async def run_server(
 
     Raises:
         haru_web.ListenError: The port could not be bound.
+        SettingsError: A TLS file does not load.
     """
+    check_tls(settings)
     announce(settings)
     await migrate(settings)
     app = create_app(settings)
@@ -119,6 +142,7 @@ async def run_server(
             limits=settings.http_limits,
             shutdown_timeout=SHUTDOWN_TIMEOUT_S,
             reuse_port=reuse_port,
+            tls=settings.tls,
         ) as listening:
             freeze_startup_heap()
             logger.info(

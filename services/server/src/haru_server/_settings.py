@@ -9,20 +9,26 @@ secrets (``SecretStr``: never in a repr, a log line or an error) of at least 16 
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final
 
 from haru_protocol import MAX_DURATION_MS
+from haru_supervisor.client import SupervisorLinks, client_ssl_context, pin_key
 from haru_web import (
     DEFAULT_MAX_CONNECTIONS_PER_PEER,
     HOST_VAR,
     OPEN_BIND_VAR,
+    TLS_CERT_FILE_VAR,
+    TLS_CLIENT_CA_FILE_VAR,
+    TLS_KEY_FILE_VAR,
     TRUSTED_PROXIES_VAR,
     EnvInt,
     EnvLogLevel,
     LogFormat,
     ServerLimits,
+    TlsFiles,
     TokenConfigError,
     TrustedProxies,
     check_token,
@@ -31,6 +37,7 @@ from haru_web import (
     normalize_bind_host,
     parse_log_format,
     resolve_token,
+    tls_files,
 )
 from pydantic import (
     AliasChoices,
@@ -232,6 +239,96 @@ class Settings(BaseSettings):
         logging.INFO, validation_alias=_env("HARU_LOG_LEVEL", "log_level")
     )
     """``HARU_LOG_LEVEL``: DEBUG, INFO (default), WARNING, ERROR or CRITICAL."""
+    # ---- TLS: the listener, and the links to supervisors on other hosts ----
+    tls_cert_file: Path | None = Field(
+        None, validation_alias=_env(TLS_CERT_FILE_VAR, "tls_cert_file")
+    )
+    """``HARU_TLS_CERT_FILE``: PEM certificate chain; with the key, the API and the proxy are
+    served over HTTPS only (re-read when the file changes)."""
+    tls_key_file: Path | None = Field(None, validation_alias=_env(TLS_KEY_FILE_VAR, "tls_key_file"))
+    """``HARU_TLS_KEY_FILE``: the certificate's PEM private key."""
+    tls_client_ca_file: Path | None = Field(
+        None, validation_alias=_env(TLS_CLIENT_CA_FILE_VAR, "tls_client_ca_file")
+    )
+    """``HARU_TLS_CLIENT_CA_FILE``: PEM CA bundle; every client must present a certificate it
+    issued (mutual TLS)."""
+    supervisor_ca_file: Path | None = Field(
+        None, validation_alias=_env("HARU_SUPERVISOR_CA_FILE", "supervisor_ca_file")
+    )
+    """``HARU_SUPERVISOR_CA_FILE``: PEM CA bundle that ``https://`` supervisors' certificates
+    must chain to; None = the system trust store."""
+    supervisor_client_cert_file: Path | None = Field(
+        None,
+        validation_alias=_env("HARU_SUPERVISOR_CLIENT_CERT_FILE", "supervisor_client_cert_file"),
+    )
+    """``HARU_SUPERVISOR_CLIENT_CERT_FILE``: client certificate presented to supervisors that
+    require one (their ``HARU_TLS_CLIENT_CA_FILE``)."""
+    supervisor_client_key_file: Path | None = Field(
+        None,
+        validation_alias=_env("HARU_SUPERVISOR_CLIENT_KEY_FILE", "supervisor_client_key_file"),
+    )
+    """``HARU_SUPERVISOR_CLIENT_KEY_FILE``: its PEM private key."""
+    supervisor_pins: Annotated[dict[str, bytes], NoDecode] = Field(
+        default_factory=dict,
+        validation_alias=_env("HARU_SUPERVISOR_PINS", "supervisor_pins"),
+        repr=False,
+    )
+    """``HARU_SUPERVISOR_PINS``: ``host:port=sha256`` pairs, comma-separated: the supervisor at
+    that address is trusted by the SHA-256 fingerprint of its leaf certificate (hex, colons
+    allowed) instead of a CA."""
+    allow_plaintext: bool = Field(
+        False, validation_alias=_env("HARU_ALLOW_PLAINTEXT", "allow_plaintext")
+    )
+    """``HARU_ALLOW_PLAINTEXT``: ``1`` lets the server call ``http://`` supervisors on other
+    hosts (a private network); a warning names each such domain at boot. Otherwise those
+    calls are refused (loopback is always allowed)."""
+
+    @field_validator("supervisor_pins", mode="before")
+    @classmethod
+    def _pins(cls, value: object) -> object:
+        return parse_pins(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _tls_settings(self) -> Settings:
+        tls_files(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        if (self.supervisor_client_cert_file is None) != (self.supervisor_client_key_file is None):
+            raise ValueError(
+                "set both HARU_SUPERVISOR_CLIENT_CERT_FILE and HARU_SUPERVISOR_CLIENT_KEY_FILE, "
+                "or neither"
+            )
+        if self.supervisor_pins and self.supervisor_client_cert_file is not None:
+            raise ValueError(
+                "HARU_SUPERVISOR_PINS cannot be combined with a client certificate yet "
+                "(a pinned connection presents none): use HARU_SUPERVISOR_CA_FILE for "
+                "mutual TLS"
+            )
+        return self
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """The listener's TLS files; None = plain HTTP."""
+        return tls_files(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+
+    def supervisor_links(self) -> SupervisorLinks:
+        """How supervisors are reached: trust, pins, client certificate, plain-HTTP policy.
+
+        Raises:
+            SettingsError: A CA or client certificate file cannot be loaded (named).
+        """
+        try:
+            context = client_ssl_context(
+                self.supervisor_ca_file,
+                cert_file=self.supervisor_client_cert_file,
+                key_file=self.supervisor_client_key_file,
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise SettingsError(
+                "cannot load HARU_SUPERVISOR_CA_FILE / HARU_SUPERVISOR_CLIENT_CERT_FILE / "
+                f"HARU_SUPERVISOR_CLIENT_KEY_FILE: {exc}"
+            ) from None
+        return SupervisorLinks(
+            ssl=context, pins=dict(self.supervisor_pins), allow_plaintext=self.allow_plaintext
+        )
 
     @classmethod
     def settings_customise_sources(
@@ -346,6 +443,30 @@ class Settings(BaseSettings):
             return cls(**values)
         except ValidationError as exc:
             raise SettingsError(describe_settings_error(exc, names)) from None
+
+
+def parse_pins(text: str) -> dict[str, bytes]:
+    """``HARU_SUPERVISOR_PINS``: ``host:port=sha256hex`` pairs, comma-separated.
+
+    Raises:
+        ValueError: A pair is malformed (the message quotes the address, never more).
+    """
+    pins: dict[str, bytes] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        address, sep, digest = item.partition("=")
+        hex_digest = digest.strip().replace(":", "").lower()
+        if not sep or len(hex_digest) != 64 or not all(c in "0123456789abcdef" for c in hex_digest):
+            raise ValueError(
+                "must be host:port=<SHA-256 of the leaf certificate, 64 hex digits> pairs, "
+                "comma-separated"
+            )
+        key = pin_key(f"https://{address.strip()}")
+        if key.startswith((":", "[]")):
+            raise ValueError("names a pin without a host")
+        pins[key] = bytes.fromhex(hex_digest)
+    return pins
 
 
 def env_names(cls: type[BaseSettings]) -> dict[str, str]:

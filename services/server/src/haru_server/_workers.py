@@ -30,7 +30,7 @@ from typing import Final
 from haru_web import configure_logging
 
 from haru_server._eventloop import run
-from haru_server._serve import SHUTDOWN_TIMEOUT_S, migrate, run_server
+from haru_server._serve import SHUTDOWN_TIMEOUT_S, check_tls, migrate, run_server
 from haru_server._settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,9 @@ def serve_workers(settings: Settings) -> int:
     Raises:
         haru_db.HaruDbError: The migration failed (before any worker started).
         OSError: The port could not be reserved.
+        SettingsError: A TLS file does not load (before any worker started).
     """
+    check_tls(settings)
     run(migrate(settings))
     with _reserve(settings.host, settings.port) as port:
         worker_settings = settings.model_copy(update={"port": port, "workers": 1})

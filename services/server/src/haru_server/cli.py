@@ -298,6 +298,8 @@ def serve() -> None:
                 raise typer.Exit(code)
         else:
             run(run_server(settings))
+    except SettingsError as exc:  # a TLS file that does not load
+        raise _fail(CliFailure(f"invalid environment: {exc}", code=2)) from None
     except HaruDbError as exc:
         raise _fail(CliFailure(f"cannot start: state store: {exc}", code=1)) from None
     except OSError as exc:
@@ -490,9 +492,36 @@ def seed(
 
 
 def _client(url: str, token: str | None) -> ControlClient:
+    import os
+    import ssl
+    from pathlib import Path
+
+    from haru_supervisor.client import client_ssl_context
+
     from haru_server.control_client import ControlClient
 
-    return ControlClient(url, token=token)
+    # HARU_CA_FILE: the CA of an https:// server (default: the system trust store);
+    # HARU_CLIENT_CERT_FILE / HARU_CLIENT_KEY_FILE: a client certificate (mutual TLS).
+    def path(name: str) -> Path | None:
+        value = os.environ.get(name, "").strip()
+        return Path(value) if value else None
+
+    try:
+        context = client_ssl_context(
+            path("HARU_CA_FILE"),
+            cert_file=path("HARU_CLIENT_CERT_FILE"),
+            key_file=path("HARU_CLIENT_KEY_FILE"),
+        )
+    except (OSError, ssl.SSLError) as exc:
+        raise CliFailure(
+            f"invalid environment: HARU_CA_FILE / HARU_CLIENT_CERT_FILE: {exc}", code=2
+        ) from None
+    allow_plaintext = os.environ.get("HARU_ALLOW_PLAINTEXT", "").strip().lower() in (
+        "1",
+        "true",
+        "yes",
+    )
+    return ControlClient(url, token=token, ssl_context=context, allow_plaintext=allow_plaintext)
 
 
 def fleets(

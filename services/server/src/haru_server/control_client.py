@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 from types import TracebackType
 from typing import Self, TypeVar
 from uuid import UUID
@@ -25,6 +26,7 @@ from haru_protocol import (
     bearer_header,
     join_url,
 )
+from haru_supervisor.client import is_loopback_url
 from pydantic import TypeAdapter, ValidationError
 
 from haru_server._errors import HaruServerError
@@ -65,13 +67,27 @@ class ControlClient:
         base_url: The server, e.g. ``http://127.0.0.1:8700``.
         token: ``HARU_API_TOKEN`` of that server, if it has one.
         timeout_s: Bound of each call.
+        ssl_context: Verifies an ``https://`` server (a CA bundle, maybe a client certificate);
+            None = the system trust store.
+        allow_plaintext: Allow ``http://`` to a host other than loopback (a private network);
+            otherwise every call there is refused before anything (the token) is sent.
     """
 
-    def __init__(self, base_url: str, *, token: str | None, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None,
+        timeout_s: float = 30.0,
+        ssl_context: ssl.SSLContext | None = None,
+        allow_plaintext: bool = False,
+    ) -> None:
         self._base_url = base_url
         self._headers = bearer_header(token)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
+        self._allow_plaintext = allow_plaintext
 
     async def __aenter__(self) -> Self:
         self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
@@ -154,14 +170,28 @@ class ControlClient:
         if self._session is None:
             raise RuntimeError("use ControlClient as an async context manager")
         url = join_url(self._base_url, path)
+        if url.startswith("http://") and not self._allow_plaintext and not is_loopback_url(url):
+            raise ControlApiError(
+                f"refusing plain HTTP to {self._base_url}: the token and every answer would "
+                "cross the network in clear text; use https:// (HARU_CA_FILE names a private "
+                "CA) or set HARU_ALLOW_PLAINTEXT=1 on a private network"
+            )
         try:
             async with self._session.request(
-                method, url, json=body, params=params, allow_redirects=False
+                method, url, json=body, params=params, allow_redirects=False, ssl=self._ssl
             ) as response:
                 raw = await response.read()
                 status = response.status
         except TimeoutError as exc:
             raise ControlApiError(f"{method} {url}: no answer in time", unreachable=True) from exc
+        except aiohttp.ClientConnectorCertificateError as exc:
+            cert_error = exc.certificate_error
+            reason = getattr(cert_error, "verify_message", None) or str(cert_error)
+            raise ControlApiError(
+                f"TLS: the server at {self._base_url} failed verification: {reason} "
+                "(HARU_CA_FILE names the CA to trust)",
+                unreachable=True,
+            ) from exc
         except aiohttp.ClientError as exc:
             raise ControlApiError(
                 f"cannot reach the server at {self._base_url}: {exc}", unreachable=True

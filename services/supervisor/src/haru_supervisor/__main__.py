@@ -15,7 +15,14 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from haru_web import ListenError, StopSignals, configure_logging, serving
+from haru_web import (
+    ListenError,
+    StopSignals,
+    TlsConfigError,
+    configure_logging,
+    is_loopback_bind,
+    serving,
+)
 
 from haru_supervisor._app import create_app
 from haru_supervisor._errors import SettingsError
@@ -37,7 +44,8 @@ _USAGE = (
     "HARU_SUPERVISOR_GPU_SOURCE (auto|nvml|nvidia-smi), HARU_SUPERVISOR_SHUTDOWN_GRACE_MS,\n"
     "HARU_HTTP_HEADER_TIMEOUT_MS, HARU_HTTP_BODY_IDLE_TIMEOUT_MS, HARU_HTTP_KEEPALIVE_TIMEOUT_MS,\n"
     "HARU_HTTP_MAX_CONNECTIONS, HARU_HTTP_MAX_CONNECTIONS_PER_PEER, HARU_TRUSTED_PROXIES,\n"
-    "HARU_METRICS_PUBLIC, HARU_LOG_FORMAT (text|json), HARU_LOG_LEVEL.\n"
+    "HARU_METRICS_PUBLIC, HARU_LOG_FORMAT (text|json), HARU_LOG_LEVEL,\n"
+    "HARU_TLS_CERT_FILE, HARU_TLS_KEY_FILE, HARU_TLS_CLIENT_CA_FILE (serve HTTPS; mutual TLS).\n"
 )
 
 # Handlers are short (sleep/wake are bounded at about 120 s, but they are not worth waiting
@@ -63,6 +71,12 @@ async def serve(settings: Settings) -> int:
             TOKEN_VAR,
             settings.host,
         )
+    if settings.tls is None and not is_loopback_bind(settings.host):
+        logger.warning(
+            "serving plain HTTP on %s: the token and every call cross the network in clear "
+            "text; set HARU_TLS_CERT_FILE and HARU_TLS_KEY_FILE unless this is a private network",
+            settings.host,
+        )
     app = create_app(settings)
     try:
         async with serving(
@@ -71,8 +85,17 @@ async def serve(settings: Settings) -> int:
             port=settings.port,
             limits=settings.http_limits,
             shutdown_timeout=_HTTP_SHUTDOWN_TIMEOUT_S,
+            tls=settings.tls,
         ) as listening:
-            logger.info("haru-supervisor listening on http://%s:%d", listening.host, listening.port)
+            logger.info(
+                "haru-supervisor listening on %s://%s:%d%s",
+                "http" if settings.tls is None else "https",
+                listening.host,
+                listening.port,
+                ""
+                if settings.tls is None or settings.tls.client_ca_file is None
+                else " (client certificates required)",
+            )
             with StopSignals() as signals:
                 await signals.stop.wait()
                 runs = app[runs_key]
@@ -90,7 +113,7 @@ async def serve(settings: Settings) -> int:
                     killer.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await killer
-    except ListenError as exc:
+    except (ListenError, TlsConfigError) as exc:
         logger.error("%s", exc)  # noqa: TRY400  (the message says it all; no traceback)
         return EXIT_FAILED
     logger.info("haru-supervisor stopped")

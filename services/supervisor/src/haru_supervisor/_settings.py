@@ -19,11 +19,15 @@ from haru_web import (
     DEFAULT_MAX_CONNECTIONS_PER_PEER,
     HOST_VAR,
     OPEN_BIND_VAR,
+    TLS_CERT_FILE_VAR,
+    TLS_CLIENT_CA_FILE_VAR,
+    TLS_KEY_FILE_VAR,
     TRUSTED_PROXIES_VAR,
     EnvInt,
     EnvLogLevel,
     LogFormat,
     ServerLimits,
+    TlsFiles,
     TokenConfigError,
     TrustedProxies,
     check_token,
@@ -32,6 +36,7 @@ from haru_web import (
     normalize_bind_host,
     parse_log_format,
     resolve_token,
+    tls_files,
 )
 from pydantic import (
     AliasChoices,
@@ -189,6 +194,20 @@ class Settings(BaseSettings):
         logging.INFO, validation_alias=AliasChoices("log_level", LOG_LEVEL_VAR)
     )
     """``HARU_LOG_LEVEL``: DEBUG, INFO (default), WARNING, ERROR or CRITICAL."""
+    tls_cert_file: Path | None = Field(
+        None, validation_alias=AliasChoices("tls_cert_file", TLS_CERT_FILE_VAR)
+    )
+    """``HARU_TLS_CERT_FILE``: PEM certificate chain; with the key, the API is served over
+    HTTPS only (re-read when the file changes)."""
+    tls_key_file: Path | None = Field(
+        None, validation_alias=AliasChoices("tls_key_file", TLS_KEY_FILE_VAR)
+    )
+    """``HARU_TLS_KEY_FILE``: the certificate's PEM private key."""
+    tls_client_ca_file: Path | None = Field(
+        None, validation_alias=AliasChoices("tls_client_ca_file", TLS_CLIENT_CA_FILE_VAR)
+    )
+    """``HARU_TLS_CLIENT_CA_FILE``: PEM CA bundle; every client must present a certificate it
+    issued (mutual TLS: the server's ``HARU_SUPERVISOR_CLIENT_CERT_FILE``)."""
 
     @classmethod
     def settings_customise_sources(
@@ -223,6 +242,16 @@ class Settings(BaseSettings):
             token_var=TOKEN_VAR,
         )
         return self
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        tls_files(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        return self
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """The listener's TLS files; None = plain HTTP."""
+        return tls_files(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
 
     @model_validator(mode="after")
     def _strip_trainer_env(self) -> Settings:
@@ -399,6 +428,9 @@ _ENV_VARS: Final = {
     METRICS_PUBLIC_VAR: METRICS_PUBLIC_VAR,
     LOG_FORMAT_VAR: LOG_FORMAT_VAR,
     LOG_LEVEL_VAR: LOG_LEVEL_VAR,
+    TLS_CERT_FILE_VAR: TLS_CERT_FILE_VAR,
+    TLS_KEY_FILE_VAR: TLS_KEY_FILE_VAR,
+    TLS_CLIENT_CA_FILE_VAR: TLS_CLIENT_CA_FILE_VAR,
 }
 _FIELD_VARS: Final = {
     "port": "PORT",
@@ -414,6 +446,9 @@ _FIELD_VARS: Final = {
     "metrics_public": METRICS_PUBLIC_VAR,
     "log_format": LOG_FORMAT_VAR,
     "log_level": LOG_LEVEL_VAR,
+    "tls_cert_file": TLS_CERT_FILE_VAR,
+    "tls_key_file": TLS_KEY_FILE_VAR,
+    "tls_client_ca_file": TLS_CLIENT_CA_FILE_VAR,
 }
 
 

@@ -14,6 +14,10 @@ Hierarchy::
     SupervisorCallError              one call to a supervisor failed (.url)
     ├── SupervisorUnauthorizedError  401/403: the token is missing or wrong (.status)
     ├── SupervisorUnreachableError   connect failure, reset, refused, unusable URL
+    │   ├── SupervisorTlsError       the supervisor's certificate failed verification (expired,
+    │   │                            another CA, another name, not the pinned one) or the
+    │   │                            handshake failed
+    │   └── SupervisorPlaintextError plain http:// to another host, not allowed
     ├── SupervisorTimeoutError       no complete answer within the call's bound
     ├── SupervisorRejectedError      another non-2xx answer, e.g. 502 from a failed sleep
     │   │                            (.status, .code)
@@ -29,10 +33,16 @@ operation step they are made for (:class:`~haru_protocol.SupervisorFence`, sent 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
-from collections.abc import Callable
+import ssl
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import aiohttp
 from haru_protocol import (
@@ -64,11 +74,17 @@ __all__ = (
     "SupervisorBadResponseError",
     "SupervisorCallError",
     "SupervisorClient",
+    "SupervisorLinks",
+    "SupervisorPlaintextError",
     "SupervisorRejectedError",
     "SupervisorStaleFenceError",
     "SupervisorTimeoutError",
+    "SupervisorTlsError",
     "SupervisorUnauthorizedError",
     "SupervisorUnreachableError",
+    "client_ssl_context",
+    "is_loopback_url",
+    "pin_key",
     "probe_timeout_ms",
 )
 
@@ -95,6 +111,21 @@ class SupervisorUnauthorizedError(SupervisorCallError):
 
 class SupervisorUnreachableError(SupervisorCallError):
     """The supervisor could not be reached (refused, reset, DNS, TLS, unusable URL)."""
+
+
+class SupervisorTlsError(SupervisorUnreachableError):
+    """TLS with the supervisor failed; never retried in clear text.
+
+    Its certificate is expired, from another CA, for another name or not the pinned one, or
+    the handshake was refused (e.g. no client certificate).
+    """
+
+
+class SupervisorPlaintextError(SupervisorUnreachableError):
+    """Plain ``http://`` to another host, which :class:`SupervisorLinks` does not allow.
+
+    The token would cross the network in clear text; nothing was sent.
+    """
 
 
 class SupervisorTimeoutError(SupervisorCallError):
@@ -157,6 +188,88 @@ def probe_timeout_ms(call_timeout_s: float) -> int:
     return max(1, int((call_timeout_s - margin) * 1000))
 
 
+def client_ssl_context(
+    ca_file: Path | None = None,
+    *,
+    cert_file: Path | None = None,
+    key_file: Path | None = None,
+) -> ssl.SSLContext:
+    """A verifying client context: TLS 1.2 or newer, the peer's certificate and name checked.
+
+    Args:
+        ca_file: PEM bundle of the CAs to trust; None = the system trust store.
+        cert_file: Client certificate for mutual TLS (with ``key_file``).
+        key_file: Its private key.
+
+    Raises:
+        OSError: A file cannot be read.
+        ssl.SSLError: A file is not usable PEM, or the key does not match.
+    """
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert_file is not None:
+        context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+def pin_key(url: str) -> str:
+    """The key of a URL's endpoint in :attr:`SupervisorLinks.pins`: ``host:port``.
+
+    Lower case, the default port written out, IPv6 in brackets.
+    """
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _no_pins() -> Mapping[str, bytes]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorLinks:
+    """How supervisors on other hosts are reached.
+
+    Attributes:
+        ssl: The verifying context of ``https://`` calls (:func:`client_ssl_context`; it may
+            carry a client certificate); None = the system trust store.
+        pins: SHA-256 digests of the leaf certificate (DER) by :func:`pin_key` of the
+            supervisor URL. A pinned endpoint is trusted by that digest only, not by a CA
+            (and presents no client certificate).
+        allow_plaintext: Allow ``http://`` to a host other than loopback (a private network);
+            otherwise such a call is refused before anything is sent.
+    """
+
+    ssl: ssl.SSLContext | None = None
+    pins: Mapping[str, bytes] = field(default_factory=_no_pins)
+    allow_plaintext: bool = False
+
+
+def is_loopback_url(url: str) -> bool:
+    """The URL's host is ``localhost`` or a loopback address (the link stays on this host)."""
+    host = (urlsplit(url).hostname or "").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _tls_reason(exc: aiohttp.ClientError) -> str:
+    if isinstance(exc, aiohttp.ServerFingerprintMismatch):
+        return (
+            f"the certificate's SHA-256 fingerprint {exc.got.hex()} is not the pinned "
+            f"{exc.expected.hex()}"
+        )
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        cert_error = exc.certificate_error
+        reason = getattr(cert_error, "verify_message", None) or str(cert_error)
+        return f"certificate verification failed: {reason}"
+    return f"TLS handshake failed: {exc}"
+
+
 _NO_SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None)
 # Every call is bounded by asyncio.timeout instead (one bound covering connect, headers and body).
 
@@ -170,6 +283,8 @@ class SupervisorClient:
             ``HARU_SUPERVISOR_TOKEN``); ``None`` presents none.
         request_id: Returns the id of the work a call is made for (sent as ``X-Request-Id``,
             so the supervisor's log lines carry it too); None sends none.
+        links: TLS trust, pins and the plain-HTTP policy; the default trusts the system store
+            and refuses ``http://`` beyond loopback.
     """
 
     def __init__(
@@ -178,10 +293,12 @@ class SupervisorClient:
         *,
         token: str | None,
         request_id: Callable[[], str | None] | None = None,
+        links: SupervisorLinks | None = None,
     ) -> None:
         self._session = session
         self._headers = bearer_header(token)
         self._request_id = request_id
+        self._links = links if links is not None else SupervisorLinks()
 
     async def status(self, base_url: str, *, timeout_s: float) -> SupervisorStatus:
         """``GET /v1/status``: sleep state of every model and state of every training run."""
@@ -294,6 +411,7 @@ class SupervisorClient:
             raise SupervisorUnreachableError(
                 f"supervisor URL {base_url!r} is unusable: {exc}", url=base_url
             ) from exc
+        tls = self._tls_for(method, url)
         data = None if body is None else body.model_dump_json(exclude_none=True).encode()
         headers = dict(self._headers)
         request_id = None if self._request_id is None else self._request_id()
@@ -314,6 +432,7 @@ class SupervisorClient:
                     headers=headers,
                     allow_redirects=False,
                     timeout=_NO_SESSION_TIMEOUT,
+                    ssl=tls,
                 ) as response,
             ):
                 raw = await _read_bounded(response, url)
@@ -322,9 +441,19 @@ class SupervisorClient:
             raise SupervisorTimeoutError(
                 f"{method} {url}: no answer within {bound:.3f} s", url=url
             ) from exc
+        except (aiohttp.ServerFingerprintMismatch, aiohttp.ClientSSLError) as exc:
+            raise SupervisorTlsError(f"{method} {url}: {_tls_reason(exc)}", url=url) from exc
         except aiohttp.ClientError as exc:
+            # TLS 1.3 checks a client certificate after the client's side of the handshake:
+            # a refusal reaches the client as a closed connection.
+            hint = (
+                " (over TLS this is also how a supervisor that requires a client certificate "
+                "refuses one it does not accept: see HARU_SUPERVISOR_CLIENT_CERT_FILE)"
+                if isinstance(exc, aiohttp.ServerDisconnectedError) and url.startswith("https:")
+                else ""
+            )
             raise SupervisorUnreachableError(
-                f"{method} {url}: {type(exc).__name__}: {exc}", url=url
+                f"{method} {url}: {type(exc).__name__}: {exc}{hint}", url=url
             ) from exc
         except OSError as exc:
             raise SupervisorUnreachableError(f"{method} {url}: {exc}", url=url) from exc
@@ -345,6 +474,23 @@ class SupervisorClient:
                 f"{method} {url}: HTTP {status}{detail}", url=url, status=status, code=code
             )
         return url, raw
+
+    def _tls_for(self, method: str, url: str) -> ssl.SSLContext | aiohttp.Fingerprint | bool:
+        """The ``ssl`` argument of a call to ``url``; refuses clear text beyond loopback."""
+        scheme = urlsplit(url).scheme
+        if scheme == "http":
+            if not self._links.allow_plaintext and not is_loopback_url(url):
+                raise SupervisorPlaintextError(
+                    f"{method} {url}: refused: plain HTTP to another host would carry the token "
+                    "in clear text; serve the supervisor over TLS (https://) or allow plain "
+                    "HTTP on a private network (the server's HARU_ALLOW_PLAINTEXT=1)",
+                    url=url,
+                )
+            return True
+        pin = self._links.pins.get(pin_key(url))
+        if pin is not None:
+            return aiohttp.Fingerprint(pin)
+        return self._links.ssl if self._links.ssl is not None else True
 
 
 async def _read_bounded(response: aiohttp.ClientResponse, url: str) -> bytes:
