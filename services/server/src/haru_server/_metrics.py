@@ -138,6 +138,12 @@ class ServerMetrics:
             ["where"],
             registry=r,
         )
+        self.pruned_rows = Counter(
+            "haru_pruned_rows",
+            "Rows the periodic retention prune deleted, by table.",
+            ["table"],
+            registry=r,
+        )
         self.standby_seconds = Counter(
             "haru_standby_seconds",
             "Seconds a domain spent in standby posture (between answered heartbeats).",
@@ -188,6 +194,10 @@ class ServerMetrics:
 
     def store_error(self, where: str) -> None:
         self.store_errors.labels(where).inc()
+
+    def pruned(self, *, events: int, operations: int) -> None:
+        self.pruned_rows.labels("events").inc(events)
+        self.pruned_rows.labels("operations").inc(operations)
 
     def fleet_seen(self, fleet: FleetSnapshot) -> None:
         """Record a snapshot's route revision and active domain."""
