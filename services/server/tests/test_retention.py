@@ -13,7 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from haru_db import StateStore, upgrade
+from haru_db import PruneCounts, StateStore, upgrade
 from haru_protocol import (
     FleetSnapshot,
     OperationError,
@@ -22,6 +22,9 @@ from haru_protocol import (
     OperationStep,
     load_example_layout,
 )
+from haru_server._clock import ManualClock
+from haru_server._metrics import ServerMetrics
+from haru_server._retention import Pruner
 from haru_server._settings import Settings
 from haru_server.cli import DEFAULT_RETENTION_DAYS, app
 from typer.testing import CliRunner
@@ -37,32 +40,35 @@ async def _old_history(url: str) -> FleetSnapshot:
     await upgrade(url)
     store = StateStore.open(url)
     try:
-        layout = load_example_layout()
-        now = datetime.now(UTC)
-        await store.apply_fleet_layout(layout, at=now)
-        fleet = await store.get_fleet_snapshot(layout.slug)
-        assert fleet is not None
-        target = next(d for d in fleet.domains if d.id != fleet.active_domain_id)
-        start = now - timedelta(days=OLD)
-        for i in range(PROMOTIONS):
-            at = start + timedelta(minutes=i)
-            operation, created = await store.create_operation(
-                fleet_id=fleet.id, kind=OperationKind.PROMOTE, target_domain_id=target.id, at=at
-            )
-            assert created
-            await store.append_event(
-                fleet_id=fleet.id, type="test.note", payload={}, operation_id=operation.id, at=at
-            )
-            error = OperationError(
-                step=OperationStep.STOP_TRAINING,
-                code=OperationErrorCode.STEP_TIMEOUT.value,
-                message="test",
-            )
-            assert await store.fail_operation(operation.id, error=error, at=at)
-        await store.append_event(fleet_id=fleet.id, type="test.note", payload={}, at=start)
-        return fleet
+        return await _write_old_history(store, datetime.now(UTC))
     finally:
         await store.close()
+
+
+async def _write_old_history(store: StateStore, now: datetime) -> FleetSnapshot:
+    layout = load_example_layout()
+    await store.apply_fleet_layout(layout, at=now)
+    fleet = await store.get_fleet_snapshot(layout.slug)
+    assert fleet is not None
+    target = next(d for d in fleet.domains if d.id != fleet.active_domain_id)
+    start = now - timedelta(days=OLD)
+    for i in range(PROMOTIONS):
+        at = start + timedelta(minutes=i)
+        operation, created = await store.create_operation(
+            fleet_id=fleet.id, kind=OperationKind.PROMOTE, target_domain_id=target.id, at=at
+        )
+        assert created
+        await store.append_event(
+            fleet_id=fleet.id, type="test.note", payload={}, operation_id=operation.id, at=at
+        )
+        error = OperationError(
+            step=OperationStep.STOP_TRAINING,
+            code=OperationErrorCode.STEP_TIMEOUT.value,
+            message="test",
+        )
+        assert await store.fail_operation(operation.id, error=error, at=at)
+    await store.append_event(fleet_id=fleet.id, type="test.note", payload={}, at=start)
+    return fleet
 
 
 async def _counts(url: str, fleet: FleetSnapshot) -> tuple[int, int]:
@@ -195,3 +201,17 @@ def test_pruning_keeps_what_the_server_reads_back() -> None:
 
     assert RECENT_OPERATIONS <= KEEP_RECENT_OPERATIONS
     assert {str(t) for t in _STREAK_EVENTS} == RELAUNCH_STREAK_EVENTS
+
+
+async def test_the_pruner_cuts_at_the_app_clock_and_counts(store: StateStore) -> None:
+    clock = ManualClock(datetime(2030, 1, 1, tzinfo=UTC))
+    fleet = await _write_old_history(store, clock())
+    metrics = ServerMetrics()
+    pruner = Pruner(store, clock, retention=timedelta(days=OLD + 1), metrics=metrics)
+    assert await pruner.run_once() == PruneCounts(0, 0)
+    clock.now += timedelta(days=2)  # the history is now older than the retention
+    assert await pruner.run_once() == PruneCounts(PROMOTIONS - 64 + 1, PROMOTIONS - 64)
+    sample = metrics.registry.get_sample_value
+    assert sample("haru_pruned_rows_total", {"table": "events"}) == PROMOTIONS - 64 + 1
+    assert sample("haru_pruned_rows_total", {"table": "operations"}) == PROMOTIONS - 64
+    assert len(await store.list_recent_operations(fleet.id, limit=1000)) == 64

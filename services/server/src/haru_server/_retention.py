@@ -28,6 +28,9 @@ PRUNE_INTERVAL_S = 3600.0
 PRUNE_MAX_BATCHES = 20
 """Delete statements one run may take (each of at most ``DEFAULT_PRUNE_BATCH`` rows)."""
 
+STOP_GRACE_S = 5.0
+"""At stop, how long a run in progress may finish before it is cancelled."""
+
 
 class Pruner:
     """Prunes the store every ``interval_s`` until :meth:`stop`.
@@ -48,6 +51,7 @@ class Pruner:
         metrics: ServerMetrics,
         interval_s: float = PRUNE_INTERVAL_S,
         max_batches: int = PRUNE_MAX_BATCHES,
+        stop_grace_s: float = STOP_GRACE_S,
     ) -> None:
         if retention <= timedelta(0):
             raise ValueError("retention must be positive")
@@ -57,6 +61,8 @@ class Pruner:
         self._metrics = metrics
         self._interval_s = interval_s
         self._max_batches = max_batches
+        self._stop_grace_s = stop_grace_s
+        self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -65,12 +71,20 @@ class Pruner:
             self._task = asyncio.create_task(self._run(), name="haru-retention")
 
     async def stop(self) -> None:
-        """Cancel the task (a statement in flight is abandoned; it commits or not, whole)."""
+        """Stop the task; a run in progress finishes first (bounded by ``stop_grace_s``).
+
+        Cancelling a statement mid-way would cost its pooled connection; past the grace it is
+        cancelled anyway (each statement commits whole or not at all).
+        """
+        self._stopping.set()
         task, self._task = self._task, None
-        if task is not None:
+        if task is None:
+            return
+        _, pending = await asyncio.wait((task,), timeout=self._stop_grace_s)
+        if pending:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
     async def run_once(self) -> PruneCounts | None:
         """One bounded prune; None when the store failed (logged, tried again next run)."""
@@ -95,9 +109,11 @@ class Pruner:
         return counts
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             try:
                 await self.run_once()
             except Exception:  # one bad run must not end the task
                 logger.exception("retention: prune failed")
-            await asyncio.sleep(self._interval_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._interval_s):
+                    await self._stopping.wait()
