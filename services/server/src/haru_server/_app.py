@@ -147,6 +147,10 @@ async def _store_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _retention_ctx(app: web.Application) -> AsyncIterator[None]:
     days = app[settings_key].retention_days
+    if not app[_owns_store_key]:
+        # A store handed in (embedding, tests) is pruned by its owner, never behind its back.
+        yield
+        return
     if days == 0:
         logger.info("retention off (HARU_RETENTION_DAYS=0): operations and events are kept")
         yield
