@@ -25,6 +25,12 @@ from haru_db._listen import ROUTE_CHANNEL, RouteListener
 from haru_db._migrate import check_schema, current_revision, downgrade, head_revision, upgrade
 from haru_db._mirrors import SlotMirror
 from haru_db._operator import load_layout_file, seed_layout_file
+from haru_db._prune import (
+    DEFAULT_PRUNE_BATCH,
+    KEEP_RECENT_OPERATIONS,
+    RELAUNCH_STREAK_EVENTS,
+    PruneCounts,
+)
 from haru_db._store import StateStore, check_writable
 from haru_db._urls import DEFAULT_DATABASE_FILE, redact_database_url, resolve_database_url
 
@@ -32,6 +38,10 @@ __all__ = (
     # URLs and settings
     "DEFAULT_CALL_TIMEOUT_S",
     "DEFAULT_DATABASE_FILE",
+    # Retention
+    "DEFAULT_PRUNE_BATCH",
+    "KEEP_RECENT_OPERATIONS",
+    "RELAUNCH_STREAK_EVENTS",
     # Route notifications
     "ROUTE_CHANNEL",
     # Errors
@@ -44,6 +54,7 @@ __all__ = (
     "LayoutFileError",
     "MalformedFleetStateError",
     "OperationEvent",
+    "PruneCounts",
     "RouteListener",
     "SchemaOutdatedError",
     "SchemaTooNewError",

@@ -10,7 +10,8 @@ their own, behind this class:
   PostgreSQL CTE builders, and :mod:`haru_db._cleanup`, the promote-failure cleanup rule);
 - :mod:`haru_db._events`: the audit log;
 - :mod:`haru_db._layout`: layout apply;
-- :mod:`haru_db._reads`: snapshots, pointers and operations.
+- :mod:`haru_db._reads`: snapshots, pointers and operations;
+- :mod:`haru_db._prune`: retention (deleting old finished operations and events).
 
 Every public method runs under the store's client-side deadline (``call_timeout_s``): a
 database that stalls makes the call fail with :class:`~haru_db.StateStoreUnavailableError`
@@ -45,16 +46,24 @@ from haru_protocol import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from haru_db import _events, _layout, _operations, _provisioning, _reads, _transitions
+from haru_db import _events, _layout, _operations, _provisioning, _prune, _reads, _transitions
 from haru_db._engine import create_engine, translate_errors, writer
 from haru_db._errors import StateStoreReadOnlyError
 from haru_db._events import OperationEvent
 from haru_db._exec import DEFAULT_CALL_TIMEOUT_S, Executor
 from haru_db._layout import LayoutApplyResult, StoredPolicy
 from haru_db._mirrors import SlotMirror
+from haru_db._prune import DEFAULT_PRUNE_BATCH, KEEP_RECENT_OPERATIONS, PruneCounts
 from haru_db._urls import Dialect, redact_database_url, resolve_database_url
 
-__all__ = ("LayoutApplyResult", "OperationEvent", "SlotMirror", "StateStore", "check_writable")
+__all__ = (
+    "LayoutApplyResult",
+    "OperationEvent",
+    "PruneCounts",
+    "SlotMirror",
+    "StateStore",
+    "check_writable",
+)
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -659,8 +668,14 @@ class StateStore:
         return await _operations.get_operation_fence(self._ex, operation_id, step)
 
     @_bounded
-    async def list_recent_operations(self, fleet_id: UUID, *, limit: int = 64) -> list[Operation]:
-        """The fleet's newest ``limit`` operations (newest first): input of promotion backoff."""
+    async def list_recent_operations(
+        self, fleet_id: UUID, *, limit: int = KEEP_RECENT_OPERATIONS
+    ) -> list[Operation]:
+        """The fleet's newest ``limit`` operations (newest first): input of promotion backoff.
+
+        Pruning (:meth:`prune_history`) keeps the newest :data:`KEEP_RECENT_OPERATIONS` of each
+        fleet: a larger ``limit`` may see fewer operations than were ever made.
+        """
         return await _operations.list_recent_operations(self._ex, fleet_id, limit=limit)
 
     @_bounded
@@ -669,6 +684,59 @@ class StateStore:
     ) -> Operation | None:
         """One operation by id (and fleet, when given)."""
         return await _reads.get_operation(self._ex, operation_id, fleet_id=fleet_id)
+
+    # ---- retention -------------------------------------------------------------------------
+
+    async def prune_history(
+        self,
+        *,
+        before: datetime,
+        keep_recent: int = KEEP_RECENT_OPERATIONS,
+        batch: int = DEFAULT_PRUNE_BATCH,
+        max_batches: int | None = None,
+    ) -> PruneCounts:
+        """Delete finished operations and events older than ``before``, in bounded batches.
+
+        The rule (see :mod:`haru_db._prune`): an operation goes when it finished before
+        ``before`` and is not among its fleet's newest ``keep_recent``; its events go with it;
+        an event of no operation goes when created before ``before``; a relaunch streak's
+        events of a domain that is not ready stay. In-flight operations and their events never
+        go. Each batch is one statement of at most ``batch`` rows, under its own deadline
+        (``call_timeout_s``); events go first, then the operations they no longer refer to.
+
+        Args:
+            before: The cutoff (the caller's clock minus the retention).
+            keep_recent: Operations kept per fleet whatever their age.
+            batch: Rows one statement deletes at most.
+            max_batches: Statements this call runs at most (None: until nothing is left);
+                the rest waits for the next call.
+
+        Returns:
+            How many events and operations were deleted.
+        """
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        if max_batches is not None and max_batches < 1:
+            raise ValueError(f"max_batches must be >= 1, got {max_batches}")
+        spent = 0
+        counts = [0, 0]
+        for index, step in enumerate((_prune.delete_events_batch, _prune.delete_operations_batch)):
+            while max_batches is None or spent < max_batches:
+                spent += 1
+                deleted = await self._ex.bounded(
+                    step(self._ex, before=before, keep_recent=keep_recent, batch=batch)
+                )
+                counts[index] += deleted
+                if deleted < batch:
+                    break
+        return PruneCounts(events=counts[0], operations=counts[1])
+
+    @_bounded
+    async def count_prunable(
+        self, *, before: datetime, keep_recent: int = KEEP_RECENT_OPERATIONS
+    ) -> PruneCounts:
+        """What :meth:`prune_history` with the same arguments would delete now (a dry run)."""
+        return await _prune.count_prunable(self._ex, before=before, keep_recent=keep_recent)
 
     @_bounded
     async def ping(self) -> None:

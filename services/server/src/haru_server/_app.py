@@ -59,6 +59,7 @@ from haru_server._proxy import install_proxy, observe_promotion, observe_route_m
 from haru_server._proxy_routes import PROXIED_PATHS
 from haru_server._ready import ready_routes
 from haru_server._reconciler import Reconciler, ReconcilerOptions
+from haru_server._retention import Pruner
 from haru_server._route_cache import lease_guard_ms
 from haru_server._routes import routes
 from haru_server._settings import Settings
@@ -145,7 +146,7 @@ def create_app(
     app[kick_fleet_key] = kick
     app[_reconciler_options_key] = reconciler_options or ReconcilerOptions()
     app[_busy_interval_key] = busy_interval_s
-    app.cleanup_ctx.extend([_store_ctx, _clock_ctx, _reconciler_ctx, _loop_ctx])
+    app.cleanup_ctx.extend([_store_ctx, _clock_ctx, _retention_ctx, _reconciler_ctx, _loop_ctx])
     app.add_routes(routes)
     app.add_routes(ready_routes)
     install_proxy(app)
@@ -190,6 +191,27 @@ async def _sample_clock(clock: StoreClock) -> None:
     while True:
         await asyncio.sleep(SAMPLE_INTERVAL_S)
         await clock.sample()
+
+
+async def _retention_ctx(app: web.Application) -> AsyncIterator[None]:
+    days = app[settings_key].retention_days
+    if not app[_owns_store_key]:
+        # A store handed in (embedding, tests) is pruned by its owner, never behind its back.
+        yield
+        return
+    if days == 0:
+        logger.info("retention off (HARU_RETENTION_DAYS=0): operations and events are kept")
+        yield
+        return
+    pruner = Pruner(
+        app[store_key], app[clock_key], retention=timedelta(days=days), metrics=app[metrics_key]
+    )
+    logger.info("retention: finished operations and events older than %d day(s) are pruned", days)
+    pruner.start()
+    try:
+        yield
+    finally:
+        await pruner.stop()
 
 
 async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -231,6 +231,12 @@ class ServerMetrics:
             ["where"],
             registry=r,
         )
+        self.pruned_rows = Counter(
+            "haru_pruned_rows",
+            "Rows the periodic retention prune deleted, by table.",
+            ["table"],
+            registry=r,
+        )
         self.standby_seconds = Counter(
             "haru_standby_seconds",
             "Seconds a domain spent in standby posture (between answered heartbeats).",
@@ -325,6 +331,10 @@ class ServerMetrics:
             return 0.0 if value is None else value.total_seconds()
 
         self.clock_skew.set_function(seconds)
+
+    def pruned(self, *, events: int, operations: int) -> None:
+        self.pruned_rows.labels("events").inc(events)
+        self.pruned_rows.labels("operations").inc(operations)
 
     def fleet_seen(self, fleet: FleetSnapshot) -> None:
         """Record a snapshot's route revision and active domain."""

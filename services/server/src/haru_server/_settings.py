@@ -222,6 +222,12 @@ class Settings(BaseSettings):
     """``HARU_SKY_STATUS_INTERVAL_MS``: least time between two ``sky status`` reads of one
     ``skypilot`` domain (each spawns ``sky``; the tick waits for it); 0 = every tick. Bounds
     how soon a preempted cluster is noticed."""
+    retention_days: Annotated[EnvInt, Field(ge=0, le=36_500)] = Field(
+        30, validation_alias=_env("HARU_RETENTION_DAYS", "retention_days")
+    )
+    """``HARU_RETENTION_DAYS``: finished operations and events older than this many days are
+    pruned (hourly, by each server process); 0 = keep them forever. In-flight operations, each
+    fleet's newest 64 and their events always stay (server README, *Retention*)."""
     workers: Annotated[EnvInt, Field(ge=1, le=64)] = Field(
         1, validation_alias=_env("HARU_WORKERS", "workers")
     )

@@ -373,6 +373,81 @@ def db_backup(
     _guard(body)
 
 
+DEFAULT_RETENTION_DAYS: Final = 30
+"""``haru db prune``'s default age, the server's ``HARU_RETENTION_DAYS`` default."""
+
+
+def db_prune(
+    older_than: Annotated[
+        int,
+        typer.Option(
+            "--older-than",
+            envvar="HARU_RETENTION_DAYS",
+            min=1,
+            metavar="DAYS",
+            help="Prune finished operations and events older than this many days "
+            "(default: HARU_RETENTION_DAYS, else 30).",
+        ),
+    ] = DEFAULT_RETENTION_DAYS,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Only count what would be deleted.")
+    ] = False,
+    database_url: DatabaseOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Delete finished operations and events older than the retention (see the server README).
+
+    In-flight operations, each fleet's newest 64 operations and their events always stay.
+    """
+    import json
+    from datetime import UTC, datetime, timedelta
+
+    from haru_db import (
+        KEEP_RECENT_OPERATIONS,
+        PruneCounts,
+        StateStore,
+        check_schema,
+        redact_database_url,
+        resolve_database_url,
+    )
+
+    before = datetime.now(UTC) - timedelta(days=older_than)
+
+    async def go() -> PruneCounts:
+        await check_schema(database_url)
+        store = StateStore.open(database_url)
+        try:
+            if dry_run:
+                return await store.count_prunable(before=before)
+            return await store.prune_history(before=before)
+        finally:
+            await store.close()
+
+    def body() -> None:
+        counts = _run_db(go())
+        where = redact_database_url(resolve_database_url(database_url))
+        if as_json:
+            document = {
+                "database": where,
+                "olderThanDays": older_than,
+                "before": before.isoformat(),
+                "dryRun": dry_run,
+                "keptPerFleet": KEEP_RECENT_OPERATIONS,
+                "events": counts.events,
+                "operations": counts.operations,
+            }
+            _print_json(json.dumps(document))
+            return
+        verb = "would delete" if dry_run else "deleted"
+        _console().print(
+            f"{where}: {verb} {counts.events} event(s) and {counts.operations} finished "
+            f"operation(s) older than {older_than} day(s) (before {before:%Y-%m-%d %H:%M} UTC)",
+            markup=False,
+        )
+
+    _guard(body)
+
+
 def db_downgrade(
     revision: Annotated[
         str, typer.Argument(help="The revision to go back to (`base`: an empty schema).")
@@ -1229,6 +1304,7 @@ def _register(app: typer.Typer) -> None:
     db_app.command("current")(db_current)
     db_app.command("backup")(db_backup)
     db_app.command("downgrade")(db_downgrade)
+    db_app.command("prune")(db_prune)
     app.command("seed")(seed)
     app.command("fleets")(fleets)
     app.add_typer(fleet_app, name="fleet")

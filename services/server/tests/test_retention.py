@@ -1,0 +1,217 @@
+"""Retention: ``haru db prune`` and the server's own periodic prune, as real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from haru_db import PruneCounts, StateStore, upgrade
+from haru_protocol import (
+    FleetSnapshot,
+    OperationError,
+    OperationErrorCode,
+    OperationKind,
+    OperationStep,
+    load_example_layout,
+)
+from haru_server._clock import ManualClock
+from haru_server._metrics import ServerMetrics
+from haru_server._retention import Pruner
+from haru_server._settings import Settings
+from haru_server.cli import DEFAULT_RETENTION_DAYS, app
+from typer.testing import CliRunner
+
+OLD = 90
+"""Days ago the old history was written (beyond the default 30-day retention)."""
+PROMOTIONS = 70
+"""Old finished promotions: 64 stay (the newest of the fleet), 6 are prunable."""
+
+
+async def _old_history(url: str) -> FleetSnapshot:
+    """A fleet with PROMOTIONS failed promotions and one fleet event, all OLD days ago."""
+    await upgrade(url)
+    store = StateStore.open(url)
+    try:
+        return await _write_old_history(store, datetime.now(UTC))
+    finally:
+        await store.close()
+
+
+async def _write_old_history(store: StateStore, now: datetime) -> FleetSnapshot:
+    layout = load_example_layout()
+    await store.apply_fleet_layout(layout, at=now)
+    fleet = await store.get_fleet_snapshot(layout.slug)
+    assert fleet is not None
+    target = next(d for d in fleet.domains if d.id != fleet.active_domain_id)
+    start = now - timedelta(days=OLD)
+    for i in range(PROMOTIONS):
+        at = start + timedelta(minutes=i)
+        operation, created = await store.create_operation(
+            fleet_id=fleet.id, kind=OperationKind.PROMOTE, target_domain_id=target.id, at=at
+        )
+        assert created
+        await store.append_event(
+            fleet_id=fleet.id, type="test.note", payload={}, operation_id=operation.id, at=at
+        )
+        error = OperationError(
+            step=OperationStep.STOP_TRAINING,
+            code=OperationErrorCode.STEP_TIMEOUT.value,
+            message="test",
+        )
+        assert await store.fail_operation(operation.id, error=error, at=at)
+    await store.append_event(fleet_id=fleet.id, type="test.note", payload={}, at=start)
+    return fleet
+
+
+async def _counts(url: str, fleet: FleetSnapshot) -> tuple[int, int]:
+    store = StateStore.open(url)
+    try:
+        events = await store.list_events(fleet.id, limit=1000)
+        recent = await store.list_recent_operations(fleet.id, limit=1000)
+        return len(events), len(recent)
+    finally:
+        await store.close()
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HARU_") and k not in ("DATABASE_URL", "PORT")
+    }
+    return {**env, **extra}
+
+
+def _haru(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "haru_server", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+async def test_db_prune_deletes_old_history_and_keeps_the_newest(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'prune.db'}"
+    fleet = await _old_history(url)
+    events_before, operations_before = await _counts(url, fleet)
+    assert operations_before == PROMOTIONS
+    env = _env(DATABASE_URL=url)
+
+    dry = _haru("db", "prune", "--dry-run", "--json", env=env)
+    assert dry.returncode == 0, dry.stderr
+    planned = json.loads(dry.stdout)
+    assert planned["dryRun"] is True
+    assert planned["olderThanDays"] == DEFAULT_RETENTION_DAYS
+    assert planned["keptPerFleet"] == 64
+    # The 6 oldest promotions with their events, and the old fleet event.
+    assert (planned["events"], planned["operations"]) == (PROMOTIONS - 64 + 1, PROMOTIONS - 64)
+    assert await _counts(url, fleet) == (events_before, operations_before)
+
+    # Nothing is older than 100 days.
+    none = _haru("db", "prune", "--older-than", "100", "--json", env=env)
+    assert none.returncode == 0, none.stderr
+    assert (json.loads(none.stdout)["events"], json.loads(none.stdout)["operations"]) == (0, 0)
+
+    done = _haru("db", "prune", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "deleted 7 event(s) and 6 finished operation(s) older than 30 day(s)" in done.stdout
+    assert await _counts(url, fleet) == (events_before - 7, 64)
+
+    store = StateStore.open(url)
+    try:
+        left = await store.count_prunable(before=datetime.now(UTC) - timedelta(days=30))
+    finally:
+        await store.close()
+    assert (left.events, left.operations) == (0, 0)
+
+
+def test_db_prune_refuses_bad_input_and_an_unmigrated_store(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    runner = CliRunner()
+    zero = runner.invoke(app, ["db", "prune", "--older-than", "0", "--database-url", url])
+    assert zero.exit_code == 2
+    assert "--older-than" in zero.output
+    # HARU_RETENTION_DAYS=0 (keep forever) never means "prune everything".
+    off = runner.invoke(
+        app, ["db", "prune", "--database-url", url], env={"HARU_RETENTION_DAYS": "0"}
+    )
+    assert off.exit_code == 2
+    unmigrated = _haru("db", "prune", env=_env(DATABASE_URL=url))
+    assert unmigrated.returncode == 1
+    assert "has no schema" in unmigrated.stderr
+    assert "Traceback" not in unmigrated.stderr
+
+
+def test_retention_setting() -> None:
+    assert Settings.from_env({}).retention_days == DEFAULT_RETENTION_DAYS
+    assert Settings.from_env({"HARU_RETENTION_DAYS": "0"}).retention_days == 0
+    with pytest.raises(ValueError, match="HARU_RETENTION_DAYS"):
+        Settings.from_env({"HARU_RETENTION_DAYS": "-1"})
+
+
+_PRUNED = re.compile(r"retention: pruned (\d+) event\(s\) and (\d+) finished operation\(s\)")
+
+
+async def test_the_server_prunes_by_itself(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'serve.db'}"
+    fleet = await _old_history(url)
+    events_before, _ = await _counts(url, fleet)
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "haru_server",
+        "serve",
+        env=_env(DATABASE_URL=url, PORT="0", HARU_RETENTION_DAYS="30"),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    lines: list[str] = []
+    try:
+        async with asyncio.timeout(60):
+            while (match := _PRUNED.search(lines[-1] if lines else "")) is None:
+                raw = await process.stderr.readline()
+                assert raw, "server exited:\n" + "\n".join(lines)
+                lines.append(raw.decode(errors="replace"))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            await process.communicate()
+    assert (int(match.group(1)), int(match.group(2))) == (PROMOTIONS - 64 + 1, PROMOTIONS - 64)
+    assert await _counts(url, fleet) == (events_before - 7, 64)
+
+
+def test_pruning_keeps_what_the_server_reads_back() -> None:
+    """The rule in haru-db keeps what the server's decisions read (a drift guard)."""
+    from haru_db import KEEP_RECENT_OPERATIONS, RELAUNCH_STREAK_EVENTS
+    from haru_server._provisioning import _STREAK_EVENTS
+    from haru_server._reconciler import RECENT_OPERATIONS
+
+    assert RECENT_OPERATIONS <= KEEP_RECENT_OPERATIONS
+    assert {str(t) for t in _STREAK_EVENTS} == RELAUNCH_STREAK_EVENTS
+
+
+async def test_the_pruner_cuts_at_the_app_clock_and_counts(store: StateStore) -> None:
+    clock = ManualClock(datetime(2030, 1, 1, tzinfo=UTC))
+    fleet = await _write_old_history(store, clock())
+    metrics = ServerMetrics()
+    pruner = Pruner(store, clock, retention=timedelta(days=OLD + 1), metrics=metrics)
+    assert await pruner.run_once() == PruneCounts(0, 0)
+    clock.now += timedelta(days=2)  # the history is now older than the retention
+    assert await pruner.run_once() == PruneCounts(PROMOTIONS - 64 + 1, PROMOTIONS - 64)
+    sample = metrics.registry.get_sample_value
+    assert sample("haru_pruned_rows_total", {"table": "events"}) == PROMOTIONS - 64 + 1
+    assert sample("haru_pruned_rows_total", {"table": "operations"}) == PROMOTIONS - 64
+    assert len(await store.list_recent_operations(fleet.id, limit=1000)) == 64
