@@ -58,7 +58,13 @@ from haru_web._logs import (
     request_id_middleware,
     request_id_scope,
 )
-from haru_web._metrics import METRICS_PATH, BeforeScrape, add_metrics_route, metrics_guarded
+from haru_web._metrics import (
+    METRICS_PATH,
+    BeforeScrape,
+    add_metrics_route,
+    metrics_guarded,
+    service_registry,
+)
 from haru_web._middleware import (
     BEARER_CHALLENGE,
     CLIENT_CLOSED_STATUS,
@@ -195,6 +201,7 @@ __all__ = (
     "resolve_token",
     "route",
     "server_context",
+    "service_registry",
     "serving",
     "tls_files",
     "undeclared_routes",

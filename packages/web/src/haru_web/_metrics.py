@@ -12,13 +12,32 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    generate_latest,
+)
 
 from haru_web._middleware import is_api_path
 
 METRICS_PATH: Final = "/metrics"
 
 BeforeScrape = Callable[[], Awaitable[None]]
+
+
+def service_registry() -> CollectorRegistry:
+    """A new registry for one app, with prometheus_client's process and runtime metrics.
+
+    ``process_*`` (RSS, CPU, open files) and ``python_*`` (platform, garbage collector) sit
+    beside the app's own metrics.
+    """
+    registry = CollectorRegistry()
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry
 
 
 def metrics_guarded(*, public: bool) -> Callable[[str], bool]:

@@ -37,11 +37,14 @@ from haru_protocol import (
     SupervisorStatus,
     TrainingRunState,
 )
-from haru_web import CLIENT_CLOSED_STATUS, ApiError, access_logged_key, client_address
+from haru_web import (
+    CLIENT_CLOSED_STATUS,
+    ApiError,
+    access_logged_key,
+    client_address,
+    service_registry,
+)
 from prometheus_client import (
-    GC_COLLECTOR,
-    PLATFORM_COLLECTOR,
-    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -113,11 +116,7 @@ class ServerMetrics:
         version: str | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        if registry is None:
-            registry = CollectorRegistry()
-            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-                registry.register(collector)
-        self.registry = registry
+        self.registry = registry if registry is not None else service_registry()
         r = self.registry
         self._monotonic = monotonic
         Info("haru_build", "The running haru-server's version.", registry=r).info(

@@ -17,11 +17,8 @@ from typing import Final
 
 from aiohttp import web
 from haru_protocol import ProbeResult, TrainingRunState
-from haru_web import CLIENT_CLOSED_STATUS, ApiError
+from haru_web import CLIENT_CLOSED_STATUS, ApiError, service_registry
 from prometheus_client import (
-    GC_COLLECTOR,
-    PLATFORM_COLLECTOR,
-    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -52,11 +49,7 @@ class SupervisorMetrics:
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        if registry is None:
-            registry = CollectorRegistry()
-            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
-                registry.register(collector)
-        self.registry = registry
+        self.registry = registry if registry is not None else service_registry()
         r = self.registry
         self.admin_calls = Counter(
             "haru_supervisor_admin_calls",
