@@ -134,10 +134,13 @@ def _status(state: Path, args: list[str]) -> int:
     if "--ip" in args:
         name = args[-1]
         path = _cluster_file(state, name)
-        if path.exists() and json.loads(path.read_text())["status"] == "UP":
-            sys.stdout.write("127.0.0.1\n")
-        else:
-            sys.stdout.write(f"Cluster {name} not found.\n")
+        if not path.exists():
+            sys.stderr.write(f"ValueError: Cluster {name!r} not found.\n")
+            return 1
+        if json.loads(path.read_text())["status"] != "UP":
+            sys.stderr.write(f"ValueError: Cluster {name!r} is not in UP status.\n")
+            return 1
+        sys.stdout.write("127.0.0.1\n")
         return 0
     name = args[1]
     path = _cluster_file(state, name)

@@ -94,10 +94,14 @@ elif args[:1] == ["down"]:
     path(args[1]).unlink(missing_ok=True)
 elif args[:1] == ["status"] and "--ip" in args:
     name = args[-1]
-    if (load(name) or {{}}).get("status") == "UP":
-        print("127.0.0.1")
-    else:
-        print(f"Cluster {{name}} not found.")
+    cluster = load(name)
+    if cluster is None:
+        print(f"ValueError: Cluster {{name!r}} not found.", file=sys.stderr)
+        sys.exit(1)
+    if cluster["status"] != "UP":
+        print(f"ValueError: Cluster {{name!r}} is not in UP status.", file=sys.stderr)
+        sys.exit(1)
+    print("127.0.0.1")
 elif args[:1] == ["status"]:
     name = args[1]
     cluster = load(name)
