@@ -302,10 +302,10 @@ async def test_layout_to_ready_with_no_hand_typed_url(
         urls = [str(m.serving_url) for s in got.slots for m in getattr(s.spec, "models", ())]
         assert urls
         assert all(u.startswith("http://127.0.0.1:8000/m/") for u in urls)
-        launches = sky.launches(f"haru-local-{slug}")
+        launches = sky.launches(f"haru-local--{slug}")
         assert len(launches) == 1
         argv = launches[0]["argv"]
-        assert argv[:5] == ["launch", "-c", f"haru-local-{slug}", "-y", "-d"]
+        assert argv[:5] == ["launch", "-c", f"haru-local--{slug}", "-y", "-d"]
         assert argv[5:7] == ["--secret", TOKEN_SECRET]
         # The token reaches `sky` through its environment only.
         assert launches[0]["secret"] == TOKEN
@@ -329,7 +329,7 @@ async def test_launch_failure_fails_the_domain_with_the_command_in_an_event(
 ) -> None:
     store = sqlite_store
     sky.configure(
-        launch={"haru-local-alpha": {"exit": 3, "stderr": "No launchable resource found."}}
+        launch={"haru-local--alpha": {"exit": 3, "stderr": "No launchable resource found."}}
     )
     await store.apply_fleet_layout(bare_layout(), at=clock())
     reconciler, _ = make_reconciler(store)
@@ -342,30 +342,30 @@ async def test_launch_failure_fails_the_domain_with_the_command_in_an_event(
     assert event.payload["reason"] == "launch_failed"
     assert event.payload["exitCode"] == 3
     assert "No launchable resource found." in event.payload["stderr"]
-    assert event.payload["argv"][1:4] == ["launch", "-c", "haru-local-alpha"]
+    assert event.payload["argv"][1:4] == ["launch", "-c", "haru-local--alpha"]
     assert event.payload["attempt"] == 1
     # A launch that never went through is not relaunched on its own.
     clock.advance(ms=failed.policy.relaunch_backoff_max_ms + 1)
     for _ in range(3):
         await reconciler.tick("local")
     assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
-    assert len(sky.launches("haru-local-alpha")) == 1
+    assert len(sky.launches("haru-local--alpha")) == 1
 
 
 async def test_launch_past_its_budget_is_killed_and_fails_the_domain(
     sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
 ) -> None:
     store = sqlite_store
-    sky.configure(launch={"haru-local-alpha": {"hang": True}})
+    sky.configure(launch={"haru-local--alpha": {"hang": True}})
     await store.apply_fleet_layout(bare_layout(launchTimeoutMs=60_000), at=clock())
     reconciler, provisioner = make_reconciler(store)
     await reconciler.tick("local")
     fleet = await snapshot(store)
     alpha = domain(fleet, "alpha")
     async with asyncio.timeout(10):
-        while "haru-local-alpha" not in sky.clusters():
+        while "haru-local--alpha" not in sky.clusters():
             await asyncio.sleep(0.02)
-    pid = sky.launch_pid("haru-local-alpha")
+    pid = sky.launch_pid("haru-local--alpha")
     await reconciler.tick("local")
     assert provisioner.launching(alpha.id)
     assert domain(await snapshot(store), "alpha").state is DomainState.PROVISIONING
@@ -388,12 +388,12 @@ async def test_restart_mid_launch_never_launches_the_same_attempt_again(
 ) -> None:
     store = sqlite_store
     # The launch creates the cluster, then the server dies before `sky launch` returns.
-    sky.configure(launch={"haru-local-alpha": {"hang": True}}, up_after=3)
+    sky.configure(launch={"haru-local--alpha": {"hang": True}}, up_after=3)
     await store.apply_fleet_layout(bare_layout(), at=clock())
     first, first_provisioner = make_reconciler(store)
     await first.tick("local")
     async with asyncio.timeout(10):
-        while "haru-local-alpha" not in sky.clusters():
+        while "haru-local--alpha" not in sky.clusters():
             await asyncio.sleep(0.02)
     await first_provisioner.close()  # the crash: the launch's process group dies with it
     fleet = await snapshot(store)
@@ -401,7 +401,7 @@ async def test_restart_mid_launch_never_launches_the_same_attempt_again(
     assert domain(fleet, "alpha").launched_at is None
     second, _ = make_reconciler(store)
     done = await tick_until(second, store, lambda f: domain(f, "alpha").supervisor_url is not None)
-    assert len(sky.launches("haru-local-alpha")) == 1
+    assert len(sky.launches("haru-local--alpha")) == 1
     alpha = domain(done, "alpha")
     assert alpha.launch_attempt == 1
     assert str(alpha.supervisor_url) == "http://127.0.0.1:8701"
@@ -428,7 +428,7 @@ async def test_claim_without_outcome_and_no_cluster_fails_after_the_launch_budge
     clock.advance(ms=60_001)
     await reconciler.tick("local")
     assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
-    assert sky.launches("haru-local-alpha") == []
+    assert sky.launches("haru-local--alpha") == []
     [event] = [
         e
         for e in await events(store, fleet.id, EventType.DOMAIN_PROVISIONING_FAILED)
@@ -475,7 +475,7 @@ async def test_preempted_active_fails_over_then_relaunches_as_standby(
     alpha_id = domain(ready, "alpha").id
     beta_id = domain(ready, "beta").id
     # Spot preemption: SkyPilot reports the cluster STOPPED, its supervisor is gone.
-    sky.set_status("haru-local-alpha", "STOPPED")
+    sky.set_status("haru-local--alpha", "STOPPED")
     await fleet.stop_supervisor("alpha")
     result = await reconciler.tick("local")
     after = await snapshot(store)
@@ -495,7 +495,7 @@ async def test_preempted_active_fails_over_then_relaunches_as_standby(
         await asyncio.sleep(0.02)
     assert (await snapshot(store)).active_domain_id == beta_id
     # No relaunch before the backoff since the failure has passed.
-    assert len(sky.launches("haru-local-alpha")) == 1
+    assert len(sky.launches("haru-local--alpha")) == 1
     clock.advance(ms=60_000)
     await reconciler.tick("local")
     relaunched = await snapshot(store)
@@ -513,11 +513,11 @@ async def test_preempted_active_fails_over_then_relaunches_as_standby(
         (2, "standby"),
     ]
     async with asyncio.timeout(10):
-        while len(sky.launches("haru-local-alpha")) < 2:
+        while len(sky.launches("haru-local--alpha")) < 2:
             await asyncio.sleep(0.02)
     # It is lost again: relaunchMaxAttempts (1) is spent, so it stays failed, said once.
     await tick_until(reconciler, store, lambda f: domain(f, "alpha").launched_at is not None)
-    sky.set_status("haru-local-alpha", None)
+    sky.set_status("haru-local--alpha", None)
     await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
     clock.advance(ms=10 * 60_000)
     for _ in range(3):
@@ -525,7 +525,7 @@ async def test_preempted_active_fails_over_then_relaunches_as_standby(
     assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
     relaunches = await events(store, ready.id, EventType.DOMAIN_RELAUNCH)
     assert [e.payload["exhausted"] for e in relaunches] == [False, True]
-    assert len(sky.launches("haru-local-alpha")) == 2
+    assert len(sky.launches("haru-local--alpha")) == 2
 
 
 async def test_relaunch_switch_off_leaves_a_lost_domain_failed(
@@ -538,14 +538,14 @@ async def test_relaunch_switch_off_leaves_a_lost_domain_failed(
     await store.apply_fleet_layout(FleetLayout.model_validate(document), at=clock())
     reconciler, _ = make_reconciler(store)
     await tick_until(reconciler, store, lambda f: domain(f, "beta").supervisor_url is not None)
-    sky.set_status("haru-local-beta", "STOPPED")
+    sky.set_status("haru-local--beta", "STOPPED")
     # Still provisioning (no supervisor answers here): the loss fails it all the same.
     lost = await tick_until(reconciler, store, in_state("beta", DomainState.FAILED))
     clock.advance(ms=3_600_000)
     for _ in range(3):
         await reconciler.tick("local")
     assert domain(await snapshot(store), "beta").state is DomainState.FAILED
-    assert len(sky.launches("haru-local-beta")) == 1
+    assert len(sky.launches("haru-local--beta")) == 1
     assert await events(store, lost.id, EventType.DOMAIN_RELAUNCH) == []
 
 
@@ -571,7 +571,7 @@ async def test_domain_status_up_and_down_through_the_api(
         assert await store.transition_domain(
             got.id, from_states=(DomainState.PROVISIONING,), to=DomainState.READY, at=clock()
         )
-        sky.set_status(f"haru-local-{slug}", "UP")
+        sky.set_status(f"haru-local--{slug}", "UP")
     client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
 
     response = await client.get("/v1/fleets/local/domains/beta")
@@ -579,7 +579,7 @@ async def test_domain_status_up_and_down_through_the_api(
     body = await response.json()
     assert (body["role"], body["clusterName"], body["clusterStatus"]) == (
         "standby",
-        "haru-local-beta",
+        "haru-local--beta",
         "UP",
     )
     assert body["domain"]["state"] == "ready"
@@ -588,7 +588,7 @@ async def test_domain_status_up_and_down_through_the_api(
         CliRunner().invoke, cli_app, ["domain", "status", "local", "beta", "--url", base]
     )
     assert shown.exit_code == 0, shown.output
-    assert "cluster haru-local-beta: UP" in shown.output
+    assert "cluster haru-local--beta: UP" in shown.output
     refused = await asyncio.to_thread(
         CliRunner().invoke, cli_app, ["domain", "down", "local", "alpha", "--url", base]
     )
@@ -617,9 +617,9 @@ async def test_domain_status_up_and_down_through_the_api(
         await asyncio.sleep(0.02)
     assert domain(await snapshot(store), "beta").state is DomainState.STOPPED
     assert [c["argv"] for c in sky.calls() if c["argv"][:1] == ["down"]] == [
-        ["down", "haru-local-beta", "-y"]
+        ["down", "haru-local--beta", "-y"]
     ]
-    assert "haru-local-beta" not in sky.clusters()
+    assert "haru-local--beta" not in sky.clusters()
     response = await client.get("/v1/fleets/local/domains/beta")
     body = await response.json()
     assert body["clusterStatus"] == "absent"
@@ -651,7 +651,7 @@ async def test_the_relaunch_streak_survives_a_server_restart(
     await store.apply_fleet_layout(
         bare_layout(relaunchBackoffBaseMs=1_000, relaunchMaxAttempts=2), at=clock()
     )
-    name = "haru-local-alpha"
+    name = "haru-local--alpha"
 
     async def launched_then_lost(reconciler: Reconciler, attempt: int) -> None:
         await tick_until(

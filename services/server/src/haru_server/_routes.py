@@ -14,7 +14,7 @@ from haru_core import (
     decide_demotion,
     decide_promotion,
 )
-from haru_driver_skypilot import SkyDriverError, cluster_name
+from haru_driver_skypilot import SkyDriverError
 from haru_protocol import (
     AcceptedResponse,
     AlreadyActiveResponse,
@@ -328,7 +328,7 @@ async def domain_status(request: web.Request) -> web.Response:
     name = status = error = None
     provisioner = request.app[provisioner_key]
     if provisioner.drives(domain):
-        name = cluster_name(fleet.slug, domain.slug)
+        name = await provisioner.cluster_name(fleet, domain)
         try:
             observed = await provisioner.observe(fleet, domain)
         except SkyDriverError as exc:
