@@ -7,6 +7,24 @@ STOPPED once preempted), ``status --ip NAME`` with 127.0.0.1, and fails or hangs
 on request. Where heartbeats matter, the "cluster" is a local fleet: real supervisors on
 127.0.0.1 whose ports the layout names as ``supervisorPort``. Budgets run on the injected
 clock; the store is real.
+
+Where SkyPilot 0.14.1 is unkind, the fake is too (read from its source):
+
+- ``launch`` with ``late``: killing the client does not cancel the launch. ``sky launch``
+  only submits a request to the API server and waits on it; on a kill the client says
+  "Request will continue running asynchronously" (``sky/client/cli/command.py``, the
+  launch's request wait) and the server's request brings the cluster up later. Here a
+  detached process outlives the killed client and then lists the cluster UP.
+- ``launch`` with ``exit`` and ``leave``: a launch that fails after provisioning (a setup
+  failure) exits non-zero and leaves the cluster listed (UP, kept "for debugging":
+  ``sky/backends/cloud_vm_ray_backend.py``, setup and provisioning failure handling).
+- ``launch`` with ``exit`` (a ``ResourcesUnavailableError`` stderr): the capacity or quota
+  error a relaunch meets right after a spot preemption (``sky/exceptions.py``).
+- ``status --ip``: exit 1 with ``ValueError ... not found`` for an unknown cluster and
+  ``... is not in UP status`` for one that is not UP (``sky/client/cli/command.py``
+  ``status`` with ``--ip``).
+- INIT that never turns UP (``up_after`` large): INIT is also SkyPilot's abnormal state
+  (``sky/utils/status_lib.py`` ``ClusterStatus.INIT``: setup failed, or a node unhealthy).
 """
 
 from __future__ import annotations
@@ -28,6 +46,7 @@ from haru_db import StateStore
 from haru_demo.localfleet import LocalFleet
 from haru_driver_skypilot import TOKEN_SECRET, SkyPilotDriver, SkyRunner
 from haru_protocol import (
+    DomainLaunchStarted,
     DomainSnapshot,
     DomainState,
     DomainUpRequested,
@@ -55,7 +74,7 @@ TOKEN = "tok-provisioning-secret-4711"
 FAKE_SKY = """\
 #!{python}
 # Fake `sky` (SkyPilot 0.14 CLI, the commands Haru uses). State in $FAKE_SKY_STATE.
-import json, os, pathlib, sys, time
+import json, os, pathlib, subprocess, sys, time
 
 state = pathlib.Path(os.environ["FAKE_SKY_STATE"])
 args = sys.argv[1:]
@@ -66,6 +85,18 @@ for arg in args:
 with (state / "calls.jsonl").open("a") as log:
     log.write(json.dumps(entry) + "\\n")
 config = json.loads((state / "config.json").read_text())
+LATE = '''
+import json, os, pathlib, sys, time
+client, cluster, marker = int(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+for _ in range(1500):
+    try:
+        os.kill(client, 0)
+    except ProcessLookupError:
+        break
+    time.sleep(0.02)
+cluster.write_text(json.dumps({{"status": "UP", "reads": 0}}))
+marker.write_text("up")
+'''
 # One file per cluster: concurrent launches of two clusters never lose each other's write.
 def path(name):
     return state / f"cluster-{{name}}.json"
@@ -82,7 +113,18 @@ if args[:1] == ["launch"]:
     name = args[args.index("-c") + 1]
     behaviour = config.get("launch", {{}}).get(name, {{}})
     (state / f"launch-{{name}}.pid").write_text(str(os.getpid()))
+    if behaviour.get("late"):
+        # The API server's request: outlives this client, then lists the cluster UP.
+        subprocess.Popen(
+            [sys.executable, "-c", LATE, str(os.getpid()), str(path(name)),
+             str(state / f"appeared-{{name}}")],
+            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(60)
     if "exit" in behaviour:
+        if behaviour.get("leave"):
+            save(name, {{"status": behaviour["leave"], "reads": 0}})
         print("Considered resources (1 node):")
         print(behaviour["stderr"], file=sys.stderr)
         sys.exit(behaviour["exit"])
@@ -150,6 +192,12 @@ class FakeSky:
             path.unlink(missing_ok=True)
         else:
             path.write_text(json.dumps({"status": status, "reads": 0}))
+
+    def downs(self, name: str) -> list[dict[str, Any]]:
+        return [c for c in self.calls() if c["argv"][:2] == ["down", name]]
+
+    def appeared(self, name: str) -> bool:
+        return (self.state / f"appeared-{name}").exists()
 
     def launch_pid(self, name: str) -> int:
         return int((self.state / f"launch-{name}.pid").read_text())
@@ -453,6 +501,186 @@ async def test_cluster_up_budget(
         for e in await events(store, failed.id, EventType.DOMAIN_PROVISIONING_FAILED)
     ]
     assert "cluster_up_timeout" in reasons
+    # The INIT cluster it waited for bills all the same: it is torn down.
+    await tick_until(reconciler, store, lambda _: "haru-local--alpha" not in sky.clusters())
+    assert sky.downs("haru-local--alpha")
+
+
+async def teardowns(store: StateStore, fleet_id: UUID) -> list[dict[str, Any]]:
+    return [e.payload for e in await events(store, fleet_id, EventType.DOMAIN_TEARDOWN)]
+
+
+async def torn_down(
+    reconciler: Reconciler, store: StateStore, fleet_id: UUID, name: str
+) -> dict[str, Any]:
+    """Tick until a ``domain.teardown`` event says ``name`` was torn down; return it."""
+    for _ in range(100):
+        for payload in await teardowns(store, fleet_id):
+            if payload["ok"] and payload["cluster"] == name:
+                return payload
+        await reconciler.tick("local")
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no domain.teardown event for {name}")
+
+
+async def test_a_killed_launch_that_brings_its_cluster_up_later_is_torn_down(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    name = "haru-local--alpha"
+    sky.configure(launch={name: {"late": True}})
+    await store.apply_fleet_layout(bare_layout(launchTimeoutMs=60_000), at=clock())
+    reconciler, _ = make_reconciler(store)
+    await reconciler.tick("local")
+    async with asyncio.timeout(10):
+        while not (sky.state / f"launch-{name}.pid").exists():
+            await asyncio.sleep(0.02)
+    clock.advance(ms=60_001)
+    failed = await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    # The client is dead; its request is not: the cluster comes up after the failure.
+    await tick_until(reconciler, store, lambda _: sky.appeared(name) and name not in sky.clusters())
+    assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
+    assert len(sky.launches(name)) == 1
+    await torn_down(reconciler, store, failed.id, name)
+    assert name not in sky.clusters()
+
+
+async def test_a_setup_failure_leaves_no_cluster_up(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    name = "haru-local--alpha"
+    sky.configure(
+        launch={name: {"exit": 1, "stderr": "Failed to run setup command.", "leave": "UP"}}
+    )
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    reconciler, _ = make_reconciler(store)
+    failed = await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    await tick_until(reconciler, store, lambda _: name not in sky.clusters())
+    assert len(sky.downs(name)) >= 1
+    done = await torn_down(reconciler, store, failed.id, name)
+    assert "launch_failed" in done["message"]
+
+
+async def test_a_relaunch_that_meets_a_capacity_error_backs_off_and_tries_again(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    name = "haru-local--alpha"
+    await store.apply_fleet_layout(
+        bare_layout(relaunchBackoffBaseMs=1_000, relaunchMaxAttempts=3), at=clock()
+    )
+    reconciler, _ = make_reconciler(store)
+    await tick_until(reconciler, store, lambda f: domain(f, "alpha").supervisor_url is not None)
+    sky.set_status(name, None)  # preempted
+    await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    sky.configure(
+        launch={
+            name: {
+                "exit": 1,
+                "stderr": "sky.exceptions.ResourcesUnavailableError: Failed to provision "
+                "all possible launchable resources. Relax the task's resource requirements.",
+            }
+        }
+    )
+    clock.advance(ms=1_000)
+    await tick_until(reconciler, store, lambda f: domain(f, "alpha").launch_attempt == 2)
+    await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    sky.configure()  # capacity is back
+    # Still in the streak: relaunch 2, after the doubled backoff, not the end of it.
+    clock.advance(ms=1_999)
+    for _ in range(3):
+        await reconciler.tick("local")
+    assert domain(await snapshot(store), "alpha").launch_attempt == 2
+    clock.advance(ms=1)
+    done = await tick_until(
+        reconciler,
+        store,
+        lambda f: domain(f, "alpha").launch_attempt == 3 and domain(f, "alpha").launched_at,
+    )
+    relaunches = await events(store, done.id, EventType.DOMAIN_RELAUNCH)
+    assert [(e.payload["relaunch"], e.payload["backoffMs"]) for e in relaunches] == [
+        (1, 1_000),
+        (2, 2_000),
+    ]
+    assert len(sky.launches(name)) == 3
+
+
+async def test_a_failed_domain_whose_cluster_stays_init_is_torn_down_and_relaunched(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    name = "haru-local--alpha"
+    await store.apply_fleet_layout(
+        bare_layout(relaunchBackoffBaseMs=1_000, clusterUpTimeoutMs=120_000), at=clock()
+    )
+    reconciler, _ = make_reconciler(store)
+    await tick_until(reconciler, store, lambda f: domain(f, "alpha").supervisor_url is not None)
+    sky.set_status(name, "STOPPED")
+    await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    # The cluster comes back INIT and stays there (an unhealthy node, not a launch).
+    sky.configure(up_after=10_000)
+    sky.set_status(name, "INIT")
+    clock.advance(ms=1_000)
+    for _ in range(3):
+        await reconciler.tick("local")
+    assert domain(await snapshot(store), "alpha").launch_attempt == 1  # INIT: not lost yet
+    clock.advance(ms=120_000)
+    done = await tick_until(reconciler, store, lambda f: domain(f, "alpha").launch_attempt == 2)
+    assert sky.downs(name)
+    assert any("INIT" in (t.get("message") or "") for t in await teardowns(store, done.id))
+
+
+async def test_a_domain_launched_under_its_old_name_is_still_found_and_torn_down(
+    sqlite_store: StateStore, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    old = "haru-local-alpha"  # the name before it was unique
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    fleet = await snapshot(store)
+    alpha = domain(fleet, "alpha")
+    assert await store.claim_launch(alpha.id, expected_attempt=0, at=clock())
+    await store.append_event(
+        fleet_id=fleet.id,
+        payload=DomainLaunchStarted(cluster=old, attempt=1, role="active"),
+        at=clock(),
+        domain_id=alpha.id,
+    )
+    assert await store.mark_launched(alpha.id, attempt=1, at=clock())
+    sky.set_status(old, "UP")
+    driver = SkyPilotDriver(SkyRunner(retry_delay=0))
+    provisioner = Provisioner(
+        store,
+        driver,
+        clock=clock,
+        supervisor_token=TOKEN,
+        options=ProvisionerOptions(status_interval_s=0),
+    )
+    try:
+        current = await snapshot(store)
+        assert await provisioner.cluster_name(current, domain(current, "alpha")) == old
+        assert (await provisioner.observe(current, domain(current, "alpha"))).shown == "UP"
+        # Addressed under its old name, never relaunched under the new one.
+        for _ in range(3):
+            await provisioner.step(await snapshot(store), None)
+        assert domain(await snapshot(store), "alpha").serving_base_url is not None
+        assert await store.transition_domain(
+            alpha.id,
+            from_states=(DomainState.PROVISIONING,),
+            to=DomainState.STOPPING,
+            at=clock(),
+        )
+        for _ in range(100):
+            await provisioner.step(await snapshot(store), None)
+            if domain(await snapshot(store), "alpha").state is DomainState.STOPPED:
+                break
+            await asyncio.sleep(0.02)
+        assert domain(await snapshot(store), "alpha").state is DomainState.STOPPED
+    finally:
+        await provisioner.close()
+    assert sky.downs(old)
+    assert old not in sky.clusters()
+    assert sky.launches("haru-local--alpha") == []
 
 
 async def test_preempted_active_fails_over_then_relaunches_as_standby(
