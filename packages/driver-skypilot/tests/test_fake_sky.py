@@ -163,7 +163,7 @@ async def test_no_address_is_a_non_zero_exit_like_skypilot(fake_sky: Path) -> No
     (fake_sky / "init").unlink()
     assert await driver.get_head_ip("haru-demo-alpha") == "10.1.2.3"
     # Exit 1 with a ValueError is the cluster's answer, not a cold server: asked once each.
-    assert [c["argv"][:2] for c in calls(fake_sky)].count(["status", "--ip"]) == 3
+    assert [c["argv"][:2] for c in calls(fake_sky)].count(["status", "--ip"]) == 3  # type: ignore[index]
 
 
 async def test_a_failed_launch_after_the_server_start_line_runs_once(fake_sky: Path) -> None:
@@ -171,7 +171,7 @@ async def test_a_failed_launch_after_the_server_start_line_runs_once(fake_sky: P
     driver = SkyPilotDriver(SkyRunner(sleep=no_sleep))
     with pytest.raises(SkyCliError, match="ResourcesUnavailableError"):
         await driver.launch_domain(SPEC)
-    assert [c["argv"][0] for c in calls(fake_sky)] == ["launch"]
+    assert [c["argv"][0] for c in calls(fake_sky)] == ["launch"]  # type: ignore[index]
 
 
 async def test_cli_error_through_real_processes(fake_sky: Path) -> None:

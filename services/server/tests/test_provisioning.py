@@ -596,7 +596,9 @@ async def test_a_relaunch_that_meets_a_capacity_error_backs_off_and_tries_again(
     done = await tick_until(
         reconciler,
         store,
-        lambda f: domain(f, "alpha").launch_attempt == 3 and domain(f, "alpha").launched_at,
+        lambda f: (
+            domain(f, "alpha").launch_attempt == 3 and domain(f, "alpha").launched_at is not None
+        ),
     )
     relaunches = await events(store, done.id, EventType.DOMAIN_RELAUNCH)
     assert [(e.payload["relaunch"], e.payload["backoffMs"]) for e in relaunches] == [
