@@ -633,6 +633,39 @@ async def test_a_failed_domain_whose_cluster_stays_init_is_torn_down_and_relaunc
     assert any("INIT" in (t.get("message") or "") for t in await teardowns(store, done.id))
 
 
+async def test_up_from_failed_never_launches_onto_the_cluster_still_there(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    name = "haru-local--alpha"
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    reconciler, _ = make_reconciler(store)
+    await tick_until(reconciler, store, lambda f: domain(f, "alpha").supervisor_url is not None)
+    fleet = await snapshot(store)
+    alpha = domain(fleet, "alpha")
+    assert sky.clusters()[name]["status"] in {"INIT", "UP"}
+    # Failed with its cluster still listed, then `haru domain up`.
+    clock.advance(ms=1_000)
+    assert await store.transition_domain(
+        alpha.id, from_states=(alpha.state,), to=DomainState.FAILED, at=clock()
+    )
+    assert await store.transition_domain(
+        alpha.id, from_states=(DomainState.FAILED,), to=DomainState.PROVISIONING, at=clock()
+    )
+    await store.append_event(
+        fleet_id=fleet.id,
+        payload=DomainUpRequested(from_state=DomainState.FAILED),
+        at=clock(),
+        domain_id=alpha.id,
+    )
+    await tick_until(reconciler, store, lambda _: len(sky.launches(name)) == 2)
+    order = [c["argv"][0] for c in sky.calls() if name in c["argv"]]
+    second = len(order) - 1 - order[::-1].index("launch")
+    first = order.index("launch")
+    # SkyPilot would reuse the cluster and queue the new job behind the old one.
+    assert "down" in order[first + 1 : second]
+
+
 async def test_a_domain_launched_under_its_old_name_is_still_found_and_torn_down(
     sqlite_store: StateStore, clock: ManualClock, sky: FakeSky
 ) -> None:

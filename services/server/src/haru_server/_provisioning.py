@@ -11,6 +11,11 @@ re-runnable after a crash and writes by compare-and-swap:
    recorded with :meth:`StateStore.mark_launched`, or the domain fails with an event carrying
    the argv, exit code and bounded stderr. A launch past ``launchTimeoutMs`` is cancelled (its
    process group killed) and the domain fails.
+   A cluster still listed under the domain's name is torn down before the launch (SkyPilot
+   would reuse it). After a failed, killed or lost launch, a cluster-up or supervisor-ready
+   timeout, and spent relaunches, ``sky down`` runs in the background (at most
+   :data:`CLEANUP_TRIES` tries, each a ``domain.teardown`` event): killing ``sky launch``
+   does not cancel its request, and a setup failure leaves the cluster UP.
 2. A claim without ``launched_at`` and no task here (the server restarted, or another process
    launched): ``sky status`` decides. UP counts as launched; anything else waits until the
    launch budget is spent, then the domain fails. The same attempt is never launched twice.
@@ -26,7 +31,10 @@ re-runnable after a crash and writes by compare-and-swap:
    ``provisioning`` and step 1 relaunches it, at most ``relaunchMaxAttempts`` times in a row
    (the count restarts when the domain is ready again or the operator runs ``haru domain
    up``). One event per attempt; the streak is counted from those events, so a restarted
-   server continues it.
+   server continues it. A relaunch whose launch fails stays in the streak and backs off.
+   For twice ``clusterUpTimeoutMs`` after the failure the cluster is watched: one still
+   listed after a launch that never went through, or INIT past ``clusterUpTimeoutMs``
+   (SkyPilot's unhealthy state), is torn down.
 7. ``stopping`` (``haru domain down``): ``sky down`` runs as a background task; done, the
    domain is ``stopped`` (``domain.teardown``); failed, an event and a new try next tick.
 
