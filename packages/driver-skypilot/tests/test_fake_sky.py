@@ -43,9 +43,32 @@ if cold.exists():
     print("ConnectionRefusedError: [Errno 111] Connection refused", file=sys.stderr)
     sys.exit(1)
 
+started = state / "started"
+if started.exists():
+    # The client started a local server, reached it, and then the command failed on its own.
+    started.unlink()
+    print("Failed to connect to SkyPilot API server at http://127.0.0.1:46580. "
+          "Starting a local server.")
+    print("sky.exceptions.ResourcesUnavailableError: Failed to provision all possible "
+          "launchable resources.", file=sys.stderr)
+    sys.exit(1)
+
 if args[:1] == ["launch"]:
     (state / "up").write_text(args[2])
     print("Job submitted, ID: 1")
+elif args[:2] == ["status", "--ip"]:
+    # SkyPilot 0.14.1 (sky/client/cli/command.py `status --ip`): exit 1 for an unknown
+    # cluster (ValueError ... not found) and for one that is not UP.
+    name = args[2]
+    up = state / "up"
+    if (state / "init").exists():
+        print(f"ValueError: Cluster {{name!r}} is not in UP status.", file=sys.stderr)
+        sys.exit(1)
+    if up.exists() and up.read_text() == name:
+        print("10.1.2.3")
+    else:
+        print(f"ValueError: Cluster {{name!r}} not found.", file=sys.stderr)
+        sys.exit(1)
 elif args[:1] == ["status"]:
     name = args[1]
     up = state / "up"
@@ -129,6 +152,26 @@ async def test_cold_server_retry_through_real_processes(fake_sky: Path) -> None:
     driver = SkyPilotDriver(SkyRunner(sleep=no_sleep))
     assert await driver.get_domain_status("haru-demo-alpha") is None
     assert len(calls(fake_sky)) == 2
+
+
+async def test_no_address_is_a_non_zero_exit_like_skypilot(fake_sky: Path) -> None:
+    driver = SkyPilotDriver(SkyRunner(sleep=no_sleep))
+    assert await driver.get_head_ip("haru-demo-alpha") is None
+    await driver.launch_domain(SPEC)
+    (fake_sky / "init").touch()
+    assert await driver.get_head_ip("haru-demo-alpha") is None
+    (fake_sky / "init").unlink()
+    assert await driver.get_head_ip("haru-demo-alpha") == "10.1.2.3"
+    # Exit 1 with a ValueError is the cluster's answer, not a cold server: asked once each.
+    assert [c["argv"][:2] for c in calls(fake_sky)].count(["status", "--ip"]) == 3  # type: ignore[index]
+
+
+async def test_a_failed_launch_after_the_server_start_line_runs_once(fake_sky: Path) -> None:
+    (fake_sky / "started").touch()
+    driver = SkyPilotDriver(SkyRunner(sleep=no_sleep))
+    with pytest.raises(SkyCliError, match="ResourcesUnavailableError"):
+        await driver.launch_domain(SPEC)
+    assert [c["argv"][0] for c in calls(fake_sky)] == ["launch"]  # type: ignore[index]
 
 
 async def test_cli_error_through_real_processes(fake_sky: Path) -> None:

@@ -60,7 +60,7 @@ async def test_custom_executable_and_env_are_passed() -> None:
 @pytest.mark.parametrize(
     ("stdout", "stderr"),
     [
-        (COLD_STDOUT, ""),
+        (COLD_STDOUT, REFUSED_STDERR),
         ("", REFUSED_STDERR),
         ("", "ConnectionRefusedError: ... /workspaces"),
         ("", "sky.exceptions.ApiServerConnectionError: Could not connect to SkyPilot API server"),
@@ -77,7 +77,7 @@ async def test_cold_server_failure_is_retried_once(stdout: str, stderr: str) -> 
 
 
 async def test_a_second_cold_failure_is_raised() -> None:
-    fake = ScriptedExec(Reply(1, COLD_STDOUT, ""), Reply(1, "", REFUSED_STDERR))
+    fake = ScriptedExec(Reply(1, COLD_STDOUT, REFUSED_STDERR), Reply(1, "", REFUSED_STDERR))
     with pytest.raises(SkyCliError) as info:
         await runner(fake).run(["status", "c"], timeout=60)
     assert info.value.returncode == 1
@@ -86,9 +86,25 @@ async def test_a_second_cold_failure_is_raised() -> None:
 
 
 async def test_retries_can_be_disabled() -> None:
-    fake = ScriptedExec(Reply(1, COLD_STDOUT, ""))
+    fake = ScriptedExec(Reply(1, COLD_STDOUT, REFUSED_STDERR))
     with pytest.raises(SkyCliError):
         await runner(fake, cold_start_retries=0).run(["status", "c"], timeout=60)
+    assert len(fake.calls) == 1
+
+
+async def test_a_failure_after_the_server_start_line_is_not_retried() -> None:
+    # The client prints "Failed to connect ... Starting a local server." and then reaches
+    # the server it started: a failure after that is the command's own, not a cold server.
+    fake = ScriptedExec(Reply(1, COLD_STDOUT, "sky.exceptions.ResourcesUnavailableError: x\n"))
+    with pytest.raises(SkyCliError, match="ResourcesUnavailableError"):
+        await runner(fake).run(["status", "c"], timeout=60)
+    assert len(fake.calls) == 1
+
+
+async def test_a_launch_is_never_run_twice() -> None:
+    fake = ScriptedExec(Reply(1, "", REFUSED_STDERR))
+    with pytest.raises(SkyCliError):
+        await runner(fake).run(["launch", "-c", "c"], timeout=60, retry_cold=False)
     assert len(fake.calls) == 1
 
 
@@ -167,11 +183,13 @@ def test_timeouts_defaults_and_checks() -> None:
 
 def test_cold_detection_needs_a_failure() -> None:
     ok = ExecResult(argv=("sky",), returncode=0, stdout=COLD_STDOUT, stderr="")
-    bad = ExecResult(argv=("sky",), returncode=1, stdout=COLD_STDOUT, stderr="")
+    bad = ExecResult(argv=("sky",), returncode=1, stdout=COLD_STDOUT, stderr=REFUSED_STDERR)
     other = ExecResult(argv=("sky",), returncode=1, stdout="", stderr="ValueError: nope")
+    started = ExecResult(argv=("sky",), returncode=1, stdout=COLD_STDOUT, stderr="ValueError: x")
     assert not is_cold_server_failure(ok)
     assert is_cold_server_failure(bad)
     assert not is_cold_server_failure(other)
+    assert not is_cold_server_failure(started)
 
 
 def test_strip_ansi() -> None:

@@ -108,7 +108,13 @@ def test_infra_plus_cloud_would_be_rejected(sky: types.ModuleType) -> None:
 
 @pytest.mark.parametrize(
     ("fleet", "domain"),
-    [("a", "b"), ("f" * 63, "d" * 63), ("x" * 47 + "-y", "z" * 20), ("0fleet", "9domain")],
+    [
+        ("a", "b"),
+        ("f" * 63, "d" * 63),
+        ("x" * 47 + "-y", "z" * 20),
+        ("0fleet", "9domain"),
+        ("prod-eu", "alpha"),  # haru-prod-eu--alpha: the `--` separator
+    ],
 )
 def test_derived_names_pass_skypilots_name_check(
     sky: types.ModuleType, fleet: str, domain: str

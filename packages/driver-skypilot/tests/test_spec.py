@@ -10,6 +10,7 @@ from haru_driver_skypilot import (
     check_name,
     cluster_name,
     is_valid_name,
+    legacy_cluster_name,
 )
 from haru_protocol import Placement
 from hypothesis import given
@@ -29,19 +30,31 @@ def placement(**overrides: object) -> Placement:
 
 
 def test_short_names_are_prefixed_and_joined() -> None:
-    assert cluster_name("prod", "alpha") == "haru-prod-alpha"
+    assert cluster_name("prod", "alpha") == "haru-prod--alpha"
+
+
+def test_hyphenated_slugs_never_share_a_name() -> None:
+    # The old `haru-<fleet>-<domain>` gave both pairs `haru-prod-eu-alpha`.
+    assert legacy_cluster_name("prod-eu", "alpha") == legacy_cluster_name("prod", "eu-alpha")
+    assert cluster_name("prod-eu", "alpha") != cluster_name("prod", "eu-alpha")
+
+
+@given(slugs, slugs, slugs, slugs)
+def test_distinct_pairs_get_distinct_names(a: str, b: str, c: str, d: str) -> None:
+    if (a, b) != (c, d):
+        assert cluster_name(a, b) != cluster_name(c, d)
 
 
 def test_a_name_of_exactly_63_chars_is_kept() -> None:
-    domain = "d" * (63 - len("haru-f-"))
-    assert cluster_name("f", domain) == f"haru-f-{domain}"
+    domain = "d" * (63 - len("haru-f--"))
+    assert cluster_name("f", domain) == f"haru-f--{domain}"
     assert len(cluster_name("f", domain)) == MAX_NAME_LENGTH
 
 
 def test_long_names_are_cut_and_hashed() -> None:
     fleet = "f" * 40
     name = cluster_name(fleet, "domain-" + "x" * 40)
-    assert len(name) == MAX_NAME_LENGTH
+    assert len(name) <= MAX_NAME_LENGTH
     assert name.startswith("haru-" + fleet)
     assert re.fullmatch(r".*-[0-9a-f]{8}", name)
     assert is_valid_name(name)
@@ -61,6 +74,7 @@ def test_a_cut_on_a_hyphen_never_leaves_a_double_hyphen_or_trailing_hyphen() -> 
     name = cluster_name(fleet, "c" * 20)
     assert "--" not in name
     assert not name.endswith("-")
+    assert "---" not in cluster_name("a" * 30, "b" * 40)
     assert is_valid_name(name)
 
 

@@ -44,7 +44,7 @@ def test_the_service_is_the_domain_less_the_supervisor() -> None:
         cluster_name("demo", "alpha"), layout.placement, layout.slots, layout.settings
     )
     config = service_config(spec)
-    assert config["name"] == "haru-demo-alpha"
+    assert config["name"] == "haru-demo--alpha"
     assert config["service"] == {"readiness_probe": READINESS_PATH, "replicas": 3, "ports": 9000}
     assert config["resources"]["ports"] == [9000]
     # No supervisor: nothing installs, configures or starts it, and no token is asked for.

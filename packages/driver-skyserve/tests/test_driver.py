@@ -100,7 +100,11 @@ async def test_status_of_an_absent_service_is_none() -> None:
 
 async def test_status_retries_a_cold_server_then_parses() -> None:
     fake = ScriptedExec(
-        Reply(1, "Failed to connect to SkyPilot API server at http://127.0.0.1:46580.\n", ""),
+        Reply(
+            1,
+            "Failed to connect to SkyPilot API server at http://127.0.0.1:46580.\n",
+            "ConnectionRefusedError: [Errno 111] Connection refused\n",
+        ),
         Reply(stdout=STATUS_READY),
     )
     assert await driver(fake).get_service_status("haru-demo-alpha") is not None

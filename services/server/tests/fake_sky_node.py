@@ -3,16 +3,19 @@
 Run as ``python fake_sky_node.py ARGS...`` by a ``sky`` wrapper first on the server's PATH;
 it answers the commands Haru uses like SkyPilot 0.14's CLI:
 
-- ``launch -c NAME -y -d [--secret NAME]... TASK.yaml``: reads the rendered task, refuses one
-  with a ``setup`` (it would install from the network; the layout says ``install: false``:
-  the "image" is this machine's virtualenv), then starts ``bash -c <run>`` detached (``-d``),
-  as SkyPilot's job would: in its own session, with the task's ``envs``, the secrets taken
-  from its own environment (where the driver put them), ``HOME`` = the node's directory (so
-  two clusters on one machine keep their ``~/.haru`` apart) and ``PATH`` = the node's
-  ``bin`` (the emulated ``nvidia-smi``), the shims (``vllm`` = the emulator) and the
-  virtualenv. The cluster is UP once the job is submitted.
+- ``launch -c NAME -y -d [--secret NAME]... TASK.yaml``: reads the rendered task, fails one with
+  a ``setup`` (it would install from the network; the layout says ``install: false``: the
+  "image" is this machine's virtualenv) and, like SkyPilot after a setup failure
+  (``sky/backends/cloud_vm_ray_backend.py``), leaves that cluster UP; otherwise it starts
+  ``bash -c <run>`` detached (``-d``), as SkyPilot's job would: in its own session, with the
+  task's ``envs``, the secrets taken from its own environment (where the driver put them),
+  ``HOME`` = the node's directory (so two clusters on one machine keep their ``~/.haru`` apart) and
+  ``PATH`` = the node's ``bin`` (the emulated ``nvidia-smi``), the shims (``vllm`` = the
+  emulator) and the virtualenv. The cluster is UP once the job is submitted.
 - ``status NAME -o json`` (with the ``Cluster(s) not found`` line and ``[]`` for an unknown
-  cluster) and ``status --ip NAME`` (127.0.0.1 when UP).
+  cluster) and ``status --ip NAME``: 127.0.0.1 when UP; exit 1 with ``ValueError ... not
+  found`` for an unknown cluster and ``... is not in UP status`` for another status, as
+  SkyPilot 0.14.1's ``sky status --ip`` (``sky/client/cli/command.py``).
 - ``down NAME -y``: every process of the node dies, the cluster is gone.
 - ``fake-preempt NAME`` (not a SkyPilot command; the test's hand): a spot preemption. Every
   process of the node is SIGKILLed and SkyPilot no longer knows the cluster.
@@ -93,6 +96,7 @@ def _launch(state: Path, args: list[str]) -> int:
     name = args[args.index("-c") + 1]
     task = yaml.safe_load(Path(args[-1]).read_text())
     if task.get("setup"):
+        _save(state, name, {"status": "UP"})  # kept "for debugging", as SkyPilot does
         sys.stderr.write(
             "fake sky: this task has a `setup` (it would install from the network); "
             "give the domain `install: false`\n"
@@ -134,10 +138,13 @@ def _status(state: Path, args: list[str]) -> int:
     if "--ip" in args:
         name = args[-1]
         path = _cluster_file(state, name)
-        if path.exists() and json.loads(path.read_text())["status"] == "UP":
-            sys.stdout.write("127.0.0.1\n")
-        else:
-            sys.stdout.write(f"Cluster {name} not found.\n")
+        if not path.exists():
+            sys.stderr.write(f"ValueError: Cluster {name!r} not found.\n")
+            return 1
+        if json.loads(path.read_text())["status"] != "UP":
+            sys.stderr.write(f"ValueError: Cluster {name!r} is not in UP status.\n")
+            return 1
+        sys.stdout.write("127.0.0.1\n")
         return 0
     name = args[1]
     path = _cluster_file(state, name)

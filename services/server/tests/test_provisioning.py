@@ -7,6 +7,24 @@ STOPPED once preempted), ``status --ip NAME`` with 127.0.0.1, and fails or hangs
 on request. Where heartbeats matter, the "cluster" is a local fleet: real supervisors on
 127.0.0.1 whose ports the layout names as ``supervisorPort``. Budgets run on the injected
 clock; the store is real.
+
+Where SkyPilot 0.14.1 is unkind, the fake is too (read from its source):
+
+- ``launch`` with ``late``: killing the client does not cancel the launch. ``sky launch``
+  only submits a request to the API server and waits on it; on a kill the client says
+  "Request will continue running asynchronously" (``sky/client/cli/command.py``, the
+  launch's request wait) and the server's request brings the cluster up later. Here a
+  detached process outlives the killed client and then lists the cluster UP.
+- ``launch`` with ``exit`` and ``leave``: a launch that fails after provisioning (a setup
+  failure) exits non-zero and leaves the cluster listed (UP, kept "for debugging":
+  ``sky/backends/cloud_vm_ray_backend.py``, setup and provisioning failure handling).
+- ``launch`` with ``exit`` (a ``ResourcesUnavailableError`` stderr): the capacity or quota
+  error a relaunch meets right after a spot preemption (``sky/exceptions.py``).
+- ``status --ip``: exit 1 with ``ValueError ... not found`` for an unknown cluster and
+  ``... is not in UP status`` for one that is not UP (``sky/client/cli/command.py``
+  ``status`` with ``--ip``).
+- INIT that never turns UP (``up_after`` large): INIT is also SkyPilot's abnormal state
+  (``sky/utils/status_lib.py`` ``ClusterStatus.INIT``: setup failed, or a node unhealthy).
 """
 
 from __future__ import annotations
@@ -28,6 +46,7 @@ from haru_db import StateStore
 from haru_demo.localfleet import LocalFleet
 from haru_driver_skypilot import TOKEN_SECRET, SkyPilotDriver, SkyRunner
 from haru_protocol import (
+    DomainLaunchStarted,
     DomainSnapshot,
     DomainState,
     DomainUpRequested,
@@ -58,7 +77,7 @@ TOKEN = "tok-provisioning-secret-4711"
 FAKE_SKY = """\
 #!{python}
 # Fake `sky` (SkyPilot 0.14 CLI, the commands Haru uses). State in $FAKE_SKY_STATE.
-import json, os, pathlib, sys, time
+import json, os, pathlib, subprocess, sys, time
 
 state = pathlib.Path(os.environ["FAKE_SKY_STATE"])
 args = sys.argv[1:]
@@ -69,6 +88,18 @@ for arg in args:
 with (state / "calls.jsonl").open("a") as log:
     log.write(json.dumps(entry) + "\\n")
 config = json.loads((state / "config.json").read_text())
+LATE = '''
+import json, os, pathlib, sys, time
+client, cluster, marker = int(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+for _ in range(1500):
+    try:
+        os.kill(client, 0)
+    except ProcessLookupError:
+        break
+    time.sleep(0.02)
+cluster.write_text(json.dumps({{"status": "UP", "reads": 0}}))
+marker.write_text("up")
+'''
 # One file per cluster: concurrent launches of two clusters never lose each other's write.
 def path(name):
     return state / f"cluster-{{name}}.json"
@@ -85,7 +116,18 @@ if args[:1] == ["launch"]:
     name = args[args.index("-c") + 1]
     behaviour = config.get("launch", {{}}).get(name, {{}})
     (state / f"launch-{{name}}.pid").write_text(str(os.getpid()))
+    if behaviour.get("late"):
+        # The API server's request: outlives this client, then lists the cluster UP.
+        subprocess.Popen(
+            [sys.executable, "-c", LATE, str(os.getpid()), str(path(name)),
+             str(state / f"appeared-{{name}}")],
+            start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        time.sleep(60)
     if "exit" in behaviour:
+        if behaviour.get("leave"):
+            save(name, {{"status": behaviour["leave"], "reads": 0}})
         print("Considered resources (1 node):")
         print(behaviour["stderr"], file=sys.stderr)
         sys.exit(behaviour["exit"])
@@ -97,10 +139,14 @@ elif args[:1] == ["down"]:
     path(args[1]).unlink(missing_ok=True)
 elif args[:1] == ["status"] and "--ip" in args:
     name = args[-1]
-    if (load(name) or {{}}).get("status") == "UP":
-        print("127.0.0.1")
-    else:
-        print(f"Cluster {{name}} not found.")
+    cluster = load(name)
+    if cluster is None:
+        print(f"ValueError: Cluster {{name!r}} not found.", file=sys.stderr)
+        sys.exit(1)
+    if cluster["status"] != "UP":
+        print(f"ValueError: Cluster {{name!r}} is not in UP status.", file=sys.stderr)
+        sys.exit(1)
+    print("127.0.0.1")
 elif args[:1] == ["status"]:
     name = args[1]
     cluster = load(name)
@@ -149,6 +195,12 @@ class FakeSky:
             path.unlink(missing_ok=True)
         else:
             path.write_text(json.dumps({"status": status, "reads": 0}))
+
+    def downs(self, name: str) -> list[dict[str, Any]]:
+        return [c for c in self.calls() if c["argv"][:2] == ["down", name]]
+
+    def appeared(self, name: str) -> bool:
+        return (self.state / f"appeared-{name}").exists()
 
     def launch_pid(self, name: str) -> int:
         return int((self.state / f"launch-{name}.pid").read_text())
@@ -301,10 +353,10 @@ async def test_layout_to_ready_with_no_hand_typed_url(
         urls = [str(m.serving_url) for s in got.slots for m in getattr(s.spec, "models", ())]
         assert urls
         assert all(u.startswith("http://127.0.0.1:8000/m/") for u in urls)
-        launches = sky.launches(f"haru-local-{slug}")
+        launches = sky.launches(f"haru-local--{slug}")
         assert len(launches) == 1
         argv = launches[0]["argv"]
-        assert argv[:5] == ["launch", "-c", f"haru-local-{slug}", "-y", "-d"]
+        assert argv[:5] == ["launch", "-c", f"haru-local--{slug}", "-y", "-d"]
         assert argv[5:7] == ["--secret", TOKEN_SECRET]
         # The token reaches `sky` through its environment only.
         assert launches[0]["secret"] == TOKEN
@@ -328,7 +380,7 @@ async def test_launch_failure_fails_the_domain_with_the_command_in_an_event(
 ) -> None:
     store = sqlite_store
     sky.configure(
-        launch={"haru-local-alpha": {"exit": 3, "stderr": "No launchable resource found."}}
+        launch={"haru-local--alpha": {"exit": 3, "stderr": "No launchable resource found."}}
     )
     await store.apply_fleet_layout(bare_layout(), at=clock())
     reconciler, _ = make_reconciler(store)
@@ -341,30 +393,30 @@ async def test_launch_failure_fails_the_domain_with_the_command_in_an_event(
     assert event.payload["reason"] == "launch_failed"
     assert event.payload["exitCode"] == 3
     assert "No launchable resource found." in event.payload["stderr"]
-    assert event.payload["argv"][1:4] == ["launch", "-c", "haru-local-alpha"]
+    assert event.payload["argv"][1:4] == ["launch", "-c", "haru-local--alpha"]
     assert event.payload["attempt"] == 1
     # A launch that never went through is not relaunched on its own.
     clock.advance(ms=failed.policy.relaunch_backoff_max_ms + 1)
     for _ in range(3):
         await reconciler.tick("local")
     assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
-    assert len(sky.launches("haru-local-alpha")) == 1
+    assert len(sky.launches("haru-local--alpha")) == 1
 
 
 async def test_launch_past_its_budget_is_killed_and_fails_the_domain(
     sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
 ) -> None:
     store = sqlite_store
-    sky.configure(launch={"haru-local-alpha": {"hang": True}})
+    sky.configure(launch={"haru-local--alpha": {"hang": True}})
     await store.apply_fleet_layout(bare_layout(launchTimeoutMs=60_000), at=clock())
     reconciler, provisioner = make_reconciler(store)
     await reconciler.tick("local")
     fleet = await snapshot(store)
     alpha = domain(fleet, "alpha")
     async with asyncio.timeout(10):
-        while "haru-local-alpha" not in sky.clusters():
+        while "haru-local--alpha" not in sky.clusters():
             await asyncio.sleep(0.02)
-    pid = sky.launch_pid("haru-local-alpha")
+    pid = sky.launch_pid("haru-local--alpha")
     await reconciler.tick("local")
     assert provisioner.launching(alpha.id)
     assert domain(await snapshot(store), "alpha").state is DomainState.PROVISIONING
@@ -387,12 +439,12 @@ async def test_restart_mid_launch_never_launches_the_same_attempt_again(
 ) -> None:
     store = sqlite_store
     # The launch creates the cluster, then the server dies before `sky launch` returns.
-    sky.configure(launch={"haru-local-alpha": {"hang": True}}, up_after=3)
+    sky.configure(launch={"haru-local--alpha": {"hang": True}}, up_after=3)
     await store.apply_fleet_layout(bare_layout(), at=clock())
     first, first_provisioner = make_reconciler(store)
     await first.tick("local")
     async with asyncio.timeout(10):
-        while "haru-local-alpha" not in sky.clusters():
+        while "haru-local--alpha" not in sky.clusters():
             await asyncio.sleep(0.02)
     await first_provisioner.close()  # the crash: the launch's process group dies with it
     fleet = await snapshot(store)
@@ -400,7 +452,7 @@ async def test_restart_mid_launch_never_launches_the_same_attempt_again(
     assert domain(fleet, "alpha").launched_at is None
     second, _ = make_reconciler(store)
     done = await tick_until(second, store, lambda f: domain(f, "alpha").supervisor_url is not None)
-    assert len(sky.launches("haru-local-alpha")) == 1
+    assert len(sky.launches("haru-local--alpha")) == 1
     alpha = domain(done, "alpha")
     assert alpha.launch_attempt == 1
     assert str(alpha.supervisor_url) == "http://127.0.0.1:8701"
@@ -427,7 +479,7 @@ async def test_claim_without_outcome_and_no_cluster_fails_after_the_launch_budge
     clock.advance(ms=60_001)
     await reconciler.tick("local")
     assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
-    assert sky.launches("haru-local-alpha") == []
+    assert sky.launches("haru-local--alpha") == []
     [event] = [
         e
         for e in await events(store, fleet.id, EventType.DOMAIN_PROVISIONING_FAILED)
@@ -452,6 +504,221 @@ async def test_cluster_up_budget(
         for e in await events(store, failed.id, EventType.DOMAIN_PROVISIONING_FAILED)
     ]
     assert "cluster_up_timeout" in reasons
+    # The INIT cluster it waited for bills all the same: it is torn down.
+    await tick_until(reconciler, store, lambda _: "haru-local--alpha" not in sky.clusters())
+    assert sky.downs("haru-local--alpha")
+
+
+async def teardowns(store: StateStore, fleet_id: UUID) -> list[dict[str, Any]]:
+    return [e.payload for e in await events(store, fleet_id, EventType.DOMAIN_TEARDOWN)]
+
+
+async def torn_down(
+    reconciler: Reconciler, store: StateStore, fleet_id: UUID, name: str
+) -> dict[str, Any]:
+    """Tick until a ``domain.teardown`` event says ``name`` was torn down; return it."""
+    for _ in range(100):
+        for payload in await teardowns(store, fleet_id):
+            if payload["ok"] and payload["cluster"] == name:
+                return payload
+        await reconciler.tick("local")
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no domain.teardown event for {name}")
+
+
+async def test_a_killed_launch_that_brings_its_cluster_up_later_is_torn_down(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    name = "haru-local--alpha"
+    sky.configure(launch={name: {"late": True}})
+    await store.apply_fleet_layout(bare_layout(launchTimeoutMs=60_000), at=clock())
+    reconciler, _ = make_reconciler(store)
+    await reconciler.tick("local")
+    async with asyncio.timeout(10):
+        while not (sky.state / f"launch-{name}.pid").exists():
+            await asyncio.sleep(0.02)
+    clock.advance(ms=60_001)
+    failed = await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    # The client is dead; its request is not: the cluster comes up after the failure.
+    await tick_until(reconciler, store, lambda _: sky.appeared(name) and name not in sky.clusters())
+    assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
+    assert len(sky.launches(name)) == 1
+    await torn_down(reconciler, store, failed.id, name)
+    assert name not in sky.clusters()
+
+
+async def test_a_setup_failure_leaves_no_cluster_up(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    name = "haru-local--alpha"
+    sky.configure(
+        launch={name: {"exit": 1, "stderr": "Failed to run setup command.", "leave": "UP"}}
+    )
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    reconciler, _ = make_reconciler(store)
+    failed = await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    await tick_until(reconciler, store, lambda _: name not in sky.clusters())
+    assert len(sky.downs(name)) >= 1
+    done = await torn_down(reconciler, store, failed.id, name)
+    assert "launch_failed" in done["message"]
+
+
+async def test_a_relaunch_that_meets_a_capacity_error_backs_off_and_tries_again(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    name = "haru-local--alpha"
+    await store.apply_fleet_layout(
+        bare_layout(relaunchBackoffBaseMs=1_000, relaunchMaxAttempts=3), at=clock()
+    )
+    reconciler, _ = make_reconciler(store)
+    await tick_until(reconciler, store, lambda f: domain(f, "alpha").supervisor_url is not None)
+    sky.set_status(name, None)  # preempted
+    await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    sky.configure(
+        launch={
+            name: {
+                "exit": 1,
+                "stderr": "sky.exceptions.ResourcesUnavailableError: Failed to provision "
+                "all possible launchable resources. Relax the task's resource requirements.",
+            }
+        }
+    )
+    clock.advance(ms=1_000)
+    await tick_until(reconciler, store, lambda f: domain(f, "alpha").launch_attempt == 2)
+    await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    sky.configure()  # capacity is back
+    # Still in the streak: relaunch 2, after the doubled backoff, not the end of it.
+    clock.advance(ms=1_999)
+    for _ in range(3):
+        await reconciler.tick("local")
+    assert domain(await snapshot(store), "alpha").launch_attempt == 2
+    clock.advance(ms=1)
+    done = await tick_until(
+        reconciler,
+        store,
+        lambda f: (
+            domain(f, "alpha").launch_attempt == 3 and domain(f, "alpha").launched_at is not None
+        ),
+    )
+    relaunches = await events(store, done.id, EventType.DOMAIN_RELAUNCH)
+    assert [(e.payload["relaunch"], e.payload["backoffMs"]) for e in relaunches] == [
+        (1, 1_000),
+        (2, 2_000),
+    ]
+    assert len(sky.launches(name)) == 3
+
+
+async def test_a_failed_domain_whose_cluster_stays_init_is_torn_down_and_relaunched(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    name = "haru-local--alpha"
+    await store.apply_fleet_layout(
+        bare_layout(relaunchBackoffBaseMs=1_000, clusterUpTimeoutMs=120_000), at=clock()
+    )
+    reconciler, _ = make_reconciler(store)
+    await tick_until(reconciler, store, lambda f: domain(f, "alpha").supervisor_url is not None)
+    sky.set_status(name, "STOPPED")
+    await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    # The cluster comes back INIT and stays there (an unhealthy node, not a launch).
+    sky.configure(up_after=10_000)
+    sky.set_status(name, "INIT")
+    clock.advance(ms=1_000)
+    for _ in range(3):
+        await reconciler.tick("local")
+    assert domain(await snapshot(store), "alpha").launch_attempt == 1  # INIT: not lost yet
+    clock.advance(ms=120_000)
+    done = await tick_until(reconciler, store, lambda f: domain(f, "alpha").launch_attempt == 2)
+    assert sky.downs(name)
+    assert any("INIT" in (t.get("message") or "") for t in await teardowns(store, done.id))
+
+
+async def test_up_from_failed_never_launches_onto_the_cluster_still_there(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    name = "haru-local--alpha"
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    reconciler, _ = make_reconciler(store)
+    await tick_until(reconciler, store, lambda f: domain(f, "alpha").supervisor_url is not None)
+    fleet = await snapshot(store)
+    alpha = domain(fleet, "alpha")
+    assert sky.clusters()[name]["status"] in {"INIT", "UP"}
+    # Failed with its cluster still listed, then `haru domain up`.
+    clock.advance(ms=1_000)
+    assert await store.transition_domain(
+        alpha.id, from_states=(alpha.state,), to=DomainState.FAILED, at=clock()
+    )
+    assert await store.transition_domain(
+        alpha.id, from_states=(DomainState.FAILED,), to=DomainState.PROVISIONING, at=clock()
+    )
+    await store.append_event(
+        fleet_id=fleet.id,
+        payload=DomainUpRequested(from_state=DomainState.FAILED),
+        at=clock(),
+        domain_id=alpha.id,
+    )
+    await tick_until(reconciler, store, lambda _: len(sky.launches(name)) == 2)
+    order = [c["argv"][0] for c in sky.calls() if name in c["argv"]]
+    second = len(order) - 1 - order[::-1].index("launch")
+    first = order.index("launch")
+    # SkyPilot would reuse the cluster and queue the new job behind the old one.
+    assert "down" in order[first + 1 : second]
+
+
+async def test_a_domain_launched_under_its_old_name_is_still_found_and_torn_down(
+    sqlite_store: StateStore, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    old = "haru-local-alpha"  # the name before it was unique
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    fleet = await snapshot(store)
+    alpha = domain(fleet, "alpha")
+    assert await store.claim_launch(alpha.id, expected_attempt=0, at=clock())
+    await store.append_event(
+        fleet_id=fleet.id,
+        payload=DomainLaunchStarted(cluster=old, attempt=1, role="active"),
+        at=clock(),
+        domain_id=alpha.id,
+    )
+    assert await store.mark_launched(alpha.id, attempt=1, at=clock())
+    sky.set_status(old, "UP")
+    driver = SkyPilotDriver(SkyRunner(retry_delay=0))
+    provisioner = Provisioner(
+        store,
+        driver,
+        clock=clock,
+        supervisor_token=TOKEN,
+        options=ProvisionerOptions(status_interval_s=0),
+    )
+    try:
+        current = await snapshot(store)
+        assert await provisioner.cluster_name(current, domain(current, "alpha")) == old
+        assert (await provisioner.observe(current, domain(current, "alpha"))).shown == "UP"
+        # Addressed under its old name, never relaunched under the new one.
+        for _ in range(3):
+            await provisioner.step(await snapshot(store), None)
+        assert domain(await snapshot(store), "alpha").serving_base_url is not None
+        assert await store.transition_domain(
+            alpha.id,
+            from_states=(DomainState.PROVISIONING,),
+            to=DomainState.STOPPING,
+            at=clock(),
+        )
+        for _ in range(100):
+            await provisioner.step(await snapshot(store), None)
+            if domain(await snapshot(store), "alpha").state is DomainState.STOPPED:
+                break
+            await asyncio.sleep(0.02)
+        assert domain(await snapshot(store), "alpha").state is DomainState.STOPPED
+    finally:
+        await provisioner.close()
+    assert sky.downs(old)
+    assert old not in sky.clusters()
+    assert sky.launches("haru-local--alpha") == []
 
 
 async def test_preempted_active_fails_over_then_relaunches_as_standby(
@@ -474,7 +741,7 @@ async def test_preempted_active_fails_over_then_relaunches_as_standby(
     alpha_id = domain(ready, "alpha").id
     beta_id = domain(ready, "beta").id
     # Spot preemption: SkyPilot reports the cluster STOPPED, its supervisor is gone.
-    sky.set_status("haru-local-alpha", "STOPPED")
+    sky.set_status("haru-local--alpha", "STOPPED")
     await fleet.stop_supervisor("alpha")
     result = await reconciler.tick("local")
     after = await snapshot(store)
@@ -494,7 +761,7 @@ async def test_preempted_active_fails_over_then_relaunches_as_standby(
         await asyncio.sleep(0.02)
     assert (await snapshot(store)).active_domain_id == beta_id
     # No relaunch before the backoff since the failure has passed.
-    assert len(sky.launches("haru-local-alpha")) == 1
+    assert len(sky.launches("haru-local--alpha")) == 1
     clock.advance(ms=60_000)
     await reconciler.tick("local")
     relaunched = await snapshot(store)
@@ -512,11 +779,11 @@ async def test_preempted_active_fails_over_then_relaunches_as_standby(
         (2, "standby"),
     ]
     async with asyncio.timeout(10):
-        while len(sky.launches("haru-local-alpha")) < 2:
+        while len(sky.launches("haru-local--alpha")) < 2:
             await asyncio.sleep(0.02)
     # It is lost again: relaunchMaxAttempts (1) is spent, so it stays failed, said once.
     await tick_until(reconciler, store, lambda f: domain(f, "alpha").launched_at is not None)
-    sky.set_status("haru-local-alpha", None)
+    sky.set_status("haru-local--alpha", None)
     await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
     clock.advance(ms=10 * 60_000)
     for _ in range(3):
@@ -524,7 +791,7 @@ async def test_preempted_active_fails_over_then_relaunches_as_standby(
     assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
     relaunches = await events(store, ready.id, EventType.DOMAIN_RELAUNCH)
     assert [e.payload["exhausted"] for e in relaunches] == [False, True]
-    assert len(sky.launches("haru-local-alpha")) == 2
+    assert len(sky.launches("haru-local--alpha")) == 2
 
 
 async def test_relaunch_switch_off_leaves_a_lost_domain_failed(
@@ -537,14 +804,14 @@ async def test_relaunch_switch_off_leaves_a_lost_domain_failed(
     await store.apply_fleet_layout(FleetLayout.model_validate(document), at=clock())
     reconciler, _ = make_reconciler(store)
     await tick_until(reconciler, store, lambda f: domain(f, "beta").supervisor_url is not None)
-    sky.set_status("haru-local-beta", "STOPPED")
+    sky.set_status("haru-local--beta", "STOPPED")
     # Still provisioning (no supervisor answers here): the loss fails it all the same.
     lost = await tick_until(reconciler, store, in_state("beta", DomainState.FAILED))
     clock.advance(ms=3_600_000)
     for _ in range(3):
         await reconciler.tick("local")
     assert domain(await snapshot(store), "beta").state is DomainState.FAILED
-    assert len(sky.launches("haru-local-beta")) == 1
+    assert len(sky.launches("haru-local--beta")) == 1
     assert await events(store, lost.id, EventType.DOMAIN_RELAUNCH) == []
 
 
@@ -570,7 +837,7 @@ async def test_domain_status_up_and_down_through_the_api(
         assert await store.transition_domain(
             got.id, from_states=(DomainState.PROVISIONING,), to=DomainState.READY, at=clock()
         )
-        sky.set_status(f"haru-local-{slug}", "UP")
+        sky.set_status(f"haru-local--{slug}", "UP")
     client = await aiohttp_client(
         create_app(Settings(reconcile_interval_ms=None), store=store, clock=clock)
     )
@@ -580,7 +847,7 @@ async def test_domain_status_up_and_down_through_the_api(
     body = await response.json()
     assert (body["role"], body["clusterName"], body["clusterStatus"]) == (
         "standby",
-        "haru-local-beta",
+        "haru-local--beta",
         "UP",
     )
     assert body["domain"]["state"] == "ready"
@@ -589,7 +856,7 @@ async def test_domain_status_up_and_down_through_the_api(
         CliRunner().invoke, cli_app, ["domain", "status", "local", "beta", "--url", base]
     )
     assert shown.exit_code == 0, shown.output
-    assert "cluster haru-local-beta: UP" in shown.output
+    assert "cluster haru-local--beta: UP" in shown.output
     refused = await asyncio.to_thread(
         CliRunner().invoke, cli_app, ["domain", "down", "local", "alpha", "--url", base]
     )
@@ -618,9 +885,9 @@ async def test_domain_status_up_and_down_through_the_api(
         await asyncio.sleep(0.02)
     assert domain(await snapshot(store), "beta").state is DomainState.STOPPED
     assert [c["argv"] for c in sky.calls() if c["argv"][:1] == ["down"]] == [
-        ["down", "haru-local-beta", "-y"]
+        ["down", "haru-local--beta", "-y"]
     ]
-    assert "haru-local-beta" not in sky.clusters()
+    assert "haru-local--beta" not in sky.clusters()
     response = await client.get("/v1/fleets/local/domains/beta")
     body = await response.json()
     assert body["clusterStatus"] == "absent"
@@ -652,7 +919,7 @@ async def test_the_relaunch_streak_survives_a_server_restart(
     await store.apply_fleet_layout(
         bare_layout(relaunchBackoffBaseMs=1_000, relaunchMaxAttempts=2), at=clock()
     )
-    name = "haru-local-alpha"
+    name = "haru-local--alpha"
 
     async def launched_then_lost(reconciler: Reconciler, attempt: int) -> None:
         await tick_until(

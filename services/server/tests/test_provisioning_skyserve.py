@@ -54,7 +54,7 @@ from pytest_aiohttp import AiohttpClient
 from typer.testing import CliRunner
 
 TOKEN = "tok-skyserve-secret-0815"
-SERVICE = "haru-local-alpha"
+SERVICE = "haru-local--alpha"
 
 FAKE_SKY = """\
 #!{python}
@@ -433,7 +433,8 @@ async def test_serve_up_past_its_budget_is_killed_and_fails_the_domain(
     assert not provisioner.launching(alpha.id)
     [event] = await events(store, failed.id, EventType.DOMAIN_PROVISIONING_FAILED)
     assert event.payload["reason"] == "launch_timeout"
-    assert "`sky serve up` of haru-local-alpha ran past launchTimeoutMs" in event.payload["message"]
+    message = event.payload["message"]
+    assert "`sky serve up` of haru-local--alpha ran past launchTimeoutMs" in message
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 

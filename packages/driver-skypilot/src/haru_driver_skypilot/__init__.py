@@ -51,6 +51,7 @@ from haru_driver_skypilot._spec import (
     check_name,
     cluster_name,
     is_valid_name,
+    legacy_cluster_name,
 )
 from haru_driver_skypilot._status import (
     ClusterInfo,
@@ -72,6 +73,7 @@ __all__ = (  # noqa: RUF022
     # Specs and names
     "TaskSpec",
     "cluster_name",
+    "legacy_cluster_name",
     "check_name",
     "is_valid_name",
     "MAX_NAME_LENGTH",

@@ -7,7 +7,7 @@ import re
 from collections.abc import Mapping
 from typing import Protocol
 
-from haru_driver_skypilot._errors import InvalidSpecError, SkyOutputError
+from haru_driver_skypilot._errors import InvalidSpecError, SkyCliError, SkyOutputError
 from haru_driver_skypilot._render import render_task_yaml
 from haru_driver_skypilot._runner import SkyRunner, SkyTimeouts, strip_ansi, temporary_yaml
 from haru_driver_skypilot._sdk import SkyPilotSdk, SkySdk, StatusSource, sdk_available
@@ -135,21 +135,30 @@ class SkyPilotDriver:
                 ["launch", "-c", spec.name, "-y", "-d", *flags, str(path)],
                 timeout=self._timeouts.launch,
                 extra_env={name: secrets[name] for name in spec.secrets},
+                # Never twice: a second `sky launch` is a second full launch.
+                retry_cold=False,
             )
         logger.info("launched SkyPilot cluster %s", spec.name)
 
     async def get_head_ip(self, name: str) -> str | None:
-        """Run ``sky status --ip NAME``: the head node's address, ``None`` for an unknown cluster.
+        """Run ``sky status --ip NAME``: the head node's address, ``None`` when there is none yet.
 
-        SkyPilot prints the address alone on its last line; an unknown cluster prints a
-        ``not found`` line instead (exit 0).
+        SkyPilot 0.14 prints the address alone on its last line. For a cluster it does not
+        know it exits 1 (``ValueError: Cluster ... not found`` on stderr), for one that is not
+        UP it exits 1 (``... is not in UP status``) (``sky/client/cli/command.py``: ``status``
+        with ``--ip``; ``sky/core.py``: ``endpoints``/``status``): any non-zero exit is "no
+        address yet", and so is an older client's ``not found`` line with exit 0.
 
         Raises:
-            SkyCommandError: the command failed, timed out or could not start.
+            SkyCommandError: the command timed out or could not start.
             SkyOutputError: the output holds no address.
         """
         check_name(name)
-        result = await self._runner.run(["status", "--ip", name], timeout=self._timeouts.status)
+        try:
+            result = await self._runner.run(["status", "--ip", name], timeout=self._timeouts.status)
+        except SkyCliError as exc:
+            logger.info("no address for SkyPilot cluster %s yet (exit %d)", name, exc.returncode)
+            return None
         lines = [line.strip() for line in strip_ansi(result.stdout).splitlines() if line.strip()]
         if not lines or "not found" in lines[-1].lower():
             return None

@@ -33,12 +33,14 @@ logger = logging.getLogger(__name__)
 
 _ANSI_RE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
 
-# What the `sky` client prints when the local API server is not (yet) accepting connections:
-# it auto-starts one ("Failed to connect to SkyPilot API server at ... Starting a local
-# server."), and the first request can still race the start-up (ConnectionRefused).
+# A `sky` call that failed because the local API server was not (yet) accepting connections:
+# the request never reached a server, so running it again cannot do anything twice. The
+# client's informational "Failed to connect to SkyPilot API server at ... Starting a local
+# server." line is NOT such a failure: it precedes a request that then reached the server it
+# started, and a command that failed afterwards failed for its own reasons
+# (sky/client/common.py, sky/server/common.py: check_server_healthy_or_start_fn).
 _COLD_SERVER_RE = re.compile(
-    r"connection refused|connectionrefused|failed to connect|starting a local server"
-    r"|could not connect to skypilot api server",
+    r"connection refused|connectionrefused|could not connect to skypilot api server",
     re.IGNORECASE,
 )
 
@@ -83,9 +85,10 @@ class SkyRunner:
     """Runs ``sky`` subcommands through the protocol's exec boundary.
 
     Every call is an argv list (never a shell) with an explicit time bound. A call that fails
-    the way a cold local API server fails (connection refused, "Failed to connect",
-    "Starting a local server") is retried ``cold_start_retries`` times after
-    ``retry_delay`` seconds; any other failure is raised at once.
+    because the local API server refused the connection (``Connection refused``, ``Could not
+    connect to SkyPilot API server``) is retried ``cold_start_retries`` times after
+    ``retry_delay`` seconds, unless the caller passes ``retry_cold=False`` (launches: a
+    second ``sky launch`` is a second full launch); any other failure is raised at once.
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class SkyRunner:
         *,
         timeout: float,
         extra_env: Mapping[str, str] | None = None,
+        retry_cold: bool = True,
     ) -> ExecResult:
         """Run ``sky <args...>`` and return its result when it exits with status 0.
 
@@ -139,6 +143,8 @@ class SkyRunner:
             timeout: Seconds the command may run (per attempt).
             extra_env: Variables added to the child's environment for this call only (the
                 values of ``--secret NAME`` arguments); never logged.
+            retry_cold: Whether a connection-refused failure may be retried (never for a
+                command that must not run twice, such as ``sky launch``).
 
         Raises:
             SkyCliError: it exited non-zero (after the cold-server retry, if that applied).
@@ -163,7 +169,7 @@ class SkyRunner:
                 raise SkyOutputError(str(exc), argv=argv) from exc
             if result.ok:
                 return result
-            if attempt < self._retries and is_cold_server_failure(result):
+            if retry_cold and attempt < self._retries and is_cold_server_failure(result):
                 attempt += 1
                 logger.warning(
                     "%s failed on a cold SkyPilot API server (status %d); retrying in %.1f s",

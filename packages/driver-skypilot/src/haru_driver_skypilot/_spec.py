@@ -24,10 +24,29 @@ _ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _BAD_REGION_CHARS = re.compile(r"[\s\x00-\x1f\x7f]")
 
 
+def _check_slugs(fleet: str, domain: str) -> None:
+    for kind, value in (("fleet", fleet), ("domain", domain)):
+        if not is_slug(value):
+            raise InvalidSpecError(f"{kind} slug {value!r} is not a DNS label")
+
+
+def _cut(name: str, fleet: str, domain: str) -> str:
+    if len(name) <= MAX_NAME_LENGTH:
+        return name
+    digest = hashlib.sha256(f"{fleet}/{domain}".encode()).hexdigest()[:_HASH_LENGTH]
+    head = name[: MAX_NAME_LENGTH - _HASH_LENGTH - 1].rstrip("-")
+    return f"{head}-{digest}"
+
+
 def cluster_name(fleet: str, domain: str) -> str:
     """Derive the SkyPilot cluster (or SkyServe service) name of a domain.
 
-    The name is ``haru-<fleet>-<domain>``. When that is longer than :data:`MAX_NAME_LENGTH`,
+    The name is ``haru-<fleet>--<domain>``. A slug never holds two hyphens in a row, so the
+    double hyphen marks where the fleet ends: two (fleet, domain) pairs never share a name
+    (``prod-eu``/``alpha`` is ``haru-prod-eu--alpha``, ``prod``/``eu-alpha`` is
+    ``haru-prod--eu-alpha``). SkyPilot accepts it (``[a-zA-Z]([-_.a-zA-Z0-9]*[a-zA-Z0-9])?``,
+    ``sky/skylet/constants.py`` ``CLUSTER_NAME_VALID_REGEX``) and so does every cloud's
+    instance naming (a DNS label). When the name is longer than :data:`MAX_NAME_LENGTH`,
     it is cut and given a stable 8-character hash of the (fleet, domain) pair, so it stays a
     valid DNS label, never ends with a hyphen, and two long pairs sharing a prefix still get
     different names.
@@ -39,15 +58,22 @@ def cluster_name(fleet: str, domain: str) -> str:
     Raises:
         InvalidSpecError: ``fleet`` or ``domain`` is not a slug.
     """
-    for kind, value in (("fleet", fleet), ("domain", domain)):
-        if not is_slug(value):
-            raise InvalidSpecError(f"{kind} slug {value!r} is not a DNS label")
-    name = f"{_NAME_PREFIX}-{fleet}-{domain}"
-    if len(name) <= MAX_NAME_LENGTH:
-        return name
-    digest = hashlib.sha256(f"{fleet}/{domain}".encode()).hexdigest()[:_HASH_LENGTH]
-    head = name[: MAX_NAME_LENGTH - _HASH_LENGTH - 1].rstrip("-")
-    return f"{head}-{digest}"
+    _check_slugs(fleet, domain)
+    return _cut(f"{_NAME_PREFIX}-{fleet}--{domain}", fleet, domain)
+
+
+def legacy_cluster_name(fleet: str, domain: str) -> str:
+    """The name :func:`cluster_name` gave before it was unique: ``haru-<fleet>-<domain>``.
+
+    Two pairs can share it (``prod-eu``/``alpha`` and ``prod``/``eu-alpha``), so it is never
+    derived for a new launch; a domain launched under it is found through the name its
+    launch recorded.
+
+    Raises:
+        InvalidSpecError: ``fleet`` or ``domain`` is not a slug.
+    """
+    _check_slugs(fleet, domain)
+    return _cut(f"{_NAME_PREFIX}-{fleet}-{domain}", fleet, domain)
 
 
 def is_valid_name(name: str) -> bool:

@@ -142,7 +142,7 @@ def example_domain_layout() -> DomainLayout:
 
 
 def example_domain_task(*, start_asleep: bool) -> TaskSpec:
-    """The task of :func:`example_domain_layout` (cluster ``haru-demo-beta``)."""
+    """The task of :func:`example_domain_layout` (cluster ``haru-demo--beta``)."""
     domain = example_domain_layout()
     return domain_task(
         cluster_name("demo", domain.slug),

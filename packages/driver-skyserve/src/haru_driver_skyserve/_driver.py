@@ -88,7 +88,10 @@ class SkyServeDriver:
         text = render_service_yaml(spec)
         async with temporary_yaml(text, filename=f"{spec.name}.yaml") as path:
             await self._runner.run(
-                ["serve", "up", "-n", spec.name, "-y", str(path)], timeout=self._timeouts.launch
+                ["serve", "up", "-n", spec.name, "-y", str(path)],
+                timeout=self._timeouts.launch,
+                # Never twice: a second `sky serve up` is a second launch.
+                retry_cold=False,
             )
         logger.info("brought up SkyServe service %s", spec.name)
 

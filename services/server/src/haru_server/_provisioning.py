@@ -11,6 +11,11 @@ re-runnable after a crash and writes by compare-and-swap:
    recorded with :meth:`StateStore.mark_launched`, or the domain fails with an event carrying
    the argv, exit code and bounded stderr. A launch past ``launchTimeoutMs`` is cancelled (its
    process group killed) and the domain fails.
+   A cluster still listed under the domain's name is torn down before the launch (SkyPilot
+   would reuse it). After a failed, killed or lost launch, a cluster-up or supervisor-ready
+   timeout, and spent relaunches, ``sky down`` runs in the background (at most
+   :data:`CLEANUP_TRIES` tries, each a ``domain.teardown`` event): killing ``sky launch``
+   does not cancel its request, and a setup failure leaves the cluster UP.
 2. A claim without ``launched_at`` and no task here (the server restarted, or another process
    launched): ``sky status`` decides. UP counts as launched; anything else waits until the
    launch budget is spent, then the domain fails. The same attempt is never launched twice.
@@ -26,7 +31,10 @@ re-runnable after a crash and writes by compare-and-swap:
    ``provisioning`` and step 1 relaunches it, at most ``relaunchMaxAttempts`` times in a row
    (the count restarts when the domain is ready again or the operator runs ``haru domain
    up``). One event per attempt; the streak is counted from those events, so a restarted
-   server continues it.
+   server continues it. A relaunch whose launch fails stays in the streak and backs off.
+   For twice ``clusterUpTimeoutMs`` after the failure the cluster is watched: one still
+   listed after a launch that never went through, or INIT past ``clusterUpTimeoutMs``
+   (SkyPilot's unhealthy state), is torn down.
 7. ``stopping`` (``haru domain down``): ``sky down`` runs as a background task; done, the
    domain is ``stopped`` (``domain.teardown``); failed, an event and a new try next tick.
 
@@ -45,10 +53,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
 from uuid import UUID
 
 from haru_db import StateStore
@@ -87,7 +95,7 @@ from haru_protocol import (
     SlotStateChanged,
 )
 
-from haru_server._backends import Backend, ClusterBackend, Observed, ServiceBackend
+from haru_server._backends import ABSENT, Backend, ClusterBackend, Observed, ServiceBackend
 from haru_server._clock import Clock
 
 logger = logging.getLogger(__name__)
@@ -102,6 +110,21 @@ _STREAK_EVENTS = frozenset(
 )
 """The events a relaunch streak is read from: relaunches, back to a ``ready`` or an ``up``."""
 _STREAK_PAGE = 100
+CLEANUP_TRIES = 3
+"""How many times one cleanup ``sky down`` runs before it is given up (each failure an event)."""
+_CLEANED_AFTER: frozenset[ProvisioningFailure] = frozenset(
+    {
+        "launch_failed",
+        "launch_timeout",
+        "launch_lost",
+        "cluster_up_timeout",
+        "supervisor_ready_timeout",
+    }
+)
+"""Failures after which the cluster is torn down at once: a launch that failed or was killed
+may still have (or later bring) a cluster up (SkyPilot keeps a setup failure's cluster UP, and
+killing ``sky launch`` does not cancel its request), and one that never got ready bills all
+the same. A ``cluster_lost`` cluster is gone or STOPPED: the relaunch downs it first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,14 +159,27 @@ class _Streak:
 
 
 @dataclass(slots=True)
+class _Cleanup:
+    """A ``sky down`` of a failed domain's cluster, retried up to :data:`CLEANUP_TRIES`."""
+
+    name: str
+    why: str
+    task: asyncio.Task[None]
+    tries: int = 1
+
+
+@dataclass(slots=True)
 class _Memory:
     """What this process knows of one domain beyond the store."""
 
     launch: _Launch | None = None
     teardown: asyncio.Task[None] | None = None
+    cleanup: _Cleanup | None = None
     status_read_at: float | None = None
     addressed_at: datetime | None = None
     streak: _Streak | None = None
+    name: tuple[int, str] | None = None
+    """The cluster name of launch attempt N, as ``(N, name)``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +254,7 @@ class Provisioner:
         """
         tasks = [m.launch.task for m in self._memory.values() if m.launch is not None]
         tasks += [m.teardown for m in self._memory.values() if m.teardown is not None]
+        tasks += [m.cleanup.task for m in self._memory.values() if m.cleanup is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -269,6 +306,9 @@ class Provisioner:
                 memory.addressed_at = None
                 return await self._watch(fleet, domain, memory)
             case _D.FAILED:
+                cleaning = await self._cleaning(fleet, domain, memory)
+                if cleaning is not None:
+                    return cleaning
                 return await self._relaunch(fleet, domain, memory, in_flight)
             case _D.STOPPING:
                 return await self._teardown(fleet, domain, memory)
@@ -283,8 +323,28 @@ class Provisioner:
             started is not None and started < domain.state_updated_at
         )
 
-    def _cluster(self, fleet: FleetSnapshot, domain: DomainSnapshot) -> str:
-        return cluster_name(fleet.slug, domain.slug)
+    async def _name(self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory) -> str:
+        """The cluster name of the domain's current launch attempt.
+
+        The name its ``domain.launch.started`` event recorded: a domain launched before names
+        became unique (``haru-<fleet>-<domain>``) is still found and torn down under its old
+        name. A new launch always takes :func:`~haru_driver_skypilot.cluster_name`.
+        """
+        attempt = domain.launch_attempt
+        cached = memory.name
+        if cached is not None and cached[0] == attempt:
+            return cached[1]
+        name = cluster_name(fleet.slug, domain.slug)
+        if attempt > 0:
+            page = await self._store.list_domain_events(
+                fleet.id, domain.id, types=(EventType.DOMAIN_LAUNCH_STARTED,), limit=1
+            )
+            data = page[0].data if page else None
+            if not isinstance(data, DomainLaunchStarted) or data.attempt != attempt:
+                return name  # claimed, its event not written yet: a new launch's name
+            name = data.cluster
+        memory.name = (attempt, name)
+        return name
 
     def _settings(self, domain: DomainSnapshot) -> Provisioning:
         return domain.provisioning if domain.provisioning is not None else Provisioning()
@@ -306,11 +366,13 @@ class Provisioner:
     async def _launch(self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory) -> bool:
         now = self._clock()
         attempt = domain.launch_attempt + 1
-        name = self._cluster(fleet, domain)
+        previous = await self._name(fleet, domain, memory) if domain.launch_attempt else None
+        name = cluster_name(fleet.slug, domain.slug)
         if not await self._store.claim_launch(
             domain.id, expected_attempt=domain.launch_attempt, at=now
         ):
             return True  # another process claimed it (or the row moved): re-read
+        memory.name = (attempt, name)
         role = _role(fleet, domain)
         logger.info("domain %s: launching cluster %s (attempt %d)", domain.slug, name, attempt)
         await self._event(
@@ -326,10 +388,51 @@ class Provisioner:
         except SkyDriverError as exc:
             await self._fail(fleet, domain, attempt, _failure_from_error("launch_failed", exc), now)
             return True
+        if domain.provider is Provider.SKYPILOT:
+            # Never onto an existing cluster: SkyPilot would reuse it and queue the new job
+            # behind the old one, which holds every GPU.
+            olds = tuple(dict.fromkeys(n for n in (previous, name) if n is not None))
+            launch = self._fresh_launch(fleet, domain, olds, launch)
         task = asyncio.create_task(launch, name=f"haru-launch-{name}-{attempt}")
         memory.launch = _Launch(attempt, task)
         memory.addressed_at = None
         return True
+
+    async def _fresh_launch(
+        self,
+        fleet: FleetSnapshot,
+        domain: DomainSnapshot,
+        names: tuple[str, ...],
+        launch: Coroutine[Any, Any, None],
+    ) -> None:
+        """``sky down`` each of ``names`` that SkyPilot still lists, then run ``launch``."""
+        backend = self._backend(domain)
+        try:
+            for old in names:
+                seen = await backend.observe(old, self._settings(domain))
+                if seen.shown == ABSENT:
+                    continue
+                logger.warning(
+                    "domain %s: cluster %s is %s before a launch: tearing it down",
+                    domain.slug,
+                    old,
+                    seen.shown,
+                )
+                await backend.teardown(old)
+                await self._event(
+                    fleet,
+                    domain,
+                    DomainTeardown(
+                        cluster=old,
+                        ok=True,
+                        message=f"it was {seen.shown} before a launch: torn down first",
+                    ),
+                    self._clock(),
+                )
+        except BaseException:
+            launch.close()
+            raise
+        await launch
 
     # ---- step 2: the launch's outcome ----------------------------------------------------
 
@@ -338,7 +441,7 @@ class Provisioner:
     ) -> bool:
         now = self._clock()
         attempt = domain.launch_attempt
-        name = self._cluster(fleet, domain)
+        name = await self._name(fleet, domain, memory)
         started = domain.launch_started_at or now
         overdue = now - started > _ms(fleet.policy.launch_timeout_ms)
         launch = memory.launch
@@ -414,7 +517,7 @@ class Provisioner:
     ) -> bool:
         now = self._clock()
         attempt = domain.launch_attempt
-        name = self._cluster(fleet, domain)
+        name = await self._name(fleet, domain, memory)
         started = domain.launch_started_at or now
         backend = self._backend(domain)
         settings = self._settings(domain)
@@ -528,7 +631,7 @@ class Provisioner:
         self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
     ) -> bool:
         now = self._clock()
-        name = self._cluster(fleet, domain)
+        name = await self._name(fleet, domain, memory)
         if memory.addressed_at is None:
             # Recorded by an earlier process: the budget counts from when this one saw it.
             memory.addressed_at = now
@@ -557,7 +660,7 @@ class Provisioner:
     async def _watch(self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory) -> bool:
         if domain.launched_at is None:
             return False
-        name = self._cluster(fleet, domain)
+        name = await self._name(fleet, domain, memory)
         seen = await self._status(domain, name, memory)
         if seen is None or not seen.lost:
             return False
@@ -588,7 +691,50 @@ class Provisioner:
             )
         return True
 
-    # ---- step 6: relaunch ----------------------------------------------------------------
+    # ---- step 6: cleanup of a failed domain's cluster, relaunch --------------------------
+
+    async def _cleaning(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
+    ) -> bool | None:
+        """Drive a cleanup ``sky down`` to its end; ``None`` when none runs."""
+        cleanup = memory.cleanup
+        if cleanup is None:
+            return None
+        if not cleanup.task.done():
+            return False
+        now = self._clock()
+        exc = RuntimeError("cancelled") if cleanup.task.cancelled() else cleanup.task.exception()
+        why = f"torn down because {cleanup.why}"
+        if exc is None:
+            memory.cleanup = None
+            memory.status_read_at = None  # what is left, read at once
+            logger.info("domain %s: cluster %s %s", domain.slug, cleanup.name, why)
+            await self._event(
+                fleet, domain, DomainTeardown(cluster=cleanup.name, ok=True, message=why), now
+            )
+            return True
+        failure = _failure_from_error("launch_failed", exc)
+        message = f"{why}: try {cleanup.tries} of {CLEANUP_TRIES} failed: {failure.message}"
+        logger.error("domain %s: cluster %s not %s", domain.slug, cleanup.name, message)
+        await self._event(
+            fleet,
+            domain,
+            DomainTeardown(
+                cluster=cleanup.name,
+                ok=False,
+                message=message[:MESSAGE_LIMIT],
+                argv=failure.argv,
+                exit_code=failure.exit_code,
+                stderr=failure.stderr,
+            ),
+            now,
+        )
+        if cleanup.tries >= CLEANUP_TRIES:
+            memory.cleanup = None  # given up: the failed step may find it again
+        else:
+            cleanup.tries += 1
+            cleanup.task = self._down(domain, cleanup.name)
+        return True
 
     async def _relaunch(
         self,
@@ -597,43 +743,48 @@ class Provisioner:
         memory: _Memory,
         in_flight: Operation | None,
     ) -> bool:
-        settings = self._settings(domain)
-        if not settings.relaunch or domain.launched_at is None or in_flight is not None:
-            return False
         now = self._clock()
-        name = self._cluster(fleet, domain)
+        name = await self._name(fleet, domain, memory)
         policy = fleet.policy
-        streak = await self._streak(fleet, domain, memory)
-        if streak.relaunches >= policy.relaunch_max_attempts:
-            if not streak.exhausted:
-                streak.exhausted = True
-                logger.error(
-                    "domain %s: %d relaunches of %s spent; it stays failed",
-                    domain.slug,
-                    streak.relaunches,
-                    name,
+        up_budget = _ms(policy.cluster_up_timeout_ms)
+        since = now - domain.state_updated_at
+        # A failed domain's cluster is watched for twice clusterUpTimeoutMs after the failure:
+        # a killed launch's request can still bring it up, and an INIT cluster that stays INIT
+        # past clusterUpTimeoutMs is unhealthy, not launching.
+        watching = domain.provider is Provider.SKYPILOT and since <= 2 * up_budget
+        relaunching = self._settings(domain).relaunch and in_flight is None
+        backoff_ms = 0
+        streak: _Streak | None = None
+        if relaunching:
+            streak = await self._streak(fleet, domain, memory)
+            # A first launch that failed is the operator's call; a relaunch that failed
+            # (a capacity error right after a preemption) is part of the streak.
+            relaunching = domain.launched_at is not None or streak.relaunches > 0
+        if streak is not None and relaunching:
+            if streak.relaunches >= policy.relaunch_max_attempts:
+                relaunching = False
+                if not streak.exhausted:
+                    streak.exhausted = True
+                    await self._give_up(fleet, domain, memory, name, streak.relaunches, now)
+            else:
+                backoff_ms = min(
+                    policy.relaunch_backoff_base_ms * 2**streak.relaunches,
+                    policy.relaunch_backoff_max_ms,
                 )
-                await self._event(
-                    fleet,
-                    domain,
-                    DomainRelaunch(
-                        cluster=name,
-                        relaunch=streak.relaunches,
-                        max_attempts=policy.relaunch_max_attempts,
-                        backoff_ms=0,
-                        exhausted=True,
-                    ),
-                    now,
-                )
-            return False
-        backoff_ms = min(
-            policy.relaunch_backoff_base_ms * 2**streak.relaunches,
-            policy.relaunch_backoff_max_ms,
-        )
-        if now < domain.state_updated_at + _ms(backoff_ms):
+        due = relaunching and now >= domain.state_updated_at + _ms(backoff_ms)
+        if not (due or watching):
             return False
         seen = await self._status(domain, name, memory)
-        if seen is None or not seen.lost:
+        if seen is None:
+            return False
+        if domain.provider is Provider.SKYPILOT and seen.shown != ABSENT:
+            if domain.launched_at is None:
+                self._start_cleanup(domain, memory, name, f"a failed launch left it {seen.shown}")
+                return False
+            if seen.shown == "INIT" and since > up_budget:
+                self._start_cleanup(domain, memory, name, "it stayed INIT past clusterUpTimeoutMs")
+                return False
+        if not due or streak is None or not seen.lost:
             # Still there (UP/INIT): not lost; what failed is for the heartbeat or the operator.
             return False
         if not await self._store.transition_domain(
@@ -662,6 +813,34 @@ class Provisioner:
         )
         back = domain.model_copy(update={"state": _D.PROVISIONING, "state_updated_at": now})
         return await self._launch(fleet, back, memory)
+
+    async def _give_up(
+        self,
+        fleet: FleetSnapshot,
+        domain: DomainSnapshot,
+        memory: _Memory,
+        name: str,
+        relaunches: int,
+        now: datetime,
+    ) -> None:
+        """Say once that the relaunches are spent, and tear down what is left of the cluster."""
+        logger.error(
+            "domain %s: %d relaunches of %s spent; it stays failed", domain.slug, relaunches, name
+        )
+        await self._event(
+            fleet,
+            domain,
+            DomainRelaunch(
+                cluster=name,
+                relaunch=relaunches,
+                max_attempts=fleet.policy.relaunch_max_attempts,
+                backoff_ms=0,
+                exhausted=True,
+            ),
+            now,
+        )
+        if domain.provider is Provider.SKYPILOT:
+            self._start_cleanup(domain, memory, name, "the relaunches were spent")
 
     async def _streak(
         self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
@@ -703,7 +882,7 @@ class Provisioner:
     async def _teardown(
         self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
     ) -> bool:
-        name = self._cluster(fleet, domain)
+        name = await self._name(fleet, domain, memory)
         launch, memory.launch = memory.launch, None
         if launch is not None:
             launch.task.cancel()
@@ -762,7 +941,8 @@ class Provisioner:
         Raises:
             haru_driver_skypilot.SkyDriverError: the command failed.
         """
-        return await self._driver.get_domain_status(self._cluster(fleet, domain))
+        memory = self._memory.setdefault(domain.id, _Memory())
+        return await self._driver.get_domain_status(await self._name(fleet, domain, memory))
 
     def drives(self, domain: DomainSnapshot) -> bool:
         """Whether this provisioner drives ``domain`` (its provider has a backend here)."""
@@ -777,9 +957,14 @@ class Provisioner:
             KeyError: the domain's provider is not driven here (see :meth:`drives`).
             haru_driver_skypilot.SkyDriverError: the command failed.
         """
+        memory = self._memory.setdefault(domain.id, _Memory())
         return await self._backend(domain).observe(
-            self._cluster(fleet, domain), self._settings(domain)
+            await self._name(fleet, domain, memory), self._settings(domain)
         )
+
+    async def cluster_name(self, fleet: FleetSnapshot, domain: DomainSnapshot) -> str:
+        """The name of the domain's cluster or service (the one its last launch used)."""
+        return await self._name(fleet, domain, self._memory.setdefault(domain.id, _Memory()))
 
     # ---- writes --------------------------------------------------------------------------
 
@@ -791,7 +976,8 @@ class Provisioner:
         failure: _Failure,
         now: datetime,
     ) -> None:
-        name = self._cluster(fleet, domain)
+        memory = self._memory.setdefault(domain.id, _Memory())
+        name = await self._name(fleet, domain, memory)
         moved = await self._store.transition_domain(
             domain.id, from_states=(domain.state,), to=_D.FAILED, at=now
         )
@@ -814,6 +1000,20 @@ class Provisioner:
                 cluster_status=failure.cluster_status,
             ),
             now,
+        )
+        if domain.provider is Provider.SKYPILOT and failure.reason in _CLEANED_AFTER:
+            self._start_cleanup(domain, memory, name, failure.reason)
+
+    def _start_cleanup(self, domain: DomainSnapshot, memory: _Memory, name: str, why: str) -> None:
+        """Run ``sky down NAME`` in the background (the failed step drives it to its end)."""
+        if memory.cleanup is not None and not memory.cleanup.task.done():
+            return
+        logger.warning("domain %s: tearing down cluster %s after %s", domain.slug, name, why)
+        memory.cleanup = _Cleanup(name, why, self._down(domain, name))
+
+    def _down(self, domain: DomainSnapshot, name: str) -> asyncio.Task[None]:
+        return asyncio.create_task(
+            self._backend(domain).teardown(name), name=f"haru-cleanup-{name}"
         )
 
     async def _event(

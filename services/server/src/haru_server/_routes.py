@@ -16,7 +16,7 @@ from haru_core import (
     inference_slots,
     training_slots,
 )
-from haru_driver_skypilot import SkyDriverError, cluster_name
+from haru_driver_skypilot import SkyDriverError
 from haru_protocol import (
     AcceptedResponse,
     AlreadyActiveResponse,
@@ -425,7 +425,7 @@ async def domain_status(request: web.Request) -> web.Response:
     name = status = error = None
     provisioner = request.app[provisioner_key]
     if provisioner.drives(domain):
-        name = cluster_name(fleet.slug, domain.slug)
+        name = await provisioner.cluster_name(fleet, domain)
         try:
             observed = await provisioner.observe(fleet, domain)
         except SkyDriverError as exc:
