@@ -1049,7 +1049,9 @@ async def test_down_of_a_former_active_waits_out_the_route_guard(
     assert await store.complete_operation(
         promote.id, from_step=OperationStep.SWITCH_ACTIVE, at=clock()
     )
-    client = await aiohttp_client(create_app(Settings(), store=store, clock=clock))
+    client = await aiohttp_client(
+        create_app(Settings(reconcile_interval_ms=None), store=store, clock=clock)
+    )
 
     clock.advance(ms=lease_guard_ms(10_000) - 1)
     response = await client.post("/v1/fleets/local/domains/alpha/down")
