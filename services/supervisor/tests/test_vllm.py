@@ -212,6 +212,12 @@ async def test_status_says_down_only_when_nothing_listens(sims: Any) -> None:
         await sim.set_faults(refuse=False)
         back = await client.status(model)
         assert (back.sleeping, back.down) == (False, False)
+        # Killed while the supervisor holds a pooled connection to it: the very first
+        # status already proves it gone (the dropped connection is asked again, fresh).
+        await sim.set_faults(refuse=True)
+        killed = await client.status(model)
+        assert (killed.sleeping, killed.down) == (None, True)
+        await sim.set_faults(refuse=False)
 
 
 # -- metrics and drain -----------------------------------------------------------------------

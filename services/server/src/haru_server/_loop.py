@@ -241,7 +241,7 @@ class ReconcileLoop:
                 if failing is not None:
                     logger.info("reconcile of fleet %s recovered", ref)
                     failing = None
-                if result.in_flight:
+                if result.in_flight or result.confirming:
                     delay = options.busy_interval_s
             await self._pause(worker, started, delay)
 

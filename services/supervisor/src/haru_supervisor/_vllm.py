@@ -554,8 +554,18 @@ class VllmAdminClient:
     async def _read_sleeping(self, model: SupervisorModel) -> tuple[bool | None, bool, bool]:
         """``GET /is_sleeping``: (the answer; timed out; connection refused).
 
-        The answer is True, False, or None when it proved nothing.
+        The answer is True, False, or None when it proved nothing. A pooled connection the
+        server dropped (a killed process resets it) is asked again once on a fresh one, so
+        the first status after a kill already says whether anything listens.
         """
+        value, timed_out, refused, dropped = await self._read_sleeping_once(model)
+        if dropped:
+            value, timed_out, refused, _ = await self._read_sleeping_once(model)
+        return value, timed_out, refused
+
+    async def _read_sleeping_once(
+        self, model: SupervisorModel
+    ) -> tuple[bool | None, bool, bool, bool]:
         timeout_s = self._timeouts.read_s
         try:
             async with self._session.get(
@@ -567,7 +577,7 @@ class VllmAdminClient:
                     logger.debug(
                         "%s: %s answered HTTP %d", model.name, IS_SLEEPING_PATH, response.status
                     )
-                    return None, False, False
+                    return None, False, False, False
                 body = await _read_capped(response, _BODY_LIMIT)
         except (aiohttp.ClientError, TimeoutError, _BodyTooLargeError) as exc:
             self._lost(model, exc)
@@ -577,15 +587,17 @@ class VllmAdminClient:
                 IS_SLEEPING_PATH,
                 _describe(exc, port=model.port, timeout_s=timeout_s),
             )
-            return None, isinstance(exc, TimeoutError), _is_refused(exc)
+            dropped = isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
+            dropped = dropped and not isinstance(exc, aiohttp.ClientConnectorError)
+            return None, isinstance(exc, TimeoutError), _is_refused(exc), dropped
         data = _json_object(body)
         value = None if data is None else data.get("is_sleeping")
         if not isinstance(value, bool):
             logger.debug(
                 "%s: %s body proves nothing: %s", model.name, IS_SLEEPING_PATH, _excerpt(body)
             )
-            return None, False, False
-        return value, False, False
+            return None, False, False, False
+        return value, False, False, False
 
     async def is_sleeping(self, model: SupervisorModel) -> bool | None:
         """``GET /is_sleeping``: True or False, or None when the answer proves nothing.
