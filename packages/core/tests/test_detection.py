@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 from haru_core import (
     active_proven_dead,
+    awaiting_confirmation,
     dead_since,
     detect_dead_active,
     detect_failover,
@@ -223,6 +224,18 @@ def test_a_confirmed_dead_active_is_failed_over_by_the_ordinary_path(make: Fleet
     assert decision is not None
     assert decision.reason == "active_failed"
     assert decision.target_domain_id == fleet.domains[1].id
+
+
+def test_quick_fresh_heartbeats_only_while_a_confirmation_is_due(make: FleetFactory) -> None:
+    fleet = two_model_fleet(make)
+    confirm = timedelta(milliseconds=fleet.policy.dead_confirm_ms)
+    assert awaiting_confirmation(fleet, now=make.now, since=make.now)
+    assert awaiting_confirmation(fleet, now=make.now, since=make.now - confirm / 2)
+    # Past the interval (the active could not be failed: no standby, say): regular ticks.
+    assert not awaiting_confirmation(fleet, now=make.now, since=make.now - confirm)
+    assert not awaiting_confirmation(fleet, now=make.now, since=None)
+    manual = two_model_fleet(make, policy=Policy())
+    assert not awaiting_confirmation(manual, now=make.now, since=make.now)
 
 
 # ---- partitions ----

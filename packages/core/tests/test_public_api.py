@@ -66,6 +66,7 @@ CONTRACT = {
     "detect_failover",
     "detect_degraded_escalation",
     "active_proven_dead",
+    "awaiting_confirmation",
     "dead_since",
     "detect_dead_active",
     "server_partitioned",

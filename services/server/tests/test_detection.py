@@ -246,3 +246,28 @@ async def test_a_server_that_reaches_no_domain_judges_nothing_and_never_fails_ov
     types = [e.type for e in await store.list_events(seeded.id, limit=1000)]
     assert EventType.OPERATION_AUTO_FAILOVER not in types
     assert EventType.DOMAIN_HEARTBEAT_FAILED not in types
+
+
+async def test_a_dead_active_without_a_viable_standby_is_not_failed_nor_polled_at_the_busy_pace(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet, seeded, reconciler = await started(store, make_fleet, make_reconciler, helpers, clock)
+    await fleet.stop_supervisor("beta")
+    for sim in fleet.domain("alpha").sims.values():
+        await sim.stop()
+    assert (await reconciler.tick("local")).confirming
+    clock.advance(ms=seeded.policy.dead_confirm_ms)
+    result = await reconciler.tick("local")
+    assert result.operation is None
+    assert not result.confirming  # back to the regular ticks
+    after = await snapshot(store)
+    assert (state_of(after, "alpha"), after.active_domain_id) == (
+        DomainState.DEGRADED,
+        id_of(seeded, "alpha"),
+    )
+    assert await escalations(store, seeded.id) == []

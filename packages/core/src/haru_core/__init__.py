@@ -26,6 +26,7 @@ from haru_core._errors import HaruCoreError, InvalidTransitionError
 from haru_core._failover import (
     FailoverDecision,
     active_proven_dead,
+    awaiting_confirmation,
     dead_since,
     detect_dead_active,
     detect_degraded_escalation,
@@ -136,6 +137,7 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "detect_failover",
     "detect_degraded_escalation",
     "active_proven_dead",
+    "awaiting_confirmation",
     "dead_since",
     "detect_dead_active",
     "server_partitioned",

@@ -258,6 +258,20 @@ def detect_dead_active(
     return active.id
 
 
+def awaiting_confirmation(fleet: FleetSnapshot, *, now: datetime, since: datetime | None) -> bool:
+    """Whether a fresh heartbeat soon could confirm the active dead (come back quickly).
+
+    True while a run of proofs (``since``) is younger than ``deadConfirmMs`` and
+    ``autoFailover`` is on. Past that, a run that did not fail the active (no viable standby,
+    say) waits for the regular ticks: a dead vLLM never makes the server poll its fleet at
+    the busy pace for long.
+    """
+    require_aware("now", now)
+    if since is None or not fleet.policy.auto_failover:
+        return False
+    return now - since < timedelta(milliseconds=fleet.policy.dead_confirm_ms)
+
+
 def server_partitioned(polled: Collection[UUID], reached: Collection[UUID]) -> bool:
     """Whether a heartbeat round says more about the server's network than the fleet's.
 

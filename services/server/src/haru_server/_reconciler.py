@@ -20,6 +20,7 @@ from haru_core import (
     CreateOperation,
     DomainChange,
     active_proven_dead,
+    awaiting_confirmation,
     awake_standbys,
     dead_since,
     decide_demotion,
@@ -322,7 +323,12 @@ class Reconciler:
             if operation is None:
                 operation = await self._restore_posture(fleet)
         if operation is None:
-            confirming = fleet.active_domain_id in self._dead and not partitioned
+            proof = (
+                None if fleet.active_domain_id is None else self._dead.get(fleet.active_domain_id)
+            )
+            confirming = not partitioned and awaiting_confirmation(
+                fleet, now=self._clock(), since=None if proof is None else proof[0]
+            )
             return TickResult(fleet.id, None, in_flight=False, confirming=confirming)
         return await self._drive(fleet, operation)
 
