@@ -54,29 +54,28 @@ async def escalations(store: StateStore, fleet_id: Any) -> list[dict[str, Any]]:
 
 
 async def started(
-    sqlite_store: StateStore,
+    store: StateStore,
     make_fleet: MakeFleet,
     make_reconciler: MakeReconciler,
     helpers: Any,
     clock: ManualClock,
 ) -> tuple[LocalFleet, FleetSnapshot, Reconciler]:
     fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(sqlite_store, fleet, clock, policy=DEFAULT_AUTO)
-    reconciler = make_reconciler(sqlite_store)
+    seeded = await helpers.seed(store, fleet, clock, policy=DEFAULT_AUTO)
+    reconciler = make_reconciler(store)
     first = await reconciler.tick("local")
     assert first.operation is None
-    assert state_of(await snapshot(sqlite_store), "alpha") is DomainState.READY
+    assert state_of(await snapshot(store), "alpha") is DomainState.READY
     return fleet, seeded, reconciler
 
 
 async def test_a_killed_vllm_fails_over_after_the_confirmation_not_the_grace(
-    sqlite_store: StateStore,
+    store: StateStore,
     make_fleet: MakeFleet,
     make_reconciler: MakeReconciler,
     clock: ManualClock,
     helpers: Any,
 ) -> None:
-    store = sqlite_store
     fleet, seeded, reconciler = await started(store, make_fleet, make_reconciler, helpers, clock)
     confirm_ms = seeded.policy.dead_confirm_ms
     assert confirm_ms < seeded.policy.degraded_grace_ms
