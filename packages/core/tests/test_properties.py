@@ -10,11 +10,13 @@ from haru_core import (
     PROMOTE_STEPS,
     CreateOperation,
     InvalidTarget,
+    active_proven_dead,
     build_route_intent,
     can_transition,
     clamp_to_now,
     decide_demotion,
     decide_promotion,
+    detect_dead_active,
     detect_degraded_escalation,
     detect_failover,
     domain_change_on_heartbeat,
@@ -25,6 +27,7 @@ from haru_core import (
     is_viable_standby,
     machine_for,
     rank_standbys,
+    server_partitioned,
     slot_bindings,
     slot_health_changes,
     step_budget_ms,
@@ -480,3 +483,103 @@ def test_a_step_started_in_the_future_keeps_its_whole_budget(
     started = NOW + timedelta(milliseconds=ahead_ms)
     remaining = step_remaining_ms(policy, step, started_at=started, now=NOW)
     assert remaining == step_budget_ms(policy, step)
+
+
+# ---- evidence-based detection ----
+
+
+@st.composite
+def death_reports(draw: st.DrawFn, domain: DomainSnapshot) -> SupervisorStatus:
+    """An answer about ``domain``'s models, mostly all down, with random holes and noise."""
+    bound = [b.name for s in inference_slots(domain) for b in slot_bindings(s)]
+    names = draw(st.lists(st.sampled_from((*bound, *MODEL_POOL, "extra")), max_size=7))
+    names = [*bound, *names] if draw(st.booleans()) else names
+    models = tuple(
+        ModelStatus(
+            name=n,
+            port=9000 + i,
+            sleeping=draw(st.sampled_from([None, None, True, False])),
+            down=draw(st.sampled_from([True, True, True, False])),
+            action=draw(st.sampled_from([None, None, None, "sleep", "wake"])),
+        )
+        for i, n in enumerate(names)
+    )
+    return SupervisorStatus(
+        slots=(SlotStatus(gpu_index=0, kind=SlotKind.INFERENCE, models=models),), ready=False
+    )
+
+
+@PROPERTY_SETTINGS
+@given(fleet=fleets(), data=st.data())
+def test_only_every_bound_model_down_proves_the_active_dead(
+    fleet: FleetSnapshot, data: st.DataObject
+) -> None:
+    domain = data.draw(st.sampled_from(fleet.domains))
+    report = data.draw(death_reports(domain))
+    dead = active_proven_dead(fleet, domain, report)
+    bound = {b.name for s in inference_slots(domain) for b in slot_bindings(s)}
+    reports = [m for slot in report.slots for m in slot.models or ()]
+    every_bound_down = all(
+        any(m.name == name for m in reports)
+        and all(m.down and m.action is None for m in reports if m.name == name)
+        for name in bound
+    )
+    assert bool(dead) == (fleet.active_domain_id == domain.id and bool(bound) and every_bound_down)
+    if dead:
+        assert set(dead) == bound
+        # Weak evidence keeps the grace: one bound model that answers (or is only slow)
+        # undoes the proof.
+        alive = next(m for m in reports if m.name == dead[0]).model_copy(update={"down": False})
+        slot = report.slots[0].model_copy(
+            update={"models": (*(report.slots[0].models or ()), alive)}
+        )
+        assert active_proven_dead(fleet, domain, report.model_copy(update={"slots": (slot,)})) == ()
+
+
+@PROPERTY_SETTINGS
+@given(
+    fleet=fleets(),
+    since_ms=st.one_of(st.none(), st.integers(-2_000, 5_000)),
+    confirm_ms=st.sampled_from([1, 1_000, 3_000]),
+)
+def test_a_dead_verdict_is_sound_and_its_failover_targets_a_viable_standby(
+    fleet: FleetSnapshot, since_ms: int | None, confirm_ms: int
+) -> None:
+    fleet = fleet.model_copy(
+        update={"policy": fleet.policy.model_copy(update={"dead_confirm_ms": confirm_ms})}
+    )
+    since = None if since_ms is None else at(since_ms)
+    dead = detect_dead_active(fleet, now=NOW, since=since)
+    if dead is None:
+        return
+    active = fleet.active_domain
+    assert active is not None
+    assert since is not None
+    assert dead == active.id
+    assert fleet.policy.auto_failover
+    assert active.state is DomainState.DEGRADED
+    assert not active.auth_failing
+    assert NOW - since >= timedelta(milliseconds=confirm_ms)
+    # What follows (the CAS fails the active) must fail over to a ready, fresh standby.
+    failed = active.model_copy(update={"state": DomainState.FAILED})
+    after = fleet.model_copy(
+        update={"domains": tuple(failed if d.id == dead else d for d in fleet.domains)}
+    )
+    decision = detect_failover(after, now=NOW)
+    assert decision is not None
+    target = after.domain(decision.target_domain_id)
+    assert target is not None
+    assert is_viable_standby(after, target, now=NOW)
+
+
+@PROPERTY_SETTINGS
+@given(
+    polled=st.lists(st.uuids(), unique=True, max_size=5),
+    data=st.data(),
+)
+def test_a_partition_means_no_supervisor_reached(
+    polled: list[uuid.UUID], data: st.DataObject
+) -> None:
+    reached = data.draw(st.lists(st.sampled_from(polled), unique=True) if polled else st.just([]))
+    partitioned = server_partitioned(polled, reached)
+    assert partitioned == (len(polled) >= 2 and not reached)

@@ -293,6 +293,7 @@ def test_good_urls_kept_verbatim(layout_doc: dict[str, Any], url: str) -> None:
 DURATION_KEYS = [
     "heartbeatStaleMs",
     "degradedGraceMs",
+    "deadConfirmMs",
     "trainingStopGraceMs",
     "failoverTrainingStopGraceMs",
     "stopTrainingTimeoutMs",
@@ -406,6 +407,7 @@ def test_policy_defaults_match_spec() -> None:
         "autoFailover": False,
         "heartbeatStaleMs": 30_000,
         "degradedGraceMs": 60_000,
+        "deadConfirmMs": 1_000,
         "trainingStopGraceMs": 30_000,
         "failoverTrainingStopGraceMs": 5_000,
         "stopTrainingTimeoutMs": 90_000,

@@ -289,3 +289,46 @@ async def test_no_boot_warning_with_a_loop(
             create_app(Settings(reconcile_interval_ms=600_000), store=store, clock=clock)
         )
     assert not [r for r in caplog.records if "autoFailover is ON" in r.getMessage()]
+
+
+async def test_a_proof_of_a_dead_active_is_confirmed_by_quick_fresh_heartbeats(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    clock: ManualClock,
+    http: aiohttp.ClientSession,
+    helpers: Any,
+) -> None:
+    from haru_protocol import PolicyPatch
+
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=())
+    snapshot = await helpers.seed(store, fleet, clock, policy=PolicyPatch(auto_failover=True))
+    beta = next(d.id for d in snapshot.domains if d.slug == "beta")
+    reconciler = recording(store, clock, http)
+    ref = str(snapshot.id)
+    loop = ReconcileLoop(
+        reconciler, store, LoopOptions(interval_s=60, busy_interval_s=0.02, kick_gap_s=0.01)
+    )
+    loop.start()
+    try:
+        await wait_for(lambda: reconciler.ticks[ref] >= 1)
+        for sim in fleet.domain("alpha").sims.values():
+            await sim.stop()
+        loop.kick(snapshot.id)  # the one tick that sees the first proof
+        seen = reconciler.ticks[ref]
+        # Confirming: fresh heartbeats far more often than the 60 s interval would allow.
+        await wait_for(lambda: reconciler.ticks[ref] >= seen + 4)
+        clock.advance(ms=snapshot.policy.dead_confirm_ms)
+
+        async def moved() -> None:
+            while True:
+                now = await store.get_fleet_snapshot(ref)
+                assert now is not None
+                if now.active_domain_id == beta:
+                    return
+                await asyncio.sleep(0.02)
+
+        await asyncio.wait_for(moved(), timeout=10)
+    finally:
+        await loop.stop()
+    assert reconciler.overlaps == 0

@@ -725,24 +725,25 @@ async def test_auto_failover_from_a_stale_heartbeat(
     assert EventType.OPERATION_STEP_TIMEOUT_BEST_EFFORT in [e.type for e in events]
 
 
-async def test_auto_failover_from_a_dead_active_vllm(
+async def test_auto_failover_from_a_partly_dead_active_after_the_grace(
     sqlite_store: StateStore,
     make_fleet: MakeFleet,
     make_reconciler: MakeReconciler,
     clock: ManualClock,
     helpers: Any,
 ) -> None:
+    # One model of several down is weak evidence (the others serve): the grace decides. A
+    # wholly dead active fails after deadConfirmMs instead (test_detection.py).
     store = sqlite_store
     fleet = await make_fleet(training_gpus=())
     seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
     reconciler = make_reconciler(store)
     await reconciler.tick("local")
-    for sim in fleet.domain("alpha").sims.values():
-        await sim.set_faults(refuse=True)
+    await fleet.domain("alpha").sims["example-chat-large"].set_faults(refuse=True)
     result = await reconciler.tick("local")
     assert result.operation is None
     snapshot = await snapshot_of(store)
-    assert states(snapshot, "alpha")[:2] == (DomainState.DEGRADED, ["failed", "failed"])
+    assert states(snapshot, "alpha")[:2] == (DomainState.DEGRADED, ["serving", "failed"])
     clock.advance(ms=60_000)
     result = await reconciler.tick("local")
     assert result.operation is None  # exactly the grace: not yet

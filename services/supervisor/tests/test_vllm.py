@@ -189,6 +189,37 @@ async def test_is_sleeping_garbage_fault_and_refusal(
     assert await client.is_sleeping(_model(unused_port())) is None
 
 
+async def test_status_says_down_only_when_nothing_listens(sims: Any) -> None:
+    """Refused is proof the server is gone; a hang, a garbage answer, a live server are not."""
+    sim = await sims("chat-small")
+    model = _model(sim.port)
+    timeouts = VllmTimeouts(admin_s=0.3, read_s=0.2)
+    async with aiohttp.ClientSession() as session:
+        client = VllmAdminClient(session, timeouts=timeouts)
+        alive = await client.status(model)
+        assert (alive.sleeping, alive.down) == (False, False)
+        assert "down" not in alive.model_dump(by_alias=True)  # older peers never see it
+        await sim.set_faults(hang=True)
+        slow = await client.status(model)
+        assert (slow.sleeping, slow.down) == (None, False)
+        await sim.set_faults(hang=False, is_sleeping_garbage=True)
+        garbage = await client.status(model)
+        assert (garbage.sleeping, garbage.down) == (None, False)
+        await sim.set_faults(is_sleeping_garbage=False, refuse=True)
+        refused = await client.status(model)
+        assert (refused.sleeping, refused.down) == (None, True)
+        assert refused.model_dump(by_alias=True)["down"] is True
+        await sim.set_faults(refuse=False)
+        back = await client.status(model)
+        assert (back.sleeping, back.down) == (False, False)
+        # Killed while the supervisor holds a pooled connection to it: the very first
+        # status already proves it gone (the dropped connection is asked again, fresh).
+        await sim.set_faults(refuse=True)
+        killed = await client.status(model)
+        assert (killed.sleeping, killed.down) == (None, True)
+        await sim.set_faults(refuse=False)
+
+
 # -- metrics and drain -----------------------------------------------------------------------
 
 

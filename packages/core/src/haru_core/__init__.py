@@ -25,11 +25,16 @@ from haru_core._decisions import (
 from haru_core._errors import HaruCoreError, InvalidTransitionError
 from haru_core._failover import (
     FailoverDecision,
+    active_proven_dead,
+    awaiting_confirmation,
+    dead_since,
+    detect_dead_active,
     detect_degraded_escalation,
     detect_failover,
     is_stale,
     is_viable_standby,
     rank_standbys,
+    server_partitioned,
 )
 from haru_core._heartbeat import (
     DomainChange,
@@ -139,6 +144,11 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "rank_standbys",
     "detect_failover",
     "detect_degraded_escalation",
+    "active_proven_dead",
+    "awaiting_confirmation",
+    "dead_since",
+    "detect_dead_active",
+    "server_partitioned",
     # Promotion backoff
     "PromotionBackoff",
     "backoff_delay_ms",

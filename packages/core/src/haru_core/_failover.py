@@ -1,16 +1,37 @@
-"""Standby ranking, failover detection and degraded escalation (SPEC 7.3 step 2, 7.4)."""
+"""Standby ranking, failover detection and degraded escalation (SPEC 7.3 step 2, 7.4).
+
+Evidence about the active comes in two strengths. Strong: its supervisor answers and every
+model the layout binds to the active refuses connections (nothing listens on the port: the
+vLLM process is gone); once a later heartbeat, at least ``deadConfirmMs`` after the first,
+still proves it, the active fails at once (:func:`detect_dead_active`). Weak: anything else
+(an unanswered heartbeat, a slow or erroring server, one model of several down while the
+others serve) keeps the ``degradedGraceMs`` grace and the ``heartbeatStaleMs`` staleness.
+A server that reaches no domain of a fleet judges nothing (:func:`server_partitioned`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Literal
 from uuid import UUID
 
-from haru_protocol import DomainSnapshot, DomainState, FleetSnapshot, InferenceSlotState
+from haru_protocol import (
+    DomainSnapshot,
+    DomainState,
+    FleetSnapshot,
+    InferenceSlotState,
+    SupervisorStatus,
+)
 
 from haru_core._backoff import in_backoff
-from haru_core._bindings import has_inference_bindings, inference_slots, is_active
+from haru_core._bindings import (
+    has_inference_bindings,
+    inference_bindings,
+    inference_slots,
+    is_active,
+)
 from haru_core._states import PROMOTABLE_DOMAIN_STATES
 from haru_core._time import elapsed_since, require_aware
 
@@ -172,3 +193,94 @@ def detect_degraded_escalation(fleet: FleetSnapshot, *, now: datetime) -> UUID |
     ):
         return None
     return active.id
+
+
+def active_proven_dead(
+    fleet: FleetSnapshot, domain: DomainSnapshot, status: SupervisorStatus
+) -> tuple[str, ...]:
+    """The active's bound models, when its supervisor's answer proves them ALL dead.
+
+    Proof: every model the layout binds to ``domain`` (the active) is reported ``down`` (its
+    server refused the connection) with no sleep or wake under way, and no report of the same
+    name says otherwise. One model of several down while the others answer is no proof: the
+    others still serve, and failing over would cost the standby's training for a partial loss
+    (the grace decides it). A timeout or an error answer is never ``down``.
+
+    Returns:
+        The dead models in layout order, or an empty tuple when nothing is proven.
+    """
+    if not is_active(fleet, domain):
+        return ()
+    names = tuple(dict.fromkeys(b.name for b in inference_bindings(domain)))
+    if not names:
+        return ()
+    down: dict[str, bool] = {}
+    for slot in status.slots:
+        for model in slot.models or ():
+            proven = model.down and model.action is None
+            down[model.name] = down.get(model.name, True) and proven
+    return names if all(down.get(name, False) for name in names) else ()
+
+
+def dead_since(previous: datetime | None, *, proven: bool, now: datetime) -> datetime | None:
+    """When the unbroken run of heartbeats proving the active dead began (None: no run).
+
+    A heartbeat that proves it keeps ``previous`` (or starts the run at ``now``); any other
+    answer, or none, ends the run: a server back within the confirmation interval is alive.
+    """
+    require_aware("now", now)
+    if not proven:
+        return None
+    return previous if previous is not None else now
+
+
+def detect_dead_active(
+    fleet: FleetSnapshot, *, now: datetime, since: datetime | None
+) -> UUID | None:
+    """The id of an active domain proven dead long enough to fail now, without the grace.
+
+    ``since``: when the caller's unbroken run of heartbeats proving the active dead began
+    (:func:`dead_since`). Needs ``autoFailover`` on, the active ``degraded`` (the first proof
+    degraded it) and not refusing the token, the run at least ``deadConfirmMs`` old, and a
+    viable standby that is not backing off: without one, failing the active changes nothing
+    but its state, and the grace path keeps the same guard.
+    """
+    require_aware("now", now)
+    if since is None or not fleet.policy.auto_failover:
+        return None
+    active = fleet.active_domain
+    if active is None or active.state is not DomainState.DEGRADED or active.auth_failing:
+        return None
+    if now - since < timedelta(milliseconds=fleet.policy.dead_confirm_ms):
+        return None
+    if not any(
+        is_viable_standby(fleet, d, now=now) and not in_backoff(d.promotion_backoff_until, now=now)
+        for d in fleet.domains
+    ):
+        return None
+    return active.id
+
+
+def awaiting_confirmation(fleet: FleetSnapshot, *, now: datetime, since: datetime | None) -> bool:
+    """Whether a fresh heartbeat soon could confirm the active dead (come back quickly).
+
+    True while a run of proofs (``since``) is younger than ``deadConfirmMs`` and
+    ``autoFailover`` is on. Past that, a run that did not fail the active (no viable standby,
+    say) waits for the regular ticks: a dead vLLM never makes the server poll its fleet at
+    the busy pace for long.
+    """
+    require_aware("now", now)
+    if since is None or not fleet.policy.auto_failover:
+        return False
+    return now - since < timedelta(milliseconds=fleet.policy.dead_confirm_ms)
+
+
+def server_partitioned(polled: Collection[UUID], reached: Collection[UUID]) -> bool:
+    """Whether a heartbeat round says more about the server's network than the fleet's.
+
+    True when at least two domains were polled and not one supervisor was reached (an answer
+    or a token refusal both count as reached). From there, every domain lost together and the
+    server cut off look the same; the server takes it as its own partition and judges no
+    domain, fails nothing and fails nothing over until a supervisor answers again.
+    """
+    return len(set(polled)) >= 2 and not set(polled) & set(reached)

@@ -272,13 +272,20 @@ class DomainHeartbeatFailed(_DomainChange):
 
 
 class DomainDegradedEscalated(EventPayload):
-    """``domain.degraded.escalated``: a degraded active domain stayed degraded too long."""
+    """``domain.degraded.escalated``: a degraded active domain fails.
+
+    It stayed degraded past the grace, or was proven dead (``deadModels`` set) first.
+    """
 
     event_type = EventType.DOMAIN_DEGRADED_ESCALATED
 
     from_state: DomainState = Field(alias="from")
     to_state: DomainState = Field(alias="to")
     degraded_grace_ms: StrictInt
+    dead_models: tuple[str, ...] | None = Field(default=None, exclude_if=lambda v: v is None)
+    """The active's models whose servers refused connections on heartbeats at least
+    ``deadConfirmMs`` apart (absent: the grace ran out)."""
+    dead_confirm_ms: StrictInt | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class DomainSupervisorUnauthorized(EventPayload):

@@ -177,6 +177,11 @@ class Policy(WireModel):
     """An active heartbeat older than this is stale."""
     degraded_grace_ms: DurationMs = 60_000
     """How long the active may stay degraded before escalating to failed."""
+    dead_confirm_ms: DurationMs = 1_000
+    """How long the active's vLLM servers must stay proven dead (connection refused on every
+    model the active serves, its supervisor answering) before the active fails without
+    waiting for ``degradedGraceMs``: a second heartbeat this long after the first must still
+    prove it."""
     training_stop_grace_ms: DurationMs = 30_000
     """SIGTERM to SIGKILL grace for training (a planned promotion: room for a checkpoint)."""
     failover_training_stop_grace_ms: DurationMs = 5_000
@@ -227,6 +232,7 @@ class PolicyPatch(WireModel):
     auto_failover: Flag | None = None
     heartbeat_stale_ms: DurationMs | None = None
     degraded_grace_ms: DurationMs | None = None
+    dead_confirm_ms: DurationMs | None = None
     training_stop_grace_ms: DurationMs | None = None
     failover_training_stop_grace_ms: DurationMs | None = None
     stop_training_timeout_ms: DurationMs | None = None

@@ -123,6 +123,10 @@ class ModelStatus(PeerModel):
     ``action`` and ``error`` are absent when null."""
     error: str | None = Field(default=None, exclude_if=lambda value: value is None)
     """Why the supervisor refuses to drive this server (an unsupported vLLM version)."""
+    down: bool = Field(default=False, exclude_if=lambda value: not value)
+    """The server refused the connection (nothing listens on its port: the process is gone
+    or not started yet). A timeout, an error answer or a dropped connection is not ``down``.
+    Absent when false, so older peers read it as "not proven down"."""
 
 
 class TrainingStop(PeerModel):

@@ -34,7 +34,8 @@ class LoopOptions:
 
     Attributes:
         interval_s: Pause between ticks of an idle fleet (``HARU_RECONCILE_INTERVAL_MS``).
-        busy_interval_s: Pause between ticks while an operation is in flight.
+        busy_interval_s: Pause between ticks while an operation is in flight, or while a
+            dead active is being confirmed (fresh heartbeats, not the next regular tick).
         kick_gap_s: Shortest spacing between the start of a tick and a kicked tick.
         fleets: Fleet references to reconcile; None = every fleet in the store.
         stop_grace_s: At stop, how long running ticks may finish before they are cancelled.
@@ -244,7 +245,7 @@ class ReconcileLoop:
                 if failing is not None:
                     logger.info("reconcile of fleet %s recovered", ref)
                     failing = None
-                if result.in_flight:
+                if result.in_flight or result.confirming:
                     delay = options.busy_interval_s
             await self._pause(worker, started, delay)
 

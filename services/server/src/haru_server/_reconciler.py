@@ -19,8 +19,12 @@ from uuid import UUID
 from haru_core import (
     CreateOperation,
     DomainChange,
+    active_proven_dead,
+    awaiting_confirmation,
     awake_standbys,
+    dead_since,
     decide_demotion,
+    detect_dead_active,
     detect_degraded_escalation,
     detect_failover,
     detect_restores,
@@ -34,6 +38,7 @@ from haru_core import (
     promotion_backoff,
     restore_candidates,
     restore_confirmed,
+    server_partitioned,
     slot_health_changes,
     step_budget_ms,
     step_remaining_ms,
@@ -172,11 +177,14 @@ class TickResult:
         operation: The operation this tick worked on (its state after the tick), or None.
         in_flight: An operation is still pending or running (or was just queued): the loop
             should come back soon.
+        confirming: The active's latest heartbeat proved it dead and a second one must confirm
+            it: the loop should come back soon (a fresh heartbeat, not the next regular tick).
     """
 
     fleet_id: UUID
     operation: Operation | None
     in_flight: bool
+    confirming: bool = False
 
 
 class Reconciler:
@@ -222,6 +230,11 @@ class Reconciler:
         self._suspects: set[UUID] = set()
         # Per fleet, recent operations seen holding a time from the future (next tick clamps).
         self._ahead: dict[UUID, frozenset[UUID]] = {}
+        # Per active domain: since when, and which models, this process's heartbeats have
+        # proven it dead without a break (haru_core.dead_since).
+        self._dead: dict[UUID, tuple[datetime, tuple[str, ...]]] = {}
+        # Fleets whose latest heartbeat round reached no supervisor at all.
+        self._partitioned: set[UUID] = set()
 
     async def close(self) -> None:
         """Cancel the heartbeat polls still running (a hung supervisor's)."""
@@ -299,6 +312,7 @@ class Reconciler:
             return await self._drive(fleet, driving)
         read_at = time.monotonic()
         fleet, answered = await self._heartbeats(fleet, driving)
+        partitioned = fleet.id in self._partitioned
         self._metrics.fleet_judged(fleet, self._clock())
         operation = driving
         if time.monotonic() - read_at > IN_FLIGHT_REUSE_S:
@@ -311,14 +325,22 @@ class Reconciler:
         fleet, operation = await self._clamp_future(fleet, operation)
         if self._provisioner is not None and await self._provisioner.step(fleet, operation):
             fleet = await self._load(str(fleet.id))
-        if operation is None:
+        if operation is None and not partitioned:
+            # Partitioned: every domain looks lost at once; no decision rests on that.
             fleet = await self.annotate(fleet)
+            fleet = await self._confirm_dead(fleet)
             fleet = await self._escalate(fleet)
             operation = await self._failover(fleet, answered)
             if operation is None:
                 operation = await self._restore_posture(fleet)
         if operation is None:
-            return TickResult(fleet.id, None, in_flight=False)
+            proof = (
+                None if fleet.active_domain_id is None else self._dead.get(fleet.active_domain_id)
+            )
+            confirming = not partitioned and awaiting_confirmation(
+                fleet, now=self._clock(), since=None if proof is None else proof[0]
+            )
+            return TickResult(fleet.id, None, in_flight=False, confirming=confirming)
         return await self._drive(fleet, operation)
 
     async def _drive(self, fleet: FleetSnapshot, operation: Operation) -> TickResult:
@@ -461,6 +483,12 @@ class Reconciler:
         )
         answers = await self._round(fleet, polled)
         now = self._clock()
+        partitioned = self._note_partition(
+            fleet,
+            polled=[d.id for d, _ in polled],
+            reached=[d.id for d, answer in answers if answer is not None],
+        )
+        self._note_dead(fleet, [d for d, _ in polled], {d.id: a for d, a in answers}, now)
         landed = False
         verdicts: list[tuple[DomainSnapshot, SupervisorStatus | None, bool]] = []
         for domain, answer in answers:
@@ -486,6 +514,8 @@ class Reconciler:
             # from this snapshot's older value would be wrong. Re-read.
             landed = True
         for domain, status, unauthorized in verdicts:
+            if partitioned and status is None:
+                continue  # this server's network, not the domain's: left as it was
             landed |= await self._judge_domain(
                 fleet, domain, status, now, unauthorized=unauthorized
             )
@@ -497,6 +527,57 @@ class Reconciler:
             d.model_copy(update={"last_seen_at": now}) if d.id in seen else d for d in fleet.domains
         )
         return fleet.model_copy(update={"domains": domains}), answered
+
+    def _note_partition(
+        self, fleet: FleetSnapshot, *, polled: list[UUID], reached: list[UUID]
+    ) -> bool:
+        """Record whether this round reached no supervisor of ``fleet`` (logged on change)."""
+        partitioned = server_partitioned(polled, reached)
+        if partitioned and fleet.id not in self._partitioned:
+            self._partitioned.add(fleet.id)
+            logger.warning(
+                "fleet %s: no supervisor answered this server's heartbeats (%d domains); this "
+                "server may be cut off from the network: no domain is judged and nothing fails "
+                "over until one answers again",
+                fleet.slug,
+                len(polled),
+            )
+        elif not partitioned and fleet.id in self._partitioned:
+            self._partitioned.discard(fleet.id)
+            logger.info("fleet %s: supervisors answer this server again", fleet.slug)
+        return partitioned
+
+    def _note_dead(
+        self,
+        fleet: FleetSnapshot,
+        polled: list[DomainSnapshot],
+        answers: dict[UUID, _Answer],
+        now: datetime,
+    ) -> None:
+        """Follow the run of heartbeats proving the active dead.
+
+        Any other answer ends it, and so does none (a poll still running this round): the
+        confirmation needs a fresh proof, never an old one.
+        """
+        for domain in polled:
+            answer = answers.get(domain.id)
+            status = answer if isinstance(answer, SupervisorStatus) else None
+            models = () if status is None else active_proven_dead(fleet, domain, status)
+            previous = self._dead.get(domain.id)
+            since = dead_since(
+                None if previous is None else previous[0], proven=bool(models), now=now
+            )
+            if since is None:
+                if self._dead.pop(domain.id, None) is not None:
+                    logger.info("domain %s: no longer proven dead", domain.slug)
+                continue
+            if previous is None:
+                logger.warning(
+                    "domain %s: every model's server refuses connections (%s); confirming",
+                    domain.slug,
+                    ", ".join(models),
+                )
+            self._dead[domain.id] = (since, models)
 
     def _left_running(self, fleet: FleetSnapshot, polling: set[UUID]) -> dict[UUID, _Answer]:
         """The answers of the polls earlier ticks of ``fleet`` left running that are done now.
@@ -625,6 +706,45 @@ class Reconciler:
         return moved
 
     # ---- step 2: escalation and failover -----------------------------------------------------
+
+    async def _confirm_dead(self, fleet: FleetSnapshot) -> FleetSnapshot:
+        """Fail the active at once when its heartbeats proved it dead for ``deadConfirmMs``."""
+        now = self._clock()
+        active_id = fleet.active_domain_id
+        proof = None if active_id is None else self._dead.get(active_id)
+        if proof is None:
+            return fleet
+        since, models = proof
+        domain_id = detect_dead_active(fleet, now=now, since=since)
+        if domain_id is None:
+            return fleet
+        escalated = await self._store.escalate_domain_if_fleet_idle(
+            domain_id=domain_id,
+            fleet_id=fleet.id,
+            at=now,
+            heartbeat_stale_ms=fleet.policy.heartbeat_stale_ms,
+        )
+        if not escalated:
+            return fleet
+        self._dead.pop(domain_id, None)
+        logger.warning(
+            "fleet %s: active domain proven dead (%s refuse connections); failed",
+            fleet.slug,
+            ", ".join(models),
+        )
+        await self._store.append_event(
+            fleet_id=fleet.id,
+            payload=DomainDegradedEscalated(
+                from_state=DomainState.DEGRADED,
+                to_state=DomainState.FAILED,
+                degraded_grace_ms=fleet.policy.degraded_grace_ms,
+                dead_models=models,
+                dead_confirm_ms=fleet.policy.dead_confirm_ms,
+            ),
+            at=now,
+            domain_id=domain_id,
+        )
+        return await self.annotate(await self._load(str(fleet.id)))
 
     async def _escalate(self, fleet: FleetSnapshot) -> FleetSnapshot:
         now = self._clock()

@@ -15,6 +15,7 @@ is unknown (it timed out), which must be confirmed before any wake.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import math
@@ -235,6 +236,13 @@ def _is_connection_lost(exc: BaseException) -> bool:
     return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError))
 
 
+def _is_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` proves nothing listens on the port (the server is gone, not slow)."""
+    return (
+        isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error.errno == errno.ECONNREFUSED
+    )
+
+
 class VllmAdminClient:
     """Calls the local vLLM servers (admin routes, metrics, version, the probe's completion).
 
@@ -369,7 +377,9 @@ class VllmAdminClient:
         """
         server = self._server(model)
 
-        def build(sleeping: bool | None, action: ModelAction | None = None) -> ModelStatus:
+        def build(
+            sleeping: bool | None, action: ModelAction | None = None, *, down: bool = False
+        ) -> ModelStatus:
             return ModelStatus(
                 name=model.name,
                 port=model.port,
@@ -377,16 +387,17 @@ class VllmAdminClient:
                 action=action,
                 vllm_version=server.version,
                 error=server.refusal,
+                down=down,
             )
 
         if server.action is not None:
             return build(None, server.action)
         # Concurrently: a status must answer within one read bound (heartbeats wait ~5 s).
-        refusal, (sleeping, timed_out) = await asyncio.gather(
+        refusal, (sleeping, timed_out, refused) = await asyncio.gather(
             self.connect(model), self._read_sleeping(model)
         )
         if refusal is not None:
-            return build(None)
+            return build(None, down=refused)
         if (started := self._server(model).action) is not None:
             # An action started while this read was on its way: it says more.
             return build(None, started)
@@ -398,7 +409,7 @@ class VllmAdminClient:
                 )
             elif timed_out:
                 return build(None, "sleep")
-        return build(sleeping)
+        return build(sleeping, down=refused)
 
     # -- admin -------------------------------------------------------------------------------
 
@@ -495,7 +506,7 @@ class VllmAdminClient:
         server = self._server(model)
         deadline = self._clock() + self._timeouts.admin_s
         while True:
-            sleeping, _ = await self._read_sleeping(model)
+            sleeping, _, _ = await self._read_sleeping(model)
             if sleeping is not None:
                 server.sleep_unfinished = False
                 logger.info(
@@ -540,8 +551,21 @@ class VllmAdminClient:
                 model.name, f"{WAKE_PATH}: unexpected status {_excerpt(str(status).encode())!r}"
             )
 
-    async def _read_sleeping(self, model: SupervisorModel) -> tuple[bool | None, bool]:
-        """``GET /is_sleeping``: (True, False or None when it proved nothing; timed out)."""
+    async def _read_sleeping(self, model: SupervisorModel) -> tuple[bool | None, bool, bool]:
+        """``GET /is_sleeping``: (the answer; timed out; connection refused).
+
+        The answer is True, False, or None when it proved nothing. A pooled connection the
+        server dropped (a killed process resets it) is asked again once on a fresh one, so
+        the first status after a kill already says whether anything listens.
+        """
+        value, timed_out, refused, dropped = await self._read_sleeping_once(model)
+        if dropped:
+            value, timed_out, refused, _ = await self._read_sleeping_once(model)
+        return value, timed_out, refused
+
+    async def _read_sleeping_once(
+        self, model: SupervisorModel
+    ) -> tuple[bool | None, bool, bool, bool]:
         timeout_s = self._timeouts.read_s
         try:
             async with self._session.get(
@@ -553,7 +577,7 @@ class VllmAdminClient:
                     logger.debug(
                         "%s: %s answered HTTP %d", model.name, IS_SLEEPING_PATH, response.status
                     )
-                    return None, False
+                    return None, False, False, False
                 body = await _read_capped(response, _BODY_LIMIT)
         except (aiohttp.ClientError, TimeoutError, _BodyTooLargeError) as exc:
             self._lost(model, exc)
@@ -563,15 +587,17 @@ class VllmAdminClient:
                 IS_SLEEPING_PATH,
                 _describe(exc, port=model.port, timeout_s=timeout_s),
             )
-            return None, isinstance(exc, TimeoutError)
+            dropped = isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
+            dropped = dropped and not isinstance(exc, aiohttp.ClientConnectorError)
+            return None, isinstance(exc, TimeoutError), _is_refused(exc), dropped
         data = _json_object(body)
         value = None if data is None else data.get("is_sleeping")
         if not isinstance(value, bool):
             logger.debug(
                 "%s: %s body proves nothing: %s", model.name, IS_SLEEPING_PATH, _excerpt(body)
             )
-            return None, False
-        return value, False
+            return None, False, False, False
+        return value, False, False, False
 
     async def is_sleeping(self, model: SupervisorModel) -> bool | None:
         """``GET /is_sleeping``: True or False, or None when the answer proves nothing.
@@ -579,7 +605,7 @@ class VllmAdminClient:
         Anything but a JSON object with a boolean ``is_sleeping`` (an error, a timeout, another
         body) proves nothing. Note that True also covers a paused or partly awake engine.
         """
-        value, _ = await self._read_sleeping(model)
+        value, _, _ = await self._read_sleeping(model)
         return value
 
     # -- drain -------------------------------------------------------------------------------
