@@ -31,7 +31,7 @@ async def test_a_write_abandoned_on_the_lock_does_not_keep_it(
 ) -> None:
     url = await sqlite_url_factory()
     # A busy timeout far above the deadline: the deadline abandons the write while it waits.
-    store = StateStore.open(url, statement_timeout_ms=3_000, call_timeout_s=DEADLINE_S)
+    store = StateStore.open(url, statement_timeout_ms=10_000, call_timeout_s=DEADLINE_S)
     holder = sqlite3.connect(str(make_url(url).database), isolation_level=None, timeout=0)
     # Garbage collection would finalize a leaked statement (and so free the lock) at a moment
     # of its own: the store must not depend on it, and the test must not either.
@@ -51,8 +51,9 @@ async def test_a_write_abandoned_on_the_lock_does_not_keep_it(
 
         # The abandoned insert now takes the lock in the driver's thread: wait until it has
         # run, i.e. its operation is committed or the lock is held by this process.
-        while not _committed_or_locked(holder):
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(10):  # only a guard against a hang
+            while not _committed_or_locked(holder):
+                await asyncio.sleep(0.01)
 
         outcomes = []
         for _ in range(3):
