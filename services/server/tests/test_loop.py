@@ -12,7 +12,7 @@ from uuid import UUID
 import aiohttp
 import pytest
 from aiohttp import web
-from haru_db import StateStore
+from haru_db import StateStore, StateStoreUnavailableError
 from haru_db.testing import confirm_domains
 from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
@@ -332,3 +332,57 @@ async def test_a_proof_of_a_dead_active_is_confirmed_by_quick_fresh_heartbeats(
     finally:
         await loop.stop()
     assert reconciler.overlaps == 0
+
+
+class Unavailable(Recording):
+    """Every tick fails as on a store that does not answer, while ``down`` is set."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.down = True
+
+    async def tick(
+        self, fleet_ref: str, *, kicked: bool = False, accepted: Accepted | None = None
+    ) -> TickResult:
+        if self.down:
+            self.ticks[fleet_ref] += 1
+            raise StateStoreUnavailableError("state store x unavailable: no answer within 5 s")
+        return await super().tick(fleet_ref, kicked=kicked, accepted=accepted)
+
+
+async def test_a_persisting_store_failure_is_warned_again_then_its_recovery_timed(
+    sqlite_store: StateStore,
+    clock: ManualClock,
+    http: aiohttp.ClientSession,
+    hanging_supervisor: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = sqlite_store
+    await store.apply_fleet_layout(stuck_layout(hanging_supervisor), at=clock())
+    from haru_server._reconciler import ReconcilerOptions
+    from haru_supervisor.client import SupervisorClient
+
+    reconciler = Unavailable(
+        store,
+        SupervisorClient(http, token=None),
+        clock=clock,
+        options=ReconcilerOptions(heartbeat_timeout_s=0.05),
+    )
+    loop = ReconcileLoop(
+        reconciler, store, LoopOptions(interval_s=0.01, kick_gap_s=0.0, repeat_warning_s=0.05)
+    )
+
+    def logged(text: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="haru_server"):
+        loop.start()
+        try:
+            # The same failure, tick after tick: warned at its start, then again while it lasts.
+            await wait_for(lambda: len(logged("no tick succeeded for")) >= 2)
+            assert len(logged("no answer within 5 s")) >= 3
+            reconciler.down = False
+            await wait_for(lambda: bool(logged("recovered after")))
+        finally:
+            await loop.stop()
+    assert len(logged("unavailable: state store x")) - len(logged("no tick succeeded")) == 1

@@ -3,9 +3,10 @@
 Every state-store call runs under a client-side deadline (:meth:`Executor.bounded`): when the
 database stalls (a connection that neither answers nor closes), the caller gets
 :class:`~haru_db.StateStoreUnavailableError` once the deadline passes instead of waiting on
-TCP retransmission. The abandoned statement is cancelled in the background; SQLAlchemy then
-invalidates its connection (a cancelled statement leaves it in an unknown state), so the pool
-never hands it out again and recovers by reconnecting once the database answers.
+TCP retransmission. On PostgreSQL the abandoned statement is cancelled in the background;
+SQLAlchemy then invalidates its connection (a cancelled statement leaves it in an unknown
+state), so the pool never hands it out again and recovers by reconnecting once the database
+answers. On SQLite the abandoned call is left to finish on its own (see :meth:`Executor.bounded`).
 """
 
 from __future__ import annotations
@@ -62,14 +63,10 @@ class Executor:
         try:
             done, _ = await asyncio.wait((task,), timeout=self.call_timeout_s)
         except asyncio.CancelledError:
-            task.cancel()
             self._abandon(task)
             raise
         if done:
             return task.result()
-        # Do not wait for the cancellation to finish: on a stalled link the driver's own
-        # cleanup (a cancel request, then a wait) can take longer than the deadline itself.
-        task.cancel()
         self._abandon(task)
         raise StateStoreUnavailableError(
             f"state store {redact_database_url(self.url)} unavailable: no answer within "
@@ -77,13 +74,32 @@ class Executor:
         )
 
     def _abandon(self, task: asyncio.Task[Any]) -> None:
+        """Let go of a call whose caller stopped waiting (deadline passed, or caller cancelled).
+
+        PostgreSQL: the call is cancelled, without waiting for the cancellation to finish (on a
+        stalled link the driver's own cleanup, a cancel request then a wait, can take longer
+        than the deadline itself).
+
+        SQLite: the call is NOT cancelled. Its statement runs in aiosqlite's worker thread,
+        which a cancellation cannot stop: it only detaches the awaiting side. The statement
+        then still runs once the other writer's lock is free, and a write with RETURNING stops
+        at its first row until the rows are fetched, its transaction open: nothing would fetch
+        them, so the write lock stayed held (every later write of the process waiting out the
+        busy timeout) until garbage collection finalized the statement. Left alone, the call
+        fetches its rows and returns its connection as soon as the statement ends: within the
+        busy timeout, which bounds its wait for the lock.
+        """
+        if self.dialect != "sqlite":
+            task.cancel()
         self._abandoned.add(task)
         task.add_done_callback(_forget(self._abandoned))
 
     async def close(self) -> None:
-        """Let abandoned statements finish their cleanup briefly, then close every connection."""
+        """Let abandoned statements finish briefly, cancel what remains, close every connection."""
         if self._abandoned:
-            await asyncio.wait(tuple(self._abandoned), timeout=_ABANDONED_GRACE_S)
+            _, pending = await asyncio.wait(tuple(self._abandoned), timeout=_ABANDONED_GRACE_S)
+            for task in pending:
+                task.cancel()
         await self.engine.dispose()
 
     async def write(

@@ -39,6 +39,9 @@ class LoopOptions:
         kick_gap_s: Shortest spacing between the start of a tick and a kicked tick.
         fleets: Fleet references to reconcile; None = every fleet in the store.
         stop_grace_s: At stop, how long running ticks may finish before they are cancelled.
+        repeat_warning_s: While a fleet's ticks keep failing for the same reason, how often
+            the warning is repeated (with how long it has lasted); a new reason is logged at
+            once.
     """
 
     interval_s: float
@@ -46,6 +49,7 @@ class LoopOptions:
     kick_gap_s: float = 0.05
     fleets: tuple[str, ...] | None = None
     stop_grace_s: float = 5.0
+    repeat_warning_s: float = 10.0
 
 
 class _Worker:
@@ -218,6 +222,7 @@ class ReconcileLoop:
         options = self._options
         ref = str(worker.fleet_id)
         failing: str | None = None
+        failing_since = warned_at = 0.0
         while not self._stopping.is_set():
             kicked = worker.wake.is_set()
             worker.wake.clear()
@@ -232,18 +237,39 @@ class ReconcileLoop:
                 return
             except ClockSkewedError:
                 # The gate logged why and recorded the event; the loop keeps polling it.
+                if failing is None:
+                    failing_since = time.monotonic()
                 failing = "clock skewed"
             except StateStoreUnavailableError as exc:
                 message = f"state store unavailable: {exc}"
+                now = time.monotonic()
                 if failing != message:
                     logger.warning("reconcile of fleet %s: %s", ref, message)
+                    if failing is None:
+                        failing_since = now
+                    warned_at = now
+                elif now - warned_at >= options.repeat_warning_s:
+                    # A persisting failure stays visible in the log, not one line at its start.
+                    logger.warning(
+                        "reconcile of fleet %s: no tick succeeded for %.0f s: %s",
+                        ref,
+                        now - failing_since,
+                        message,
+                    )
+                    warned_at = now
                 failing = message
             except Exception:  # one bad tick must not end this fleet's loop
                 logger.exception("reconcile of fleet %s failed", ref)
+                if failing is None:
+                    failing_since = time.monotonic()
                 failing = "unexpected failure"
             else:
                 if failing is not None:
-                    logger.info("reconcile of fleet %s recovered", ref)
+                    logger.info(
+                        "reconcile of fleet %s recovered after %.1f s",
+                        ref,
+                        time.monotonic() - failing_since,
+                    )
                     failing = None
                 if result.in_flight or result.confirming:
                     delay = options.busy_interval_s
