@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any, Final, Literal, TextIO
 
@@ -97,6 +98,12 @@ def _escaped_copy(record: logging.LogRecord) -> logging.LogRecord:
             setattr(copy, key, escape_control(value))
     copy.exc_text = None  # formatted again by this formatter (another may have cached it raw)
     return copy
+
+
+def _rfc3339(record: logging.LogRecord) -> str:
+    # UTC with milliseconds and a "Z": one unambiguous, sortable time across hosts and zones.
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    return f"{stamp}.{int(record.msecs):03d}Z"
 
 
 def _indented(trace: str) -> str:
@@ -201,6 +208,9 @@ class TextFormatter(logging.Formatter):
         head, newline, trace = line.partition("\n")
         return f"{head} request_id={rid}{newline}{trace}"
 
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        return _rfc3339(record)
+
     def formatException(self, ei: Any) -> str:  # noqa: N802  (logging's name)
         return _indented(super().formatException(ei))
 
@@ -210,6 +220,9 @@ class TextFormatter(logging.Formatter):
 
 class _JsonFormatter(JsonFormatter):
     """python-json-logger's format, with the message and extras escaped like the text one."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        return _rfc3339(record)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
