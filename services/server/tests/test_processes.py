@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -110,6 +111,37 @@ async def test_boot_rejects_bad_numbers_clearly() -> None:
     assert "invalid environment" in server.log
     assert "PORT" in server.log
     assert "Traceback" not in server.log
+
+
+async def test_fatal_start_up_errors_are_one_json_line_in_json_mode() -> None:
+    async with haru_serve(
+        {"PORT": "eighty", "HARU_LOG_FORMAT": "json"}, expect_listening=False
+    ) as server:
+        async with asyncio.timeout(30):
+            code = await server.process.wait()
+    assert code == 2
+    assert len(server.lines) == 1, server.log
+    record = json.loads(server.lines[0])
+    assert record["level"] == "CRITICAL"
+    assert record["message"].startswith("invalid environment: ")
+    assert "PORT" in record["message"]
+
+
+async def test_a_port_in_use_is_one_json_line_in_json_mode(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"PORT": str(port), "HARU_HOST": "127.0.0.1", "HARU_LOG_FORMAT": "json"}
+        async with haru_serve(env, expect_listening=False, cwd=tmp_path) as server:
+            async with asyncio.timeout(30):
+                code = await server.process.wait()
+    assert code == 1
+    records = [json.loads(line) for line in server.lines]  # every line is JSON
+    fatal = [r for r in records if r["level"] == "CRITICAL"]
+    assert len(fatal) == 1, server.log
+    assert fatal[0]["message"].startswith("cannot start: ")
+    assert str(port) in fatal[0]["message"]
 
 
 async def test_boot_refuses_a_schema_newer_than_the_code(tmp_path: Path) -> None:

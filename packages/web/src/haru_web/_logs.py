@@ -24,7 +24,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Final, Literal, TextIO
 
 from aiohttp import web
@@ -327,3 +327,16 @@ def configure_logging(
     root.addHandler(handler)
     root.setLevel(level)
     return handler
+
+
+def configure_startup_logging(env: Mapping[str, str]) -> logging.Handler:
+    """Logging for a start-up error found before the settings could be read (a bad environment).
+
+    ``HARU_LOG_FORMAT`` is honoured when it is itself valid (else text), so a JSON deployment
+    gets its fatal error as one JSON line like every other.
+    """
+    try:
+        log_format = parse_log_format(env.get("HARU_LOG_FORMAT"))
+    except ValueError:
+        log_format = "text"
+    return configure_logging(log_format=log_format, level=logging.INFO)

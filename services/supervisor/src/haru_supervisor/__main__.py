@@ -15,7 +15,13 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-from haru_web import ListenError, StopSignals, configure_logging, serving
+from haru_web import (
+    ListenError,
+    StopSignals,
+    configure_logging,
+    configure_startup_logging,
+    serving,
+)
 
 from haru_supervisor._app import create_app
 from haru_supervisor._errors import SettingsError
@@ -110,7 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(os.environ)
     except SettingsError as exc:
-        sys.stderr.write(f"haru-supervisor: {exc}\n")
+        # Through the log formatter: one line (JSON in JSON mode) that a log collector parses.
+        configure_startup_logging(os.environ)
+        logger.critical("invalid environment: %s", exc)
         return EXIT_USAGE
     # Heartbeats poll /v1/status every few seconds: their access lines are DEBUG (haru-web).
     configure_logging(log_format=settings.log_format, level=settings.log_level, stream=sys.stderr)
