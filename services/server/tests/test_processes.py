@@ -144,6 +144,32 @@ async def test_a_port_in_use_is_one_json_line_in_json_mode(tmp_path: Path) -> No
     assert str(port) in fatal[0]["message"]
 
 
+async def test_alembic_logs_only_migrations_that_change_the_schema(tmp_path: Path) -> None:
+    env = {"PORT": "0", "HARU_LOG_FORMAT": "json", "DATABASE_URL": str(tmp_path / "haru.db")}
+
+    def alembic_lines(server: ServerProcess) -> list[dict[str, Any]]:
+        records = [json.loads(line) for line in server.lines]
+        return [r for r in records if r["logger"].startswith("alembic")]
+
+    async with haru_serve(env) as first:
+        pass
+    # The first boot migrates a new store: Alembic says so.
+    assert any("Running upgrade" in r["message"] for r in alembic_lines(first)), first.log
+    async with haru_serve(env) as server:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(2):
+                async with http.get(f"{server.url}/readyz") as response:
+                    assert response.status == 200
+            # A line written after the probes': once it is read, theirs would have been too.
+            async with http.get(f"{server.url}/no-such-route-marker") as response:
+                assert response.status == 404
+        async with asyncio.timeout(30):
+            while "no-such-route-marker" not in server.log:
+                await asyncio.sleep(0.05)
+        # Neither the boot's no-op upgrade nor a readiness probe's schema check logs.
+        assert alembic_lines(server) == [], server.log
+
+
 async def test_boot_refuses_a_schema_newer_than_the_code(tmp_path: Path) -> None:
     database = tmp_path / "newer.db"
     url = f"sqlite:///{database}"
