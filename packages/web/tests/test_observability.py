@@ -214,6 +214,31 @@ def test_text_format_appends_the_request_id() -> None:
     assert outside.endswith("haru_web.tests: outside")
 
 
+def test_text_format_appends_context_fields_once_and_escaped() -> None:
+    stream = io.StringIO()
+    root = logging.getLogger()
+    before = (list(root.handlers), root.level)
+    handler = configure_logging(log_format="text", level=logging.INFO, stream=stream)
+    fields = {"fleet": "local", "domain": "beta", "domain_id": "d1", "operation_id": "o1"}
+    try:
+        with request_id_scope("text-2"):
+            log.info("step done", extra={**fields, "step": "probe"})
+        log.info("proxy fleet=%s", "local", extra={"fleet": "local", "model": "m"})
+        log.info("odd", extra={"fleet": "a\nb"})
+    finally:
+        root.removeHandler(handler)
+        for old in before[0]:
+            root.addHandler(old)
+        root.setLevel(before[1])
+    step, proxy, odd = stream.getvalue().splitlines()
+    assert step.endswith(
+        "step done fleet=local domain=beta domain_id=d1 operation_id=o1 step=probe "
+        "request_id=text-2"
+    )
+    assert proxy.endswith("haru_web.tests: proxy fleet=local")  # spelled out once
+    assert odd.endswith("haru_web.tests: odd fleet=a\\nb")
+
+
 _RFC3339_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 
 

@@ -69,6 +69,8 @@ _STANDARD_ATTRS: Final = frozenset(logging.LogRecord("", 0, "", 0, "", None, Non
     "asctime",
 }
 _TRACE_INDENT: Final = "    "
+_TEXT_FIELDS: Final = ("fleet", "domain", "domain_id", "operation_id", "step")
+"""Extra fields the text format appends as ``key=value`` (JSON lines carry every extra)."""
 
 
 def _escape_char(match: re.Match[str]) -> str:
@@ -183,7 +185,10 @@ class RequestIdFilter(logging.Filter):
 
 
 class TextFormatter(logging.Formatter):
-    """The human format, with ``request_id=...`` appended when the line has one.
+    """The human format, with the line's context fields appended as ``key=value``.
+
+    They are ``fleet``, ``domain``, ``domain_id``, ``operation_id``, ``step`` (reconciler
+    lines) and ``request_id``, each when the line has it.
 
     Control characters are escaped and a traceback's lines are indented: one record, one
     line starting at column 0.
@@ -202,11 +207,20 @@ class TextFormatter(logging.Formatter):
 
     def _line(self, record: logging.LogRecord) -> str:
         line = super().format(record)
+        # A field the message already spells out as key=value (the proxy's access line) once.
+        fields = [
+            f" {key}={value}"
+            for key in _TEXT_FIELDS
+            if (value := getattr(record, key, None)) is not None
+            and f"{key}=" not in str(record.msg)
+        ]
         rid = getattr(record, "request_id", None)
-        if rid is None:
+        if rid is not None:
+            fields.append(f" request_id={rid}")
+        if not fields:
             return line
         head, newline, trace = line.partition("\n")
-        return f"{head} request_id={rid}{newline}{trace}"
+        return f"{head}{''.join(fields)}{newline}{trace}"
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
         return _rfc3339(record)
