@@ -7,6 +7,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
 
 import aiohttp
 import pytest
@@ -14,6 +15,7 @@ from aiohttp import web
 from haru_protocol import MAX_REQUEST_ID_LENGTH, REQUEST_ID_HEADER, ErrorCode, is_request_id
 from haru_web import (
     ApiError,
+    LogFormat,
     ServerLimits,
     accept_request_id,
     add_metrics_route,
@@ -210,6 +212,55 @@ def test_text_format_appends_the_request_id() -> None:
     inside, outside = stream.getvalue().splitlines()
     assert inside.endswith("haru_web.tests: inside request_id=text-1")
     assert outside.endswith("haru_web.tests: outside")
+
+
+def test_text_format_appends_context_fields_once_and_escaped() -> None:
+    stream = io.StringIO()
+    root = logging.getLogger()
+    before = (list(root.handlers), root.level)
+    handler = configure_logging(log_format="text", level=logging.INFO, stream=stream)
+    fields = {"fleet": "local", "domain": "beta", "domain_id": "d1", "operation_id": "o1"}
+    try:
+        with request_id_scope("text-2"):
+            log.info("step done", extra={**fields, "step": "probe"})
+        log.info("proxy fleet=%s", "local", extra={"fleet": "local", "model": "m"})
+        log.info("odd", extra={"fleet": "a\nb"})
+    finally:
+        root.removeHandler(handler)
+        for old in before[0]:
+            root.addHandler(old)
+        root.setLevel(before[1])
+    step, proxy, odd = stream.getvalue().splitlines()
+    assert step.endswith(
+        "step done fleet=local domain=beta domain_id=d1 operation_id=o1 step=probe "
+        "request_id=text-2"
+    )
+    assert proxy.endswith("haru_web.tests: proxy fleet=local")  # spelled out once
+    assert odd.endswith("haru_web.tests: odd fleet=a\\nb")
+
+
+_RFC3339_UTC = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_times_are_rfc3339_utc_with_milliseconds(log_format: LogFormat) -> None:
+    stream = io.StringIO()
+    root = logging.getLogger()
+    before = (list(root.handlers), root.level)
+    handler = configure_logging(log_format=log_format, level=logging.INFO, stream=stream)
+    try:
+        earliest = datetime.now(UTC).replace(microsecond=0)
+        log.info("stamped")
+        latest = datetime.now(UTC)
+    finally:
+        root.removeHandler(handler)
+        for old in before[0]:
+            root.addHandler(old)
+        root.setLevel(before[1])
+    line = stream.getvalue().rstrip("\n")
+    stamp = json.loads(line)["time"] if log_format == "json" else line.split(" ", 1)[0]
+    assert _RFC3339_UTC.fullmatch(stamp), line
+    assert earliest <= datetime.fromisoformat(stamp) <= latest, (stamp, earliest, latest)
 
 
 async def test_metrics_behind_the_token_unless_public() -> None:

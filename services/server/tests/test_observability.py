@@ -299,6 +299,25 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
         r for r in records if r["logger"] == "haru_supervisor.admin" and r["action"] == "wake"
     )
     assert wake["request_id"] in promote_ids
+    # The reconciler's lines about the promotion name its fleet, target domain, operation and
+    # step as fields, not only inside the message text.
+    assert operation is not None
+    about = [
+        r
+        for r in records
+        if r["logger"].startswith(("haru_server._reconciler", "haru_server._steps"))
+        and operation["id"] in r["message"]
+    ]
+    assert len(about) >= 5, about
+    for record in about:
+        assert record["fleet"] == "local", record
+        assert record["fleet_id"] == str(snapshot.id), record
+        assert record["domain"] == "beta", record
+        assert record["domain_id"] == str(beta), record
+        assert record["operation_id"] == operation["id"], record
+        assert record["operation_kind"] == "promote", record
+    steps = {r["step"] for r in about if "done, next" in r["message"]}
+    assert {"stop_training", "verify_gpu", "wake_vllm", "probe"} <= steps, steps
     # No token, prompt or answer text anywhere in the log.
     answer = first["choices"][0]["message"]["content"]
     assert len(answer) >= 8

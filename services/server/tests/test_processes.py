@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -112,6 +113,63 @@ async def test_boot_rejects_bad_numbers_clearly() -> None:
     assert "Traceback" not in server.log
 
 
+async def test_fatal_start_up_errors_are_one_json_line_in_json_mode() -> None:
+    async with haru_serve(
+        {"PORT": "eighty", "HARU_LOG_FORMAT": "json"}, expect_listening=False
+    ) as server:
+        async with asyncio.timeout(30):
+            code = await server.process.wait()
+    assert code == 2
+    assert len(server.lines) == 1, server.log
+    record = json.loads(server.lines[0])
+    assert record["level"] == "CRITICAL"
+    assert record["message"].startswith("invalid environment: ")
+    assert "PORT" in record["message"]
+
+
+async def test_a_port_in_use_is_one_json_line_in_json_mode(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"PORT": str(port), "HARU_HOST": "127.0.0.1", "HARU_LOG_FORMAT": "json"}
+        async with haru_serve(env, expect_listening=False, cwd=tmp_path) as server:
+            async with asyncio.timeout(30):
+                code = await server.process.wait()
+    assert code == 1
+    records = [json.loads(line) for line in server.lines]  # every line is JSON
+    fatal = [r for r in records if r["level"] == "CRITICAL"]
+    assert len(fatal) == 1, server.log
+    assert fatal[0]["message"].startswith("cannot start: ")
+    assert str(port) in fatal[0]["message"]
+
+
+async def test_alembic_logs_only_migrations_that_change_the_schema(tmp_path: Path) -> None:
+    env = {"PORT": "0", "HARU_LOG_FORMAT": "json", "DATABASE_URL": str(tmp_path / "haru.db")}
+
+    def alembic_lines(server: ServerProcess) -> list[dict[str, Any]]:
+        records = [json.loads(line) for line in server.lines]
+        return [r for r in records if r["logger"].startswith("alembic")]
+
+    async with haru_serve(env) as first:
+        pass
+    # The first boot migrates a new store: Alembic says so.
+    assert any("Running upgrade" in r["message"] for r in alembic_lines(first)), first.log
+    async with haru_serve(env) as server:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(2):
+                async with http.get(f"{server.url}/readyz") as response:
+                    assert response.status == 200
+            # A line written after the probes': once it is read, theirs would have been too.
+            async with http.get(f"{server.url}/no-such-route-marker") as response:
+                assert response.status == 404
+        async with asyncio.timeout(30):
+            while "no-such-route-marker" not in server.log:
+                await asyncio.sleep(0.05)
+        # Neither the boot's no-op upgrade nor a readiness probe's schema check logs.
+        assert alembic_lines(server) == [], server.log
+
+
 async def test_boot_refuses_a_schema_newer_than_the_code(tmp_path: Path) -> None:
     database = tmp_path / "newer.db"
     url = f"sqlite:///{database}"
@@ -208,7 +266,7 @@ async def test_the_reconcile_loop_runs_by_default_and_off_turns_it_off(
     off = {"DATABASE_URL": url, "PORT": "0", "HARU_RECONCILE_INTERVAL_MS": "off"}
     async with haru_serve(off) as server, aiohttp.ClientSession() as http:
         async with http.get(f"{server.url}/readyz") as response:
-            assert (await response.json())["checks"] == ["state store", "schema at head"]
+            assert (await response.json())["checks"] == ["state store", "schema at head", "clock"]
         async with http.get(f"{server.url}/v1/fleets/local") as response:
             body = await response.json()
         assert body["reconciled"] is None

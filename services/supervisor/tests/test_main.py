@@ -286,6 +286,19 @@ async def test_an_invalid_config_exits_with_a_usage_error(launch: Any) -> None:
     assert "HARU_SUPERVISOR_CONFIG: inline JSON is invalid" in supervisor.log
 
 
+async def test_an_invalid_environment_is_one_json_line_in_json_mode(launch: Any) -> None:
+    supervisor = await launch(
+        _base_env(HARU_SUPERVISOR_CONFIG='{"slots": []}', HARU_LOG_FORMAT="json"), wait=False
+    )
+    assert await asyncio.wait_for(supervisor.process.wait(), 15) == 2
+    await asyncio.gather(*supervisor.readers)
+    assert len(supervisor.lines) == 1, supervisor.log
+    record = json.loads(supervisor.lines[0])
+    assert record["level"] == "CRITICAL"
+    assert record["logger"] == "haru_supervisor"
+    assert "HARU_SUPERVISOR_CONFIG: inline JSON is invalid" in record["message"]
+
+
 async def test_an_open_network_bind_without_the_opt_in_is_refused_at_boot(launch: Any) -> None:
     config = (
         '{"slots": [{"kind": "inference", "gpuIndex": 0, "models": [{"name": "m", "port": 9}]}]}'

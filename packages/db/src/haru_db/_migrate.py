@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 from alembic import command
@@ -26,6 +29,29 @@ SCRIPT_LOCATION = "haru_db:migrations"
 # Serialises concurrent upgrades (several server replicas booting at once) on PostgreSQL.
 # SQLite needs nothing: the whole upgrade is one BEGIN IMMEDIATE transaction.
 _POSTGRES_MIGRATION_LOCK = 0x68617275  # "haru"
+
+# Alembic's migration context says at INFO which dialect it drives on every configure: a
+# schema check (each /readyz) or a no-op upgrade would log two lines that say nothing.
+_quiet_alembic: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "haru_quiet_alembic", default=False
+)
+
+
+class _QuietAlembic(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or not _quiet_alembic.get()
+
+
+logging.getLogger("alembic.runtime.migration").addFilter(_QuietAlembic())
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    token = _quiet_alembic.set(True)
+    try:
+        yield
+    finally:
+        _quiet_alembic.reset(token)
 
 
 def alembic_config() -> Config:
@@ -114,7 +140,8 @@ async def check_schema(url: str | None) -> None:
 
 
 def _current_revision(connection: Connection) -> str | None:
-    return MigrationContext.configure(connection).get_current_revision()
+    with _quiet():
+        return MigrationContext.configure(connection).get_current_revision()
 
 
 async def _run(url: str | None, direction: str, revision: str) -> None:
@@ -136,6 +163,10 @@ def _migrate_sync(connection: Connection, direction: str, revision: str, url: st
     current = _current_revision(connection)
     if current is not None and not _known(current):
         raise SchemaTooNewError(current)
+    if current == {"head": head_revision(), "base": None}.get(revision, revision):
+        # Nothing to change (every boot of an up-to-date store): not worth an INFO line.
+        logger.debug("%s is at revision %s already", redact_database_url(url), current)
+        return
     logger.info(
         "migrating %s: %s from %s to %s",
         redact_database_url(url),

@@ -23,7 +23,8 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
 from typing import Any, Final, Literal, TextIO
 
 from aiohttp import web
@@ -68,6 +69,8 @@ _STANDARD_ATTRS: Final = frozenset(logging.LogRecord("", 0, "", 0, "", None, Non
     "asctime",
 }
 _TRACE_INDENT: Final = "    "
+_TEXT_FIELDS: Final = ("fleet", "domain", "domain_id", "operation_id", "step")
+"""Extra fields the text format appends as ``key=value`` (JSON lines carry every extra)."""
 
 
 def _escape_char(match: re.Match[str]) -> str:
@@ -97,6 +100,12 @@ def _escaped_copy(record: logging.LogRecord) -> logging.LogRecord:
             setattr(copy, key, escape_control(value))
     copy.exc_text = None  # formatted again by this formatter (another may have cached it raw)
     return copy
+
+
+def _rfc3339(record: logging.LogRecord) -> str:
+    # UTC with milliseconds and a "Z": one unambiguous, sortable time across hosts and zones.
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+    return f"{stamp}.{int(record.msecs):03d}Z"
 
 
 def _indented(trace: str) -> str:
@@ -176,7 +185,10 @@ class RequestIdFilter(logging.Filter):
 
 
 class TextFormatter(logging.Formatter):
-    """The human format, with ``request_id=...`` appended when the line has one.
+    """The human format, with the line's context fields appended as ``key=value``.
+
+    They are ``fleet``, ``domain``, ``domain_id``, ``operation_id``, ``step`` (reconciler
+    lines) and ``request_id``, each when the line has it.
 
     Control characters are escaped and a traceback's lines are indented: one record, one
     line starting at column 0.
@@ -195,11 +207,23 @@ class TextFormatter(logging.Formatter):
 
     def _line(self, record: logging.LogRecord) -> str:
         line = super().format(record)
+        # A field the message already spells out as key=value (the proxy's access line) once.
+        fields = [
+            f" {key}={value}"
+            for key in _TEXT_FIELDS
+            if (value := getattr(record, key, None)) is not None
+            and f"{key}=" not in str(record.msg)
+        ]
         rid = getattr(record, "request_id", None)
-        if rid is None:
+        if rid is not None:
+            fields.append(f" request_id={rid}")
+        if not fields:
             return line
         head, newline, trace = line.partition("\n")
-        return f"{head} request_id={rid}{newline}{trace}"
+        return f"{head}{''.join(fields)}{newline}{trace}"
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        return _rfc3339(record)
 
     def formatException(self, ei: Any) -> str:  # noqa: N802  (logging's name)
         return _indented(super().formatException(ei))
@@ -210,6 +234,9 @@ class TextFormatter(logging.Formatter):
 
 class _JsonFormatter(JsonFormatter):
     """python-json-logger's format, with the message and extras escaped like the text one."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802
+        return _rfc3339(record)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -314,3 +341,16 @@ def configure_logging(
     root.addHandler(handler)
     root.setLevel(level)
     return handler
+
+
+def configure_startup_logging(env: Mapping[str, str]) -> logging.Handler:
+    """Logging for a start-up error found before the settings could be read (a bad environment).
+
+    ``HARU_LOG_FORMAT`` is honoured when it is itself valid (else text), so a JSON deployment
+    gets its fatal error as one JSON line like every other.
+    """
+    try:
+        log_format = parse_log_format(env.get("HARU_LOG_FORMAT"))
+    except ValueError:
+        log_format = "text"
+    return configure_logging(log_format=log_format, level=logging.INFO)

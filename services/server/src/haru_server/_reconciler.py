@@ -83,6 +83,7 @@ from haru_web import request_id_scope
 
 from haru_server._clock import Clock, SkewGate
 from haru_server._errors import FleetNotFoundError
+from haru_server._logfields import log_fields
 from haru_server._metrics import ServerMetrics
 from haru_server._provisioning import Provisioner
 from haru_server._steps import (
@@ -370,6 +371,7 @@ class Reconciler:
             "clamped to now",
             fleet.slug,
             count,
+            extra=log_fields(fleet),
         )
         fresh = None if operation is None else await self._store.get_operation(operation.id)
         return await self._load(str(fleet.id)), fresh if fresh is not None else operation
@@ -408,7 +410,9 @@ class Reconciler:
 
     # ---- step 1: heartbeats ------------------------------------------------------------------
 
-    async def _poll(self, domain: DomainSnapshot, url: str) -> SupervisorStatus | _Refused | None:
+    async def _poll(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, url: str
+    ) -> SupervisorStatus | _Refused | None:
         try:
             status = await self._client.status(url, timeout_s=self._options.heartbeat_timeout_s)
         except SupervisorUnauthorizedError as exc:
@@ -418,10 +422,19 @@ class Reconciler:
             message = str(exc)
             if self._heartbeat_errors.get(domain.id) != message:
                 self._heartbeat_errors[domain.id] = message
-                logger.warning("heartbeat of domain %s failed: %s", domain.slug, message)
+                logger.warning(
+                    "heartbeat of domain %s failed: %s",
+                    domain.slug,
+                    message,
+                    extra=log_fields(fleet, domain=domain),
+                )
             return None
         if self._heartbeat_errors.pop(domain.id, None) is not None:
-            logger.info("heartbeat of domain %s answers again", domain.slug)
+            logger.info(
+                "heartbeat of domain %s answers again",
+                domain.slug,
+                extra=log_fields(fleet, domain=domain),
+            )
         return status
 
     async def _auth_verdict(
@@ -432,7 +445,11 @@ class Reconciler:
             if self._auth_failing.pop(domain.id, None) is None:
                 return
             self._auth_logged_at.pop(domain.id, None)
-            logger.warning("supervisor of domain %s accepts the server's token again", domain.slug)
+            logger.warning(
+                "supervisor of domain %s accepts the server's token again",
+                domain.slug,
+                extra=log_fields(fleet, domain=domain),
+            )
             await self._store.append_event(
                 fleet_id=fleet.id,
                 payload=DomainSupervisorAuthorized(),
@@ -453,6 +470,7 @@ class Reconciler:
                 domain.slug,
                 fleet.slug,
                 refused.message,
+                extra=log_fields(fleet, domain=domain),
             )
         if first:
             await self._store.append_event(
@@ -541,10 +559,15 @@ class Reconciler:
                 "over until one answers again",
                 fleet.slug,
                 len(polled),
+                extra=log_fields(fleet),
             )
         elif not partitioned and fleet.id in self._partitioned:
             self._partitioned.discard(fleet.id)
-            logger.info("fleet %s: supervisors answer this server again", fleet.slug)
+            logger.info(
+                "fleet %s: supervisors answer this server again",
+                fleet.slug,
+                extra=log_fields(fleet),
+            )
         return partitioned
 
     def _note_dead(
@@ -569,13 +592,18 @@ class Reconciler:
             )
             if since is None:
                 if self._dead.pop(domain.id, None) is not None:
-                    logger.info("domain %s: no longer proven dead", domain.slug)
+                    logger.info(
+                        "domain %s: no longer proven dead",
+                        domain.slug,
+                        extra=log_fields(fleet, domain=domain),
+                    )
                 continue
             if previous is None:
                 logger.warning(
                     "domain %s: every model's server refuses connections (%s); confirming",
                     domain.slug,
                     ", ".join(models),
+                    extra=log_fields(fleet, domain=domain),
                 )
             self._dead[domain.id] = (since, models)
 
@@ -622,7 +650,7 @@ class Reconciler:
                 poll.task.cancel()  # the supervisor moved (a relaunch): poll the new address
                 poll = None
             if poll is None:
-                task = asyncio.create_task(self._poll(domain, url))
+                task = asyncio.create_task(self._poll(fleet, domain, url))
                 self._polls[domain.id] = _PollInFlight(fleet.id, url, task)
                 if domain.id not in self._suspects:
                     started.append(task)
@@ -695,7 +723,11 @@ class Reconciler:
         )
         if moved:
             logger.info(
-                "domain %s: %s -> %s", domain.slug, change.from_state.value, change.to_state.value
+                "domain %s: %s -> %s",
+                domain.slug,
+                change.from_state.value,
+                change.to_state.value,
+                extra=log_fields(fleet, domain=domain),
             )
             await self._store.append_event(
                 fleet_id=fleet.id,
@@ -731,6 +763,7 @@ class Reconciler:
             "fleet %s: active domain proven dead (%s refuse connections); failed",
             fleet.slug,
             ", ".join(models),
+            extra=log_fields(fleet, domain=domain_id),
         )
         await self._store.append_event(
             fleet_id=fleet.id,
@@ -759,7 +792,11 @@ class Reconciler:
         )
         if not escalated:
             return fleet
-        logger.warning("fleet %s: degraded active domain escalated to failed", fleet.slug)
+        logger.warning(
+            "fleet %s: degraded active domain escalated to failed",
+            fleet.slug,
+            extra=log_fields(fleet, domain=fleet.active_domain_id),
+        )
         await self._store.append_event(
             fleet_id=fleet.id,
             payload=DomainDegradedEscalated(
@@ -792,6 +829,7 @@ class Reconciler:
                 fleet.slug,
                 decision.reason,
                 decision.target_domain_id,
+                extra=log_fields(fleet, operation=operation),
             )
             await self._store.append_event(
                 fleet_id=fleet.id,
@@ -864,6 +902,7 @@ class Reconciler:
                 decision.target_domain_id,
                 decision.reason,
                 operation.id,
+                extra=log_fields(fleet, operation=operation),
             )
             await self._store.append_event(
                 fleet_id=fleet.id,
@@ -1024,7 +1063,13 @@ class Reconciler:
         """
         match result:
             case Pending(reason=reason):
-                logger.debug("operation %s step %s pending: %s", operation.id, step.value, reason)
+                logger.debug(
+                    "operation %s step %s pending: %s",
+                    operation.id,
+                    step.value,
+                    reason,
+                    extra=log_fields(fleet, operation=operation, step=step),
+                )
                 return operation, False, False
             case Failed():
                 return await self._fail(fleet, operation, step, result)
@@ -1073,13 +1118,24 @@ class Reconciler:
             await self._degrade_source(fleet, operation, step, now)
             await self._event(fleet, operation, result.detail, now)
         if following is not None:
-            logger.info("operation %s: %s done, next %s", operation.id, step.value, following.value)
+            logger.info(
+                "operation %s: %s done, next %s",
+                operation.id,
+                step.value,
+                following.value,
+                extra=log_fields(fleet, operation=operation, step=step),
+            )
             return (
                 operation.model_copy(update={"current_step": following, "step_started_at": now}),
                 True,
                 False,
             )
-        logger.info("operation %s (%s) succeeded", operation.id, operation.kind.value)
+        logger.info(
+            "operation %s (%s) succeeded",
+            operation.id,
+            operation.kind.value,
+            extra=log_fields(fleet, operation=operation, step=step),
+        )
         if not inline:
             await self._event(fleet, operation, outcome, now)
         queued = False
@@ -1117,6 +1173,7 @@ class Reconciler:
             step.value,
             source,
             "degraded" if degraded else "left as is",
+            extra=log_fields(fleet, domain=source, operation=operation, step=step),
         )
         await self._event(
             fleet,
@@ -1154,6 +1211,7 @@ class Reconciler:
             step.value,
             result.code.value,
             result.message,
+            extra=log_fields(fleet, operation=operation, step=step),
         )
         await self._event(
             fleet,
@@ -1175,6 +1233,7 @@ class Reconciler:
                     "operation %s: target's supervisor refuses the server's token; its standby "
                     "posture is restored once the token is fixed (demote it then)",
                     operation.id,
+                    extra=log_fields(fleet, operation=operation, step=step),
                 )
             else:
                 # Whatever step failed (training stopped, vLLM woken, probe), a demote returns
@@ -1197,6 +1256,7 @@ class Reconciler:
             failed.target_domain_id,
             backoff.delay_ms,
             backoff.until.isoformat(),
+            extra=log_fields(fleet, operation=failed),
         )
         await self._event(
             fleet,
@@ -1231,6 +1291,7 @@ class Reconciler:
                 "waits until it is demotable",
                 cause.id,
                 decision.message,
+                extra=log_fields(fleet, domain=domain_id, operation=cause),
             )
             return False
         operation, created = await self._store.create_operation(
@@ -1242,7 +1303,11 @@ class Reconciler:
         if not created:
             return operation.state in (OperationState.PENDING, OperationState.RUNNING)
         logger.info(
-            "operation %s: demote %s queued to restore standby (%s)", cause.id, operation.id, reason
+            "operation %s: demote %s queued to restore standby (%s)",
+            cause.id,
+            operation.id,
+            reason,
+            extra=log_fields(fleet, operation=operation),
         )
         await self._event(
             fleet,

@@ -63,6 +63,7 @@ from haru_supervisor.client import (
     SupervisorUnauthorizedError,
 )
 
+from haru_server._logfields import log_fields
 from haru_server._route_cache import lease_guard_ms
 
 logger = logging.getLogger(__name__)
@@ -275,6 +276,10 @@ async def _fence(ctx: StepContext) -> SupervisorFence:
     return SupervisorFence(ctx.fleet.id, token)
 
 
+def _fields(ctx: StepContext) -> dict[str, str]:
+    return log_fields(ctx.fleet, domain=ctx.target, operation=ctx.operation, step=ctx.step)
+
+
 async def _call(ctx: StepContext, call: Awaitable[_T], *, target_side: bool) -> _T:
     try:
         return await call
@@ -286,7 +291,11 @@ async def _call(ctx: StepContext, call: Awaitable[_T], *, target_side: bool) -> 
         # Another process wrote the operation since this one read its token: never retried,
         # the next tick starts from the operation as the store has it.
         logger.warning(
-            "operation %s: lost the claim on %s: %s", ctx.operation.id, ctx.step.value, exc
+            "operation %s: lost the claim on %s: %s",
+            ctx.operation.id,
+            ctx.step.value,
+            exc,
+            extra=_fields(ctx),
         )
         raise _Outcome(Pending(f"lost the claim: {exc}")) from exc
     except SupervisorCallError as exc:
@@ -446,7 +455,9 @@ async def _gpu_holders(ctx: StepContext, url: str, held: Sequence[object]) -> st
     try:
         answer = await ctx.client.gpu_processes(url, timeout_s=HOLDERS_TIMEOUT_S)
     except SupervisorCallError as exc:  # an older supervisor (404) or a failed listing
-        logger.debug("cannot list the processes holding GPU(s) %s: %s", held, exc)
+        logger.debug(
+            "cannot list the processes holding GPU(s) %s: %s", held, exc, extra=_fields(ctx)
+        )
         return ""
     parts: list[str] = []
     for gpu in answer.gpus:

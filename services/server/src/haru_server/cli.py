@@ -279,7 +279,7 @@ def serve() -> None:
     import os
 
     from haru_db import HaruDbError
-    from haru_web import configure_logging
+    from haru_web import configure_logging, configure_startup_logging
 
     from haru_server._eventloop import run
     from haru_server._serve import run_server
@@ -289,7 +289,8 @@ def serve() -> None:
     try:
         settings = Settings.from_env(os.environ)
     except SettingsError as exc:
-        raise _fail(CliFailure(f"invalid environment: {exc}", code=2)) from None
+        configure_startup_logging(os.environ)
+        raise _fatal(f"invalid environment: {exc}", code=2) from None
     configure_logging(log_format=settings.log_format, level=settings.log_level, stream=sys.stderr)
     try:
         if settings.workers > 1:
@@ -299,11 +300,20 @@ def serve() -> None:
         else:
             run(run_server(settings))
     except SettingsError as exc:  # a TLS file that does not load
-        raise _fail(CliFailure(f"invalid environment: {exc}", code=2)) from None
+        raise _fatal(f"invalid environment: {exc}", code=2) from None
     except HaruDbError as exc:
-        raise _fail(CliFailure(f"cannot start: state store: {exc}", code=1)) from None
+        raise _fatal(f"cannot start: state store: {exc}", code=1) from None
     except OSError as exc:
-        raise _fail(CliFailure(f"cannot start: {exc}", code=1)) from None
+        raise _fatal(f"cannot start: {exc}", code=1) from None
+
+
+def _fatal(message: str, *, code: int) -> typer.Exit:
+    # Through the configured log handler, not the console: one line (a JSON one in JSON mode)
+    # that a log collector parses, never wrapped at the terminal's width.
+    import logging
+
+    logging.getLogger("haru_server").critical("%s", message)
+    return typer.Exit(code)
 
 
 # ---- db and seed -----------------------------------------------------------------------------

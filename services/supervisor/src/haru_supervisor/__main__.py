@@ -20,6 +20,7 @@ from haru_web import (
     StopSignals,
     TlsConfigError,
     configure_logging,
+    configure_startup_logging,
     is_loopback_bind,
     serving,
 )
@@ -133,7 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(os.environ)
     except SettingsError as exc:
-        sys.stderr.write(f"haru-supervisor: {exc}\n")
+        # Through the log formatter: one line (JSON in JSON mode) that a log collector parses.
+        configure_startup_logging(os.environ)
+        logger.critical("invalid environment: %s", exc)
         return EXIT_USAGE
     # Heartbeats poll /v1/status every few seconds: their access lines are DEBUG (haru-web).
     configure_logging(log_format=settings.log_format, level=settings.log_level, stream=sys.stderr)
