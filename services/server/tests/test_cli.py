@@ -353,7 +353,7 @@ async def test_server_and_layout_text_is_printed_verbatim_not_as_markup(tmp_path
 
 
 def _haru_piped(
-    *argv: str, cwd: Path | None = None, **env: str
+    *argv: str, cwd: Path | None = None, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     """``haru ARGV`` as a real process with stdout a pipe (as in ``haru ... | less``)."""
     return subprocess.run(
@@ -362,7 +362,7 @@ def _haru_piped(
         text=True,
         timeout=60,
         cwd=cwd,
-        env={"PATH": "/usr/bin:/bin", **env},
+        env={"PATH": "/usr/bin:/bin", **(env or {})},
         check=False,
     )
 
@@ -373,7 +373,7 @@ BOX_DRAWING = re.compile("[\u2500-\u257f]")
 async def test_piped_tables_are_plain_ascii(served: tuple[str, LocalFleet]) -> None:
     base, _fleet = served
     for argv in (["fleets"], ["fleet", "show", "local"]):
-        done = await asyncio.to_thread(_haru_piped, *argv, "--url", base, **AUTH_ENV)
+        done = await asyncio.to_thread(_haru_piped, *argv, "--url", base, env=AUTH_ENV)
         assert done.returncode == 0, done
         assert "local" in done.stdout
         assert "+--" in done.stdout  # the tables are there, drawn in ASCII
@@ -383,7 +383,9 @@ async def test_piped_tables_are_plain_ascii(served: tuple[str, LocalFleet]) -> N
 
 def test_seed_print_example_prints_the_layout_and_opens_no_database(tmp_path: Path) -> None:
     store = tmp_path / "never.db"
-    done = _haru_piped("seed", "--print-example", cwd=tmp_path, DATABASE_URL=f"sqlite:///{store}")
+    done = _haru_piped(
+        "seed", "--print-example", cwd=tmp_path, env={"DATABASE_URL": f"sqlite:///{store}"}
+    )
     assert done.returncode == 0, done
     assert json.loads(done.stdout) == json.loads(example_layout_json())
     assert list(tmp_path.iterdir()) == []  # nothing created, not even the default store
