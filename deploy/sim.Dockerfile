@@ -22,7 +22,7 @@ COPY --from=build /opt/haru /opt/haru
 COPY deploy/healthcheck.py /opt/haru/healthcheck.py
 # The demo's emulated nvidia-smi (standard library only): memory follows which emulated vLLM
 # servers are awake and which trainers run, as on a real GPU (GPU document: /etc/haru/gpus.json).
-COPY services/demo/src/haru_demo/_gpu.py /opt/haru/emulated_gpu.py
+COPY packages/sim/src/haru_sim/nvidia_smi.py /opt/haru/emulated_gpu.py
 COPY deploy/emulated/nvidia-smi /usr/local/bin/nvidia-smi
 ENV PATH=/opt/haru/bin:$PATH \
     PYTHONUNBUFFERED=1 \

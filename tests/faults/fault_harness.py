@@ -56,7 +56,6 @@ from haru_demo import (
     operation_budget_s,
     promote_budget_s,
 )
-from haru_demo._gpu import trainer_processes
 from haru_protocol import (
     Cloud,
     DomainLayout,
@@ -70,6 +69,7 @@ from haru_protocol import (
     TrainingSlotSpec,
     resolve_policy,
 )
+from haru_sim.nvidia_smi import trainer_processes
 
 TOKEN = "fault-harness-supervisor-token-0123"
 WRONG_TOKEN = "fault-harness-rotated-token-98765"

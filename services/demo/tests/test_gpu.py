@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from haru_demo._gpu import (
+from haru_demo._topology import GPU_SCRIPT
+from haru_sim import VllmSim, VllmSimConfig
+from haru_sim.nvidia_smi import (
     CONTEXT_MIB,
     GPU_TOTAL_MIB,
     TRAINER_MIB,
@@ -21,8 +23,6 @@ from haru_demo._gpu import (
     render,
     trainer_processes,
 )
-from haru_demo._topology import GPU_SCRIPT
-from haru_sim import VllmSim, VllmSimConfig
 from haru_supervisor import NVIDIA_SMI_ARGS, parse_nvidia_smi_memory
 
 QUERY = ["--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"]

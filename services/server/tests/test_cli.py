@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -348,3 +350,75 @@ async def test_server_and_layout_text_is_printed_verbatim_not_as_markup(tmp_path
     assert "train [red]arg[/red] :warning:" in shown.output
     assert missing.exit_code == 2
     assert "no domain '[red]gamma[/red]'" in " ".join(missing.output.split())
+
+
+def _haru_piped(
+    *argv: str, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``haru ARGV`` as a real process with stdout a pipe (as in ``haru ... | less``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "haru_server", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        env={"PATH": "/usr/bin:/bin", **(env or {})},
+        check=False,
+    )
+
+
+BOX_DRAWING = re.compile("[\u2500-\u257f]")
+
+
+async def test_piped_tables_are_plain_ascii(served: tuple[str, LocalFleet]) -> None:
+    base, _fleet = served
+    for argv in (["fleets"], ["fleet", "show", "local"]):
+        done = await asyncio.to_thread(_haru_piped, *argv, "--url", base, env=AUTH_ENV)
+        assert done.returncode == 0, done
+        assert "local" in done.stdout
+        assert "+--" in done.stdout  # the tables are there, drawn in ASCII
+        assert not BOX_DRAWING.search(done.stdout), done.stdout
+        assert done.stdout.isascii(), done.stdout
+
+
+def test_seed_print_example_prints_the_layout_and_opens_no_database(tmp_path: Path) -> None:
+    store = tmp_path / "never.db"
+    done = _haru_piped(
+        "seed", "--print-example", cwd=tmp_path, env={"DATABASE_URL": f"sqlite:///{store}"}
+    )
+    assert done.returncode == 0, done
+    assert json.loads(done.stdout) == json.loads(example_layout_json())
+    assert list(tmp_path.iterdir()) == []  # nothing created, not even the default store
+    refused = _haru_piped("seed", "--print-example", "layout.json", cwd=tmp_path)
+    assert refused.returncode == 2, refused
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_shell_completion_covers_builtin_and_registered_commands() -> None:
+    haru = str(Path(sys.executable).with_name("haru"))  # the installed console script
+    shown = subprocess.run(
+        [haru, "--show-completion", "bash"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    assert shown.returncode == 0, shown
+    assert "complete -o default -F _haru_completion haru" in shown.stdout
+    # What the installed script asks at each <TAB>: a registered command (demo) is offered too.
+    done = subprocess.run(
+        [haru],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "_HARU_COMPLETE": "complete_bash",
+            "COMP_WORDS": "haru de",
+            "COMP_CWORD": "1",
+        },
+        check=False,
+    )
+    assert done.returncode == 0, done
+    assert sorted(done.stdout.split()) == ["demo", "demote"]

@@ -32,7 +32,7 @@ def _env(**extra: str) -> dict[str, str]:
 def _row(table: str, key: str) -> list[str]:
     """The cells after ``key`` in its row of a rendered table."""
     line = next(line for line in table.splitlines() if f" {key} " in line)
-    cells = [cell.strip() for cell in line.strip().strip("│").split("│")]
+    cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
     assert cells[0] == key
     return cells[1:]
 

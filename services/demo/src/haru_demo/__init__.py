@@ -9,7 +9,8 @@ variant (emulated vLLM servers and supervisors in the caller's event loop) that 
 benchmarks use.
 """
 
-from haru_demo._gpu import EmulatedGpu, GpuModel, write_nvidia_smi
+from haru_sim.nvidia_smi import EmulatedGpu, GpuModel, write_nvidia_smi
+
 from haru_demo._procs import DemoError, find_stray_trainers, log_tail
 from haru_demo._scenario import fetch_events, operation_budget_s, promote_budget_s
 from haru_demo._topology import (

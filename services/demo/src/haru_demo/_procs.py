@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from haru_demo._gpu import trainer_processes
+from haru_sim.nvidia_smi import trainer_processes
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ each as its own process in its own session:
   ``example-chat-large`` on GPU 1); the standby's start asleep (``--start-asleep``);
 - one real supervisor (``python -m haru_supervisor``) per domain, whose training slots run the
   emulated trainer and whose GPU memory comes from an emulated ``nvidia-smi``
-  (:mod:`haru_demo._gpu`) first on its ``PATH``;
+  (:mod:`haru_sim.nvidia_smi`) first on its ``PATH``;
 - the real server (``python -m haru_server serve``) on the embedded SQLite default (a
   ``haru.db`` in the workdir, migrated and seeded with the example layout rewritten with the
   real ports, URLs and checkpoint directories) or on a given ``DATABASE_URL``, with its
@@ -69,9 +69,9 @@ from haru_protocol import (
     load_example_layout,
 )
 from haru_server.control_client import ControlApiError, ControlClient
+from haru_sim import nvidia_smi as _gpu
+from haru_sim.nvidia_smi import GPU_TOTAL_MIB, EmulatedGpu, GpuModel, write_nvidia_smi
 
-from haru_demo import _gpu
-from haru_demo._gpu import GPU_TOTAL_MIB, EmulatedGpu, GpuModel, write_nvidia_smi
 from haru_demo._procs import (
     ChildProcess,
     DemoError,

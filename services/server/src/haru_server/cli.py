@@ -92,6 +92,14 @@ def _console() -> Console:
     return console
 
 
+def _table(*headers: str, **options: Any) -> Table:
+    """A Rich table in plain ASCII when stdout is not a terminal (piped output stays 7-bit)."""
+    from rich import box
+    from rich.table import Table
+
+    return Table(*headers, box=box.HEAVY_HEAD if _console().is_terminal else box.ASCII, **options)
+
+
 def _escape(value: object) -> str:
     """``value`` as text that Rich prints verbatim (a server's ``[red]`` is not markup)."""
     from rich.markup import escape
@@ -520,6 +528,13 @@ def seed(
         ),
     ] = None,
     database_url: DatabaseOption = None,
+    print_example: Annotated[
+        bool,
+        typer.Option(
+            "--print-example",
+            help="Print the bundled example layout (JSON) and exit; opens no database.",
+        ),
+    ] = False,
 ) -> None:
     """Apply a fleet layout to the state store (idempotent, additive; migrates first).
 
@@ -527,6 +542,15 @@ def seed(
     differing keys are listed and the command exits 1 (change it with ``haru fleet policy set``).
     """
     import shlex
+
+    if print_example:
+        from haru_protocol import example_layout_json
+
+        if layout is not None:
+            raise typer.BadParameter("--print-example takes no layout file")
+        sys.stdout.write(example_layout_json())
+        sys.stdout.flush()
+        return
 
     from haru_db import StateStore, upgrade
     from haru_protocol import policy_differences, resolve_policy
@@ -615,8 +639,6 @@ def fleets(
     """List the fleets of the server with their active domain (by slug)."""
     import json
 
-    from rich.table import Table
-
     async def go() -> None:
         async with _client(url, token) as client:
             listing = await client.fleets()
@@ -634,7 +656,7 @@ def fleets(
                 entry["activeDomainSlug"] = slugs[entry["id"]]
             _print_json(json.dumps(document))
             return
-        table = Table("slug", "id", "active domain", "route revision")
+        table = _table("slug", "id", "active domain", "route revision")
         for fleet in listing.fleets:
             table.add_row(
                 *_cells(
@@ -661,11 +683,10 @@ def _ago(at: datetime | None) -> str:
 def render_fleet(fleet: FleetSnapshot) -> list[Table]:
     """The fleet as two tables: its domains, then their slots."""
     from haru_core import is_active
-    from rich.table import Table
     from rich.text import Text
 
     shown = fleet.slug if fleet.display_name is None else f"{fleet.slug} ({fleet.display_name})"
-    domains = Table(
+    domains = _table(
         "domain",
         "role",
         "state",
@@ -674,7 +695,7 @@ def render_fleet(fleet: FleetSnapshot) -> list[Table]:
         "last seen",
         title=Text(f"fleet {shown}"),
     )
-    slots = Table("domain", "gpu", "kind", "state", "models / command")
+    slots = _table("domain", "gpu", "kind", "state", "models / command")
     for domain in fleet.domains:
         role = "[bold green]active[/]" if is_active(fleet, domain) else "standby"
         domains.add_row(
@@ -709,10 +730,9 @@ def render_fleet(fleet: FleetSnapshot) -> list[Table]:
 def render_policy(policy: Policy) -> Table:
     """The resolved policy, one key a line, with the default where the value differs."""
     from haru_protocol import Policy, policy_differences
-    from rich.table import Table
 
     defaults = {key: value for key, _, value in policy_differences(policy, Policy())}
-    table = Table("policy key", "value", "default", title="policy (resolved)")
+    table = _table("policy key", "value", "default", title="policy (resolved)")
     for key, value in policy.model_dump(mode="json").items():
         entries = value.items() if isinstance(value, dict) else [(None, value)]
         for inner, shown in entries:
@@ -1296,7 +1316,7 @@ def build_app(entries: Sequence[metadata.EntryPoint] | None = None) -> typer.Typ
         name="haru",
         help="Haru: hot Active/Standby failover for self-hosted LLM inference.",
         no_args_is_help=True,
-        add_completion=False,
+        add_completion=True,
         pretty_exceptions_enable=False,
         cls=_group_class(discover_commands if entries is None else lambda: entries),
     )

@@ -1,10 +1,12 @@
-"""An emulated ``nvidia-smi`` memory query for the demo's supervisors (no GPU needed).
+"""An emulated ``nvidia-smi`` for running ``haru-supervisor`` without a GPU.
 
-The demo puts a small ``nvidia-smi`` wrapper first on each supervisor's ``PATH``; it runs this
-file as a script, ``python -I -S _gpu.py GPU_JSON <nvidia-smi arguments>`` (standard
-library only, so it starts in milliseconds). The supervisor then reads
-GPU memory through its real ``nvidia-smi`` path (SPEC 6.6), and the numbers follow what really
-runs on that emulated GPU, so ``verify_gpu`` proves something:
+Two ways to run it: the ``haru-sim-nvidia-smi`` console script (linked or wrapped as
+``nvidia-smi`` first on the supervisor's ``PATH``; the GPU document from ``HARU_SIM_GPUS``), or
+this file as a script, ``python -I -S nvidia_smi.py GPU_JSON <nvidia-smi arguments>``
+(standard library only, so it starts in milliseconds: what ``haru demo`` and
+``deploy/sim.Dockerfile`` do). The supervisor then reads GPU memory through its real
+``nvidia-smi`` path, and the numbers follow what really runs on that emulated GPU, so
+``verify_gpu`` proves something:
 
 - every GPU holds a small CUDA context;
 - every awake emulated vLLM server on it holds its share of the GPU (asleep at level 1, weights
@@ -13,8 +15,11 @@ runs on that emulated GPU, so ``verify_gpu`` proves something:
   holds its training memory (found through ``/proc``; on systems without it, trainers are not
   seen).
 
-Only the query the supervisor makes is answered (``--query-gpu=index,memory.used,memory.total
---format=csv,noheader,nounits``); anything else exits 2, as a real tool rejects bad flags.
+The queries the supervisor makes are answered, all with ``--format=csv,noheader,nounits``:
+``--query-gpu=index,memory.used,memory.total`` (memory), ``--query-gpu=index,uuid`` and
+``--query-compute-apps=pid,gpu_uuid,used_memory`` (the trainers as compute processes; emulated
+vLLM servers have no pid to report); anything else exits 2, as a real tool rejects bad flags.
+Without a GPU document there is one 80 GiB GPU, index 0, with nothing on it but trainers.
 """
 
 from __future__ import annotations
@@ -40,7 +45,11 @@ TRAINER_MIB: Final = 40_960
 """What a LoRA trainer takes in the VRAM that sleep freed."""
 
 _QUERY: Final = "--query-gpu=index,memory.used,memory.total"
+_UUID_QUERY: Final = "--query-gpu=index,uuid"
+_APPS_QUERY: Final = "--query-compute-apps=pid,gpu_uuid,used_memory"
 _FORMAT: Final = "--format=csv,noheader,nounits"
+GPUS_VAR: Final = "HARU_SIM_GPUS"
+"""Path of the GPU document (:func:`dump_gpus`) for the console script."""
 _IS_SLEEPING_TIMEOUT_S: Final = 0.5
 
 
@@ -79,7 +88,7 @@ def write_nvidia_smi(bin_dir: Path, gpus: Sequence[EmulatedGpu]) -> Path:
     """Write the emulated ``nvidia-smi`` for ``gpus`` into ``bin_dir`` (put it first on a PATH).
 
     The wrapper runs this module as a script in isolated mode without site-packages: it needs
-    only the standard library, and importing the haru_demo package would cost a second per
+    only the standard library, and importing the haru_sim package (aiohttp) would cost a second per
     GPU query. The GPU document sits next to it as ``gpus.json``.
 
     Returns:
@@ -201,24 +210,49 @@ def render(gpus: Sequence[EmulatedGpu]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def gpu_uuid(gpu: EmulatedGpu) -> str:
+    """A stable uuid for ``gpu``, shaped like the driver's."""
+    return f"GPU-00000000-0000-4000-8000-{gpu.index:012d}"
+
+
+def render_uuids(gpus: Sequence[EmulatedGpu]) -> str:
+    """The CSV of ``--query-gpu=index,uuid``."""
+    return "".join(f"{g.index}, {gpu_uuid(g)}\n" for g in gpus)
+
+
+def render_apps(gpus: Sequence[EmulatedGpu]) -> str:
+    """The CSV of ``--query-compute-apps``: each live trainer on its GPU (empty: none)."""
+    by_dir = {g.checkpoint_dir: g for g in gpus if g.checkpoint_dir is not None}
+    lines = [
+        f"{pid}, {gpu_uuid(by_dir[directory])}, {TRAINER_MIB}"
+        for pid, directory in sorted(trainer_processes().items())
+        if directory in by_dir
+    ]
+    return "".join(line + "\n" for line in lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python _demo_gpu.py GPU_JSON ARGS...``."""
+    """``haru-sim-nvidia-smi ARGS...`` or ``python nvidia_smi.py GPU_JSON ARGS...``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args:
-        sys.stderr.write("usage: python _demo_gpu.py GPU_JSON NVIDIA_SMI_ARGS...\n")
-        return 2
-    path, flags = Path(args[0]), args[1:]
-    if _QUERY not in flags or _FORMAT not in flags:
-        sys.stderr.write(
-            f"emulated nvidia-smi: only '{_QUERY} {_FORMAT}' is supported, got {flags!r}\n"
-        )
+    path: Path | None = None
+    if args and not args[0].startswith("-"):
+        path, args = Path(args[0]), args[1:]
+    elif os.environ.get(GPUS_VAR):
+        path = Path(os.environ[GPUS_VAR])
+    queries = {_QUERY: render, _UUID_QUERY: render_uuids, _APPS_QUERY: render_apps}
+    asked = [flag for flag in args if flag in queries]
+    if len(asked) != 1 or _FORMAT not in args or len(args) != 2:
+        supported = ", ".join(f"'{query} {_FORMAT}'" for query in queries)
+        sys.stderr.write(f"emulated nvidia-smi: only {supported} are supported, got {args!r}\n")
         return 2
     try:
-        gpus = load_gpus(path.read_text(encoding="utf-8"))
+        gpus = (
+            (EmulatedGpu(index=0),) if path is None else load_gpus(path.read_text(encoding="utf-8"))
+        )
     except (OSError, ValueError) as exc:
         sys.stderr.write(f"emulated nvidia-smi: cannot read {path}: {exc}\n")
         return 9
-    sys.stdout.write(render(gpus))
+    sys.stdout.write(queries[asked[0]](gpus))
     return 0
 
 
