@@ -24,7 +24,15 @@ def _section(text: str, title: str) -> str:
 
 def test_running_haru_for_real_uses_uv_run() -> None:
     section = _section((ROOT / "README.md").read_text(encoding="utf-8"), "Running Haru for real")
-    spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", section)]
+    # Fenced blocks first (their triple backticks would pair the inline spans wrongly): every
+    # line of them that runs a script runs it through `uv run` too.
+    fenced = re.findall(r"^```[^\n]*\n(.*?)^```", section, flags=re.MULTILINE | re.DOTALL)
+    assert fenced, "the section shows no command block"
+    for line in (line for block in fenced for line in block.splitlines()):
+        for match in _COMMAND.finditer(line.split("#", 1)[0]):
+            assert line[: match.start(1)].endswith("uv run "), line
+    inline = re.sub(r"^```[^\n]*\n.*?^```", "", section, flags=re.MULTILINE | re.DOTALL)
+    spans = [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", inline)]
     commands = [span for span in spans if _COMMAND.search(span)]
     assert commands, "the section names no command"
     bare = [
