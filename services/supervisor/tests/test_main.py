@@ -227,15 +227,11 @@ async def test_with_a_token_it_listens_everywhere_and_checks_it(
         async with http.get("/v1/status", headers={"Authorization": f"Bearer {token}"}) as response:
             assert response.status == 200
             body = await response.json()
-    # Nothing listens on the model's port: its sleep state proves nothing.
+    # Nothing listens on the model's port: its sleep state proves nothing, and the refused
+    # connection says the server is down.
+    model = {"name": "m", "port": port, "sleeping": None, "vllmVersion": None, "down": True}
     assert body == {
-        "slots": [
-            {
-                "gpuIndex": 0,
-                "kind": "inference",
-                "models": [{"name": "m", "port": port, "sleeping": None, "vllmVersion": None}],
-            }
-        ],
+        "slots": [{"gpuIndex": 0, "kind": "inference", "models": [model]}],
         "ready": False,
     }
     supervisor.process.send_signal(signal.SIGINT)
