@@ -16,18 +16,23 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 
 import aiohttp
-from haru_core import CreateOperation, decide_promotion, layout_id, plan_for, snapshot_from_layout
-from haru_protocol import (
-    DomainSnapshot,
-    DomainState,
-    FleetLayout,
-    OperationStep,
-    TrainingRunState,
+from haru_core import (
+    CreateOperation,
+    decide_promotion,
+    gpus_not_released,
+    layout_id,
+    models_not_in,
+    plan_for,
+    snapshot_from_layout,
+    training_not_idle,
+    training_not_running,
 )
+from haru_protocol import DomainSnapshot, DomainState, FleetLayout, OperationStep
 from haru_supervisor.client import SupervisorCallError, SupervisorClient
 
 
@@ -45,16 +50,41 @@ async def observe(client: SupervisorClient, layout: FleetLayout) -> dict[str, Do
     return states
 
 
-async def wait_training_idle(client: SupervisorClient, url: str, timeout_s: float) -> None:
-    """Poll the supervisor until no training run is left (the GPUs are free)."""
+async def prove(
+    what: str, check: Callable[[], Awaitable[Sequence[object]]], timeout_s: float
+) -> None:
+    """Poll ``check`` until it names nothing left unproven (haru-core's proofs), or give up."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = await client.status(url, timeout_s=10)
-        runs = [slot.training for slot in status.slots if slot.training is not None]
-        if all(run.state is TrainingRunState.IDLE for run in runs):
-            return
+    while left := await check():
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"{what} not proven after {timeout_s:.0f}s: {list(left)}")
         await asyncio.sleep(0.1)
-    raise TimeoutError(f"training on {url} did not stop in {timeout_s}s")
+
+
+class Proofs:
+    """What one domain's supervisor does not prove yet, per step (empty = proven)."""
+
+    def __init__(self, client: SupervisorClient, domain: DomainSnapshot) -> None:
+        assert domain.supervisor_url is not None
+        self.client, self.domain, self.url = client, domain, domain.supervisor_url
+
+    async def training_left(self) -> list[int]:
+        return training_not_idle(self.domain, await self.client.status(self.url, timeout_s=10))
+
+    async def training_not_started(self) -> list[int]:
+        status = await self.client.status(self.url, timeout_s=10)
+        return training_not_running(self.domain, status)
+
+    async def gpus_held(self) -> list[int]:
+        return gpus_not_released(self.domain, await self.client.gpu_memory(self.url, timeout_s=10))
+
+    async def not_awake(self) -> list[str]:
+        status = await self.client.status(self.url, timeout_s=10)
+        return models_not_in(self.domain, status, asleep=False)
+
+    async def not_asleep(self) -> list[str]:
+        status = await self.client.status(self.url, timeout_s=10)
+        return models_not_in(self.domain, status, asleep=True)
 
 
 async def promote(layout: FleetLayout, target: str, *, token: str | None) -> FleetLayout:
@@ -78,21 +108,23 @@ async def promote(layout: FleetLayout, target: str, *, token: str | None) -> Fle
             assert domain.supervisor_url is not None
             return domain.supervisor_url
 
-        # 3. The plan, step by step, each one a supervisor call.
+        wanted = Proofs(client, new)
+        source = Proofs(client, old) if old is not None else None
+
+        # 3. The plan, step by step: a supervisor call, then the proof the server waits for.
         for step in plan_for(decision.kind):
             match step:
                 case OperationStep.STOP_TRAINING:
                     grace = policy.training_stop_grace_ms
                     await client.stop_training(url_of(new), timeout_s=10, grace_ms=grace)
-                    await wait_training_idle(client, url_of(new), grace / 1000 + 10)
+                    budget_s = policy.stop_training_timeout_ms / 1000
+                    await prove("training stopped", wanted.training_left, budget_s)
                 case OperationStep.VERIFY_GPU:
-                    memory = await client.gpu_memory(url_of(new), timeout_s=10)
-                    print(
-                        "  gpus:",
-                        ", ".join(f"{g.index}: {g.used_mib:.0f} MiB" for g in memory.gpus),
-                    )
+                    budget_s = policy.verify_gpu_timeout_ms / 1000
+                    await prove("GPU memory released", wanted.gpus_held, budget_s)
                 case OperationStep.WAKE_VLLM:
                     await client.wake(url_of(new), timeout_s=policy.wake_timeout_ms / 1000)
+                    await prove("models awake", wanted.not_awake, policy.wake_timeout_ms / 1000)
                 case OperationStep.PROBE:
                     probe = await client.probe(
                         url_of(new),
@@ -105,10 +137,16 @@ async def promote(layout: FleetLayout, target: str, *, token: str | None) -> Fle
                 case OperationStep.SWITCH_ACTIVE:
                     # The commit point: point your router at the new domain here.
                     layout = layout.model_copy(update={"active_domain_slug": new.slug})
-                case OperationStep.DEMOTE_OLD_SLEEP if old is not None:
-                    await client.sleep(url_of(old), timeout_s=policy.sleep_timeout_ms / 1000)
-                case OperationStep.DEMOTE_OLD_TRAIN if old is not None:
-                    await client.start_training(url_of(old), timeout_s=10)
+                case OperationStep.DEMOTE_OLD_SLEEP if source is not None:
+                    # Once your router no longer sends it requests: drain, then sleep.
+                    budget_s = policy.sleep_timeout_ms / 1000
+                    drain_ms = policy.sleep_timeout_ms * 3 // 4
+                    await client.sleep(source.url, timeout_s=budget_s, drain_timeout_ms=drain_ms)
+                    await prove("old models asleep", source.not_asleep, budget_s)
+                case OperationStep.DEMOTE_OLD_TRAIN if source is not None:
+                    await client.start_training(source.url, timeout_s=10)
+                    budget_s = policy.start_training_timeout_ms / 1000
+                    await prove("training running", source.training_not_started, budget_s)
             print(f"  done  {step.value}")
     return layout
 

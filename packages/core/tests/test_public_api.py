@@ -26,6 +26,14 @@ ALLOWED_IMPORTS = {
 
 # The contract other packages code against (CORE_API); removing a name breaks them.
 CONTRACT = {
+    "GPU_RELEASED_RATIO",
+    "training_not_idle",
+    "training_not_running",
+    "models_not_in",
+    "gpus_not_released",
+    "ROUTE_READ_BOUND_MS",
+    "ROUTE_GUARD_MARGIN_MS",
+    "lease_guard_ms",
     "DOMAIN_TRANSITIONS",
     "INFERENCE_TRANSITIONS",
     "TRAINING_TRANSITIONS",

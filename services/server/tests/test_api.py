@@ -12,6 +12,7 @@ import pytest
 import sqlalchemy as sa
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient
+from haru_core import lease_guard_ms
 from haru_db import StateStore
 from haru_db.testing import DatabaseUrlFactory, confirm_domains
 from haru_demo.localfleet import LocalFleet
@@ -28,7 +29,6 @@ from haru_protocol import (
 from haru_server._app import create_app
 from haru_server._clock import ManualClock
 from haru_server._keys import store_key
-from haru_server._route_cache import lease_guard_ms
 from haru_server._settings import Settings
 from haru_server.cli import format_event
 from haru_web import error_middleware

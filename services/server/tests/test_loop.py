@@ -12,6 +12,7 @@ from uuid import UUID
 import aiohttp
 import pytest
 from aiohttp import web
+from haru_core import lease_guard_ms
 from haru_db import StateStore, StateStoreUnavailableError
 from haru_db.testing import confirm_domains
 from haru_demo.localfleet import LocalFleet
@@ -28,7 +29,6 @@ from haru_server._clock import ManualClock
 from haru_server._keys import kick_fleet_key, loop_key
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
 from haru_server._reconciler import Accepted, Reconciler, TickResult
-from haru_server._route_cache import lease_guard_ms
 from haru_server._settings import Settings
 from pytest_aiohttp import AiohttpClient, AiohttpServer
 

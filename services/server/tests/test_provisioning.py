@@ -42,6 +42,7 @@ from uuid import UUID
 
 import aiohttp
 import pytest
+from haru_core import lease_guard_ms
 from haru_db import StateStore
 from haru_demo.localfleet import LocalFleet
 from haru_driver_skypilot import TOKEN_SECRET, SkyPilotDriver, SkyRunner
@@ -63,7 +64,6 @@ from haru_server import create_app
 from haru_server._clock import ManualClock
 from haru_server._provisioning import Provisioner, ProvisionerOptions
 from haru_server._reconciler import Reconciler, ReconcilerOptions
-from haru_server._route_cache import lease_guard_ms
 from haru_server._settings import Settings
 from haru_server._steps import StepTuning
 from haru_server.cli import app as cli_app

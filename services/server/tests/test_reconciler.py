@@ -16,6 +16,7 @@ from uuid import UUID
 
 import aiohttp
 import pytest
+from haru_core import lease_guard_ms
 from haru_db import StateStore
 from haru_db.testing import confirm_domains
 from haru_demo.localfleet import LocalFleet
@@ -35,7 +36,6 @@ from haru_protocol import (
 )
 from haru_server._clock import ManualClock
 from haru_server._reconciler import Accepted, Reconciler, ReconcilerOptions
-from haru_server._route_cache import lease_guard_ms
 from haru_server._steps import StepTuning
 from haru_sim import read_trainer_checkpoint
 from haru_supervisor import process_name

@@ -58,6 +58,16 @@ from haru_core._plan import (
     step_budget_ms,
     step_remaining_ms,
 )
+from haru_core._proofs import (
+    GPU_RELEASED_RATIO,
+    ROUTE_GUARD_MARGIN_MS,
+    ROUTE_READ_BOUND_MS,
+    gpus_not_released,
+    lease_guard_ms,
+    models_not_in,
+    training_not_idle,
+    training_not_running,
+)
 from haru_core._restore import (
     RESTORE_REASON_TRAINING_IDLE,
     RESTORE_REASON_VLLM_AWAKE,
@@ -184,6 +194,15 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "slot_health_changes",
     "active_ready",
     "domain_change_on_heartbeat",
+    # Step proofs and the route guard (DESIGN 7.3, 7.5)
+    "GPU_RELEASED_RATIO",
+    "training_not_idle",
+    "training_not_running",
+    "models_not_in",
+    "gpus_not_released",
+    "ROUTE_READ_BOUND_MS",
+    "ROUTE_GUARD_MARGIN_MS",
+    "lease_guard_ms",
     # Routing (SPEC 7.4)
     "routable_models",
     "find_routable_binding",

@@ -13,6 +13,7 @@ from uuid import UUID
 
 import aiohttp
 from aiohttp import web
+from haru_core import lease_guard_ms
 from haru_db import HaruDbError, StateStore
 from haru_driver_skypilot import SkyPilotDriver
 from haru_driver_skyserve import SkyServeDriver
@@ -60,7 +61,6 @@ from haru_server._proxy_routes import PROXIED_PATHS
 from haru_server._ready import ready_routes
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._retention import Pruner
-from haru_server._route_cache import lease_guard_ms
 from haru_server._routes import routes
 from haru_server._settings import Settings
 from haru_server.openapi import api_table

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Generic, Protocol, TypeVar
 from uuid import UUID
 
+from haru_core import ROUTE_READ_BOUND_MS
 from haru_db import MalformedFleetStateError, StateStoreUnavailableError
 from haru_protocol import ErrorCode, FleetRoutePointer, FleetSnapshot, parse_fleet_ref
 from haru_web import ApiError
@@ -62,9 +63,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-DEFAULT_POINTER_TIMEOUT_MS = 250
-"""Bound on the pointer read: well above a healthy p99 (a few ms), short enough that a hung
-store turns into stale serving before clients notice."""
+DEFAULT_POINTER_TIMEOUT_MS = ROUTE_READ_BOUND_MS
+"""Bound on the pointer read (``haru_core.ROUTE_READ_BOUND_MS``): the route guard counts on it."""
 DEFAULT_SNAPSHOT_TIMEOUT_MS = 2_000
 """Bound on a snapshot load (several statements on a cold connection)."""
 DEFAULT_OUTAGE_MEMO_MS = 1_000
@@ -75,27 +75,14 @@ DEFAULT_MAX_FLEETS = 1_024
 DEFAULT_ROUTE_LEASE_MS = 300
 """``HARU_ROUTE_LEASE_MS``: how often a process re-confirms a routed fleet's pointer. A few
 hundred ms: a flip missed by NOTIFY is seen within it, the old active's drain waits it out
-(:func:`lease_guard_ms`), and the store sees about three pointer reads per second per fleet per
-process whatever the request rate."""
+(``haru_core.lease_guard_ms``), and the store sees about three pointer reads per second per
+fleet per process whatever the request rate."""
 DEFAULT_LEASE_IDLE_MS = 30_000
 """A fleet without a request for this long stops being refreshed (its next request reads)."""
-LEASE_MARGIN_MS = 250
-"""Added to lease + read bound before the old active is drained: dispatch and clock slack."""
 RETRY_AFTER_S: Final = 1
 """``Retry-After`` (seconds) of a request failed for want of a route (503): a failover or a
 store outage is over in seconds, and a client that waits one second does not add to a storm."""
 _RETRY_AFTER: Final = {"Retry-After": str(RETRY_AFTER_S)}
-
-
-def lease_guard_ms(lease_ms: int, pointer_timeout_ms: int = DEFAULT_POINTER_TIMEOUT_MS) -> int:
-    """How long after a flip every process has stopped routing to the old active.
-
-    A process routes with a pointer whose confirming read started at most ``lease_ms`` plus
-    one read (bounded by ``pointer_timeout_ms``) ago; the margin covers the dispatch of a
-    request routed just before that. With ``lease_ms`` = 0 (a read per request) only the read
-    and the margin remain.
-    """
-    return lease_ms + pointer_timeout_ms + LEASE_MARGIN_MS
 
 
 class RouteSource(Protocol):
@@ -541,7 +528,7 @@ class RouteCache(Generic[T]):
         """A read of the lease's pointer failed: fail open without reading for a while.
 
         As long as the lease's own window (lease + read bound): a flip made after this failure
-        is still guarded when it runs out (:func:`lease_guard_ms`), and the refresher keeps
+        is still guarded when it runs out (``haru_core.lease_guard_ms``), and the refresher keeps
         probing meanwhile. The clock reading includes any pause before it, never after it.
         """
         lease.unanswered_until = self._clock() + self._stale_after

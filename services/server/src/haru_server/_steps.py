@@ -30,7 +30,16 @@ from datetime import datetime, timedelta
 from typing import TypeVar
 from uuid import UUID
 
-from haru_core import inference_bindings, model_sleep_states, training_slots
+from haru_core import (
+    GPU_RELEASED_RATIO,
+    gpus_not_released,
+    inference_bindings,
+    lease_guard_ms,
+    models_not_in,
+    training_not_idle,
+    training_not_running,
+    training_slots,
+)
 from haru_db import SlotMirror, StateStore
 from haru_protocol import (
     DomainSnapshot,
@@ -51,7 +60,6 @@ from haru_protocol import (
     SlotKind,
     SupervisorFence,
     SupervisorStatus,
-    TrainingRunState,
     TrainingSlotState,
     TrainingStopFact,
 )
@@ -64,7 +72,6 @@ from haru_supervisor.client import (
 )
 
 from haru_server._logfields import log_fields
-from haru_server._route_cache import lease_guard_ms
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +79,6 @@ _T = TypeVar("_T")
 _I = InferenceSlotState
 _TS = TrainingSlotState
 _S = OperationStep
-
-GPU_RELEASED_RATIO = 0.25
-"""A GPU counts as released by training when used/total memory is at most this (SPEC 7.3)."""
 
 DRAIN_SHARE = 0.75
 """Share of the remaining budget the old active may spend draining before it sleeps."""
@@ -151,7 +155,7 @@ class StepTuning:
         route_guard_s: A step that sleeps a former active (``demote_old_sleep``, and
             ``sleep_vllm`` of a domain a promotion flipped away from) stays pending until this
             long after the flip, on the reconcile clock: every process's route lease has run
-            out by then (``haru_server._route_cache.lease_guard_ms``; see the README). The
+            out by then (``haru_core.lease_guard_ms``; see the README). The
             fleet's stored ``route_lease_ms`` (the longest lease any process records, read
             after the flip) lengthens it. See :func:`route_guard_until`.
         route_moved: Told the new pointer after a flip, so this process routes with it at once.
@@ -200,55 +204,6 @@ class StepContext:
         if source_id is None or source_id == self.target.id:
             return None
         return self.fleet.domain(source_id)
-
-
-# ---- proofs (pure) ---------------------------------------------------------------------------
-
-
-def _training_runs(status: SupervisorStatus) -> dict[int, tuple[TrainingRunState, int]]:
-    runs: dict[int, tuple[TrainingRunState, int]] = {}
-    for slot in status.slots:
-        if slot.kind is SlotKind.TRAINING and slot.training is not None:
-            runs[slot.gpu_index] = (slot.training.state, len(slot.training.pids))
-    return runs
-
-
-def training_not_idle(domain: DomainSnapshot, status: SupervisorStatus) -> list[int]:
-    """GPUs of the layout's training slots whose run is not reported idle (missing included)."""
-    runs = _training_runs(status)
-    return [
-        s.gpu_index
-        for s in training_slots(domain)
-        if runs.get(s.gpu_index, (None, 0))[0] is not TrainingRunState.IDLE
-    ]
-
-
-def training_not_running(domain: DomainSnapshot, status: SupervisorStatus) -> list[int]:
-    """GPUs of the layout's training slots not reported running with a pid."""
-    runs = _training_runs(status)
-    not_running: list[int] = []
-    for slot in training_slots(domain):
-        state, pids = runs.get(slot.gpu_index, (None, 0))
-        if state is not TrainingRunState.RUNNING or pids == 0:
-            not_running.append(slot.gpu_index)
-    return not_running
-
-
-def models_not_in(domain: DomainSnapshot, status: SupervisorStatus, *, asleep: bool) -> list[str]:
-    """Layout-bound models of ``domain`` not proven asleep (or awake); omitted ones included."""
-    sleeping = model_sleep_states(status)
-    return [b.name for b in inference_bindings(domain) if sleeping.get(b.name) is not asleep]
-
-
-def gpus_not_released(domain: DomainSnapshot, memory: GpuMemoryResponse) -> list[int]:
-    """GPUs of the layout's training slots still holding more than 25 % of their memory."""
-    by_index = {g.index: g for g in memory.gpus}
-    held: list[int] = []
-    for slot in training_slots(domain):
-        gpu = by_index.get(slot.gpu_index)
-        if gpu is None or gpu.total_mib <= 0 or gpu.used_mib / gpu.total_mib > GPU_RELEASED_RATIO:
-            held.append(slot.gpu_index)
-    return held
 
 
 # ---- supervisor calls with the step rules ----------------------------------------------------
