@@ -98,6 +98,16 @@ async def test_good_slugs_are_accepted(
     for slug in GOOD_SLUGS:
         await _run(raw_engine, sa.insert(fleets).values(_fleet_row(now, slug=slug)))
         await _run(raw_engine, sa.insert(domains).values(_domain_row(fleet.id, now, slug=slug)))
+    # Stored as given: neither truncated, nor case-folded, nor padded.
+    async with raw_engine.connect() as conn:
+        fleet_slugs = set((await conn.execute(sa.select(fleets.c.slug))).scalars())
+        domain_slugs = set(
+            (
+                await conn.execute(sa.select(domains.c.slug).where(domains.c.fleet_id == fleet.id))
+            ).scalars()
+        )
+    assert set(GOOD_SLUGS) <= fleet_slugs
+    assert set(GOOD_SLUGS) <= domain_slugs
 
 
 async def test_fleet_slug_is_unique(
