@@ -107,7 +107,7 @@ fleet shop: 9 change(s)
   - policy degradedGraceMs: 5000 (back to the default), at the next tick
   + domain b / inference gpu 0 / model embed: servingUrl http://127.0.0.1:9402/
   ~ domain b / inference gpu 0 / model chat: servingUrl: http://127.0.0.1:9401/ -> http://127.0.0.1:9411/
-  ~ domain b / training gpu 1: command: python train.py -> python train.py --lr 3e-4 (at the next start of training)
+  ~ domain b / training gpu 1: command: python train.py -> python train.py --lr 3e-4 (a running trainer keeps running)
   + domain c: static, provisioning until its first good heartbeat
   + domain c / inference gpu 0
   + domain c / inference gpu 0 / model chat: servingUrl http://127.0.0.1:9601/"""  # noqa: E501

@@ -378,7 +378,7 @@ def _slot_change(
                         "~",
                         "slot",
                         path,
-                        f"{key}: {was_text} -> {now_text} (at the next start of training)",
+                        f"{key}: {was_text} -> {now_text} (a running trainer keeps running)",
                         driven,
                     )
                 )
