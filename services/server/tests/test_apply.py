@@ -352,3 +352,48 @@ async def test_a_traffic_moving_write_loses_on_the_active_and_lands_on_a_standby
         assert (new is not None) is lands, slug
         if lands:
             assert new == revisions[("slot", slot.id)] + 1
+
+
+async def test_a_provisioned_domains_recorded_urls_are_neither_differences_nor_overwritten(
+    store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
+) -> None:
+    client = await _client(store, clock, aiohttp_client)
+    layout = copy.deepcopy(BASE)
+    layout["domains"].append(
+        {
+            "slug": "p",
+            "provider": "skypilot",
+            "placement": PLACEMENT,
+            "slots": [{"kind": "inference", "gpuIndex": 0, "models": [{"name": "chat"}]}],
+        }
+    )
+    status, answer = await _apply(client, layout)
+    assert status == 200, answer
+    fleet = await _snapshot(store)
+    p = next(d for d in fleet.domains if d.slug == "p")
+    assert await store.claim_launch(p.id, expected_attempt=0, at=clock())
+    assert await store.record_domain_address(
+        p.id,
+        attempt=1,
+        supervisor_url="http://10.0.0.9:8701",
+        serving_base_url="http://10.0.0.9:8000",
+        model_urls={"chat": "http://10.0.0.9:8000/m/chat"},
+        at=clock(),
+    )
+    assert render_plan((await _plan(client, layout)).plan) == "fleet shop: no changes"
+
+    layout["domains"][2]["provisioning"] = {"vllmVersion": "0.34.0"}
+    [item] = (await _plan(client, layout)).plan.items
+    assert (item.action, item.path, item.refused) == ("~", "domain p", None)
+    assert item.detail.startswith("provisioning: ")
+    assert item.detail.endswith("(at the domain's next launch)")
+    status, answer = await _apply(client, layout)
+    assert status == 200, answer
+    after = next(d for d in (await _snapshot(store)).domains if d.slug == "p")
+    assert after.provisioning is not None
+    assert after.provisioning.vllm_version == "0.34.0"
+    assert after.supervisor_url == "http://10.0.0.9:8701"
+    assert after.serving_base_url == "http://10.0.0.9:8000"
+    chat = after.slots[0].spec
+    assert isinstance(chat, InferenceSlotSpec)
+    assert chat.models[0].serving_url == "http://10.0.0.9:8000/m/chat"

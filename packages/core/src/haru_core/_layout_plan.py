@@ -292,9 +292,11 @@ def _domain_changes(
         return [DomainRowChange(stored.id, domain, True, (item,))]
     items: list[PlanItem] = []
     moves = False
+    # A provisioned domain's URLs are Haru's record of its machine, never the layout's.
+    provisioned = domain.provider is not Provider.STATIC
     for key, old, new, traffic in (
-        ("supervisorUrl", stored.supervisor_url, domain.supervisor_url, True),
-        ("servingBaseUrl", stored.serving_base_url, domain.serving_base_url, True),
+        ("supervisorUrl", stored.supervisor_url, domain.supervisor_url, not provisioned),
+        ("servingBaseUrl", stored.serving_base_url, domain.serving_base_url, not provisioned),
         (
             "placement",
             stored.placement.model_dump(mode="json"),
@@ -308,7 +310,7 @@ def _domain_changes(
             False,
         ),
     ):
-        if old == new:
+        if old == new or (provisioned and key in ("supervisorUrl", "servingBaseUrl")):
             continue
         moves = moves or traffic
         refused = driven or (
@@ -331,7 +333,9 @@ def _domain_changes(
                 added[0] = added[0].model_copy(update={"refused": driven})
             changes.append(SlotAdd(stored.id, spec, tuple(added)))
             continue
-        change = _slot_change(domain.slug, slot, spec, active=active, driven=driven)
+        change = _slot_change(
+            domain.slug, slot, spec, active=active, driven=driven, provisioned=provisioned
+        )
         if change is not None:
             changes.append(change)
     changes.extend(_removed_slot(domain.slug, slot, active, driven) for slot in by_key.values())
@@ -357,9 +361,14 @@ def _slot_change(
     *,
     active: bool,
     driven: str | None,
+    provisioned: bool,
 ) -> SlotRowChange | None:
     path = f"domain {domain_slug} / {_slot_name(spec)}"
     old, new = slot.spec, spec
+    if provisioned and isinstance(old, InferenceSlotSpec):
+        # The snapshot fills in the serving URLs recorded for the machine; the spec has none.
+        bare = tuple(m.model_copy(update={"serving_url": None}) for m in old.models)
+        old = old.model_copy(update={"models": bare})
     if old.model_dump(mode="json") == new.model_dump(mode="json"):
         return None
     traffic_refusal = (

@@ -107,21 +107,19 @@ async def update_domain_config(
     ]
     if moves_traffic:
         guards.append(_not_active(domain_id))
-    stmt = (
-        sa.update(domains)
-        .where(*guards)
-        .values(
-            supervisor_url=layout.supervisor_url,
-            serving_base_url=layout.serving_base_url,
-            placement=layout.placement.model_dump(mode="json"),
-            provisioning=None
-            if layout.provider is Provider.STATIC
-            else layout.settings.model_dump(mode="json"),
-            config_revision=domains.c.config_revision + 1,
-            updated_at=aware(at),
+    values: dict[str, Any] = {
+        "placement": layout.placement.model_dump(mode="json"),
+        "config_revision": domains.c.config_revision + 1,
+        "updated_at": aware(at),
+    }
+    if layout.provider is Provider.STATIC:
+        values.update(
+            supervisor_url=layout.supervisor_url, serving_base_url=layout.serving_base_url
         )
-        .returning(domains.c.config_revision)
-    )
+    else:
+        # Its URLs are the ones recorded for its machine: kept.
+        values["provisioning"] = layout.settings.model_dump(mode="json")
+    stmt = sa.update(domains).where(*guards).values(**values).returning(domains.c.config_revision)
     rows = await ex.write(stmt)
     return int(rows[0]["config_revision"]) if rows else None
 
