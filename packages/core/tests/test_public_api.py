@@ -118,6 +118,15 @@ CONTRACT = {
     "snapshot_from_layout",
     "HaruCoreError",
     "InvalidTransitionError",
+    # Layout plans (haru apply)
+    "DomainAdd",
+    "DomainRowChange",
+    "FleetRowChange",
+    "LayoutPlan",
+    "RowChange",
+    "SlotAdd",
+    "SlotRowChange",
+    "plan_layout",
 }
 
 

@@ -99,6 +99,13 @@ STORED: dict[str, dict[str, Any]] = {
         "new": {"autoFailover": True, "degradedGraceMs": 2000},
         "changed": ["degradedGraceMs", "wakeTimeoutMs"],
     },
+    "fleet.config.changed": {
+        "action": "~",
+        "subject": "model",
+        "path": "domain b / inference gpu 0 / model chat",
+        "detail": "servingUrl: http://127.0.0.1:9401/ -> http://127.0.0.1:9411/",
+        "revision": 2,
+    },
     "domain.launch.started": {"cluster": "haru-f-a", "attempt": 1, "role": "standby"},
     "domain.launch.succeeded": {"cluster": "haru-f-a", "attempt": 1, "observed": False},
     "domain.provisioning.failed": {

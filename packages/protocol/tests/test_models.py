@@ -13,6 +13,7 @@ import pytest
 from haru_protocol import (
     AcceptedResponse,
     AlreadyActiveResponse,
+    ApplyRequest,
     Cloud,
     DemoteRequest,
     DomainActionRequest,
@@ -68,6 +69,7 @@ from haru_protocol import (
     WakeRequest,
     WireModel,
     error_body,
+    example_layout_json,
 )
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
@@ -394,6 +396,7 @@ STRICT_BODIES: list[tuple[type[WireModel], dict[str, Any]]] = [
     (TrainingStopRequest, {"graceMs": 10}),
     (ProbeRequest, {"prompt": "x"}),
     (DomainActionRequest, {}),
+    (ApplyRequest, {"layout": json.loads(example_layout_json()), "dryRun": True}),
 ]
 
 

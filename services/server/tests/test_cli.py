@@ -64,7 +64,7 @@ def test_db_upgrade_and_seed_the_example(tmp_path: Path) -> None:
     assert "created" in seeded.output
     again = invoke("seed", env={"DATABASE_URL": url})
     assert again.exit_code == 0
-    assert "already present" in again.output
+    assert "present, 0 domain(s) and 0 slot(s) added, no differences" in again.output
     assert "0 domain(s) and 0 slot(s) added" in again.output
 
 

@@ -147,7 +147,7 @@ def test_seed_says_when_the_stored_policy_differs_from_the_layout(
 ) -> None:
     same = haru("seed", env=served)
     assert same.returncode == 0, same.stderr
-    assert "already present" in same.stdout
+    assert "present, 0 domain(s) and 0 slot(s) added, no differences" in same.stdout
 
     layout = json.loads(example_layout_json())
     layout["policy"] = {**layout.get("policy", {}), "degradedGraceMs": 1000}
@@ -155,7 +155,8 @@ def test_seed_says_when_the_stored_policy_differs_from_the_layout(
     path.write_text(json.dumps(layout), encoding="utf-8")
     differs = haru("seed", str(path), env=served)
     assert differs.returncode == 1, differs.stdout
-    assert "already present" in differs.stdout
+    assert "present, 0 domain(s) and 0 slot(s) added" in differs.stdout
+    assert "no differences" not in differs.stdout
     assert "degradedGraceMs: stored 60000, layout 1000" in differs.stderr
     assert "haru fleet policy set example degradedGraceMs=1000" in differs.stderr
 

@@ -46,6 +46,16 @@ from haru_core._heartbeat import (
     models_busy,
     slot_health_changes,
 )
+from haru_core._layout_plan import (
+    DomainAdd,
+    DomainRowChange,
+    FleetRowChange,
+    LayoutPlan,
+    RowChange,
+    SlotAdd,
+    SlotRowChange,
+    plan_layout,
+)
 from haru_core._plan import (
     BEST_EFFORT_STEPS,
     DEMOTE_STEPS,
@@ -214,4 +224,12 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "LAYOUT_NAMESPACE",
     "layout_id",
     "snapshot_from_layout",
+    "DomainAdd",
+    "DomainRowChange",
+    "FleetRowChange",
+    "LayoutPlan",
+    "RowChange",
+    "SlotAdd",
+    "SlotRowChange",
+    "plan_layout",
 )

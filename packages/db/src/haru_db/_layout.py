@@ -284,7 +284,12 @@ async def replace_fleet_policy(
     stmt = (
         sa.update(fleets)
         .where(fleets.c.id == fleet_id, sa.cast(fleets.c.policy, sa.Text) == version)
-        .values(policy=dict(patch), updated_at=aware(at))
+        .values(
+            policy=dict(patch),
+            # A plan of `haru apply` made before this change is stale now.
+            config_revision=fleets.c.config_revision + 1,
+            updated_at=aware(at),
+        )
         .returning(fleets.c.id)
     )
     return bool(await ex.write(stmt))

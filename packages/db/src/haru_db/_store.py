@@ -30,6 +30,7 @@ from uuid import UUID
 
 import sqlalchemy as sa
 from haru_protocol import (
+    DomainLayout,
     DomainState,
     Event,
     EventPayload,
@@ -42,11 +43,21 @@ from haru_protocol import (
     OperationKind,
     OperationStep,
     SlotKind,
+    SlotSpec,
 )
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from haru_db import _events, _layout, _operations, _provisioning, _prune, _reads, _transitions
+from haru_db import (
+    _config,
+    _events,
+    _layout,
+    _operations,
+    _provisioning,
+    _prune,
+    _reads,
+    _transitions,
+)
 from haru_db._engine import create_engine, translate_errors, writer
 from haru_db._errors import StateStoreReadOnlyError
 from haru_db._events import OperationEvent
@@ -619,6 +630,109 @@ class StateStore:
         return await _layout.replace_fleet_policy(
             self._ex, fleet_id, version=version, patch=patch, at=at
         )
+
+    # ---- configuration (haru apply) --------------------------------------------------------
+
+    @_bounded
+    async def get_config_revisions(self, fleet_id: UUID) -> dict[tuple[str, UUID], int]:
+        """The configuration revision of the fleet row and of each of its domains and slots.
+
+        Keyed on ``("fleet" | "domain" | "slot", id)``; one statement. Read it before the
+        snapshot a plan is made on: a change that lands in between then makes the plan's
+        writes lose instead of applying a plan made on a newer view than its revisions.
+        """
+        return await _config.get_config_revisions(self._ex, fleet_id)
+
+    @_bounded
+    async def update_fleet_config(
+        self,
+        fleet_id: UUID,
+        *,
+        revision: int,
+        display_name: str | None,
+        policy: dict[str, Any],
+        at: datetime,
+    ) -> int | None:
+        """Set the fleet's display name and policy patch while its revision is ``revision``.
+
+        Returns:
+            The new revision, or None when the row moved on (or is gone).
+        """
+        return await _config.update_fleet_config(
+            self._ex, fleet_id, revision=revision, display_name=display_name, policy=policy, at=at
+        )
+
+    @_bounded
+    async def update_domain_config(
+        self,
+        domain_id: UUID,
+        *,
+        revision: int,
+        layout: DomainLayout,
+        moves_traffic: bool,
+        at: datetime,
+    ) -> int | None:
+        """Set a domain's URLs, placement and provisioning settings from ``layout``.
+
+        Lands only while the domain's revision is ``revision`` and no in-flight operation
+        drives the domain, and (``moves_traffic``) while it is not the fleet's active domain.
+        State columns are left alone.
+
+        Returns:
+            The new revision, or None when a guard failed.
+        """
+        return await _config.update_domain_config(
+            self._ex,
+            domain_id,
+            revision=revision,
+            layout=layout,
+            moves_traffic=moves_traffic,
+            at=at,
+        )
+
+    @_bounded
+    async def update_slot_spec(
+        self,
+        slot_id: UUID,
+        *,
+        domain_id: UUID,
+        revision: int,
+        spec: SlotSpec,
+        moves_traffic: bool,
+        at: datetime,
+    ) -> int | None:
+        """Replace a slot's spec, with the guards of :meth:`update_domain_config`.
+
+        Returns:
+            The new revision, or None when a guard failed.
+        """
+        return await _config.update_slot_spec(
+            self._ex,
+            slot_id,
+            domain_id=domain_id,
+            revision=revision,
+            spec=spec,
+            moves_traffic=moves_traffic,
+            at=at,
+        )
+
+    @_bounded
+    async def add_domain(
+        self, fleet_id: UUID, layout: DomainLayout, *, at: datetime
+    ) -> UUID | None:
+        """Insert a domain (``provisioning``) and its slots; None when its slug exists."""
+        return await _config.add_domain(self._ex, fleet_id, layout, at=at)
+
+    @_bounded
+    async def add_slot(
+        self, fleet_id: UUID, domain_id: UUID, spec: SlotSpec, *, at: datetime
+    ) -> UUID | None:
+        """Insert a slot into a stored domain; None when one of its GPU and kind exists.
+
+        An inference slot starts ``serving`` on the active domain (decided by the insert
+        against the live pointer), else ``sleeping``; a training slot starts ``idle``.
+        """
+        return await _config.add_slot(self._ex, fleet_id, domain_id, spec, at=at)
 
     # ---- reads -----------------------------------------------------------------------------
 

@@ -152,6 +152,9 @@ fleets = sa.Table(
     # The fencing token: grows by one with every operation write of this fleet, in the same
     # statement (migration 0007); supervisors refuse state-changing calls with an older one.
     sa.Column("fence", sa.BigInteger(), nullable=False, server_default=sa.text("0")),
+    # Revision of the operator's configuration (display name, policy; migration 0009):
+    # `haru apply` swaps on it and raises it by one.
+    sa.Column("config_revision", sa.Integer(), nullable=False, server_default=sa.text("1")),
     *_timestamps(),
     sa.UniqueConstraint("slug"),
     sa.CheckConstraint(SlugIsValid("slug"), name="slug_format"),
@@ -190,6 +193,9 @@ domains = sa.Table(
     sa.Column("launch_started_at", UtcDateTime(), nullable=True),
     sa.Column("launched_at", UtcDateTime(), nullable=True),
     sa.Column("model_urls", sa.JSON(), nullable=True),
+    # Revision of the operator's configuration (URLs, placement, provisioning; migration
+    # 0009): `haru apply` swaps on it and raises it by one.
+    sa.Column("config_revision", sa.Integer(), nullable=False, server_default=sa.text("1")),
     sa.UniqueConstraint("fleet_id", "slug"),
     # Target of the composite keys that keep pointers and operations inside their fleet.
     sa.UniqueConstraint("fleet_id", "id"),
@@ -209,6 +215,8 @@ slots = sa.Table(
     sa.Column("spec", sa.JSON(), nullable=False),
     sa.Column("state_updated_at", UtcDateTime(), nullable=False),
     *_timestamps(),
+    # Revision of the spec (migration 0009): `haru apply` swaps on it and raises it by one.
+    sa.Column("config_revision", sa.Integer(), nullable=False, server_default=sa.text("1")),
     sa.UniqueConstraint("domain_id", "gpu_index", "kind"),
     sa.CheckConstraint("gpu_index >= 0", name="gpu_index_non_negative"),
     sa.CheckConstraint(_in("kind", (k.value for k in SlotKind)), name="kind_valid"),

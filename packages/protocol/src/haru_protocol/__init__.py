@@ -5,6 +5,17 @@ camelCase on the wire, snake_case in Python. Operator documents and request bodi
 (:class:`PeerModel`). Depends on pydantic only.
 """
 
+from haru_protocol._apply import (
+    ApplyRequest,
+    ApplyResponse,
+    ConfigRevision,
+    FleetPlan,
+    PlanAction,
+    PlanItem,
+    PlanSubject,
+    RowRevision,
+    render_plan,
+)
 from haru_protocol._auth import bearer_header, bearer_matches, normalize_token
 from haru_protocol._base import (
     MAX_DURATION_MS,
@@ -64,6 +75,7 @@ from haru_protocol._events import (
     DomainUpRequested,
     EventPayload,
     FailedModel,
+    FleetConfigChanged,
     FleetLayoutApplied,
     FleetPolicyChanged,
     GpuUsage,
@@ -192,7 +204,10 @@ __all__ = (
     "AcceptedResponse",
     "AlreadyActiveResponse",
     "AnyEventPayload",
+    "ApplyRequest",
+    "ApplyResponse",
     "Cloud",
+    "ConfigRevision",
     "DemoteRequest",
     "DomainActionRequest",
     "DomainActionResponse",
@@ -227,9 +242,11 @@ __all__ = (
     "FailedModel",
     "FenceParseError",
     "Flag",
+    "FleetConfigChanged",
     "FleetLayout",
     "FleetLayoutApplied",
     "FleetList",
+    "FleetPlan",
     "FleetPolicyChanged",
     "FleetPolicyResponse",
     "FleetRef",
@@ -272,6 +289,9 @@ __all__ = (
     "OperationSucceeded",
     "PeerModel",
     "Placement",
+    "PlanAction",
+    "PlanItem",
+    "PlanSubject",
     "Policy",
     "PolicyPatch",
     "Port",
@@ -292,6 +312,7 @@ __all__ = (
     "RouteRevision",
     "RouteTarget",
     "RoutingSwitched",
+    "RowRevision",
     "ServerClockRecovered",
     "ServerClockSkewed",
     "SleepRequest",
@@ -340,5 +361,6 @@ __all__ = (
     "parse_fleet_ref",
     "policy_differences",
     "render_json_schemas",
+    "render_plan",
     "resolve_policy",
 )

@@ -158,6 +158,7 @@ class EventType(StrEnum):
     SLOT_STATE_CHANGED = "slot.state.changed"
     FLEET_LAYOUT_APPLIED = "fleet.layout.applied"
     FLEET_POLICY_CHANGED = "fleet.policy.changed"
+    FLEET_CONFIG_CHANGED = "fleet.config.changed"
     DOMAIN_LAUNCH_STARTED = "domain.launch.started"
     DOMAIN_LAUNCH_SUCCEEDED = "domain.launch.succeeded"
     DOMAIN_PROVISIONING_FAILED = "domain.provisioning.failed"

@@ -47,6 +47,8 @@ class ErrorCode(StrEnum):
     NOT_READY = "not_ready"
     STALE_FENCE = "stale_fence"
     POLICY_CONFLICT = "policy_conflict"
+    PLAN_STALE = "plan_stale"
+    CHANGE_REFUSED = "change_refused"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -75,6 +77,8 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_READY: 503,
     ErrorCode.STALE_FENCE: 409,
     ErrorCode.POLICY_CONFLICT: 409,
+    ErrorCode.PLAN_STALE: 409,
+    ErrorCode.CHANGE_REFUSED: 409,
 }
 """The usual HTTP status of each code (a route may document a different one)."""
 

@@ -340,6 +340,21 @@ class FleetPolicyChanged(EventPayload):
     """The keys whose operator value was set, changed or removed."""
 
 
+class FleetConfigChanged(EventPayload):
+    """``fleet.config.changed``: ``haru apply`` changed one stored row (one plan item or more)."""
+
+    event_type = EventType.FLEET_CONFIG_CHANGED
+
+    action: str
+    """``+`` added, ``~`` changed (a row's changes are one event per item)."""
+    subject: str
+    """``fleet``, ``policy``, ``domain``, ``slot`` or ``model``."""
+    path: str
+    detail: str
+    revision: StrictInt
+    """The row's configuration revision after the change."""
+
+
 # ---- provisioned domains ---------------------------------------------------------------------
 
 
@@ -538,6 +553,7 @@ KnownEventPayload = (
     | SlotStateChanged
     | FleetLayoutApplied
     | FleetPolicyChanged
+    | FleetConfigChanged
     | DomainLaunchStarted
     | DomainLaunchSucceeded
     | DomainProvisioningFailed

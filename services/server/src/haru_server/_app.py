@@ -31,6 +31,7 @@ from haru_web import (
     request_id_middleware,
 )
 
+from haru_server._apply import apply_routes
 from haru_server._clock import (
     SAMPLE_INTERVAL_S,
     Clock,
@@ -148,6 +149,7 @@ def create_app(
     app[_busy_interval_key] = busy_interval_s
     app.cleanup_ctx.extend([_store_ctx, _clock_ctx, _retention_ctx, _reconciler_ctx, _loop_ctx])
     app.add_routes(routes)
+    app.add_routes(apply_routes)
     app.add_routes(ready_routes)
     install_proxy(app)
     noted: Callable[[UUID], None] = functools.partial(observe_promotion, app)

@@ -538,8 +538,10 @@ def seed(
 ) -> None:
     """Apply a fleet layout to the state store (idempotent, additive; migrates first).
 
-    A fleet already present keeps its stored policy: when it differs from the layout's, the
-    differing keys are listed and the command exits 1 (change it with ``haru fleet policy set``).
+    Seed only adds: a fleet already present keeps its stored policy, domains, slots and models.
+    When they differ from the layout, the differences are listed (the policy's with the
+    ``haru fleet policy set`` command, the rest as ``haru apply`` would plan them) and the
+    command exits 1.
     """
     import shlex
 
@@ -552,16 +554,31 @@ def seed(
         sys.stdout.flush()
         return
 
+    from haru_core import plan_layout
     from haru_db import StateStore, upgrade
-    from haru_protocol import policy_differences, resolve_policy
+    from haru_protocol import PlanItem, policy_differences, resolve_policy
 
-    async def go(document: FleetLayout) -> tuple[str, list[tuple[str, object, object]]]:
+    async def go(
+        document: FleetLayout,
+    ) -> tuple[str, list[tuple[str, object, object]], list[PlanItem]]:
         await upgrade(database_url)
         store = StateStore.open(database_url)
         try:
             # Stored times are the database's clock, not this machine's.
             result = await store.apply_fleet_layout(document, at=await store.database_now())
             stored = None if result.fleet_created else await store.get_fleet_snapshot(document.slug)
+            rest: list[PlanItem] = []
+            if stored is not None:
+                policy = await store.get_fleet_policy(stored.id)
+                plan = plan_layout(
+                    stored,
+                    document,
+                    stored_policy=None if policy is None else policy.patch,
+                    in_flight=await store.get_in_flight_operation(stored.id),
+                    revisions={},
+                ).plan
+                # The policy has its own message below.
+                rest = [i for i in plan.items if i.subject != "policy"]
         finally:
             await store.close()
         differences = (
@@ -569,17 +586,22 @@ def seed(
             if stored is None
             else policy_differences(stored.policy, resolve_policy(document.policy))
         )
+        added = f"{result.domains_created} domain(s) and {result.slots_created} slot(s) added"
         return (
             f"fleet [bold]{_escape(document.slug)}[/] ({result.fleet_id}): "
-            f"{'created' if result.fleet_created else 'already present'}, "
-            f"{result.domains_created} domain(s) and {result.slots_created} slot(s) added"
+            + ("created, " if result.fleet_created else "present, ")
+            + added
             + (", routing pointer set" if result.pointer_set else "")
-        ), differences
+            + ("" if differences or rest else ", no differences"),
+            differences,
+            rest,
+        )
 
     def body() -> None:
         document = _load_layout(layout)
-        summary, differences = _run_db(go(document))
+        summary, differences, rest = _run_db(go(document))
         _console().print(summary)
+        problems: list[str] = []
         if differences:
             listed = "\n".join(
                 f"  {key}: stored {stored}, layout {wanted}" for key, stored, wanted in differences
@@ -588,11 +610,21 @@ def seed(
                 shlex.quote(f"{key}={'default' if wanted is None else wanted}")
                 for key, _, wanted in differences
             )
-            raise CliFailure(
+            problems.append(
                 f"the stored policy of fleet {document.slug} differs from the layout's "
                 f"(seed never changes a stored policy):\n{listed}\n"
                 f"to apply the layout's values: haru fleet policy set {document.slug} {command}"
             )
+        if rest:
+            listed = "\n".join(
+                f"  {i.action} {i.path}" + (f": {i.detail}" if i.detail else "") for i in rest
+            )
+            problems.append(
+                f"fleet {document.slug} differs from the layout where seed only adds "
+                f"(plan and apply them with `haru apply LAYOUT`):\n{listed}"
+            )
+        if problems:
+            raise CliFailure("\n".join(problems))
 
     _guard(body)
 
@@ -1336,6 +1368,9 @@ def _register(app: typer.Typer) -> None:
     db_app.command("downgrade")(db_downgrade)
     db_app.command("prune")(db_prune)
     app.command("seed")(seed)
+    from haru_server._cli_apply import apply
+
+    app.command("apply")(apply)
     app.command("fleets")(fleets)
     app.add_typer(fleet_app, name="fleet")
     fleet_app.command("show")(fleet_show)

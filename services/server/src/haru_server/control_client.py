@@ -12,6 +12,7 @@ import aiohttp
 from haru_protocol import (
     AcceptedResponse,
     AlreadyActiveResponse,
+    ApplyResponse,
     DomainActionResponse,
     DomainStatusResponse,
     EventList,
@@ -132,6 +133,21 @@ class ControlClient:
         """``PATCH /v1/fleets/{ref}/policy`` (a null value clears the operator's value)."""
         raw = await self._call("PATCH", f"{_fleet_path(ref)}/policy", body=patch)
         return parse_or_raise(FleetPolicyResponse, raw)
+
+    async def apply(
+        self,
+        ref: str,
+        layout: dict[str, object],
+        *,
+        dry_run: bool,
+        revisions: list[dict[str, object]] | None = None,
+    ) -> ApplyResponse:
+        """``POST /v1/fleets/{ref}/apply`` (``dry_run``: only the plan)."""
+        body: dict[str, object] = {"layout": layout, "dryRun": dry_run}
+        if revisions is not None:
+            body["revisions"] = revisions
+        raw = await self._call("POST", f"{_fleet_path(ref)}/apply", body=body)
+        return parse_or_raise(ApplyResponse, raw)
 
     async def domain_status(self, ref: str, domain: str) -> DomainStatusResponse:
         """``GET /v1/fleets/{ref}/domains/{domain}``."""

@@ -16,6 +16,8 @@ from typing import Final
 from haru_protocol import (
     AcceptedResponse,
     AlreadyActiveResponse,
+    ApplyRequest,
+    ApplyResponse,
     DemoteRequest,
     DomainActionRequest,
     DomainActionResponse,
@@ -154,6 +156,21 @@ ROUTES: Final[tuple[ApiRoute, ...]] = (
         "key follows the current default again), other keys stay. Stored with one "
         "compare-and-swap and a `fleet.policy.changed` event; the next reconcile tick uses "
         "it. Answers the resolved policy.",
+    ),
+    route(
+        "POST",
+        f"{_FLEETS}/apply",
+        "Plan a fleet layout against the stored fleet, and apply it (dryRun: only the plan)",
+        ApplyResponse,
+        body=ApplyRequest,
+        errors=(400, 404, 409, _STORE),
+        tag="control",
+        description="The plan lists each difference (`+` added, `~` changed, `-` removed) "
+        "with the reason a change is refused, and the configuration revisions it was made on. "
+        "An apply with refused items changes nothing (409 `change_refused`); one whose "
+        "`revisions` no longer match, or whose compare-and-swap on a row loses, is 409 "
+        "`plan_stale`. Each change appends a `fleet.config.changed` event. A fleet not yet "
+        "stored is created (the `{ref}` is then the layout's slug).",
     ),
     route(
         "POST",

@@ -1,0 +1,159 @@
+"""``haru apply`` and ``haru seed`` of a changed layout, as real processes against a real
+``haru serve``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from haru_protocol import ApplyResponse, example_layout_json
+
+TOKEN = "cli-apply-token-0123456789"
+_LISTENING = re.compile(r"listening on \S+ \((http://\S+)\)")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HARU_") and k not in ("DATABASE_URL", "PORT")
+    }
+    env.update(COLUMNS="200", **extra)
+    return env
+
+
+def haru(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "haru_server", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """The bundled example fleet seeded by ``haru seed``, a ``haru serve`` on it; the CLI's env."""
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    seeded = haru("seed", env=_env(DATABASE_URL=url))
+    assert seeded.returncode == 0, seeded.stderr
+    # No loop: the example's supervisors do not exist, and nothing here needs a tick.
+    server_env = _env(
+        DATABASE_URL=url, PORT="0", HARU_API_TOKEN=TOKEN, HARU_RECONCILE_INTERVAL_MS="off"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "haru_server", "serve"],
+        env=server_env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stderr is not None
+    base = ""
+    lines: list[str] = []
+    for line in process.stderr:  # the server logs its bound URL once it listens
+        lines.append(line)
+        match = _LISTENING.search(line)
+        if match:
+            base = match.group(1)
+            break
+    assert base, "".join(lines)
+    try:
+        yield _env(HARU_URL=base, HARU_API_TOKEN=TOKEN, DATABASE_URL=url)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=20)
+
+
+def _layout(tmp_path: Path, name: str, change: str) -> Path:
+    layout = json.loads(example_layout_json())
+    alpha, beta = layout["domains"]
+    if change == "standby":
+        beta["slots"][0]["models"].append(
+            {"name": "example-embed", "servingUrl": "http://127.0.0.1:8024"}
+        )
+    else:
+        alpha["slots"][0]["models"][0]["servingUrl"] = "http://127.0.0.1:8099"
+    path = tmp_path / name
+    path.write_text(json.dumps(layout), encoding="utf-8")
+    return path
+
+
+def test_apply_plans_asks_and_applies_and_seed_lists_what_it_does_not_add(
+    served: dict[str, str], tmp_path: Path
+) -> None:
+    path = _layout(tmp_path, "standby.json", "standby")
+    seeded = haru("seed", str(path), env=served)
+    assert seeded.returncode == 1, seeded.stdout
+    assert "differs from the layout where seed only adds" in seeded.stderr
+    assert "+ domain beta / inference gpu 0 / model example-embed" in seeded.stderr
+    assert "haru apply LAYOUT" in seeded.stderr
+
+    plan = "\n".join(
+        [
+            "fleet example: 1 change(s)",
+            "  + domain beta / inference gpu 0 / model example-embed: servingUrl "
+            "http://127.0.0.1:8024",
+        ]
+    )
+    shown = haru("apply", str(path), "--dry-run", env=served)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout == plan + "\n"
+
+    # Not a terminal and no --yes: the plan, then nothing applied (exit 2).
+    unconfirmed = haru("apply", str(path), env=served)
+    assert unconfirmed.returncode == 2, unconfirmed.stderr
+    assert "confirm with --yes" in unconfirmed.stderr
+    assert haru("apply", str(path), "--dry-run", env=served).stdout == plan + "\n"
+
+    applied = haru("apply", str(path), "--yes", "--json", env=served)
+    assert applied.returncode == 0, applied.stderr
+    answer = ApplyResponse.model_validate_json(applied.stdout)
+    assert answer.applied
+    assert [i.path for i in answer.plan.items] == [
+        "domain beta / inference gpu 0 / model example-embed"
+    ]
+    again = haru("apply", str(path), "--yes", env=served)
+    assert again.returncode == 0
+    assert again.stdout == "fleet example: no changes\n"
+    quiet = haru("seed", str(path), env=served)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "no differences" in quiet.stdout
+
+    events = haru("events", "example", "--json", env=served)
+    changed = [
+        json.loads(line)["payload"]
+        for line in events.stdout.splitlines()
+        if json.loads(line)["type"] == "fleet.config.changed"
+    ]
+    assert [(c["action"], c["path"]) for c in changed] == [
+        ("+", "domain beta / inference gpu 0 / model example-embed")
+    ]
+
+
+def test_apply_exits_1_on_a_refused_change_and_changes_nothing(
+    served: dict[str, str], tmp_path: Path
+) -> None:
+    path = _layout(tmp_path, "active.json", "active")
+    refused = haru("apply", str(path), "--yes", env=served)
+    assert refused.returncode == 1
+    assert "~ domain alpha / inference gpu 0 / model example-chat-small: servingUrl:" in (
+        refused.stdout
+    )
+    assert "refused: domain 'alpha' is active and this would move its traffic: promote" in (
+        refused.stdout
+    )
+    assert "1 change(s) refused; nothing was applied" in refused.stderr
+    still = haru("apply", str(path), "--dry-run", env=served)
+    assert still.returncode == 1
+    assert "fleet example: 1 change(s), 1 refused" in still.stdout
