@@ -50,9 +50,7 @@ async def echo(address: tuple[str, int], payload: bytes, *, timeout_s: float = 5
 
 
 def dropped(host: netlab.Host) -> int:
-    """Packets the lab's DROP rules in ``host`` have counted (iptables -L -v -x)."""
-    listing = host.run(["iptables", "-w", "-L", "-v", "-n", "-x"]).stdout
-    return sum(int(line.split()[0]) for line in listing.splitlines() if " DROP " in f" {line} ")
+    return host.dropped()
 
 
 def test_unavailable_reason_is_none_where_the_fixture_ran(netlab: netlab.Lab) -> None:

@@ -166,6 +166,15 @@ class Host:
             rule = self._rules.pop()
             self.run(["iptables", "-w", "-D", *rule])
 
+    def dropped(self) -> int:
+        """Packets the rules of :meth:`partition` and :meth:`lose` have dropped so far."""
+        listing = self.run(["iptables", "-w", "-L", "-v", "-n", "-x"]).stdout
+        return sum(
+            int(line.split()[0])
+            for line in listing.splitlines()
+            if line.split()[2:3] == ["DROP"] and line.split()[0].isdigit()
+        )
+
     @contextlib.contextmanager
     def partitioned(self, peer: str | Host | None = None) -> Iterator[None]:
         """:meth:`partition` for the ``with`` block, then :meth:`heal`."""
