@@ -7,6 +7,10 @@ drivers alone) runs without it.
 """
 
 import importlib.util
+import os
+from collections.abc import Iterator
+
+import pytest
 
 pytest_plugins = ["haru_db.testing"] if importlib.util.find_spec("haru_db") is not None else []
 
@@ -16,7 +20,6 @@ if importlib.util.find_spec("trustme") is not None:
     from datetime import UTC, datetime, timedelta
     from pathlib import Path
 
-    import pytest
     import trustme
 
     @dataclass(frozen=True)
@@ -54,3 +57,23 @@ if importlib.util.find_spec("trustme") is not None:
         ca.cert_pem.write_to_path(str(ca_file))
         other.cert_pem.write_to_path(str(other_file))
         return Pki(ca=ca, other=other, ca_file=ca_file, other_ca_file=other_file, tmp=tmp_path)
+
+
+if importlib.util.find_spec("haru_sim") is not None:
+    from haru_sim import netlab as _netlab
+
+    @pytest.fixture
+    def netlab() -> Iterator[_netlab.Lab]:
+        """A :class:`haru_sim.netlab.Lab` (hosts as network namespaces on a private bridge).
+
+        Removed at teardown, processes and rules included. Skipped where namespaces cannot be
+        made (not root, no ``ip``/``iptables``), except under CI (``CI`` set), where that is a
+        failure: CI runs as root, so these tests must never silently skip there.
+        """
+        reason = _netlab.unavailable_reason()
+        if reason is not None:
+            if os.environ.get("CI"):
+                pytest.fail(f"CI is set but the network lab cannot be made: {reason}")
+            pytest.skip(f"network lab unavailable: {reason}")
+        with _netlab.Lab() as lab:
+            yield lab

@@ -22,6 +22,11 @@ Every party runs in its own process on 127.0.0.1:
   set to each value, on SQLite (no statement count for these rows);
 - with ``--asyncio``, Haru on SQLite and the floor once more on asyncio's own event loop
   (haru-server runs on uvloop) to show what uvloop changes;
+- with ``--tls``, the floor once more as a TLS terminator in front of upstream (the
+  emulated vLLM speaks plain HTTP only), and Haru over TLS on both sides: HTTPS to the load
+  generator (``HARU_TLS_CERT_FILE``) and an ``https://`` upstream (the terminator), every
+  certificate from a throwaway ``trustme`` CA (the proxy verifies the upstream against it
+  through ``SSL_CERT_FILE``: it has no serving CA setting yet);
 - load: a closed-loop aiohttp client (wrk-style: each of C connections sends its next request
   when the previous answer ended) in a separate process per measurement.
 
@@ -34,6 +39,7 @@ the issue's targets are checked against the floor, nothing is asserted.
     uv run python bench/proxy_overhead.py                 # print the table
     uv run python bench/proxy_overhead.py --postgres-url postgresql://postgres@127.0.0.1:5432/db
     uv run python bench/proxy_overhead.py --write-docs    # also update docs/BENCHMARKS.md
+    uv run python bench/proxy_overhead.py --tls --no-nginx   # the TLS rows beside clear text
     uv run python bench/proxy_overhead.py --streams-only --streams 1000 --rounds 3
         # time to first byte only, every target in turn, 3 interleaved rounds (on a busy
         # machine prefix `chrt -f 10`: docs/BENCHMARKS.md, *Streaming time to first byte*)
@@ -69,6 +75,8 @@ WRK_SECTION = "## Inference proxy under wrk: the collector's pauses (gc.freeze)"
 FLOOR = "floor (minimal aiohttp proxy)"
 MODEL = "bench-model"
 FLEET = "bench"
+TLS_FRONT = "TLS terminator (floor over TLS)"
+TLS_HARU = "haru (SQLite, TLS both sides)"
 CHAT = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 ).encode()
@@ -138,8 +146,16 @@ async def _serve_haru(
         partial.replace(counter_file)  # atomic: the parent never reads half a file
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
+    tls: dict[str, Any] = {}
+    if os.environ.get("BENCH_TLS_CERT"):
+        # The TLS row: HTTPS to clients, and an https:// upstream verified against the CA in
+        # SSL_CERT_FILE (the proxy's upstream session uses the default trust store).
+        tls = {
+            "tls_cert_file": Path(os.environ["BENCH_TLS_CERT"]),
+            "tls_key_file": Path(os.environ["BENCH_TLS_KEY"]),
+        }
     settings = Settings(
-        database_url=url, port=port, default_fleet=FLEET, reconcile_interval_ms=None
+        database_url=url, port=port, default_fleet=FLEET, reconcile_interval_ms=None, **tls
     )
     await run_server(settings, on_listening=lambda u: print(f"READY {u}", flush=True))
 
@@ -186,8 +202,14 @@ async def seed(upstream: str, url: str) -> None:
 # -- child process: the floor proxy -------------------------------------------------------------
 
 
-async def run_floor(upstream: str, port: int) -> None:
-    """The floor: the least a Python proxy does (no routing state, no checks, no errors)."""
+async def run_floor(upstream: str, port: int, tls: tuple[str, str] | None = None) -> None:
+    """The floor: the least a Python proxy does (no routing state, no checks, no errors).
+
+    With ``tls`` (certificate and key files) it listens with TLS: the TLS rows' upstream, a
+    TLS terminator in front of the emulated vLLM (which speaks plain HTTP only).
+    """
+    import ssl
+
     import aiohttp
     from aiohttp import web
 
@@ -220,8 +242,12 @@ async def run_floor(upstream: str, port: int) -> None:
     app.router.add_post("/v1/chat/completions", proxy)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    print(f"READY http://127.0.0.1:{port}", flush=True)
+    context = None
+    if tls is not None:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(*tls)
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=context).start()
+    print(f"READY {'http' if tls is None else 'https'}://127.0.0.1:{port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -243,7 +269,11 @@ async def run_load(spec: dict[str, Any]) -> dict[str, Any]:
     latencies: list[float] = []
     ttfbs: list[float] = []
     errors: list[str] = []
-    connector = aiohttp.TCPConnector(limit=concurrency)
+    import ssl
+
+    cafile = spec.get("cafile")
+    trust = ssl.create_default_context(cafile=cafile) if cafile else True
+    connector = aiohttp.TCPConnector(limit=concurrency, ssl=trust)
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def one(record: bool) -> None:
@@ -337,6 +367,8 @@ class Target:
     """The proxy's process (its children count too), for CPU per request."""
     counter_file: Path | None = None
     """Where a Haru child writes its statement count when sent SIGUSR1."""
+    cafile: str | None = None
+    """The CA the load generator trusts (a TLS target)."""
 
 
 def statements(target: Target) -> int | None:
@@ -462,6 +494,47 @@ def start_nginx(procs: Processes, tmp: Path, upstream_port: int) -> Target | str
     return Target(name, f"http://127.0.0.1:{port}", {}, child.pid)
 
 
+def start_tls_rows(procs: Processes, tmp: Path, upstream: str) -> list[Target]:
+    """A TLS terminator in front of ``upstream``, and Haru over TLS on both sides to it.
+
+    Compare their *added* columns: the terminator's is what TLS and one Python hop cost, and
+    Haru's minus the terminator's is what Haru adds over TLS (against *haru (SQLite)* minus
+    *floor* in clear text).
+    """
+    import trustme
+
+    ca = trustme.CA()
+    leaf = ca.issue_cert("127.0.0.1", "localhost")
+    ca_file, cert, key = tmp / "ca.pem", tmp / "tls.crt", tmp / "tls.key"
+    ca.cert_pem.write_to_path(str(ca_file))
+    leaf.cert_chain_pems[0].write_to_path(str(cert))
+    leaf.private_key_pem.write_to_path(str(key))
+    line, pid = procs.start(
+        [sys.executable, __file__, "_floor", upstream, str(free_port()), "", str(cert), str(key)],
+        ready="READY",
+    )
+    front = line.split()[-1]
+    rows = [Target(TLS_FRONT, front, {}, pid, cafile=str(ca_file))]
+    counter = tmp / "statements-tls"
+    line, pid = procs.start(
+        [
+            sys.executable,
+            __file__,
+            "_haru",
+            front,
+            f"sqlite:///{tmp / 'tls.db'}",
+            str(free_port()),
+            str(counter),
+            "",
+        ],
+        ready="READY",
+        env={"BENCH_TLS_CERT": str(cert), "BENCH_TLS_KEY": str(key), "SSL_CERT_FILE": str(ca_file)},
+    )
+    headers = {"X-Haru-Fleet": FLEET}
+    rows.append(Target(TLS_HARU, line.split()[-1], headers, pid, counter, cafile=str(ca_file)))
+    return rows
+
+
 def start_haru_workers(procs: Processes, tmp: Path, upstream: str, workers: int) -> Target:
     """``haru serve`` itself with ``HARU_WORKERS=workers`` on a seeded SQLite file."""
     url = f"sqlite:///{tmp / f'workers-{workers}.db'}"
@@ -565,6 +638,7 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
             "requests": requests,
             "warmup": warmup,
             "max_seconds": args.max_seconds,
+            "cafile": target.cafile,
         }
         out = subprocess.run(
             [sys.executable, __file__, "_load", json.dumps(spec)],
@@ -899,6 +973,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-nginx", action="store_true")
     parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="also run a TLS terminator in front of the emulated vLLM and Haru over TLS to it "
+        "(trustme certificates)",
+    )
+    parser.add_argument(
         "--streams-only",
         action="store_true",
         help="measure only the streams' time to first byte (no --write-docs)",
@@ -977,6 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
                 ready="READY",
             )
             targets.append(Target(name, line.split()[-1], {"X-Haru-Fleet": FLEET}, pid, counter))
+        targets += start_tls_rows(procs, tmp, upstream) if args.tls else []
         counts = [int(w) for w in args.workers.split(",") if w.strip()]
         targets.extend(start_haru_workers(procs, tmp, upstream, n) for n in counts)
         skipped: dict[str, str] = {}
@@ -1055,7 +1136,10 @@ if __name__ == "__main__":
         from haru_server._eventloop import run
 
         # On the loop haru-server runs on (uvloop), or on asyncio's own for --asyncio's row.
-        (asyncio.run if sys.argv[4] == "asyncio" else run)(run_floor(sys.argv[2], int(sys.argv[3])))
+        tls = (sys.argv[5], sys.argv[6]) if len(sys.argv) > 6 else None
+        (asyncio.run if sys.argv[4] == "asyncio" else run)(
+            run_floor(sys.argv[2], int(sys.argv[3]), tls)
+        )
     elif len(sys.argv) > 1 and sys.argv[1] == "_load":
         print(json.dumps(asyncio.run(run_load(json.loads(sys.argv[2])))))
     else:

@@ -31,7 +31,7 @@ from haru_db.testing import DatabaseUrlFactory
 from haru_protocol import FleetLayout, OperationKind
 from sqlalchemy.engine import Connection
 
-TABLES = {"fleets", "domains", "slots", "operations", "events"}
+TABLES = {"fleets", "domains", "slots", "operations", "events", "fleet_cas", "domain_certs"}
 SQLITE_TRIGGERS = {
     "trg_operations_promote_failed_cleanup",
     "trg_fleets_switch_commits_routing",
@@ -219,5 +219,7 @@ def test_the_wheel_ships_the_migrations_and_the_pytest_plugin(tmp_path: Path) ->
         "haru_db/migrations/versions/v0005_operation_mirrors.py",
         "haru_db/migrations/versions/v0006_route_lease.py",
         "haru_db/migrations/versions/v0007_operation_fence.py",
+        "haru_db/migrations/versions/v0009_config_revision.py",
+        "haru_db/migrations/versions/v0010_fleet_ca.py",
         "haru_db/py.typed",
     } <= names

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from haru_db import StateStore
+from haru_db import DomainCert, StateStore
 from haru_protocol import (
     DomainSnapshot,
     DomainState,
@@ -98,3 +98,36 @@ async def test_recorded_address_fills_the_serving_urls(
     slot = snapshot.domains[1].slots[0].spec
     assert isinstance(slot, InferenceSlotSpec)
     assert slot.models[0].serving_url is None
+
+
+async def test_the_first_fleet_ca_wins_and_domain_certs_are_replaced_per_launch(
+    store: StateStore,
+    make_layout: LayoutFactory,
+    domain_document: Callable[..., Any],
+    now: datetime,
+) -> None:
+    gamma = await _gamma(store, make_layout, domain_document, now)
+    assert await store.get_fleet_ca(gamma.fleet_id) is None
+    first = await store.create_fleet_ca(gamma.fleet_id, cert_pem="CA-1", sealed_key="k1", at=now)
+    # A racing process that made its own CA gets the stored one back: all agree on the first.
+    second = await store.create_fleet_ca(gamma.fleet_id, cert_pem="CA-2", sealed_key="k2", at=now)
+    assert (first.cert_pem, second.cert_pem, second.sealed_key) == ("CA-1", "CA-1", "k1")
+    assert await store.get_fleet_ca(gamma.fleet_id) == first
+    for attempt, digest in ((1, "a" * 64), (2, "b" * 64)):
+        await store.record_domain_cert(
+            DomainCert(
+                domain_id=gamma.id,
+                fleet_id=gamma.fleet_id,
+                attempt=attempt,
+                server_name="gamma.fleet.haru.internal",
+                fingerprint=digest,
+                not_after=now + timedelta(days=30),
+                issued_at=now,
+            )
+        )
+    [cert] = await store.list_domain_certs(gamma.fleet_id)
+    assert (cert.attempt, cert.fingerprint, cert.not_after) == (
+        2,
+        "b" * 64,
+        now + timedelta(days=30),
+    )

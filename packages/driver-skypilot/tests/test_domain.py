@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -16,6 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 from haru_driver_skypilot import (
+    TLS_CERT_SECRET,
+    TLS_KEY_SECRET,
     TOKEN_SECRET,
     SkyPilotDriver,
     SkyRunner,
@@ -105,8 +109,65 @@ def test_the_script_never_puts_a_server_to_sleep_behind_the_supervisors_back() -
 def test_the_token_is_a_secret_never_a_value() -> None:
     task = example_domain_task(start_asleep=True)
     config = yaml.safe_load(render_task_yaml(task))
-    assert config["secrets"] == {TOKEN_SECRET: None}
+    assert config["secrets"] == {TOKEN_SECRET: None, TLS_CERT_SECRET: None, TLS_KEY_SECRET: None}
     assert TOKEN_SECRET not in config["envs"]
+
+
+def test_a_serving_credential_hook_declares_further_secrets() -> None:
+    layout = example_domain_layout()
+    task = domain_task(
+        "haru-f--d",
+        layout.placement,
+        layout.slots,
+        layout.settings,
+        start_asleep=False,
+        extra_secrets=("HARU_SERVING_KEY",),
+    )
+    assert task.secrets[-1] == "HARU_SERVING_KEY"
+
+
+BASH = shutil.which("bash") or "/bin/bash"
+
+
+def _tls_prefix(run: str) -> str:
+    """The run script up to the line that drops the TLS secrets from the environment."""
+    lines = run.splitlines()
+    end = next(i for i, line in enumerate(lines) if line.startswith("unset HARU_NODE_TLS"))
+    return "\n".join(lines[: end + 1])
+
+
+def test_the_run_script_writes_the_tls_secrets_to_private_files(tmp_path: Path) -> None:
+    run = example_domain_task(start_asleep=False).run
+    cert, key = "-----BEGIN CERTIFICATE-----\nabc\n", "-----BEGIN PRIVATE KEY-----\nxyz\n"
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        TLS_CERT_SECRET: base64.b64encode(cert.encode()).decode(),
+        TLS_KEY_SECRET: base64.b64encode(key.encode()).decode(),
+    }
+    # What the script's later children inherit: the secrets must be gone by then.
+    script = _tls_prefix(run) + '\nenv > "$HARU_DIR/child-env"\n'
+    subprocess.run([BASH, "-c", script], env=env, check=True, timeout=30)
+    tls = tmp_path / ".haru" / "tls"
+    assert (tls / "node.crt").read_text() == cert
+    assert (tls / "node.key").read_text() == key
+    assert stat.S_IMODE((tls / "node.key").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tls / "node.crt").stat().st_mode) == 0o600
+    assert stat.S_IMODE(tls.stat().st_mode) == 0o700
+    inherited = (tmp_path / ".haru" / "child-env").read_text()
+    assert "HARU_NODE_TLS" not in inherited
+    assert "xyz" not in inherited
+    assert 'HARU_TLS_CERT_FILE="$HOME/.haru/tls/node.crt"' in run
+
+
+def test_the_run_script_refuses_to_start_without_the_tls_secrets(tmp_path: Path) -> None:
+    run = example_domain_task(start_asleep=False).run
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    done = subprocess.run(
+        [BASH, "-c", _tls_prefix(run)], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode != 0
+    assert "TLS secrets of the domain are missing" in done.stderr
 
 
 def test_the_node_helper_is_embedded_verbatim() -> None:
@@ -118,7 +179,9 @@ async def test_launch_passes_the_token_through_the_environment(fake_sky: Path) -
     driver = SkyPilotDriver(SkyRunner())
     task = example_domain_task(start_asleep=True)
     token = "a-secret-token-of-sufficient-length"
-    await driver.launch_domain(task, secrets={TOKEN_SECRET: token})
+    await driver.launch_domain(
+        task, secrets={TOKEN_SECRET: token, TLS_CERT_SECRET: "Y2VydA==", TLS_KEY_SECRET: "a2V5"}
+    )
     assert await driver.get_head_ip(task.name) == "10.1.2.3"
     assert await driver.get_head_ip("haru-other") is None
     launch, *_ = [json.loads(line) for line in (fake_sky / "calls.jsonl").read_text().splitlines()]

@@ -36,9 +36,16 @@ def operation(state: OperationState) -> Operation:
     )
 
 
-def failure(error: str) -> RequestRecord:
+def failure(error: str, *, cut: bool = False) -> RequestRecord:
     return RequestRecord(
-        client=0, model="m", stream=True, started_at=1.0, ended_at=2.0, ok=False, error=error
+        client=0,
+        model="m",
+        stream=True,
+        started_at=1.0,
+        ended_at=2.0,
+        ok=False,
+        error=error,
+        cut=cut,
     )
 
 
@@ -68,9 +75,10 @@ def unplanned(**changes: object) -> SwitchoverResult:
         detection_s=1.1,
         routing_s=2.3,
         first_good_s=2.4,
-        requests=TrafficSummary(total=300, ok=200, failed=100, stale=0),
-        failures=[failure("HTTP 502 upstream_unreachable")] * 60
-        + [failure("HTTP 404 model_not_found")] * 40,
+        requests=TrafficSummary.of(
+            [failure("connection failed: incomplete chunked read", cut=True)] * 2
+        ),
+        failures=[failure("connection failed: incomplete chunked read", cut=True)] * 2,
         budget_s=34.0,
     )
     for key, value in changes.items():
@@ -88,8 +96,9 @@ def test_a_clean_run_is_a_success_and_reports_every_measure() -> None:
     assert "requests during it:       80 sent, 80 ok, 0 failed" in text
     assert "time to detection:        1100 ms" in text
     assert "first good answer:        2400 ms after the kill" in text
-    assert "60 x HTTP 502 upstream_unreachable" in text
-    assert "40 x HTTP 404 model_not_found" in text
+    # Streams the kill cut after their answer had started are reported apart from failures.
+    assert "2 sent, 0 ok, 0 failed, 2 stream(s) cut after their answer had started" in text
+    assert "2 x connection failed: incomplete chunked read" in text
     assert text.endswith("RESULT: success")
 
 
@@ -106,6 +115,15 @@ def test_a_clean_run_is_a_success_and_reports_every_measure() -> None:
         ScenarioReport(planned=planned(routing_s=None), unplanned=unplanned(), recovered=True),
         ScenarioReport(
             planned=planned(old_active_standby=False), unplanned=unplanned(), recovered=True
+        ),
+        # A request that failed before any answer in the unplanned failure fails the demo.
+        ScenarioReport(
+            planned=planned(),
+            unplanned=unplanned(
+                requests=TrafficSummary.of([failure("HTTP 502 upstream_unreachable")]),
+                failures=[failure("HTTP 502 upstream_unreachable")],
+            ),
+            recovered=True,
         ),
         # The failover must move routing within its budget.
         ScenarioReport(planned=planned(), unplanned=unplanned(routing_s=40.0), recovered=True),

@@ -184,3 +184,20 @@ async def test_held_answers_are_counted_with_the_longest_hold(
     assert summary.held == summary.total
     assert summary.longest_hold_ms == 1234
     assert TrafficSummary.of([record(1.0, 2.0)]).held == 0
+
+
+@pytest.mark.parametrize(("chunks", "cut"), [(3, True), (0, False)])
+async def test_a_stream_cut_after_its_answer_started_is_counted_apart(
+    chunks: int, cut: bool
+) -> None:
+    async with VllmSim(VllmSimConfig(served_model_names=("chat",))) as sim:
+        await sim.set_faults(cut_stream_after_chunks=chunks)
+        async with ChatTraffic(sim.url, fleet=None, models=("chat",), clients=1) as traffic:
+            await until(lambda: any(r.stream for r in traffic.records))
+    record = next(r for r in traffic.records if r.stream)
+    assert not record.ok
+    assert record.error is not None
+    assert "connection failed" in record.error
+    assert record.cut is cut
+    summary = TrafficSummary.of([record])
+    assert (summary.failed, summary.cut) == ((0, 1) if cut else (1, 0))

@@ -35,6 +35,7 @@ import os
 import stat
 import sys
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -43,6 +44,7 @@ from uuid import UUID
 import aiohttp
 import pytest
 from haru_core import lease_guard_ms
+import trustme
 from haru_db import StateStore
 from haru_demo.localfleet import LocalFleet
 from haru_driver_skypilot import TOKEN_SECRET, SkyPilotDriver, SkyRunner
@@ -62,12 +64,13 @@ from haru_protocol import (
 )
 from haru_server import create_app
 from haru_server._clock import ManualClock
+from haru_server._pki import FleetPki, StoreKey
 from haru_server._provisioning import Provisioner, ProvisionerOptions
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._settings import Settings
 from haru_server._steps import StepTuning
 from haru_server.cli import app as cli_app
-from haru_supervisor.client import SupervisorClient
+from haru_supervisor.client import SupervisorClient, SupervisorLinks
 from pytest_aiohttp import AiohttpClient
 from typer.testing import CliRunner
 
@@ -226,18 +229,22 @@ def sky(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSky:
 async def make_reconciler(clock: ManualClock, http: aiohttp.ClientSession) -> Any:
     made: list[Provisioner] = []
 
-    def make(store: StateStore) -> tuple[Reconciler, Provisioner]:
+    def make(
+        store: StateStore, *, store_key: StoreKey | None = STORE_KEY
+    ) -> tuple[Reconciler, Provisioner]:
         provisioner = Provisioner(
             store,
             SkyPilotDriver(SkyRunner(retry_delay=0)),
             clock=clock,
             supervisor_token=TOKEN,
             options=ProvisionerOptions(status_interval_s=0),
+            pki=FleetPki(store, store_key),
         )
         made.append(provisioner)
+        links = SupervisorLinks(issued=provisioner_pki(provisioner).trusts)
         reconciler = Reconciler(
             store,
-            SupervisorClient(http, token=None),
+            SupervisorClient(http, token=None, links=links),
             clock=clock,
             options=ReconcilerOptions(
                 tuning=StepTuning(settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05),
@@ -250,6 +257,38 @@ async def make_reconciler(clock: ManualClock, http: aiohttp.ClientSession) -> An
     yield make
     for provisioner in made:
         await provisioner.close()
+
+
+STORE_KEY = StoreKey(StoreKey.generate().encode())
+FLEET_CA = trustme.CA()
+"""Stands in for the fleet's CA: the local supervisors serve a certificate it issued."""
+
+
+def provisioner_pki(provisioner: Provisioner) -> FleetPki:
+    pki = provisioner._pki
+    assert pki is not None
+    return pki
+
+
+@pytest.fixture
+def supervisor_tls(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for both domains' names, from :data:`FLEET_CA` (the local supervisors')."""
+    leaf = FLEET_CA.issue_cert("alpha.local.haru.internal", "beta.local.haru.internal")
+    cert, key = tmp_path / "supervisor.crt", tmp_path / "supervisor.key"
+    leaf.cert_chain_pems[0].write_to_path(str(cert))
+    leaf.private_key_pem.write_to_path(str(key))
+    return cert, key
+
+
+async def adopt_fleet_ca(store: StateStore, clock: ManualClock) -> None:
+    """Store :data:`FLEET_CA` as the fleet's CA, its key sealed, before the first launch."""
+    fleet = await snapshot(store)
+    await store.create_fleet_ca(
+        fleet.id,
+        cert_pem=FLEET_CA.cert_pem.bytes().decode(),
+        sealed_key=STORE_KEY.seal(FLEET_CA.private_key_pem.bytes()),
+        at=clock(),
+    )
 
 
 def provisioned_layout(fleet: LocalFleet, **policy: Any) -> FleetLayout:
@@ -331,11 +370,13 @@ async def test_layout_to_ready_with_no_hand_typed_url(
     make_reconciler: Any,
     clock: ManualClock,
     sky: FakeSky,
+    supervisor_tls: tuple[Path, Path],
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
+    fleet = await make_fleet(training_gpus=(), supervisor_tls=supervisor_tls)
     layout = provisioned_layout(fleet)
     await store.apply_fleet_layout(layout, at=clock())
+    await adopt_fleet_ca(store, clock)
     reconciler, _ = make_reconciler(store)
     seeded = await snapshot(store)
     assert all(d.supervisor_url is None for d in seeded.domains)
@@ -403,6 +444,60 @@ async def test_launch_failure_fails_the_domain_with_the_command_in_an_event(
     assert len(sky.launches("haru-local--alpha")) == 1
 
 
+@pytest.mark.parametrize("store_key", ["missing", "another"])
+async def test_no_launch_without_the_store_key_that_opens_the_fleet_ca(
+    sqlite_store: StateStore,
+    make_reconciler: Any,
+    clock: ManualClock,
+    sky: FakeSky,
+    store_key: str,
+) -> None:
+    store = sqlite_store
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    if store_key == "another":
+        await adopt_fleet_ca(store, clock)  # sealed with STORE_KEY
+    key = None if store_key == "missing" else StoreKey(StoreKey.generate().encode())
+    reconciler, _ = make_reconciler(store, store_key=key)
+    failed = await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
+    [event] = [
+        e
+        for e in await events(store, failed.id, EventType.DOMAIN_PROVISIONING_FAILED)
+        if e.domain_id == domain(failed, "alpha").id
+    ]
+    assert event.payload["reason"] == "launch_failed"
+    assert "HARU_STORE_KEY_FILE" in event.payload["message"]
+    expected = "no store key" if store_key == "missing" else "does not open"
+    assert expected in event.payload["message"]
+    assert sky.launches("haru-local--alpha") == []
+    assert await store.list_domain_certs(failed.id) == []
+
+
+async def test_each_launch_gets_a_fresh_certificate_only_through_secrets(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    reconciler, _ = make_reconciler(store)
+    await tick_until(reconciler, store, lambda f: len(sky.launches("haru-local--alpha")) == 1)
+    fleet = await snapshot(store)
+    stored = await store.get_fleet_ca(fleet.id)
+    assert stored is not None
+    assert "PRIVATE KEY" not in stored.sealed_key
+    assert b"PRIVATE KEY" in STORE_KEY.open(stored.sealed_key)
+    certs = {c.domain_id: c for c in await store.list_domain_certs(fleet.id)}
+    cert = certs[domain(fleet, "alpha").id]
+    assert cert.server_name == "alpha.local.haru.internal"
+    assert cert.attempt == 1
+    assert cert.not_after - cert.issued_at == timedelta(days=30)
+    [launch] = sky.launches("haru-local--alpha")
+    # Declared as secrets; the values reach `sky` only through its environment.
+    assert launch["argv"].count("--secret") == 3
+    assert "HARU_NODE_TLS_KEY" in launch["argv"]
+    assert "HARU_NODE_TLS_KEY" in launch["yaml"]
+    assert "PRIVATE KEY" not in launch["yaml"]
+    assert "PRIVATE KEY" not in json.dumps(launch["argv"])
+
+
 async def test_launch_past_its_budget_is_killed_and_fails_the_domain(
     sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
 ) -> None:
@@ -455,7 +550,7 @@ async def test_restart_mid_launch_never_launches_the_same_attempt_again(
     assert len(sky.launches("haru-local--alpha")) == 1
     alpha = domain(done, "alpha")
     assert alpha.launch_attempt == 1
-    assert str(alpha.supervisor_url) == "http://127.0.0.1:8701"
+    assert str(alpha.supervisor_url) == "https://127.0.0.1:8701"
     succeeded = [
         e
         for e in await events(store, done.id, EventType.DOMAIN_LAUNCH_SUCCEEDED)
@@ -693,6 +788,7 @@ async def test_a_domain_launched_under_its_old_name_is_still_found_and_torn_down
         clock=clock,
         supervisor_token=TOKEN,
         options=ProvisionerOptions(status_interval_s=0),
+        pki=FleetPki(store, STORE_KEY),
     )
     try:
         current = await snapshot(store)
@@ -727,13 +823,15 @@ async def test_preempted_active_fails_over_then_relaunches_as_standby(
     make_reconciler: Any,
     clock: ManualClock,
     sky: FakeSky,
+    supervisor_tls: tuple[Path, Path],
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
+    fleet = await make_fleet(training_gpus=(), supervisor_tls=supervisor_tls)
     await store.apply_fleet_layout(
         provisioned_layout(fleet, relaunchBackoffBaseMs=60_000, relaunchMaxAttempts=1),
         at=clock(),
     )
+    await adopt_fleet_ca(store, clock)
     reconciler, _ = make_reconciler(store)
     ready = await tick_until(
         reconciler, store, lambda f: all(d.state is DomainState.READY for d in f.domains)

@@ -8,14 +8,20 @@ from the renderer, with a ``vllm`` wrapper first on the PATH that starts the emu
 ``haru-supervisor`` and an emulated ``nvidia-smi`` whose memory follows the emulated servers
 and trainers. The server runs in this process on a real port with its reconcile loop; the
 operator's commands go through the ``haru`` CLI. Nothing in the layout names a URL.
+
+Each supervisor serves HTTPS with the key and certificate the server issued from the fleet's
+CA before its launch (delivered only as ``sky launch --secret``), and the server reaches it
+over ``https://``, trusting only that CA and checking the domain's name.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -25,8 +31,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from cryptography import x509
+from cryptography.fernet import Fernet
+from cryptography.hazmat.primitives import hashes
+from haru_db import StateStore
 from haru_demo import EmulatedGpu, GpuModel, write_nvidia_smi
-from haru_driver_skypilot import cluster_name, model_ports
+from haru_driver_skypilot import TLS_KEY_SECRET, cluster_name, model_ports
 from haru_protocol import (
     DomainLayout,
     DomainSnapshot,
@@ -259,8 +269,11 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
     )
     assert seeded.exit_code == 0, seeded.output
 
+    key_file = tmp_path / "store.key"
+    key_file.write_bytes(Fernet.generate_key())
     settings = Settings(
         database_url=database,
+        store_key_file=key_file,
         supervisor_token=SecretStr(TOKEN),
         default_fleet="local",
         reconcile_interval_ms=100,
@@ -276,10 +289,32 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
         lambda f: serving(by_slug(f, "alpha")) and standby_posture(by_slug(f, "beta")),
     )
     assert fleet.active_domain_id == by_slug(fleet, "alpha").id
+    store = StateStore.open(database)
+    try:
+        stored_ca = await store.get_fleet_ca(fleet.id)
+        certs = {c.domain_id: c for c in await store.list_domain_certs(fleet.id)}
+    finally:
+        await store.close()
+    assert stored_ca is not None
+    # The CA's key is sealed by the store key: the database never holds it in clear.
+    assert "PRIVATE KEY" not in stored_ca.sealed_key
+    fleet_ca = ssl.create_default_context(cadata=stored_ca.cert_pem)
     for slug in ("alpha", "beta"):
         domain = by_slug(fleet, slug)
         gateway = f"http://127.0.0.1:{ports[slug]['gatewayPort']}"
-        assert str(domain.supervisor_url) == f"http://127.0.0.1:{ports[slug]['supervisorPort']}"
+        assert str(domain.supervisor_url) == f"https://127.0.0.1:{ports[slug]['supervisorPort']}"
+        name = f"{slug}.local.haru.internal"
+        assert certs[domain.id].server_name == name
+        # The key and certificate reached the node as secrets only, and became private files.
+        [launch] = sky.launches(cluster_name("local", slug))
+        assert TLS_KEY_SECRET in launch["argv"]
+        tls_dir = sky.node(cluster_name("local", slug)) / "home" / ".haru" / "tls"
+        assert stat.S_IMODE((tls_dir / "node.key").stat().st_mode) == 0o600
+        assert stat.S_IMODE(tls_dir.stat().st_mode) == 0o700
+        served = x509.load_pem_x509_certificate((tls_dir / "node.crt").read_bytes())
+        assert served.fingerprint(hashes.SHA256()).hex() == certs[domain.id].fingerprint
+        key_pem = (tls_dir / "node.key").read_bytes()
+        assert base64.b64encode(key_pem).decode() not in json.dumps(launch)
         assert str(domain.serving_base_url) == gateway
         urls = sorted(
             str(m.serving_url)
@@ -288,14 +323,21 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
             for m in s.spec.models
         )
         assert urls == [f"{gateway}/m/chat-large", f"{gateway}/m/chat-small"]
-        [launch] = sky.launches(cluster_name("local", slug))
         assert TOKEN not in json.dumps(launch)
-        # The supervisor holds the token the secret carried, and nothing else opens it.
+        # The supervisor holds the token the secret carried, and nothing else opens it; it
+        # speaks TLS only, with a certificate for the domain's name from the fleet's CA.
         status_url = f"{str(domain.supervisor_url).rstrip('/')}/v1/status"
-        async with http.get(status_url) as resp:
+        async with http.get(status_url, ssl=fleet_ca, server_hostname=name) as resp:
             assert resp.status == 401
-        async with http.get(status_url, headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        async with http.get(status_url, headers=auth, ssl=fleet_ca, server_hostname=name) as resp:
             assert resp.status == 200
+        # Another domain's name: refused, although the same CA issued both.
+        other = f"{'beta' if slug == 'alpha' else 'alpha'}.local.haru.internal"
+        with pytest.raises(aiohttp.ClientConnectorCertificateError):
+            await http.get(status_url, ssl=fleet_ca, server_hostname=other)
+        with pytest.raises(aiohttp.ClientError):
+            await http.get(status_url.replace("https://", "http://"), headers=auth)
         # Each model is an emulated `vllm serve` on its generated port, with its source.
         base = ports[slug]["vllmBasePort"]
         for offset, (name, source) in enumerate(MODELS):
@@ -333,6 +375,16 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
         "beta relaunched into standby posture", lambda f: standby_posture(by_slug(f, "beta"))
     )
     assert by_slug(fleet, "beta").launch_attempt == 2
+    # The relaunch got a fresh certificate from the same CA, and the server trusts it.
+    store = StateStore.open(database)
+    try:
+        renewed = {c.domain_id: c for c in await store.list_domain_certs(fleet.id)}
+        assert await store.get_fleet_ca(fleet.id) == stored_ca
+    finally:
+        await store.close()
+    beta_id = by_slug(fleet, "beta").id
+    assert renewed[beta_id].attempt == 2
+    assert renewed[beta_id].fingerprint != certs[beta_id].fingerprint
     assert len(sky.launches(beta_cluster)) == 2
     [relaunch] = await control.events(EventType.DOMAIN_RELAUNCH)
     assert relaunch["payload"]["relaunch"] == 1

@@ -7,6 +7,7 @@ packages a freshly migrated database per test on both engines.
 """
 
 from haru_db._backup import BackupResult, backup_sqlite, sqlite_file
+from haru_db._certs import DomainCert, StoredFleetCa
 from haru_db._errors import (
     BackupError,
     ConstraintViolationError,
@@ -48,6 +49,7 @@ __all__ = (
     "BackupError",
     "BackupResult",
     "ConstraintViolationError",
+    "DomainCert",
     "HaruDbError",
     # Repository
     "LayoutApplyResult",
@@ -62,6 +64,7 @@ __all__ = (
     "StateStore",
     "StateStoreReadOnlyError",
     "StateStoreUnavailableError",
+    "StoredFleetCa",
     "StoredPolicy",
     # Migrations, backups and operator helpers (the haru CLI)
     "backup_sqlite",

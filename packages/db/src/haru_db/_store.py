@@ -50,6 +50,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from haru_db import (
     _config,
+    _certs,
     _events,
     _layout,
     _operations,
@@ -58,6 +59,7 @@ from haru_db import (
     _reads,
     _transitions,
 )
+from haru_db._certs import DomainCert, StoredFleetCa
 from haru_db._engine import create_engine, translate_errors, writer
 from haru_db._errors import StateStoreReadOnlyError
 from haru_db._events import OperationEvent
@@ -327,6 +329,32 @@ class StateStore:
             model_urls=model_urls,
             at=at,
         )
+
+    # ---- per-fleet CA of provisioned domains ----------------------------------------------
+
+    @_bounded
+    async def get_fleet_ca(self, fleet_id: UUID) -> StoredFleetCa | None:
+        """The fleet's CA (certificate and sealed key), or None before its first launch."""
+        return await _certs.get_fleet_ca(self._ex, fleet_id)
+
+    @_bounded
+    async def create_fleet_ca(
+        self, fleet_id: UUID, *, cert_pem: str, sealed_key: str, at: datetime
+    ) -> StoredFleetCa:
+        """Store a CA for the fleet unless it has one; the one stored (the first wins)."""
+        return await _certs.create_fleet_ca(
+            self._ex, fleet_id, cert_pem=cert_pem, sealed_key=sealed_key, at=at
+        )
+
+    @_bounded
+    async def record_domain_cert(self, cert: DomainCert) -> None:
+        """Record the certificate issued to a domain, replacing the one of its last launch."""
+        await _certs.record_domain_cert(self._ex, cert)
+
+    @_bounded
+    async def list_domain_certs(self, fleet_id: UUID) -> list[DomainCert]:
+        """The certificates last issued to the fleet's domains."""
+        return await _certs.list_domain_certs(self._ex, fleet_id)
 
     @_bounded
     async def escalate_domain_if_fleet_idle(

@@ -294,3 +294,31 @@ events = sa.Table(
     sa.Index(None, "fleet_id", "id"),
     sqlite_autoincrement=True,
 )
+
+# ---- per-fleet CA of provisioned domains (migration 0010) ----
+fleet_cas = sa.Table(
+    "fleet_cas",
+    metadata,
+    sa.Column("fleet_id", _uuid(), sa.ForeignKey("fleets.id"), primary_key=True),
+    # PEM certificate of the fleet's CA (public: the server trusts it for the fleet's domains).
+    sa.Column("cert_pem", sa.Text(), nullable=False),
+    # The CA's PEM private key, sealed with the server's store key (never stored in clear).
+    sa.Column("sealed_key", sa.Text(), nullable=False),
+    sa.Column("created_at", UtcDateTime(), nullable=False),
+)
+
+domain_certs = sa.Table(
+    "domain_certs",
+    metadata,
+    sa.Column("domain_id", _uuid(), sa.ForeignKey("domains.id"), primary_key=True),
+    sa.Column("fleet_id", _uuid(), sa.ForeignKey("fleets.id"), nullable=False),
+    # The launch attempt the certificate was issued for (a relaunch issues a fresh one).
+    sa.Column("attempt", sa.Integer(), nullable=False),
+    # The DNS name in the certificate; the server checks it (TLS SNI and name check).
+    sa.Column("server_name", sa.Text(), nullable=False),
+    # SHA-256 of the leaf certificate (DER), lower-case hex: what an operator may pin.
+    sa.Column("fingerprint", sa.String(64), nullable=False),
+    sa.Column("not_after", UtcDateTime(), nullable=False),
+    sa.Column("issued_at", UtcDateTime(), nullable=False),
+    sa.Index(None, "fleet_id"),
+)

@@ -7,6 +7,9 @@ Services depend on the :class:`DomainDriver` protocol so tests can inject fakes.
 """
 
 from haru_driver_skypilot._domain import (
+    TLS_CERT_SECRET,
+    TLS_DIR,
+    TLS_KEY_SECRET,
     TOKEN_SECRET,
     ModelPort,
     domain_task,
@@ -87,6 +90,9 @@ __all__ = (  # noqa: RUF022
     "run_script",
     "node_helper_source",
     "TOKEN_SECRET",
+    "TLS_CERT_SECRET",
+    "TLS_KEY_SECRET",
+    "TLS_DIR",
     # Rendering
     "render_task_yaml",
     "task_config",

@@ -6,7 +6,8 @@ supervisor config (generated from the same slots) and the node helper, starts on
 per model (dev mode and sleep mode on, the model's served name, 127.0.0.1, its GPU pinned with
 ``CUDA_VISIBLE_DEVICES``, its memory share), the serving gateway (the only public route to
 them) and, last, the supervisor. A standby's servers are put to sleep as soon as they are
-healthy. The supervisor token is a SkyPilot secret: its value never enters the YAML.
+healthy. The supervisor token and the domain's TLS key and certificate are SkyPilot secrets:
+their values never enter the YAML; the supervisor serves HTTPS with that certificate.
 """
 
 from __future__ import annotations
@@ -30,6 +31,16 @@ from haru_driver_skypilot._spec import TaskSpec
 
 TOKEN_SECRET = "HARU_SUPERVISOR_TOKEN"  # noqa: S105 -- a variable name, not a value
 """The secret carrying the supervisor token (the name haru-supervisor reads)."""
+
+TLS_CERT_SECRET = "HARU_NODE_TLS_CERT"  # noqa: S105 -- a variable name, not a value
+"""The secret carrying the domain's certificate chain (base64 of the PEM, one line)."""
+
+TLS_KEY_SECRET = "HARU_NODE_TLS_KEY"  # noqa: S105 -- a variable name, not a value
+"""The secret carrying the domain's private key (base64 of the PEM, one line)."""
+
+TLS_DIR = "$HOME/.haru/tls"
+"""Where ``run`` writes the domain's certificate (``node.crt``) and key (``node.key``), mode
+0600 in a 0700 directory; the supervisor serves HTTPS with them."""
 
 STATE_DIR = "$HOME/.haru"
 """Where ``run`` writes the supervisor config, the node helper and the logs."""
@@ -120,6 +131,32 @@ def setup_script(settings: Provisioning, *, supervisor: bool = True) -> str:
     )
 
 
+def _tls_files() -> list[str]:
+    """Lines that write the TLS secrets to private files and drop them from the environment.
+
+    The values are base64 (one line: a secret is an environment variable). The files are
+    written under ``umask 077`` in a subshell (0600 files in a 0700 directory; the rest of the
+    script keeps its umask), and the variables are unset, so no child (vLLM, trainers) inherits
+    the key.
+    """
+    missing = "the TLS secrets of the domain are missing"
+    return [
+        f': "${{{TLS_CERT_SECRET}:?{missing}}}" "${{{TLS_KEY_SECRET}:?{missing}}}"',
+        "(",
+        "  umask 077",
+        f'  mkdir -p "{TLS_DIR}"',
+        f'  printf %s "${TLS_CERT_SECRET}" | base64 -d > "{TLS_DIR}/node.crt.tmp"',
+        f'  printf %s "${TLS_KEY_SECRET}" | base64 -d > "{TLS_DIR}/node.key.tmp"',
+        f'  chmod 600 "{TLS_DIR}/node.crt.tmp" "{TLS_DIR}/node.key.tmp"',
+        # Key first: the supervisor reloads when either file changes, and a pair that does not
+        # match is refused, so a relaunch on a kept disk never serves a half-written pair.
+        f'  mv -f "{TLS_DIR}/node.key.tmp" "{TLS_DIR}/node.key"',
+        f'  mv -f "{TLS_DIR}/node.crt.tmp" "{TLS_DIR}/node.crt"',
+        ")",
+        f"unset {TLS_CERT_SECRET} {TLS_KEY_SECRET}",
+    ]
+
+
 def run_script(
     slots: Sequence[SlotSpec],
     settings: Provisioning,
@@ -134,6 +171,8 @@ def run_script(
     """
     ports = model_ports(slots, settings)
     lines = ["set -euo pipefail", f'HARU_DIR="{STATE_DIR}"', 'mkdir -p "$HARU_DIR"']
+    if supervisor:
+        lines += _tls_files()
     if supervisor:
         config = supervisor_config(slots, settings).model_dump_json(exclude_none=True)
         lines += _heredoc(
@@ -190,6 +229,9 @@ def run_script(
     lines += [
         'export HARU_SUPERVISOR_CONFIG="$HARU_DIR/supervisor.json"',
         f"export PORT={settings.supervisor_port}",
+        # HTTPS with the certificate the server issued from the fleet's CA (it trusts only
+        # that CA and checks the domain's name); re-read by the supervisor when it changes.
+        f'export HARU_TLS_CERT_FILE="{TLS_DIR}/node.crt" HARU_TLS_KEY_FILE="{TLS_DIR}/node.key"',
         # The token arrives as a SkyPilot secret; the supervisor refuses to run open on 0.0.0.0.
         f': "${{{TOKEN_SECRET}:?the supervisor token secret is missing}}"',
         'exec "$SUPERVISOR"',
@@ -204,14 +246,19 @@ def domain_task(
     settings: Provisioning,
     *,
     start_asleep: bool,
+    extra_secrets: Sequence[str] = (),
 ) -> TaskSpec:
     """The SkyPilot task of a provisioned domain.
+
+    Its secrets: the supervisor token, the domain's TLS certificate and key (issued by the
+    server from the fleet's CA), and ``extra_secrets`` (a credential the gateway needs).
 
     Args:
         name: The cluster name (:func:`~haru_driver_skypilot.cluster_name`).
         placement: The domain's placement.
         slots: The domain's slots (layout order).
         settings: The domain's provisioning settings.
+        extra_secrets: Names of further secrets the run script reads.
         start_asleep: The domain joins as a standby. Kept for compatibility: the rendered
             task is the same either way, because the reconciler puts a standby's vLLM servers
             to sleep through its supervisor.
@@ -223,5 +270,5 @@ def domain_task(
         run=run_script(slots, settings, start_asleep=start_asleep),
         ports=(settings.supervisor_port, settings.gateway_port),
         envs={"SKYPILOT_DISABLE_USAGE_COLLECTION": "1"},
-        secrets=(TOKEN_SECRET,),
+        secrets=(TOKEN_SECRET, TLS_CERT_SECRET, TLS_KEY_SECRET, *extra_secrets),
     )

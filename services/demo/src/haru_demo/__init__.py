@@ -17,6 +17,7 @@ from haru_demo._topology import (
     DemoDomain,
     DemoTimings,
     DemoTopology,
+    HostPlacement,
     TopologyOptions,
     VllmServer,
     active_slug,
@@ -28,6 +29,7 @@ __all__ = (  # noqa: RUF022 -- grouped by topic
     # Topology
     "DemoTopology",
     "TopologyOptions",
+    "HostPlacement",
     "DemoTimings",
     "DemoDomain",
     "VllmServer",

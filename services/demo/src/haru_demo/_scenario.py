@@ -126,11 +126,15 @@ class ScenarioReport:
     def ok(self) -> bool:
         """Whether the scenario met its targets.
 
-        Zero failed requests in the planned switchover, the old active back in standby
-        posture, a failover within its budget, and the failed domain recovered.
+        Zero failed requests in the planned switchover and in the unplanned failure (a stream
+        that the kill cut after its answer had started is counted apart: no proxy can send it
+        again), the old active back in standby posture, a failover within its budget, and the
+        failed domain recovered.
         """
         planned = self.planned
         if not (planned.succeeded and planned.switched and not planned.failures):
+            return False
+        if self.unplanned is not None and self.unplanned.requests.failed:
             return False
         if planned.old_active_standby is False:
             return False
@@ -218,7 +222,12 @@ def _switchover_lines(result: SwitchoverResult) -> list[str]:
     lines.append(
         _row(
             "requests during it",
-            f"{requests.total} sent, {requests.ok} ok, {requests.failed} failed",
+            f"{requests.total} sent, {requests.ok} ok, {requests.failed} failed"
+            + (
+                f", {requests.cut} stream(s) cut after their answer had started"
+                if requests.cut
+                else ""
+            ),
         )
     )
     reasons: dict[str, int] = {}

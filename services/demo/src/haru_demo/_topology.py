@@ -85,21 +85,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_DEMO_PORT: Final = 8700
 """Where ``haru demo`` serves when the port is free (the server's default ``PORT``)."""
 
-DEMO_POLICY: Final = PolicyPatch(
-    auto_failover=True,
-    heartbeat_stale_ms=3_000,
-    degraded_grace_ms=1_000,
-    training_stop_grace_ms=1_000,
-    failover_training_stop_grace_ms=1_000,
-    stop_training_timeout_ms=5_000,
-    verify_gpu_timeout_ms=5_000,
-    wake_timeout_ms=10_000,
-    probe_timeout_ms=5_000,
-    switch_active_timeout_ms=5_000,
-    sleep_timeout_ms=4_000,
-    start_training_timeout_ms=5_000,
-)
-"""Short budgets: emulated engines sleep and wake in milliseconds, not tens of seconds."""
+DEMO_POLICY: Final = PolicyPatch(auto_failover=True)
+"""The default policy with autoFailover on, as an operator would seed it: the demo shows the
+failover an operator gets out of the box, with no demo-only tuning."""
 
 GPU_SCRIPT: Final = Path(_gpu.__file__)
 """The emulated ``nvidia-smi``, run as a script."""
@@ -107,7 +95,8 @@ GPU_SCRIPT: Final = Path(_gpu.__file__)
 VLLM_GPU_SHARE: Final = 0.9
 """Share of a GPU its awake vLLM servers hold together (vLLM's gpu_memory_utilization)."""
 
-_SIM_LISTENING = re.compile(r"^haru-sim-vllm listening on 127\.0\.0\.1:(\d+)\s*$", re.MULTILINE)
+_SIM_LISTENING = re.compile(r"^haru-sim-vllm listening on [^\s:]+:(\d+)\s*$", re.MULTILINE)
+_SIM_CONTROL = re.compile(r"^haru-sim-vllm control on [^\s:]+:(\d+)\s*$", re.MULTILINE)
 _SUPERVISOR_LISTENING = re.compile(r"haru-supervisor listening on http://[^\s:]+:(\d+)")
 _SERVER_LISTENING = re.compile(r"haru-server listening on [^\s:]+:(\d+)")
 _POLL_S: Final = 0.1
@@ -152,6 +141,27 @@ class DemoTimings:
     trainer_extra_args: tuple[str, ...] = ()
 
 
+LOOPBACK: Final = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostPlacement:
+    """Where one host of the topology (the server, or one domain) runs.
+
+    By default every process runs here, on 127.0.0.1. A placement runs a host's processes
+    through ``argv_prefix`` (for example ``ip netns exec NETNS``: the host is a network
+    namespace) and makes the others reach it on ``address``; its processes then listen on every
+    interface of their namespace (a domain's supervisor still reaches its vLLM on 127.0.0.1).
+
+    Attributes:
+        argv_prefix: Prepended to the argv of every process of the host.
+        address: The address other hosts and the caller reach the host on.
+    """
+
+    argv_prefix: tuple[str, ...] = ()
+    address: str = LOOPBACK
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TopologyOptions:
     """What :class:`DemoTopology` starts, and where.
@@ -167,6 +177,8 @@ class TopologyOptions:
         layout: The layout whose shape is reproduced (default: the bundled example).
         standby_posture: Demote every standby once the fleet is up (vLLM asleep, training
             running), as an operator would after seeding.
+        hosts: Where the server (key ``"server"``) and each domain (its slug) run; missing
+            keys run here on 127.0.0.1.
     """
 
     workdir: Path
@@ -176,6 +188,7 @@ class TopologyOptions:
     supervisor_token: str | None = None
     layout: FleetLayout | None = None
     standby_posture: bool = True
+    hosts: Mapping[str, HostPlacement] = field(default_factory=dict)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -186,11 +199,20 @@ class VllmServer:
     gpu_index: int
     port: int
     process: ChildProcess
+    address: str = LOOPBACK
+    control_port: int = 0
+    """The emulator's control listener (``/_sim/*`` only): it stays open under the ``refuse``
+    fault, which closes :attr:`port`."""
 
     @property
     def url(self) -> str:
         """Base URL (the layout's ``servingUrl``)."""
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.address}:{self.port}"
+
+    @property
+    def control_url(self) -> str:
+        """Base URL of the control listener (``POST /_sim/faults`` etc.)."""
+        return f"http://{self.address}:{self.control_port}"
 
 
 @dataclass(slots=True, kw_only=True)
@@ -294,7 +316,7 @@ class DemoTopology:
         """Base URL of the server (its ``/v1`` is the OpenAI-compatible proxy)."""
         if not self.server_port:
             raise DemoError("the server has not been started")
-        return f"http://127.0.0.1:{self.server_port}"
+        return f"http://{self.placement('server').address}:{self.server_port}"
 
     @property
     def database_path(self) -> Path | None:
@@ -310,9 +332,17 @@ class DemoTopology:
         """Slug of the domain the layout makes active first."""
         return self.shape.active_domain_slug or self.shape.domains[0].slug
 
+    def placement(self, host: str) -> HostPlacement:
+        """Where ``host`` (``"server"`` or a domain slug) runs."""
+        return self.options.hosts.get(host, HostPlacement())
+
     def control(self, *, timeout_s: float = 10.0) -> ControlClient:
         """A control API client of the server (use as ``async with``)."""
-        return ControlClient(self.server_url, token=None, timeout_s=timeout_s)
+        # A placed server is on a private lab network: plain HTTP to it is deliberate.
+        placed = self.placement("server").address != LOOPBACK
+        return ControlClient(
+            self.server_url, token=None, timeout_s=timeout_s, allow_plaintext=placed
+        )
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -404,14 +434,18 @@ class DemoTopology:
 
     # ---- emulated vLLM servers ---------------------------------------------------------------
 
-    def _vllm_argv(self, name: str, *, port: int, asleep: bool) -> list[str]:
+    def _vllm_argv(self, name: str, *, port: int, asleep: bool, placed: bool) -> list[str]:
         t = self.timings
         argv = [
             sys.executable,
             "-m",
             "haru_sim.vllm",
+            "--host",
+            "0.0.0.0" if placed else LOOPBACK,
             "--port",
             str(port),
+            "--control-port",
+            "0",
             "--served-model-name",
             name,
             "--model",
@@ -430,8 +464,17 @@ class DemoTopology:
         return argv
 
     async def _spawn(
-        self, name: str, argv: Sequence[str], *, env: Mapping[str, str], cwd: Path, log: str
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: Path,
+        log: str,
+        host: str | None = None,
     ) -> ChildProcess:
+        if host is not None:
+            argv = [*self.placement(host).argv_prefix, *argv]
         child = await spawn(name, argv, env=env, cwd=cwd, log_path=self.workdir / "logs" / log)
         self._children.append(child)
         return child
@@ -439,15 +482,25 @@ class DemoTopology:
     async def _spawn_vllm(
         self, domain: DemoDomain, name: str, gpu: int, *, port: int, asleep: bool
     ) -> VllmServer:
+        placement = self.placement(domain.slug)
         process = await self._spawn(
             f"vllm-{domain.slug}-{name}",
-            self._vllm_argv(name, port=port, asleep=asleep),
+            self._vllm_argv(name, port=port, asleep=asleep, placed=placement.address != LOOPBACK),
             env=_base_env(),
             cwd=self.workdir,
             log=f"vllm-{domain.slug}-{name}.log",
+            host=domain.slug,
         )
         match = await process.wait_for_line(_SIM_LISTENING, timeout_s=self.timings.ready_timeout_s)
-        server = VllmServer(name=name, gpu_index=gpu, port=int(match.group(1)), process=process)
+        control = await process.wait_for_line(_SIM_CONTROL, timeout_s=self.timings.ready_timeout_s)
+        server = VllmServer(
+            name=name,
+            gpu_index=gpu,
+            port=int(match.group(1)),
+            process=process,
+            address=placement.address,
+            control_port=int(control.group(1)),
+        )
         domain.vllm[name] = server
         return server
 
@@ -467,6 +520,20 @@ class DemoTopology:
         servers = list(self.domains[slug].vllm.values())
         at = datetime.now(UTC)
         await asyncio.gather(*(s.process.kill() for s in servers))
+        return at
+
+    async def kill_host(self, slug: str) -> datetime:
+        """SIGKILL domain ``slug``'s supervisor and every vLLM server at once (a lost host).
+
+        Returns:
+            When the kill signals were sent.
+        """
+        domain = self.domains[slug]
+        processes = [s.process for s in domain.vllm.values()]
+        if domain.supervisor is not None:
+            processes.append(domain.supervisor)
+        at = datetime.now(UTC)
+        await asyncio.gather(*(p.kill() for p in processes))
         return at
 
     async def restart_vllm(self, slug: str, *, asleep: bool) -> None:
@@ -533,18 +600,25 @@ class DemoTopology:
         )
         if self.options.supervisor_token is not None:
             env["HARU_SUPERVISOR_TOKEN"] = self.options.supervisor_token
+        placement = self.placement(domain.slug)
+        if placement.address != LOOPBACK:
+            # Alone in its namespace: every interface there, the token (if any) guarding it.
+            env["HARU_HOST"] = "0.0.0.0"
+            if self.options.supervisor_token is None:
+                env["HARU_ALLOW_OPEN_BIND"] = "1"
         process = await self._spawn(
             f"supervisor-{domain.slug}",
             [sys.executable, "-m", "haru_supervisor"],
             env=env,
             cwd=folder,
             log=f"supervisor-{domain.slug}.log",
+            host=domain.slug,
         )
         domain.supervisor = process
         match = await process.wait_for_line(
             _SUPERVISOR_LISTENING, timeout_s=self.timings.ready_timeout_s
         )
-        domain.supervisor_url = f"http://127.0.0.1:{match.group(1)}"
+        domain.supervisor_url = f"http://{placement.address}:{match.group(1)}"
 
     # ---- layout and store --------------------------------------------------------------------
 
@@ -623,6 +697,13 @@ class DemoTopology:
             env["DATABASE_URL"] = self.options.database_url
         if self.options.supervisor_token is not None:
             env["HARU_SUPERVISOR_TOKEN"] = self.options.supervisor_token
+        placement = self.placement("server")
+        if placement.address != LOOPBACK:
+            env["HARU_HOST"] = placement.address
+            env["HARU_ALLOW_OPEN_BIND"] = "1"
+        if any(self.placement(slug).address != LOOPBACK for slug in self.domains):
+            # Placed domains sit on a private lab network, reached over plain HTTP.
+            env["HARU_ALLOW_PLAINTEXT"] = "1"
         return env
 
     async def start_server(self) -> None:
@@ -640,6 +721,7 @@ class DemoTopology:
             env=self.server_env(),
             cwd=self.workdir,
             log="server.log",
+            host="server",
         )
         match = await self.server.wait_for_line(
             _SERVER_LISTENING, timeout_s=self.timings.ready_timeout_s

@@ -43,6 +43,9 @@ class RequestRecord:
         ok: A complete, non-empty answer that was not aborted.
         stale: The proxy answered from its cached routing (``X-Haru-Routing: stale``).
         error: What went wrong, when not ok.
+        cut: A stream that failed after its first content chunk had arrived: the answer had
+            started, so no proxy could send the request again (a failure ``failed`` does not
+            count; :attr:`TrafficSummary.cut` does).
         held_ms: How long the proxy held the request through a failover (``X-Haru-Held-Ms``),
             when it did.
     """
@@ -56,6 +59,7 @@ class RequestRecord:
     stale: bool = False
     error: str | None = None
     held_ms: int | None = None
+    cut: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,19 +69,24 @@ class TrafficSummary:
     total: int
     ok: int
     failed: int
+    """Requests that failed before any of their answer arrived (cut streams excluded)."""
     stale: int
     held: int = 0
     """Answered requests the proxy held through a failover."""
     longest_hold_ms: int = 0
+    cut: int = 0
+    """Streams that failed after their answer had started (see :attr:`RequestRecord.cut`)."""
 
     @classmethod
     def of(cls, records: Sequence[RequestRecord]) -> TrafficSummary:
         """Summarise ``records``."""
         ok = sum(1 for r in records if r.ok)
+        cut = sum(1 for r in records if r.cut and not r.ok)
         return cls(
             total=len(records),
             ok=ok,
-            failed=len(records) - ok,
+            failed=len(records) - ok - cut,
+            cut=cut,
             stale=sum(1 for r in records if r.stale),
             held=sum(1 for r in records if r.held_ms is not None),
             longest_hold_ms=max((r.held_ms or 0 for r in records), default=0),
@@ -267,14 +276,17 @@ class ChatTraffic:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001  # any failure of a request is a data point
+            cut = isinstance(exc, _CutStreamError)
+            cause: BaseException = exc.__cause__ if cut and exc.__cause__ is not None else exc
             return RequestRecord(
+                cut=cut,
                 client=index,
                 model=model,
                 stream=stream,
                 started_at=started,
                 ended_at=time.time(),
                 ok=False,
-                error=_describe_error(exc),
+                error=_describe_error(cause),
             )
         ok = bool(answer.text) and answer.finish in _GOOD_FINISH
         return RequestRecord(
@@ -319,6 +331,10 @@ class ChatTraffic:
                         content.append(choice.delta.content)
                     if choice.finish_reason is not None:
                         finish = choice.finish_reason
+        except Exception as exc:
+            if content:
+                raise _CutStreamError from exc
+            raise
         finally:
             await chunks.close()
         return _Answer(text="".join(content), finish=finish, stale=stale, held_ms=held_ms)
@@ -341,6 +357,10 @@ class ChatTraffic:
             stale=stale,
             held_ms=held_ms,
         )
+
+
+class _CutStreamError(Exception):
+    """A stream failed after content had arrived (its cause is the failure)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ Used by haru-server's tests, the end-to-end tests and the promotion benchmark.
 from __future__ import annotations
 
 import os
+import ssl
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ class LocalFleetOptions:
         wake_latency_ms: How long an emulated wake takes.
         supervisor_token: Token the supervisors require (None: open, loopback).
         trainer_shutdown_grace_s: SIGTERM-to-SIGKILL grace when a supervisor shuts down.
+        supervisor_tls: ``(certificate file, key file)``: the supervisors serve HTTPS with
+            them (their URLs are ``https://``); None serves plain HTTP.
     """
 
     slug: str = "local"
@@ -75,6 +78,7 @@ class LocalFleetOptions:
     wake_latency_ms: float = 5.0
     supervisor_token: str | None = None
     trainer_shutdown_grace_s: float = 2.0
+    supervisor_tls: tuple[Path, Path] | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -248,6 +252,8 @@ class LocalFleet:
             shutdown_grace_s=options.trainer_shutdown_grace_s,
             trainer_env=dict(os.environ),
             search_path=search_path,
+            tls_cert_file=None if options.supervisor_tls is None else options.supervisor_tls[0],
+            tls_key_file=None if options.supervisor_tls is None else options.supervisor_tls[1],
         )
         domain.supervisor_settings = settings
         await self._serve_supervisor(domain, settings, port=0)
@@ -260,9 +266,15 @@ class LocalFleet:
         runner = web.AppRunner(app, shutdown_timeout=2.0)
         await runner.setup()
         domain.runner = runner
-        site = web.TCPSite(runner, "127.0.0.1", port)
+        tls = settings.tls
+        context = None
+        if tls is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(tls.cert_file, tls.key_file)
+        site = web.TCPSite(runner, "127.0.0.1", port, ssl_context=context)
         await site.start()
-        domain.supervisor_url = f"http://127.0.0.1:{site.port}"
+        scheme = "http" if context is None else "https"
+        domain.supervisor_url = f"{scheme}://127.0.0.1:{site.port}"
 
     def layout(
         self,

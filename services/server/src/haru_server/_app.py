@@ -56,6 +56,7 @@ from haru_server._keys import (
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
 from haru_server._metrics import ServerMetrics, metrics_key, proxy_access_middleware
 from haru_server._middleware import store_error_middleware
+from haru_server._pki import FleetPki
 from haru_server._provisioning import Provisioner, ProvisionerOptions
 from haru_server._proxy import install_proxy, observe_promotion, observe_route_move
 from haru_server._proxy_routes import PROXIED_PATHS
@@ -220,7 +221,12 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
     settings = app[settings_key]
     connector = aiohttp.TCPConnector(limit=SUPERVISOR_CONNECTIONS)
     async with aiohttp.ClientSession(connector=connector) as session:
-        links = app[_links_key]
+        # `skypilot` domains get certificates from their fleet's CA; the client trusts that
+        # CA (and each domain's name) at the addresses the provisioner records.
+        pki = FleetPki(
+            app[store_key], settings.store_key(), validity_days=settings.domain_cert_days
+        )
+        links = dataclasses.replace(app[_links_key], issued=pki.trusts)
         client = SupervisorClient(
             session,
             token=settings.supervisor_token_value(),
@@ -246,6 +252,7 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             clock=app[clock_key],
             supervisor_token=settings.supervisor_token_value(),
             service_driver=SkyServeDriver(),
+            pki=pki,
             options=ProvisionerOptions(status_interval_s=settings.sky_status_interval_ms / 1000),
         )
         app[provisioner_key] = provisioner

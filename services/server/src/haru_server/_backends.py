@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from haru_driver_skypilot import (
+    TLS_CERT_SECRET,
+    TLS_KEY_SECRET,
+    TOKEN_SECRET,
     ClusterStatus,
     DomainDriver,
     domain_task,
@@ -70,10 +73,14 @@ class Address:
     model_urls: Mapping[str, str]
 
 
-def http_url(host: str, port: int) -> str:
-    """``http://HOST:PORT`` (an IPv6 address in brackets)."""
+def http_url(host: str, port: int, *, scheme: str = "http") -> str:
+    """``http://HOST:PORT`` (or another scheme; an IPv6 address in brackets)."""
     shown = f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{port}"
+    return f"{scheme}://{shown}:{port}"
+
+
+_TASK_SECRETS = frozenset({TOKEN_SECRET, TLS_CERT_SECRET, TLS_KEY_SECRET})
+"""Secrets every ``skypilot`` task declares; any other name given is declared as extra."""
 
 
 def _model_urls(base: str, slots: Sequence[SlotSpec], settings: Provisioning) -> dict[str, str]:
@@ -148,7 +155,12 @@ class ClusterBackend:
         secrets: Mapping[str, str],
     ) -> Coroutine[Any, Any, None]:
         spec = domain_task(
-            name, domain.placement, _specs(domain), settings, start_asleep=role == "standby"
+            name,
+            domain.placement,
+            _specs(domain),
+            settings,
+            start_asleep=role == "standby",
+            extra_secrets=tuple(sorted(set(secrets) - _TASK_SECRETS)),
         )
         return self.driver.launch_domain(spec, secrets=secrets)
 
@@ -168,7 +180,8 @@ class ClusterBackend:
             return None
         base = http_url(host, settings.gateway_port)
         return Address(
-            supervisor_url=http_url(host, settings.supervisor_port),
+            # Over TLS with the certificate issued before the launch (see haru_server._pki).
+            supervisor_url=http_url(host, settings.supervisor_port, scheme="https"),
             serving_base_url=base,
             model_urls=_model_urls(base, _specs(domain), settings),
         )

@@ -97,6 +97,7 @@ from haru_protocol import (
 
 from haru_server._backends import ABSENT, Backend, ClusterBackend, Observed, ServiceBackend
 from haru_server._clock import Clock
+from haru_server._pki import FleetPki, PkiError
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +224,9 @@ class Provisioner:
         service_driver: The SkyServe driver (production:
             :class:`haru_driver_skyserve.SkyServeDriver`); without one, ``skyserve`` domains
             are left alone.
+        pki: Issues each ``skypilot`` launch its TLS certificate from the fleet's CA and
+            keeps the supervisor client's trust in them; without one (or without its store
+            key) a ``skypilot`` domain is never launched: it fails with a clear event.
     """
 
     def __init__(
@@ -234,8 +238,10 @@ class Provisioner:
         supervisor_token: str | None,
         options: ProvisionerOptions | None = None,
         service_driver: ServiceDriver | None = None,
+        pki: FleetPki | None = None,
     ) -> None:
         self._store = store
+        self._pki = pki
         self._driver = driver
         self._backends: dict[Provider, Backend] = {Provider.SKYPILOT: ClusterBackend(driver)}
         if service_driver is not None:
@@ -276,6 +282,18 @@ class Provisioner:
             Whether something was written (the caller re-reads the fleet).
         """
         landed = False
+        if self._pki is not None:
+            await self._pki.refresh(
+                fleet.id,
+                fleet.slug,
+                {
+                    d.id: (d.slug, str(d.supervisor_url))
+                    for d in fleet.domains
+                    if d.provider is Provider.SKYPILOT
+                    and d.supervisor_url is not None
+                    and str(d.supervisor_url).startswith("https://")
+                },
+            )
         for domain in fleet.domains:
             if domain.provider not in self._backends:
                 continue
@@ -382,8 +400,13 @@ class Provisioner:
             now,
         )
         try:
+            secrets = await self._launch_secrets(fleet, domain, attempt, now)
+        except PkiError as exc:
+            await self._fail(fleet, domain, attempt, _Failure("launch_failed", str(exc)), now)
+            return True
+        try:
             launch = self._backend(domain).launch(
-                name, domain, self._settings(domain), role=role, secrets=self._secrets
+                name, domain, self._settings(domain), role=role, secrets=secrets
             )
         except SkyDriverError as exc:
             await self._fail(fleet, domain, attempt, _failure_from_error("launch_failed", exc), now)
@@ -397,6 +420,36 @@ class Provisioner:
         memory.launch = _Launch(attempt, task)
         memory.addressed_at = None
         return True
+
+    async def _launch_secrets(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, attempt: int, now: datetime
+    ) -> Mapping[str, str]:
+        """The SkyPilot secrets of launch ``attempt``: the only way anything secret reaches it.
+
+        A ``skypilot`` domain gets the supervisor token and a fresh key and certificate from
+        the fleet's CA (so the server knows what to trust before the machine exists). Every
+        further name added here is declared in the task and read by its run script.
+
+        Raises:
+            PkiError: The certificate cannot be issued (no store key, or the wrong one).
+        """
+        if domain.provider is not Provider.SKYPILOT:
+            return self._secrets
+        if self._pki is None:
+            raise PkiError(
+                "this server issues no certificates for skypilot domains (no PKI configured)"
+            )
+        issued = await self._pki.issue(
+            fleet.id, fleet.slug, domain.id, domain.slug, attempt=attempt, now=now
+        )
+        logger.info(
+            "domain %s: issued a certificate for %s (sha256 %s, expires %s)",
+            domain.slug,
+            issued.server_name,
+            issued.fingerprint,
+            issued.not_after.isoformat(),
+        )
+        return {**self._secrets, **issued.secrets()}
 
     async def _fresh_launch(
         self,

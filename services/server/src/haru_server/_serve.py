@@ -60,10 +60,10 @@ def announce(settings: Settings) -> None:
 
 
 def check_tls(settings: Settings) -> None:
-    """Load the listener's and the supervisor links' TLS files once, before anything starts.
+    """Load the TLS files and the store key once, before anything starts.
 
     Raises:
-        SettingsError: A certificate, key or CA file does not load (named).
+        SettingsError: A certificate, key, CA or store key file does not load (named).
     """
     if settings.tls is not None:
         try:
@@ -71,6 +71,7 @@ def check_tls(settings: Settings) -> None:
         except TlsConfigError as exc:
             raise SettingsError(str(exc)) from None
     settings.supervisor_links()
+    settings.store_key()
 
 
 async def migrate(settings: Settings) -> None:

@@ -51,6 +51,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
 
 from haru_server._errors import HaruServerError
+from haru_server._pki import PkiError, StoreKey
 
 API_TOKEN_VAR: Final = "HARU_API_TOKEN"  # noqa: S105  (a variable name, not a secret)
 SUPERVISOR_TOKEN_VAR: Final = "HARU_SUPERVISOR_TOKEN"  # noqa: S105
@@ -289,6 +290,18 @@ class Settings(BaseSettings):
     hosts (a private network); a warning names each such domain at boot. Otherwise those
     calls are refused (loopback is always allowed)."""
 
+    store_key_file: Path | None = Field(
+        None, validation_alias=_env("HARU_STORE_KEY_FILE", "store_key_file"), repr=False
+    )
+    """``HARU_STORE_KEY_FILE``: file holding the store key (a Fernet key), which seals each
+    fleet's CA key in the store; required to launch ``skypilot`` domains (their certificates
+    come from that CA). Keep it out of the database and its backups."""
+    domain_cert_days: Annotated[EnvInt, Field(ge=1, le=397)] = Field(
+        30, validation_alias=_env("HARU_DOMAIN_CERT_DAYS", "domain_cert_days")
+    )
+    """``HARU_DOMAIN_CERT_DAYS``: life of the certificate issued to a ``skypilot`` domain
+    before each launch (a relaunch issues a new one)."""
+
     @field_validator("supervisor_pins", mode="before")
     @classmethod
     def _pins(cls, value: object) -> object:
@@ -335,6 +348,19 @@ class Settings(BaseSettings):
         return SupervisorLinks(
             ssl=context, pins=dict(self.supervisor_pins), allow_plaintext=self.allow_plaintext
         )
+
+    def store_key(self) -> StoreKey | None:
+        """The store key from ``HARU_STORE_KEY_FILE``; None when it is not set.
+
+        Raises:
+            SettingsError: The file cannot be read or holds no Fernet key.
+        """
+        if self.store_key_file is None:
+            return None
+        try:
+            return StoreKey.from_file(self.store_key_file)
+        except PkiError as exc:
+            raise SettingsError(str(exc)) from None
 
     @classmethod
     def settings_customise_sources(

@@ -71,6 +71,7 @@ __all__ = (
     "MAX_RESPONSE_BYTES",
     "MIN_CALL_TIMEOUT_S",
     "PROBE_REPLY_MARGIN_S",
+    "IssuedTrust",
     "SupervisorBadResponseError",
     "SupervisorCallError",
     "SupervisorClient",
@@ -228,6 +229,24 @@ def _no_pins() -> Mapping[str, bytes]:
 
 
 @dataclass(frozen=True, slots=True)
+class IssuedTrust:
+    """How one supervisor whose certificate the server issued is verified.
+
+    Attributes:
+        ssl: A verifying context that trusts only the issuing CA.
+        server_name: The DNS name its certificate must carry (sent as SNI and checked in
+            place of the URL's host, which is an address the certificate cannot name).
+    """
+
+    ssl: ssl.SSLContext
+    server_name: str
+
+
+def _no_issued() -> Mapping[str, IssuedTrust]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
 class SupervisorLinks:
     """How supervisors on other hosts are reached.
 
@@ -239,11 +258,15 @@ class SupervisorLinks:
             (and presents no client certificate).
         allow_plaintext: Allow ``http://`` to a host other than loopback (a private network);
             otherwise such a call is refused before anything is sent.
+        issued: :class:`IssuedTrust` by :func:`pin_key` of the supervisor URL, for
+            supervisors whose certificate the server issued (``skypilot`` domains); it may be
+            a live mapping the server fills as domains get addresses. It wins over ``pins``.
     """
 
     ssl: ssl.SSLContext | None = None
     pins: Mapping[str, bytes] = field(default_factory=_no_pins)
     allow_plaintext: bool = False
+    issued: Mapping[str, IssuedTrust] = field(default_factory=_no_issued)
 
 
 def is_loopback_url(url: str) -> bool:
@@ -411,7 +434,7 @@ class SupervisorClient:
             raise SupervisorUnreachableError(
                 f"supervisor URL {base_url!r} is unusable: {exc}", url=base_url
             ) from exc
-        tls = self._tls_for(method, url)
+        tls, server_name = self._tls_for(method, url)
         data = None if body is None else body.model_dump_json(exclude_none=True).encode()
         headers = dict(self._headers)
         request_id = None if self._request_id is None else self._request_id()
@@ -433,6 +456,7 @@ class SupervisorClient:
                     allow_redirects=False,
                     timeout=_NO_SESSION_TIMEOUT,
                     ssl=tls,
+                    server_hostname=server_name,
                 ) as response,
             ):
                 raw = await _read_bounded(response, url)
@@ -475,8 +499,13 @@ class SupervisorClient:
             )
         return url, raw
 
-    def _tls_for(self, method: str, url: str) -> ssl.SSLContext | aiohttp.Fingerprint | bool:
-        """The ``ssl`` argument of a call to ``url``; refuses clear text beyond loopback."""
+    def _tls_for(
+        self, method: str, url: str
+    ) -> tuple[ssl.SSLContext | aiohttp.Fingerprint | bool, str | None]:
+        """The ``ssl`` and ``server_hostname`` arguments of a call to ``url``.
+
+        Refuses clear text beyond loopback.
+        """
         scheme = urlsplit(url).scheme
         if scheme == "http":
             if not self._links.allow_plaintext and not is_loopback_url(url):
@@ -486,11 +515,15 @@ class SupervisorClient:
                     "HTTP on a private network (the server's HARU_ALLOW_PLAINTEXT=1)",
                     url=url,
                 )
-            return True
-        pin = self._links.pins.get(pin_key(url))
+            return True, None
+        key = pin_key(url)
+        issued = self._links.issued.get(key)
+        if issued is not None:
+            return issued.ssl, issued.server_name
+        pin = self._links.pins.get(key)
         if pin is not None:
-            return aiohttp.Fingerprint(pin)
-        return self._links.ssl if self._links.ssl is not None else True
+            return aiohttp.Fingerprint(pin), None
+        return (self._links.ssl if self._links.ssl is not None else True), None
 
 
 async def _read_bounded(response: aiohttp.ClientResponse, url: str) -> bytes:

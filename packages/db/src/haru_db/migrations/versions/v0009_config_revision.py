@@ -1,7 +1,7 @@
 """A configuration revision on fleets, domains and slots, for ``haru apply``.
 
 Revision ID: 0009
-Revises: 0007
+Revises: 0007 (no 0008 was ever released)
 Create Date: 2026-12-03
 
 Frozen history: this file imports no haru_db code.
