@@ -43,8 +43,8 @@ from uuid import UUID
 
 import aiohttp
 import pytest
-from haru_core import lease_guard_ms
 import trustme
+from haru_core import lease_guard_ms
 from haru_db import StateStore
 from haru_demo.localfleet import LocalFleet
 from haru_driver_skypilot import TOKEN_SECRET, SkyPilotDriver, SkyRunner

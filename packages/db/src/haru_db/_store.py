@@ -49,8 +49,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from haru_db import (
-    _config,
     _certs,
+    _config,
     _events,
     _layout,
     _operations,
