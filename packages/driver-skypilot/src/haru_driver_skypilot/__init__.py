@@ -7,11 +7,11 @@ Services depend on the :class:`DomainDriver` protocol so tests can inject fakes.
 """
 
 from haru_driver_skypilot._domain import (
+    SERVING_TOKEN_SECRET,
     TOKEN_SECRET,
     ModelPort,
     domain_task,
     model_ports,
-    node_helper_source,
     run_script,
     serving_path,
     setup_script,
@@ -85,8 +85,8 @@ __all__ = (  # noqa: RUF022
     "serving_path",
     "setup_script",
     "run_script",
-    "node_helper_source",
     "TOKEN_SECRET",
+    "SERVING_TOKEN_SECRET",
     # Rendering
     "render_task_yaml",
     "task_config",
