@@ -2,12 +2,13 @@
 the preemption of the active, with the rendered ``run`` script really running on 127.0.0.1.
 
 The fake ``sky`` (``fake_sky_node.py``) runs each launched task's ``run`` unchanged: the
-supervisor config, the node helper (gateway, sleeper) and ``vllm serve ...`` per model come
-from the renderer, with a ``vllm`` wrapper first on the PATH that starts the emulator
-(``haru-sim-vllm serve``, which reads ``vllm serve``'s command line), the real
-``haru-supervisor`` and an emulated ``nvidia-smi`` whose memory follows the emulated servers
-and trainers. The server runs in this process on a real port with its reconcile loop; the
-operator's commands go through the ``haru`` CLI. Nothing in the layout names a URL.
+supervisor config, ``vllm serve ...`` per model and the serving gateway (``haru-gateway``,
+behind the serving credential the server presents) come from the renderer, with a ``vllm``
+wrapper first on the PATH that starts the emulator (``haru-sim-vllm serve``, which reads
+``vllm serve``'s command line), the real ``haru-supervisor`` and an emulated ``nvidia-smi``
+whose memory follows the emulated servers and trainers. The server runs in this process on a
+real port with its reconcile loop; the operator's commands go through the ``haru`` CLI.
+Nothing in the layout names a URL.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOKEN = "tok-e2e-supervisor-secret-0815"
+SERVING_TOKEN = "serving-e2e-credential-5d1f"
 FAKE_SKY = Path(__file__).with_name("fake_sky_node.py")
 MODELS = (("chat-small", "example-org/chat-small"), ("chat-large", None))
 AWAKE_MIB = 30_000
@@ -262,6 +264,7 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
     settings = Settings(
         database_url=database,
         supervisor_token=SecretStr(TOKEN),
+        serving_token=SecretStr(SERVING_TOKEN),
         default_fleet="local",
         reconcile_interval_ms=100,
         sky_status_interval_ms=0,
@@ -290,6 +293,7 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
         assert urls == [f"{gateway}/m/chat-large", f"{gateway}/m/chat-small"]
         [launch] = sky.launches(cluster_name("local", slug))
         assert TOKEN not in json.dumps(launch)
+        assert SERVING_TOKEN not in json.dumps(launch)
         # The supervisor holds the token the secret carried, and nothing else opens it.
         status_url = f"{str(domain.supervisor_url).rstrip('/')}/v1/status"
         async with http.get(status_url) as resp:
