@@ -52,7 +52,10 @@ pytestmark = pytest.mark.skipif(
 TOKEN = "tok-e2e-supervisor-secret-0815"
 SERVING_TOKEN = "serving-e2e-credential-5d1f"
 FAKE_SKY = Path(__file__).with_name("fake_sky_node.py")
-MODELS = (("chat-small", "example-org/chat-small"), ("chat-large", None))
+# A name with a slash and a space: the gateway path carries it percent-encoded, and the run
+# script names the log file by index.
+LARGE = "org/chat large"
+MODELS = (("chat-small", "example-org/chat-small"), (LARGE, None))
 AWAKE_MIB = 30_000
 DEADLINE_S = 60.0
 
@@ -290,7 +293,11 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
             if isinstance(s.spec, InferenceSlotSpec)
             for m in s.spec.models
         )
-        assert urls == [f"{gateway}/m/chat-large", f"{gateway}/m/chat-small"]
+        assert urls == [f"{gateway}/m/chat-small", f"{gateway}/m/org%2Fchat%20large"]
+        # The gateway serves only the server, which presents the serving credential.
+        async with http.post(f"{gateway}/m/chat-small/v1/chat/completions", json={}) as resp:
+            assert resp.status == 401
+            assert "chat" not in await resp.text()
         [launch] = sky.launches(cluster_name("local", slug))
         assert TOKEN not in json.dumps(launch)
         assert SERVING_TOKEN not in json.dumps(launch)
@@ -320,7 +327,7 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
             and standby_posture(by_slug(f, "alpha"))
         ),
     )
-    assert await control.chat("chat-large", "hello beta") == "hello beta"
+    assert await control.chat(LARGE, "hello beta") == "hello beta"
 
     # The active's spot cluster is preempted: its machine dies and SkyPilot forgets it.
     beta_cluster = cluster_name("local", "beta")
