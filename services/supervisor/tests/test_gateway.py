@@ -14,7 +14,7 @@ import re
 import resource
 import ssl
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +57,10 @@ def _raise_file_limit() -> None:
 
 @asynccontextmanager
 async def _gateway(
-    routes: dict[str, int], *extra: str, env: dict[str, str] | None = None
+    routes: dict[str, int],
+    *extra: str,
+    env: dict[str, str] | None = None,
+    preexec: Callable[[], None] = _raise_file_limit,
 ) -> AsyncIterator[Gateway]:
     argv = [sys.executable, "-m", "haru_supervisor._gateway", "--host", "127.0.0.1"]
     argv += ["--listen", "0", "--max-body-bytes", str(MAX_BODY), *extra]
@@ -69,7 +72,7 @@ async def _gateway(
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
         env=environment,
-        preexec_fn=_raise_file_limit,
+        preexec_fn=preexec,
     )
     assert process.stderr is not None
     lines: list[str] = []
@@ -395,6 +398,18 @@ async def test_a_thousand_concurrent_streams(many_files: None, sims: dict[str, V
     async with _gateway({SLASHED: sims[SLASHED].port}) as running:  # default bounds
         texts = await _streams(running, 1000)
     assert texts == [f"stream {i} of many" for i in range(1000)]
+
+
+def _few_files() -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+
+
+async def test_the_connection_cap_leaves_two_files_per_stream(sims: dict[str, VllmSim]) -> None:
+    # 300 files: 64 kept back, two per stream (the client's and vLLM's connection).
+    async with _gateway({SLASHED: sims[SLASHED].port}, preexec=_few_files) as running:
+        texts = await _streams(running, 100)
+    assert texts == [f"stream {i} of many" for i in range(100)]
+    assert any("--max-connections lowered from 4096 to 118" in line for line in running.lines)
 
 
 async def _streams(gateway: Gateway, count: int) -> list[str]:

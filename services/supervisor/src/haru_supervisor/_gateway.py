@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import logging
 import os
+import resource
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -89,7 +90,8 @@ _HEALTH = "/health"
 _UPSTREAM_KEEPALIVE_S = 4.0
 _HEALTH_TIMEOUT_S = 5.0
 _SHUTDOWN_TIMEOUT_S = 5.0
-_BODY_CHUNK = 65536
+# Open files kept out of the streams' budget (listening socket, logs, health checks).
+_FD_RESERVE = 64
 
 
 class _BodyTooLargeError(Exception):
@@ -463,6 +465,36 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def stream_budget(wanted: int) -> int:
+    """How many client connections fit the open-file limit, raising its soft value first.
+
+    Every proxied stream holds two files (the client's connection and vLLM's), so ``wanted``
+    connections need about twice as many plus a reserve; the soft limit is raised toward that
+    (never past the hard one) and the answer lowered to what fits.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * wanted + _FD_RESERVE
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            logger.warning("cannot raise the open-file limit to %d: %s", target, exc)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    fits = max(1, (soft - _FD_RESERVE) // 2)
+    if fits < wanted:
+        logger.warning(
+            "--max-connections lowered from %d to %d: the open-file limit is %d and every "
+            "stream holds two files",
+            wanted,
+            fits,
+            soft,
+        )
+    return min(wanted, fits)
+
+
 def _configure(
     args: argparse.Namespace, environ: Mapping[str, str]
 ) -> tuple[GatewayConfig, ServerLimits, TlsFiles | None]:
@@ -482,12 +514,13 @@ def _configure(
             for var in (TLS_CERT_FILE_VAR, TLS_KEY_FILE_VAR, TLS_CLIENT_CA_FILE_VAR)
         )
     )
+    connections = stream_budget(args.max_connections)
     limits = ServerLimits(
         header_timeout_s=args.header_timeout_s,
         body_idle_timeout_s=args.body_idle_timeout_s,
         keepalive_timeout_s=args.keepalive_timeout_s,
-        max_connections=args.max_connections,
-        max_connections_per_peer=args.max_connections,
+        max_connections=connections,
+        max_connections_per_peer=connections,
     )
     config = GatewayConfig(
         routes=routes,
