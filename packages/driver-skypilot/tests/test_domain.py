@@ -1,4 +1,4 @@
-"""A provisioned domain's task: the supervisor config, ``run``, secrets and the node helper."""
+"""A provisioned domain's task: the supervisor config, ``run`` (really run), and its secrets."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import shutil
 import stat
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from haru_driver_skypilot import (
+    SERVING_TOKEN_SECRET,
     TLS_CERT_SECRET,
     TLS_KEY_SECRET,
     TOKEN_SECRET,
@@ -27,8 +27,8 @@ from haru_driver_skypilot import (
     example_domain_layout,
     example_domain_task,
     model_ports,
-    node_helper_source,
     render_task_yaml,
+    serving_path,
     supervisor_config,
 )
 from haru_protocol import SupervisorConfig
@@ -98,9 +98,8 @@ def test_the_script_never_puts_a_server_to_sleep_behind_the_supervisors_back() -
     asleep = example_domain_task(start_asleep=True).run
     awake = example_domain_task(start_asleep=False).run
     assert asleep == awake
-    script = asleep.split("HARU_NODE_EOF")[-1]
-    assert "sleep-when-ready" not in script
-    assert "/sleep" not in script
+    assert "sleep-when-ready" not in asleep
+    assert "/sleep" not in asleep
     for run in (asleep, awake):
         assert "export VLLM_SERVER_DEV_MODE=1" in run
         assert run.rstrip().endswith('exec "$SUPERVISOR"')
@@ -109,8 +108,14 @@ def test_the_script_never_puts_a_server_to_sleep_behind_the_supervisors_back() -
 def test_the_token_is_a_secret_never_a_value() -> None:
     task = example_domain_task(start_asleep=True)
     config = yaml.safe_load(render_task_yaml(task))
-    assert config["secrets"] == {TOKEN_SECRET: None, TLS_CERT_SECRET: None, TLS_KEY_SECRET: None}
+    assert config["secrets"] == {
+        TOKEN_SECRET: None,
+        SERVING_TOKEN_SECRET: None,
+        TLS_CERT_SECRET: None,
+        TLS_KEY_SECRET: None,
+    }
     assert TOKEN_SECRET not in config["envs"]
+    assert SERVING_TOKEN_SECRET not in config["envs"]
 
 
 def test_a_serving_credential_hook_declares_further_secrets() -> None:
@@ -142,6 +147,7 @@ def test_the_run_script_writes_the_tls_secrets_to_private_files(tmp_path: Path) 
     env = {
         "PATH": os.environ["PATH"],
         "HOME": str(tmp_path),
+        SERVING_TOKEN_SECRET: "serving-credential-value",
         TLS_CERT_SECRET: base64.b64encode(cert.encode()).decode(),
         TLS_KEY_SECRET: base64.b64encode(key.encode()).decode(),
     }
@@ -162,7 +168,11 @@ def test_the_run_script_writes_the_tls_secrets_to_private_files(tmp_path: Path) 
 
 def test_the_run_script_refuses_to_start_without_the_tls_secrets(tmp_path: Path) -> None:
     run = example_domain_task(start_asleep=False).run
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp_path),
+        SERVING_TOKEN_SECRET: "serving-credential-value",
+    }
     done = subprocess.run(
         [BASH, "-c", _tls_prefix(run)], env=env, capture_output=True, text=True, timeout=30
     )
@@ -170,22 +180,33 @@ def test_the_run_script_refuses_to_start_without_the_tls_secrets(tmp_path: Path)
     assert "TLS secrets of the domain are missing" in done.stderr
 
 
-def test_the_node_helper_is_embedded_verbatim() -> None:
-    run = example_domain_task(start_asleep=True).run
-    assert node_helper_source() in run
-
-
 async def test_launch_passes_the_token_through_the_environment(fake_sky: Path) -> None:
     driver = SkyPilotDriver(SkyRunner())
     task = example_domain_task(start_asleep=True)
     token = "a-secret-token-of-sufficient-length"
     await driver.launch_domain(
-        task, secrets={TOKEN_SECRET: token, TLS_CERT_SECRET: "Y2VydA==", TLS_KEY_SECRET: "a2V5"}
+        task,
+        secrets={
+            TOKEN_SECRET: token,
+            SERVING_TOKEN_SECRET: "serving-credential-value",
+            TLS_CERT_SECRET: "Y2VydA==",
+            TLS_KEY_SECRET: "a2V5",
+        },
     )
     assert await driver.get_head_ip(task.name) == "10.1.2.3"
     assert await driver.get_head_ip("haru-other") is None
     launch, *_ = [json.loads(line) for line in (fake_sky / "calls.jsonl").read_text().splitlines()]
-    assert launch["argv"][:7] == ["launch", "-c", task.name, "-y", "-d", "--secret", TOKEN_SECRET]
+    assert launch["argv"][:9] == [
+        "launch",
+        "-c",
+        task.name,
+        "-y",
+        "-d",
+        "--secret",
+        TOKEN_SECRET,
+        "--secret",
+        SERVING_TOKEN_SECRET,
+    ]
     assert launch["token"] == token
     assert token not in launch["yaml"]
     assert token not in " ".join(launch["argv"])
@@ -199,83 +220,101 @@ async def test_launch_without_the_secret_value_is_refused(fake_sky: Path) -> Non
     assert not (fake_sky / "calls.jsonl").exists()
 
 
-# ---- the gateway, as a real process in front of a real HTTP server ----
+# ---- the run script, really run, with every name the layout accepts ----
+
+RECORDER = """\
+#!/bin/sh
+printf '%s\\n' "$0" "$@" > "$RECORD_DIR/.$$"
+mv "$RECORD_DIR/.$$" "$RECORD_DIR/$(basename "$0").$$"
+"""
 
 
-class _Upstream(BaseHTTPRequestHandler):
-    def _answer(self) -> None:
-        length = int(self.headers.get("content-length") or 0)
-        body = self.rfile.read(length) if length else b""
-        payload = json.dumps({"path": self.path, "body": body.decode()}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    do_GET = _answer  # noqa: N815
-    do_POST = _answer  # noqa: N815
-
-    def log_message(self, format: str, *args: object) -> None:
-        return None
+def _odd_names_layout() -> tuple[Any, ...]:
+    domain = example_domain_layout()
+    document = domain.model_dump(mode="json", by_alias=True, exclude_none=True)
+    names = iter(["qwen/qwen3-8b", "café au lait 7b", "../../etc/x"])
+    for slot in document["slots"]:
+        for model in slot.get("models", []):
+            model["name"] = next(names)
+    odd = type(domain).model_validate(document)
+    return odd.placement, odd.slots, odd.settings
 
 
-@pytest.fixture
-def upstream() -> Iterator[int]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
-
-
-@pytest.fixture
-def gateway(tmp_path: Path, upstream: int) -> Iterator[int]:
-    script = tmp_path / "haru_node.py"
-    script.write_text(node_helper_source())
-    argv = [sys.executable, str(script), "gateway", "--host", "127.0.0.1", "--listen", "0"]
-    proc = subprocess.Popen(
-        [*argv, "--route", f"example-chat-small={upstream}"], stdout=subprocess.PIPE, text=True
+def _run(tmp_path: Path, run: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    record = tmp_path / "record"
+    record.mkdir(exist_ok=True)
+    tools = tmp_path / "tools"
+    tools.mkdir(exist_ok=True)
+    for name in ("vllm", "haru-gateway", "haru-supervisor"):
+        tool = tools / name
+        tool.write_text(RECORDER)
+        tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
+    environ = {
+        "PATH": f"{tools}{os.pathsep}/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "RECORD_DIR": str(record),
+        **env,
+    }
+    return subprocess.run(
+        ["bash", "-c", run + "\nwait"],  # noqa: S607 -- bash from the PATH above
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    try:
-        yield int(line.rsplit(":", 1)[1])
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        proc.stdout.close()
 
 
-def _call(port: int, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-    import http.client
-
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-    conn.request(method, path, body=body, headers={"content-type": "application/json"})
-    answer = conn.getresponse()
-    data = answer.read()
-    conn.close()
-    return answer.status, data
+async def _recorded(tmp_path: Path, tool: str, count: int = 1) -> list[list[str]]:
+    # The script execs the supervisor last: its background starts may still be running.
+    deadline = time.monotonic() + 30
+    while len(calls := sorted((tmp_path / "record").glob(f"{tool}.*"))) < count:
+        assert time.monotonic() < deadline, f"{tool} started {len(calls)} times, not {count}"
+        await asyncio.sleep(0.01)
+    return [c.read_text().splitlines()[1:] for c in calls]
 
 
-async def test_gateway_forwards_only_inference_routes(gateway: int) -> None:
-    status, data = await asyncio.to_thread(
-        _call, gateway, "POST", "/m/example-chat-small/v1/chat/completions", b'{"x": 1}'
+async def test_the_run_script_starts_every_model_whatever_its_name(tmp_path: Path) -> None:
+    placement, slots, settings = _odd_names_layout()
+    task = domain_task("haru-demo-odd", placement, slots, settings, start_asleep=False)
+    env = {
+        TOKEN_SECRET: "supervisor-secret",
+        SERVING_TOKEN_SECRET: "serving-secret",
+        TLS_CERT_SECRET: base64.b64encode(b"cert").decode(),
+        TLS_KEY_SECRET: base64.b64encode(b"key").decode(),
+    }
+    done = _run(tmp_path, task.run, env)
+    assert done.returncode == 0, done.stderr
+    served = sorted(
+        argv[argv.index("--served-model-name") + 1] for argv in await _recorded(tmp_path, "vllm", 3)
     )
-    assert status == 200
-    assert json.loads(data) == {"path": "/v1/chat/completions", "body": '{"x": 1}'}
-    status, data = await asyncio.to_thread(_call, gateway, "GET", "/m/example-chat-small/v1/models")
-    assert (status, json.loads(data)["path"]) == (200, "/v1/models")
-    for method, path in [
-        ("POST", "/m/example-chat-small/sleep?level=1"),
-        ("POST", "/m/example-chat-small/wake_up"),
-        ("GET", "/m/example-chat-small/is_sleeping"),
-        ("POST", "/m/unknown/v1/chat/completions"),
-        ("POST", "/v1/chat/completions"),
-    ]:
-        status, _ = await asyncio.to_thread(_call, gateway, method, path, b"")
-        assert status == 404, path
+    assert served == sorted(["qwen/qwen3-8b", "café au lait 7b", "../../etc/x"])
+    # Logs are named by index, never by the model's name.
+    assert sorted(p.name for p in (tmp_path / ".haru").glob("vllm-*.log")) == [
+        "vllm-0.log",
+        "vllm-1.log",
+        "vllm-2.log",
+    ]
+    assert not (tmp_path / "etc").exists()
+    (gateway,) = await _recorded(tmp_path, "haru-gateway")
+    routes = [gateway[i + 1] for i, arg in enumerate(gateway) if arg == "--route"]
+    assert routes == ["qwen/qwen3-8b=8100", "café au lait 7b=8101", "../../etc/x=8102"]
+    assert gateway[gateway.index("--token-env") + 1] == SERVING_TOKEN_SECRET
+    assert "serving-secret" not in " ".join(gateway)
+
+
+def test_the_run_script_starts_nothing_without_the_serving_credential(tmp_path: Path) -> None:
+    task = example_domain_task(start_asleep=False)
+    done = _run(tmp_path, task.run, {TOKEN_SECRET: "supervisor-secret"})
+    assert done.returncode != 0
+    assert SERVING_TOKEN_SECRET in done.stderr
+    assert not list((tmp_path / "record").iterdir())
+
+
+def test_serving_paths_encode_every_name_as_one_segment() -> None:
+    assert serving_path("example-chat-small") == "/m/example-chat-small"
+    assert serving_path("qwen/qwen3-8b") == "/m/qwen%2Fqwen3-8b"
+    assert serving_path("café au lait") == "/m/caf%C3%A9%20au%20lait"
 
 
 def test_model_ports_count_up_in_layout_order() -> None:

@@ -25,7 +25,7 @@ from haru_driver_skyserve import (
     render_service_yaml,
 )
 from haru_exec import ExecTimeoutError
-from haru_protocol import Placement
+from haru_protocol import DomainLayout, Placement
 
 SPEC = ServiceSpec(
     task=TaskSpec(
@@ -180,3 +180,38 @@ def test_driver_satisfies_the_protocol() -> None:
     implementation: ServiceDriver = SkyServeDriver()
     assert not SkyServeDriver().uses_sdk
     assert isinstance(implementation, SkyServeDriver)
+
+
+async def test_launch_passes_each_secret_through_the_environment() -> None:
+    from haru_driver_skypilot import SERVING_TOKEN_SECRET
+    from haru_driver_skyserve import domain_service
+
+    layout = DomainLayout.model_validate(
+        {
+            "slug": "alpha",
+            "provider": "skyserve",
+            "placement": {"cloud": "aws", "region": "us-east-1", "accelerator": "L4"},
+            "slots": [{"kind": "inference", "gpuIndex": 0, "models": [{"name": "chat-a"}]}],
+        }
+    )
+    spec = domain_service("haru-demo-alpha", layout.placement, layout.slots, layout.settings)
+    with pytest.raises(InvalidSpecError, match=SERVING_TOKEN_SECRET):
+        await driver(ScriptedExec()).launch_service(spec)
+    fake = ScriptedExec(Reply(stdout="Service name: haru-demo-alpha\n"))
+    await driver(fake).launch_service(spec, secrets={SERVING_TOKEN_SECRET: "serving-value-1"})
+    (call,) = fake.calls
+    assert call.argv[:9] == (
+        "sky",
+        "serve",
+        "up",
+        "-n",
+        "haru-demo-alpha",
+        "-y",
+        "--secret",
+        SERVING_TOKEN_SECRET,
+        call.argv[-1],
+    )
+    assert call.env is not None
+    assert call.env[SERVING_TOKEN_SECRET] == "serving-value-1"
+    assert "serving-value-1" not in " ".join(call.argv)
+    assert "serving-value-1" not in call.files[call.argv[-1]]

@@ -198,13 +198,13 @@ def test_skyserve_refuses_gpus_a_replica_does_not_have() -> None:
     assert check(doc).domains[0].slots[0].gpu_index == 1
 
 
-@pytest.mark.parametrize(
-    ("key", "value"), [("supervisorPort", 8701), ("supervisorPackage", "haru-supervisor")]
-)
-def test_skyserve_refuses_supervisor_settings(key: str, value: object) -> None:
+def test_skyserve_refuses_supervisor_settings() -> None:
     doc = skyserve_doc()
-    doc["domains"][0]["provisioning"] = {key: value}
-    rejected(doc, f"{key} asks for a Haru supervisor, and SkyServe replicas run none")
+    doc["domains"][0]["provisioning"] = {"supervisorPort": 8701}
+    rejected(doc, "supervisorPort asks for a Haru supervisor, and SkyServe replicas run none")
+    # The package carries the serving gateway too, so a replica installs it.
+    doc["domains"][0]["provisioning"] = {"supervisorPackage": "haru-supervisor==0.1.0"}
+    assert check(doc).domains[0].settings.supervisor_package == "haru-supervisor==0.1.0"
     # The other provisioning keys are the service's.
     doc["domains"][0]["provisioning"] = {"gatewayPort": 9000, "replicas": 3}
     assert check(doc).domains[0].settings.gateway_port == 9000
@@ -214,3 +214,37 @@ def test_replicas_only_on_skyserve() -> None:
     doc = sky_doc()
     doc["domains"][0]["provisioning"] = {"replicas": 2}
     rejected(doc, "skyserve domains only")
+
+
+def test_serving_credentials_by_reference_on_static_domains_only() -> None:
+    doc = sky_doc()
+    doc["domains"][0]["slots"][0]["models"][0]["apiKeyEnv"] = "VLLM_KEY"
+    rejected(doc, r"apiKeyEnv/apiKeyFile of .* apply to static domains only")
+    static: dict[str, Any] = {
+        "slug": "static-fleet",
+        "domains": [
+            {
+                "slug": "alpha",
+                "placement": {"cloud": "gcp", "region": "us-central1", "accelerator": "L4"},
+                "slots": [
+                    {
+                        "kind": "inference",
+                        "gpuIndex": 0,
+                        "models": [
+                            {
+                                "name": "m",
+                                "servingUrl": "https://gpu.example:8000",
+                                "apiKeyFile": "/run/secrets/m",
+                            }
+                        ],
+                    }
+                ],
+            }
+        ],
+    }
+    model = check(static).domains[0].inference_slots[0].models[0]
+    assert model.api_key_file == "/run/secrets/m"
+    assert model.model_dump(mode="json", by_alias=True)["apiKeyFile"] == "/run/secrets/m"
+    assert "apiKeyEnv" not in model.model_dump(mode="json", by_alias=True)
+    static["domains"][0]["slots"][0]["models"][0]["apiKeyEnv"] = "VLLM_KEY"
+    rejected(static, "sets both apiKeyEnv and apiKeyFile")

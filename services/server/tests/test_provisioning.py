@@ -76,6 +76,7 @@ from typer.testing import CliRunner
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 TOKEN = "tok-provisioning-secret-4711"
+SERVING_TOKEN = "serving-credential-for-tests-2b7d"
 
 FAKE_SKY = """\
 #!{python}
@@ -237,6 +238,7 @@ async def make_reconciler(clock: ManualClock, http: aiohttp.ClientSession) -> An
             SkyPilotDriver(SkyRunner(retry_delay=0)),
             clock=clock,
             supervisor_token=TOKEN,
+            serving_token=SERVING_TOKEN,
             options=ProvisionerOptions(status_interval_s=0),
             pki=FleetPki(store, store_key),
         )
@@ -787,6 +789,7 @@ async def test_a_domain_launched_under_its_old_name_is_still_found_and_torn_down
         driver,
         clock=clock,
         supervisor_token=TOKEN,
+        serving_token=SERVING_TOKEN,
         options=ProvisionerOptions(status_interval_s=0),
         pki=FleetPki(store, STORE_KEY),
     )

@@ -2,12 +2,13 @@
 the preemption of the active, with the rendered ``run`` script really running on 127.0.0.1.
 
 The fake ``sky`` (``fake_sky_node.py``) runs each launched task's ``run`` unchanged: the
-supervisor config, the node helper (gateway, sleeper) and ``vllm serve ...`` per model come
-from the renderer, with a ``vllm`` wrapper first on the PATH that starts the emulator
-(``haru-sim-vllm serve``, which reads ``vllm serve``'s command line), the real
-``haru-supervisor`` and an emulated ``nvidia-smi`` whose memory follows the emulated servers
-and trainers. The server runs in this process on a real port with its reconcile loop; the
-operator's commands go through the ``haru`` CLI. Nothing in the layout names a URL.
+supervisor config, ``vllm serve ...`` per model and the serving gateway (``haru-gateway``,
+behind the serving credential the server presents) come from the renderer, with a ``vllm``
+wrapper first on the PATH that starts the emulator (``haru-sim-vllm serve``, which reads
+``vllm serve``'s command line), the real ``haru-supervisor`` and an emulated ``nvidia-smi``
+whose memory follows the emulated servers and trainers. The server runs in this process on a
+real port with its reconcile loop; the operator's commands go through the ``haru`` CLI.
+Nothing in the layout names a URL.
 
 Each supervisor serves HTTPS with the key and certificate the server issued from the fleet's
 CA before its launch (delivered only as ``sky launch --secret``), and the server reaches it
@@ -59,8 +60,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 TOKEN = "tok-e2e-supervisor-secret-0815"
+SERVING_TOKEN = "serving-e2e-credential-5d1f"
 FAKE_SKY = Path(__file__).with_name("fake_sky_node.py")
-MODELS = (("chat-small", "example-org/chat-small"), ("chat-large", None))
+# A name with a slash and a space: the gateway path carries it percent-encoded, and the run
+# script names the log file by index.
+LARGE = "org/chat large"
+MODELS = (("chat-small", "example-org/chat-small"), (LARGE, None))
 AWAKE_MIB = 30_000
 DEADLINE_S = 60.0
 
@@ -275,6 +280,7 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
         database_url=database,
         store_key_file=key_file,
         supervisor_token=SecretStr(TOKEN),
+        serving_token=SecretStr(SERVING_TOKEN),
         default_fleet="local",
         reconcile_interval_ms=100,
         sky_status_interval_ms=0,
@@ -322,8 +328,13 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
             if isinstance(s.spec, InferenceSlotSpec)
             for m in s.spec.models
         )
-        assert urls == [f"{gateway}/m/chat-large", f"{gateway}/m/chat-small"]
+        assert urls == [f"{gateway}/m/chat-small", f"{gateway}/m/org%2Fchat%20large"]
+        # The gateway serves only the server, which presents the serving credential.
+        async with http.post(f"{gateway}/m/chat-small/v1/chat/completions", json={}) as resp:
+            assert resp.status == 401
+            assert "chat" not in await resp.text()
         assert TOKEN not in json.dumps(launch)
+        assert SERVING_TOKEN not in json.dumps(launch)
         # The supervisor holds the token the secret carried, and nothing else opens it; it
         # speaks TLS only, with a certificate for the domain's name from the fleet's CA.
         status_url = f"{str(domain.supervisor_url).rstrip('/')}/v1/status"
@@ -358,7 +369,7 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
             and standby_posture(by_slug(f, "alpha"))
         ),
     )
-    assert await control.chat("chat-large", "hello beta") == "hello beta"
+    assert await control.chat(LARGE, "hello beta") == "hello beta"
 
     # The active's spot cluster is preempted: its machine dies and SkyPilot forgets it.
     beta_cluster = cluster_name("local", "beta")

@@ -54,6 +54,7 @@ from pytest_aiohttp import AiohttpClient
 from typer.testing import CliRunner
 
 TOKEN = "tok-skyserve-secret-0815"
+SERVING_TOKEN = "serving-credential-for-tests-2b7d"
 SERVICE = "haru-local--alpha"
 
 FAKE_SKY = """\
@@ -63,7 +64,11 @@ import json, os, pathlib, sys, time
 
 state = pathlib.Path(os.environ["FAKE_SKY_STATE"])
 args = sys.argv[1:]
-entry = {{"argv": args, "secret": os.environ.get("HARU_SUPERVISOR_TOKEN")}}
+entry = {{
+    "argv": args,
+    "secret": os.environ.get("HARU_SUPERVISOR_TOKEN"),
+    "serving": os.environ.get("HARU_SERVING_TOKEN"),
+}}
 for arg in args:
     if arg.endswith(".yaml") and os.path.isfile(arg):
         entry["yaml"] = pathlib.Path(arg).read_text()
@@ -220,6 +225,7 @@ async def make_reconciler(clock: ManualClock, http: aiohttp.ClientSession) -> An
             SkyPilotDriver(SkyRunner(retry_delay=0)),
             clock=clock,
             supervisor_token=TOKEN,
+            serving_token=SERVING_TOKEN,
             options=ProvisionerOptions(status_interval_s=0),
             service_driver=SkyServeDriver(SkyRunner(retry_delay=0)),
         )
@@ -346,14 +352,18 @@ async def test_service_to_ready_on_its_ready_replicas_with_the_endpoint_as_servi
     # The proxy routes to the service's load balancer.
     assert [(m.name, str(m.serving_url)) for m in routable_models(done)] == list(urls.items())
     [up] = sky.ups(SERVICE)
-    assert up["argv"][:5] == ["serve", "up", "-n", SERVICE, "-y"]
-    assert up["argv"][5].endswith(f"{SERVICE}.yaml")
-    # No supervisor on a SkyServe replica: no token travels.
+    assert up["argv"][:7] == ["serve", "up", "-n", SERVICE, "-y", "--secret", "HARU_SERVING_TOKEN"]
+    assert up["argv"][7].endswith(f"{SERVICE}.yaml")
+    # No supervisor on a SkyServe replica: no supervisor token travels, only the serving
+    # credential its gateway requires, through sky's environment.
     assert up["secret"] is None
+    assert up["serving"] == SERVING_TOKEN
     rendered = yaml.safe_load(up["yaml"])
     assert rendered["service"] == {"readiness_probe": "/health", "replicas": 2, "ports": 8000}
-    assert "secrets" not in rendered
+    assert rendered["secrets"] == {"HARU_SERVING_TOKEN": None}
     assert TOKEN not in json.dumps(sky.calls())
+    assert SERVING_TOKEN not in json.dumps([c["argv"] for c in sky.calls()])
+    assert SERVING_TOKEN not in up["yaml"]
     # Its slots were seeded serving (the declared active's posture): only the domain moves.
     types = [e.type for e in await events(store, done.id) if e.domain_id == alpha.id]
     assert types == [

@@ -7,6 +7,7 @@ Services depend on the :class:`DomainDriver` protocol so tests can inject fakes.
 """
 
 from haru_driver_skypilot._domain import (
+    SERVING_TOKEN_SECRET,
     TLS_CERT_SECRET,
     TLS_DIR,
     TLS_KEY_SECRET,
@@ -14,7 +15,6 @@ from haru_driver_skypilot._domain import (
     ModelPort,
     domain_task,
     model_ports,
-    node_helper_source,
     run_script,
     serving_path,
     setup_script,
@@ -88,11 +88,11 @@ __all__ = (  # noqa: RUF022
     "serving_path",
     "setup_script",
     "run_script",
-    "node_helper_source",
     "TOKEN_SECRET",
     "TLS_CERT_SECRET",
     "TLS_KEY_SECRET",
     "TLS_DIR",
+    "SERVING_TOKEN_SECRET",
     # Rendering
     "render_task_yaml",
     "task_config",

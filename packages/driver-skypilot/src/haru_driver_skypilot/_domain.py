@@ -1,22 +1,24 @@
 """From a provisioned domain of the layout to the SkyPilot task that runs it.
 
-The task's ``setup`` installs the pinned vLLM and haru-supervisor (no ``setup`` when the layout
-says ``install: false``: the image has them); its ``run`` writes the
-supervisor config (generated from the same slots) and the node helper, starts one vLLM server
-per model (dev mode and sleep mode on, the model's served name, 127.0.0.1, its GPU pinned with
-``CUDA_VISIBLE_DEVICES``, its memory share), the serving gateway (the only public route to
-them) and, last, the supervisor. A standby's servers are put to sleep as soon as they are
-healthy. The supervisor token and the domain's TLS key and certificate are SkyPilot secrets:
-their values never enter the YAML; the supervisor serves HTTPS with that certificate.
+The task's ``setup`` installs the pinned vLLM and haru-supervisor, which carries the serving
+gateway (no ``setup`` when the layout says ``install: false``: the image has them); its ``run``
+writes the supervisor config (generated from the same slots), starts one vLLM server per model
+(dev mode and sleep mode on, the model's served name, 127.0.0.1, its GPU pinned with
+``CUDA_VISIBLE_DEVICES``, its memory share, its log file named by its index, never by its
+name), the serving gateway ``haru-gateway`` (the only public route to them, behind the serving
+credential) and, last, the supervisor. A standby's servers are put to sleep by the reconciler.
+The supervisor token, the serving credential and the domain's TLS key and certificate are
+SkyPilot secrets: their values never enter the YAML; the supervisor serves HTTPS with that
+certificate.
 """
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import quote
 
 from haru_protocol import (
     InferenceSlotSpec,
@@ -42,8 +44,12 @@ TLS_DIR = "$HOME/.haru/tls"
 """Where ``run`` writes the domain's certificate (``node.crt``) and key (``node.key``), mode
 0600 in a 0700 directory; the supervisor serves HTTPS with them."""
 
+SERVING_TOKEN_SECRET = "HARU_SERVING_TOKEN"  # noqa: S105 -- a variable name, not a value
+"""The secret carrying the serving credential (the name haru-gateway reads): the Haru server
+presents it on every request it forwards to the gateway."""
+
 STATE_DIR = "$HOME/.haru"
-"""Where ``run`` writes the supervisor config, the node helper and the logs."""
+"""Where ``run`` writes the supervisor config and the logs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +80,12 @@ def model_ports(slots: Sequence[SlotSpec], settings: Provisioning) -> list[Model
 
 
 def serving_path(model: str) -> str:
-    """The gateway path prefix of ``model`` (its serving URL is ``http://HOST:PORT`` + this)."""
-    return f"/m/{model}"
+    """The gateway path prefix of ``model`` (its serving URL is ``http://HOST:PORT`` + this).
+
+    The name is percent-encoded as one path segment (UTF-8; ``/``, spaces and non-ASCII
+    letters included), and the gateway decodes it back.
+    """
+    return f"/m/{quote(model, safe='')}"
 
 
 def supervisor_config(slots: Sequence[SlotSpec], settings: Provisioning) -> SupervisorConfig:
@@ -103,26 +113,15 @@ def supervisor_config(slots: Sequence[SlotSpec], settings: Provisioning) -> Supe
     return SupervisorConfig.model_validate({"slots": items})
 
 
-def node_helper_source() -> str:
-    """The text of ``haru_node.py`` (the gateway and the sleep helper) copied onto the machine."""
-    return (
-        importlib.resources.files("haru_driver_skypilot")
-        .joinpath("haru_node.py")
-        .read_text(encoding="utf-8")
-    )
-
-
 def _heredoc(path: str, text: str, marker: str) -> list[str]:
     if any(line.strip() == marker for line in text.splitlines()):
         raise ValueError(f"text contains the heredoc marker {marker!r}")
     return [f"cat > {path} <<'{marker}'", *text.splitlines(), marker]
 
 
-def setup_script(settings: Provisioning, *, supervisor: bool = True) -> str:
-    """``setup``: install the pinned vLLM and (``supervisor``) haru-supervisor, once per machine."""
-    packages = [f"vllm=={settings.vllm_version}"]
-    if supervisor:
-        packages.append(settings.supervisor_package)
+def setup_script(settings: Provisioning) -> str:
+    """``setup``: install the pinned vLLM and haru-supervisor (supervisor and gateway), once."""
+    packages = [f"vllm=={settings.vllm_version}", settings.supervisor_package]
     return "\n".join(
         [
             "set -euo pipefail",
@@ -167,10 +166,17 @@ def run_script(
     """``run``: the domain's processes; the supervisor runs in the foreground last.
 
     Without ``supervisor`` (a SkyServe replica) no supervisor config is written and the
-    gateway runs in the foreground instead.
+    gateway runs in the foreground instead. The gateway needs the serving credential (the
+    secret :data:`SERVING_TOKEN_SECRET`); the script stops before starting anything without it.
     """
     ports = model_ports(slots, settings)
-    lines = ["set -euo pipefail", f'HARU_DIR="{STATE_DIR}"', 'mkdir -p "$HARU_DIR"']
+    lines = [
+        "set -euo pipefail",
+        # The gateway refuses every request without it: fail before vLLM loads anything.
+        f': "${{{SERVING_TOKEN_SECRET}:?the serving credential secret is missing}}"',
+        f'HARU_DIR="{STATE_DIR}"',
+        'mkdir -p "$HARU_DIR"',
+    ]
     if supervisor:
         lines += _tls_files()
     if supervisor:
@@ -181,11 +187,10 @@ def run_script(
             "HARU_CONFIG_EOF",
         )
     lines += [
-        *_heredoc('"$HARU_DIR/haru_node.py"', node_helper_source(), "HARU_NODE_EOF"),
         # vLLM mounts /sleep, /wake_up and /is_sleeping only in dev mode.
         "export VLLM_SERVER_DEV_MODE=1",
         'VLLM="${HARU_VLLM:-vllm}"',
-        'PYTHON="${HARU_PYTHON:-python3}"',
+        'GATEWAY="${HARU_GATEWAY:-haru-gateway}"',
     ]
     if supervisor:
         lines.append('SUPERVISOR="${HARU_SUPERVISOR:-haru-supervisor}"')
@@ -209,15 +214,17 @@ def run_script(
                 f"{shares[model.name]:g}",
                 *model.extra_vllm_args,
             ]
-            log = shlex.quote(f"vllm-{model.name}.log")
+            # Named by the model's index: a name may hold "/" or anything else.
+            log = f"vllm-{port_of[model.name] - settings.vllm_base_port}.log"
             lines.append(
                 f'CUDA_VISIBLE_DEVICES={slot.gpu_index} nohup "$VLLM" '
-                f'{" ".join(shlex.quote(a) for a in argv)} > "$HARU_DIR"/{log} 2>&1 &'
+                f'{" ".join(shlex.quote(a) for a in argv)} > "$HARU_DIR/{log}" 2>&1 &'
             )
     routes = " ".join(f"--route {shlex.quote(f'{p.name}={p.port}')}" for p in ports)
     gateway = (
-        f'"$PYTHON" "$HARU_DIR/haru_node.py" gateway --listen {settings.gateway_port} {routes}'
+        f'"$GATEWAY" --listen {settings.gateway_port} --token-env {SERVING_TOKEN_SECRET} {routes}'
     )
+
     if not supervisor:
         lines.append(f"exec {gateway}")
         return "\n".join(lines)
@@ -270,5 +277,11 @@ def domain_task(
         run=run_script(slots, settings, start_asleep=start_asleep),
         ports=(settings.supervisor_port, settings.gateway_port),
         envs={"SKYPILOT_DISABLE_USAGE_COLLECTION": "1"},
-        secrets=(TOKEN_SECRET, TLS_CERT_SECRET, TLS_KEY_SECRET, *extra_secrets),
+        secrets=(
+            TOKEN_SECRET,
+            SERVING_TOKEN_SECRET,
+            TLS_CERT_SECRET,
+            TLS_KEY_SECRET,
+            *extra_secrets,
+        ),
     )

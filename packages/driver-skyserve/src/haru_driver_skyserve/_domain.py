@@ -1,11 +1,14 @@
 """From a ``skyserve`` domain of the layout to the SkyServe service that runs it.
 
 Each replica runs what a ``skypilot`` domain's machine runs, less the supervisor: ``setup``
-installs the pinned vLLM; ``run`` starts one vLLM server per model (pinned to its slot's GPU,
-its memory share, 127.0.0.1) and, in the foreground, the serving gateway, which is the
-replica port SkyServe's load balancer targets (``service.ports``). The readiness probe is the
-gateway's ``/health``: a replica is READY once every model's server answers. No replica ever
-sleeps (a service has no standby posture), so no supervisor and no token are needed.
+installs the pinned vLLM and haru-supervisor (for its ``haru-gateway``); ``run`` starts one
+vLLM server per model (pinned to its slot's GPU, its memory share, 127.0.0.1) and, in the
+foreground, the serving gateway, which is the replica port SkyServe's load balancer targets
+(``service.ports``) and requires the serving credential (the SkyPilot secret
+``HARU_SERVING_TOKEN``). The readiness probe is the gateway's ``/health``, which needs no
+credential and names no model: a replica is READY once every model's server answers. No
+replica ever sleeps (a service has no standby posture), so no supervisor and no supervisor
+token are needed.
 """
 
 from __future__ import annotations
@@ -13,7 +16,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from haru_driver_skypilot import InvalidSpecError, TaskSpec, run_script, setup_script
+from haru_driver_skypilot import (
+    SERVING_TOKEN_SECRET,
+    InvalidSpecError,
+    TaskSpec,
+    run_script,
+    setup_script,
+)
 from haru_protocol import Placement, Provisioning, SlotSpec
 
 from haru_driver_skyserve._spec import ServiceSpec
@@ -36,10 +45,11 @@ def domain_service(
     task = TaskSpec(
         name=name,
         placement=placement,
-        setup=setup_script(settings, supervisor=False),
+        setup=setup_script(settings),
         run=run_script(slots, settings, start_asleep=False, supervisor=False),
         ports=(settings.gateway_port,),
         envs={"SKYPILOT_DISABLE_USAGE_COLLECTION": "1"},
+        secrets=(SERVING_TOKEN_SECRET,),
     )
     return ServiceSpec(
         task=task,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Protocol
 
 from haru_driver_skypilot import (
+    InvalidSpecError,
     SkyRunner,
     SkySdk,
     SkyTimeouts,
@@ -25,8 +27,10 @@ logger = logging.getLogger(__name__)
 class ServiceDriver(Protocol):
     """What services need from a service-per-domain provisioner (inject fakes in tests)."""
 
-    async def launch_service(self, spec: ServiceSpec) -> None:
-        """Bring up the service ``spec.name``."""
+    async def launch_service(
+        self, spec: ServiceSpec, *, secrets: Mapping[str, str] | None = None
+    ) -> None:
+        """Bring up the service ``spec.name`` (``secrets``: the value of each of its secrets)."""
         ...
 
     async def get_service_status(self, name: str) -> ServiceInfo | None:
@@ -79,17 +83,30 @@ class SkyServeDriver:
         """Whether status is read through SkyPilot's Python SDK rather than the CLI."""
         return self._sdk is not None
 
-    async def launch_service(self, spec: ServiceSpec) -> None:
-        """Run ``sky serve up -n NAME -y FILE``.
+    async def launch_service(
+        self, spec: ServiceSpec, *, secrets: Mapping[str, str] | None = None
+    ) -> None:
+        """Run ``sky serve up -n NAME -y [--secret NAME ...] FILE``.
+
+        Each ``--secret NAME`` carries no value on the command line: ``sky`` reads it from its
+        environment, where ``secrets`` puts it (as for ``sky launch``).
 
         Raises:
+            InvalidSpecError: a secret of the task has no value in ``secrets``.
             SkyCommandError: the command failed, timed out or could not start.
         """
+        secrets = secrets or {}
+        names = spec.task.secrets
+        missing = [name for name in names if not secrets.get(name)]
+        if missing:
+            raise InvalidSpecError(f"no value for the secrets {missing!r}")
+        flags = [arg for name in names for arg in ("--secret", name)]
         text = render_service_yaml(spec)
         async with temporary_yaml(text, filename=f"{spec.name}.yaml") as path:
             await self._runner.run(
-                ["serve", "up", "-n", spec.name, "-y", str(path)],
+                ["serve", "up", "-n", spec.name, "-y", *flags, str(path)],
                 timeout=self._timeouts.launch,
+                extra_env={name: secrets[name] for name in names},
                 # Never twice: a second `sky serve up` is a second launch.
                 retry_cold=False,
             )

@@ -95,6 +95,13 @@ class ModelBinding(WireModel):
     extra_vllm_args: tuple[CliArg, ...] = Field(default=(), exclude_if=_is_unset)
     """Provisioned domains: further ``vllm serve`` arguments, appended verbatim (Haru's own
     flags: model, served name, host, port, sleep mode and memory share are set already)."""
+    api_key_env: NonEmptyStr | None = Field(default=None, exclude_if=_is_unset)
+    """Static domains: name of a variable of the Haru server's environment holding the serving
+    credential of ``servingUrl`` (vLLM's ``--api-key``); the proxy sends it as ``Authorization:
+    Bearer`` on every request it forwards there. Only the name is stored, never the value."""
+    api_key_file: NonEmptyStr | None = Field(default=None, exclude_if=_is_unset)
+    """Static domains: path of a file on the Haru server holding that credential (trimmed),
+    instead of ``apiKeyEnv``; read again whenever the fleet's routes are rebuilt."""
 
     @property
     def provisioning_keys(self) -> list[str]:
@@ -325,14 +332,15 @@ class Provisioning(WireModel):
     vllm_version: ReleaseVersion = DEFAULT_VLLM_VERSION
     """The vLLM release ``setup`` installs (``pip install vllm==<version>``)."""
     supervisor_package: NonEmptyStr = "haru-supervisor"
-    """What ``setup`` installs for the supervisor: a requirement (``haru-supervisor==0.1.0``),
-    a wheel URL or a path on the machine."""
+    """What ``setup`` installs for the supervisor and the serving gateway (``haru-gateway``):
+    a requirement (``haru-supervisor==0.1.0``), a wheel URL or a path on the machine."""
     supervisor_port: Port = 8701
     """Public port of the supervisor."""
     gateway_port: Port = 8000
-    """Public port of the serving gateway: it forwards only the inference routes
-    (``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``, ``/v1/models``) of
-    ``/m/<model>/...`` to that model's vLLM server, so vLLM's admin routes stay on 127.0.0.1."""
+    """Public port of the serving gateway (``haru-gateway``): behind the server's
+    ``HARU_SERVING_TOKEN``, it forwards only the inference routes (``/v1/chat/completions``,
+    ``/v1/completions``, ``/v1/embeddings``, ``/v1/models``) of ``/m/<model>/...`` (the name
+    percent-encoded) to that model's vLLM server, so vLLM's admin routes stay on 127.0.0.1."""
     vllm_base_port: Port = 8100
     """The vLLM servers listen on 127.0.0.1, ports counted up from this one."""
     install: Flag = True
@@ -381,6 +389,13 @@ class DomainLayout(WireModel):
         return self
 
     def _check_static(self) -> None:
+        for slot in self.inference_slots:
+            for model in slot.models:
+                if model.api_key_env is not None and model.api_key_file is not None:
+                    raise ValueError(
+                        f"domain {self.slug!r}: model {model.name!r} sets both apiKeyEnv and "
+                        "apiKeyFile; keep one"
+                    )
         if self.provisioning is not None:
             raise ValueError(f"domain {self.slug!r}: `provisioning` needs a provisioned provider")
         for slot in self.inference_slots:
@@ -411,6 +426,18 @@ class DomainLayout(WireModel):
             for m in s.models
             if m.serving_url is not None
         ]
+        keyed = [
+            m.name
+            for s in self.inference_slots
+            for m in s.models
+            if m.api_key_env is not None or m.api_key_file is not None
+        ]
+        if keyed:
+            raise ValueError(
+                f"domain {self.slug!r} ({self.provider.value}): apiKeyEnv/apiKeyFile of "
+                f"{keyed!r} apply to static domains only; a provisioned domain's gateway takes "
+                "the server's HARU_SERVING_TOKEN"
+            )
         if given:
             raise ValueError(
                 f"domain {self.slug!r} ({self.provider.value}): Haru records its URLs once the "
@@ -456,17 +483,12 @@ class DomainLayout(WireModel):
         asked = (
             []
             if self.provisioning is None
-            else sorted(
-                {"supervisor_port", "supervisor_package"} & self.provisioning.model_fields_set
-            )
+            else sorted({"supervisor_port"} & self.provisioning.model_fields_set)
         )
         if asked:
-            names = ", ".join(
-                "supervisorPort" if k == "supervisor_port" else "supervisorPackage" for k in asked
-            )
             raise ValueError(
-                f"{where}: {names} asks for a Haru supervisor, and SkyServe replicas run none "
-                "(the load balancer exposes only the serving gateway)"
+                f"{where}: supervisorPort asks for a Haru supervisor, and SkyServe replicas run "
+                "none (the load balancer exposes only the serving gateway)"
             )
 
     @property

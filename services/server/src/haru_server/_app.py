@@ -251,6 +251,7 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             SkyPilotDriver(),
             clock=app[clock_key],
             supervisor_token=settings.supervisor_token_value(),
+            serving_token=settings.serving_token_value(),
             service_driver=SkyServeDriver(),
             pki=pki,
             options=ProvisionerOptions(status_interval_s=settings.sky_status_interval_ms / 1000),

@@ -219,9 +219,9 @@ class ServiceBackend:
         secrets: Mapping[str, str],
     ) -> Coroutine[Any, Any, None]:
         # Same service whatever the role: a SkyServe replica never sleeps, and runs no
-        # supervisor (so it needs no token).
+        # supervisor (so it needs no supervisor token, only the serving credential).
         spec = domain_service(name, domain.placement, _specs(domain), settings)
-        return self.driver.launch_service(spec)
+        return self.driver.launch_service(spec, secrets=secrets)
 
     async def observe(self, name: str, settings: Provisioning) -> Observed:
         info = await self.driver.get_service_status(name)

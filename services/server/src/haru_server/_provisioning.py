@@ -61,6 +61,7 @@ from uuid import UUID
 
 from haru_db import StateStore
 from haru_driver_skypilot import (
+    SERVING_TOKEN_SECRET,
     TOKEN_SECRET,
     ClusterInfo,
     DomainDriver,
@@ -220,6 +221,9 @@ class Provisioner:
         clock: The application clock (budgets are measured on it).
         supervisor_token: The token the launched supervisors require; passed to ``sky`` as
             the secret ``HARU_SUPERVISOR_TOKEN``, never written anywhere.
+        serving_token: The serving credential the launched gateways require; passed to
+            ``sky`` as the secret ``HARU_SERVING_TOKEN`` the same way (a launch without it
+            fails: the task asks for that secret).
         options: Tuning.
         service_driver: The SkyServe driver (production:
             :class:`haru_driver_skyserve.SkyServeDriver`); without one, ``skyserve`` domains
@@ -236,6 +240,7 @@ class Provisioner:
         *,
         clock: Clock,
         supervisor_token: str | None,
+        serving_token: str | None = None,
         options: ProvisionerOptions | None = None,
         service_driver: ServiceDriver | None = None,
         pki: FleetPki | None = None,
@@ -247,9 +252,8 @@ class Provisioner:
         if service_driver is not None:
             self._backends[Provider.SKYSERVE] = ServiceBackend(service_driver)
         self._clock = clock
-        self._secrets: Mapping[str, str] = (
-            {} if supervisor_token is None else {TOKEN_SECRET: supervisor_token}
-        )
+        secrets = {TOKEN_SECRET: supervisor_token, SERVING_TOKEN_SECRET: serving_token}
+        self._secrets: Mapping[str, str] = {k: v for k, v in secrets.items() if v is not None}
         self._options = options or ProvisionerOptions()
         self._memory: dict[UUID, _Memory] = {}
 

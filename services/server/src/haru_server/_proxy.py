@@ -4,7 +4,11 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embe
 ``GET /v1/models``. The fleet comes from ``X-Haru-Fleet`` (else ``HARU_DEFAULT_FLEET``); the
 body is capped before it is buffered, parsed only to read ``model`` and forwarded
 byte-identical to the binding's ``servingUrl`` joined with the same path (never any other
-path). The answer streams back chunk by chunk with its status; only ``content-type`` is copied
+path). The client's headers are not forwarded (its ``Authorization`` above all): the upstream
+gets ``content-type``, ``accept``, the request id and, when the upstream has one, its own
+serving credential as ``Authorization: Bearer`` (a static binding's ``apiKeyEnv`` /
+``apiKeyFile``, read on the server; ``HARU_SERVING_TOKEN`` for a provisioned domain's
+gateway). The answer streams back chunk by chunk with its status; only ``content-type`` is copied
 (and ``location`` on a 3xx: redirects are never followed, the client gets them as sent).
 The upstream gets ``HARU_CHAT_HEADER_TIMEOUT_MS`` to send its headers; afterwards only
 silence is bounded: an upstream that sends nothing for ``HARU_UPSTREAM_IDLE_TIMEOUT_MS``
@@ -31,7 +35,9 @@ domain, a store that cannot serve routing, a full hold cap, or a hold that ran o
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -54,6 +60,7 @@ from haru_server._proxy_routes import (
     EMBEDDINGS_PATH,
     MODELS_PATH,
     RouteTable,
+    ServingCredentials,
     model_of,
     promotion_budget_ms,
 )
@@ -283,7 +290,10 @@ class _Proxy:
         self._releasers: dict[UUID, asyncio.Task[None]] = {}
         self.cache: RouteCache[RouteTable] = RouteCache(
             app[store_key],
-            build=RouteTable,
+            build=functools.partial(
+                RouteTable,
+                credentials=ServingCredentials(settings.serving_token_value(), os.environ),
+            ),
             ttl_ms=settings.snapshot_cache_ttl_ms,
             pointer_timeout_ms=tuning.pointer_timeout_ms,
             snapshot_timeout_ms=tuning.snapshot_timeout_ms,
@@ -418,6 +428,10 @@ class _Proxy:
                 f"available models: {available}",
                 headers=_routing_headers(lookup),
             )
+        auth = routes.authorization(model)
+        if auth is not None:
+            # The upstream's own credential; the client's Authorization is never forwarded.
+            headers = {**headers, hdrs.AUTHORIZATION: auth}
         sent = time.monotonic()
         upstream = await self._open(url, body, headers, lookup)
         note_upstream(request, routes.origin(model) or _origin(url), time.monotonic() - sent)

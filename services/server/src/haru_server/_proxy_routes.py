@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Final
 
 from haru_core import (
@@ -17,10 +20,13 @@ from haru_core import (
 from haru_protocol import (
     ErrorCode,
     FleetSnapshot,
+    ModelBinding,
     OperationStep,
     Policy,
+    Provider,
     UrlJoinError,
     join_url,
+    normalize_token,
 )
 from haru_web import ApiError
 from yarl import URL
@@ -37,12 +43,59 @@ PROXIED_PATHS: Final = frozenset((*UPSTREAM_PATHS, MODELS_PATH))
 """Every inference route the proxy answers (counted and access-logged as such)."""
 
 
+class CredentialError(ValueError):
+    """A model's serving credential cannot be read (the message names where, never a value)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServingCredentials:
+    """Where the proxy finds the credential it presents to each upstream.
+
+    Attributes:
+        provisioned: ``HARU_SERVING_TOKEN``: presented to every provisioned (``skypilot``,
+            ``skyserve``) domain's gateway; None = nothing is presented there.
+        environ: The server's environment, where a static binding's ``apiKeyEnv`` is read.
+    """
+
+    provisioned: str | None = None
+    environ: Mapping[str, str] = field(default_factory=dict)
+
+    def authorization(self, provider: Provider, binding: ModelBinding) -> str | None:
+        """The ``Authorization`` value for ``binding``'s upstream, or None for none.
+
+        Raises:
+            CredentialError: The binding names a variable that is unset or blank, or a file
+                that cannot be read or is blank.
+        """
+        if provider is not Provider.STATIC:
+            return None if self.provisioned is None else f"Bearer {self.provisioned}"
+        if binding.api_key_env is not None:
+            token = normalize_token(self.environ.get(binding.api_key_env))
+            if token is None:
+                raise CredentialError(f"apiKeyEnv {binding.api_key_env!r} is unset or blank")
+            return f"Bearer {token}"
+        if binding.api_key_file is not None:
+            try:
+                text = Path(binding.api_key_file).expanduser().read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise CredentialError(
+                    f"apiKeyFile {binding.api_key_file!r} cannot be read ({type(exc).__name__})"
+                ) from None
+            token = normalize_token(text)
+            if token is None:
+                raise CredentialError(f"apiKeyFile {binding.api_key_file!r} is blank")
+            return f"Bearer {token}"
+        return None
+
+
 class RouteTable:
     """Routing facts derived once per cached snapshot, so a cache hit costs dict lookups only.
 
     Eligibility is decided by :func:`haru_core.find_routable_binding` for every model the
     active domain binds; upstream URLs are joined with :func:`haru_protocol.join_url` (path
-    prefix and query of the ``servingUrl`` kept) and parsed once.
+    prefix and query of the ``servingUrl`` kept) and parsed once, and each upstream's serving
+    credential (:class:`ServingCredentials`) is read once. A model whose credential cannot be
+    read is left unavailable (logged), never sent without it.
 
     Attributes:
         snapshot: The snapshot the table was built from.
@@ -52,9 +105,20 @@ class RouteTable:
         bound: Names of every model the active domain binds, eligible or not.
     """
 
-    __slots__ = ("_origins", "_targets", "bound", "fleet_slug", "models", "routable", "snapshot")
+    __slots__ = (
+        "_auth",
+        "_origins",
+        "_targets",
+        "bound",
+        "fleet_slug",
+        "models",
+        "routable",
+        "snapshot",
+    )
 
-    def __init__(self, snapshot: FleetSnapshot) -> None:
+    def __init__(
+        self, snapshot: FleetSnapshot, credentials: ServingCredentials | None = None
+    ) -> None:
         self.snapshot = snapshot
         self.fleet_slug = snapshot.slug
         active = snapshot.active_domain
@@ -62,6 +126,7 @@ class RouteTable:
         self.models: tuple[str, ...] = tuple(m.name for m in routable_models(snapshot))
         self._targets: dict[str, dict[str, URL]] = {}
         self._origins: dict[str, str] = {}
+        self._auth: dict[str, str] = {}
         self.bound: frozenset[str] = frozenset()
         if active is None:
             return
@@ -81,6 +146,19 @@ class RouteTable:
                     urls,
                 )
                 continue
+            if credentials is not None:
+                try:
+                    auth = credentials.authorization(active.provider, binding)
+                except CredentialError as exc:
+                    logger.error(  # noqa: TRY400 -- the message is the reason
+                        "fleet %s: model %r has no usable serving credential: %s",
+                        snapshot.slug,
+                        bound.name,
+                        exc,
+                    )
+                    continue
+                if auth is not None:
+                    self._auth[binding.name] = auth
             self._targets[binding.name] = urls
             # Logged instead of the full URL: a servingUrl's query may carry a credential.
             self._origins[binding.name] = str(urls[CHAT_PATH].origin())
@@ -92,6 +170,10 @@ class RouteTable:
         exists, so this is an outage to wait out (503, holdable), not an unknown model (404).
         """
         return self.routable and model in self.bound and model not in self._targets
+
+    def authorization(self, model: str) -> str | None:
+        """The ``Authorization`` header the proxy sends to ``model``'s upstream, if any."""
+        return self._auth.get(model)
 
     def origin(self, model: str) -> str | None:
         """The scheme, host and port of ``model``'s upstream (for logs), or None."""

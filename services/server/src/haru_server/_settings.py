@@ -55,6 +55,7 @@ from haru_server._pki import PkiError, StoreKey
 
 API_TOKEN_VAR: Final = "HARU_API_TOKEN"  # noqa: S105  (a variable name, not a secret)
 SUPERVISOR_TOKEN_VAR: Final = "HARU_SUPERVISOR_TOKEN"  # noqa: S105
+SERVING_TOKEN_VAR: Final = "HARU_SERVING_TOKEN"  # noqa: S105
 RECONCILE_INTERVAL_DEFAULT_MS: Final = 500
 """An idle fleet's tick costs about 10 ms of CPU (docs/BENCHMARKS.md, *Reconcile loop
 interval*): 2 % of a core per fleet buys a failure seen within half a second."""
@@ -116,6 +117,13 @@ class Settings(BaseSettings):
         None, validation_alias=_env(SUPERVISOR_TOKEN_VAR, "supervisor_token")
     )
     """``HARU_SUPERVISOR_TOKEN`` (or ``HARU_SUPERVISOR_TOKEN_FILE``): presented to supervisors."""
+    serving_token: SecretStr | None = Field(
+        None, validation_alias=_env(SERVING_TOKEN_VAR, "serving_token")
+    )
+    """``HARU_SERVING_TOKEN`` (or ``HARU_SERVING_TOKEN_FILE``): the serving credential of
+    provisioned domains: passed to each launch as the SkyPilot secret of the same name, which
+    the machine's gateway requires, and presented by the proxy on every request it forwards
+    there. Launching a provisioned domain needs it."""
     default_fleet: str | None = Field(
         None, validation_alias=_env("HARU_DEFAULT_FLEET", "default_fleet")
     )
@@ -369,7 +377,7 @@ class Settings(BaseSettings):
         # Only what is passed: from_env() passes the environment it was given.
         return (init_settings,)
 
-    @field_validator("api_token", "supervisor_token", mode="before")
+    @field_validator("api_token", "supervisor_token", "serving_token", mode="before")
     @classmethod
     def _token(cls, value: object) -> object:
         if isinstance(value, SecretStr):
@@ -449,6 +457,10 @@ class Settings(BaseSettings):
         """The supervisor token in clear (for the supervisor client only)."""
         return None if self.supervisor_token is None else self.supervisor_token.get_secret_value()
 
+    def serving_token_value(self) -> str | None:
+        """The serving credential in clear (for the proxy and the launch secrets only)."""
+        return None if self.serving_token is None else self.serving_token.get_secret_value()
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
         """Parse the environment (SPEC 7.1); blank values count as unset.
@@ -458,7 +470,7 @@ class Settings(BaseSettings):
         """
         environ = dict(env)
         try:
-            for name in (API_TOKEN_VAR, SUPERVISOR_TOKEN_VAR):
+            for name in (API_TOKEN_VAR, SUPERVISOR_TOKEN_VAR, SERVING_TOKEN_VAR):
                 token = resolve_token(environ, name)
                 environ.pop(name + "_FILE", None)
                 environ[name] = token or ""
