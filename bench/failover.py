@@ -253,7 +253,7 @@ async def main() -> None:
                     for _ in range(args.runs):
                         run = await one_run(topology, traffic, row)
                         runs.append(run)
-                        print(table([run]).splitlines()[-1], flush=True)
+                        print(table(runs).splitlines()[-1], flush=True)
     print()
     print(table(runs))
     print()
