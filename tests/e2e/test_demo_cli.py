@@ -46,7 +46,7 @@ def test_haru_demo_scenario_only_succeeds_and_cleans_up(
     assert "RESULT: success" in done.stdout, output
     assert "planned switchover: alpha -> beta (promote succeeded)" in done.stdout, output
     # Both the planned switchover and the unplanned failure (on the default policy) fail no
-    # request; a stream the kill cut after its answer had started is reported apart.
+    # request; a stream the kill cut after its response had started is reported apart.
     during = re.findall(r"requests during it: +\d+ sent, \d+ ok, (\d+) failed", done.stdout)
     assert during == ["0", "0"], output
     assert "unplanned failure: beta -> alpha (promote succeeded)" in done.stdout, output

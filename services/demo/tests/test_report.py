@@ -96,8 +96,8 @@ def test_a_clean_run_is_a_success_and_reports_every_measure() -> None:
     assert "requests during it:       80 sent, 80 ok, 0 failed" in text
     assert "time to detection:        1100 ms" in text
     assert "first good answer:        2400 ms after the kill" in text
-    # Streams the kill cut after their answer had started are reported apart from failures.
-    assert "2 sent, 0 ok, 0 failed, 2 stream(s) cut after their answer had started" in text
+    # Streams the kill cut after their response had started are reported apart from failures.
+    assert "2 sent, 0 ok, 0 failed, 2 stream(s) cut after their response had started" in text
     assert "2 x connection failed: incomplete chunked read" in text
     assert text.endswith("RESULT: success")
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -186,18 +187,25 @@ async def test_held_answers_are_counted_with_the_longest_hold(
     assert TrafficSummary.of([record(1.0, 2.0)]).held == 0
 
 
-@pytest.mark.parametrize(("chunks", "cut"), [(3, True), (0, False)])
-async def test_a_stream_cut_after_its_answer_started_is_counted_apart(
-    chunks: int, cut: bool
+@pytest.mark.parametrize(
+    ("faults", "cut"),
+    [
+        ({"cut_stream_after_chunks": 3}, True),  # the body broke off after some content
+        ({"cut_stream_after_chunks": 0}, True),  # right after the status and headers
+        ({"error_500": True}, False),  # no response started: a failure
+    ],
+)
+async def test_a_stream_cut_after_its_response_started_is_counted_apart(
+    faults: dict[str, Any], cut: bool
 ) -> None:
     async with VllmSim(VllmSimConfig(served_model_names=("chat",))) as sim:
-        await sim.set_faults(cut_stream_after_chunks=chunks)
+        await sim.set_faults(**faults)
         async with ChatTraffic(sim.url, fleet=None, models=("chat",), clients=1) as traffic:
             await until(lambda: any(r.stream for r in traffic.records))
     record = next(r for r in traffic.records if r.stream)
     assert not record.ok
     assert record.error is not None
-    assert "connection failed" in record.error
     assert record.cut is cut
+    assert ("connection failed" in record.error) is cut
     summary = TrafficSummary.of([record])
     assert (summary.failed, summary.cut) == ((0, 1) if cut else (1, 0))

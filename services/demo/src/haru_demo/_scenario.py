@@ -127,8 +127,8 @@ class ScenarioReport:
         """Whether the scenario met its targets.
 
         Zero failed requests in the planned switchover and in the unplanned failure (a stream
-        that the kill cut after its answer had started is counted apart: no proxy can send it
-        again), the old active back in standby posture, a failover within its budget, and the
+        that the kill cut after its response had started is counted apart: no proxy can send
+        it again), the old active back in standby posture, a failover within its budget, and the
         failed domain recovered.
         """
         planned = self.planned
@@ -224,7 +224,7 @@ def _switchover_lines(result: SwitchoverResult) -> list[str]:
             "requests during it",
             f"{requests.total} sent, {requests.ok} ok, {requests.failed} failed"
             + (
-                f", {requests.cut} stream(s) cut after their answer had started"
+                f", {requests.cut} stream(s) cut after their response had started"
                 if requests.cut
                 else ""
             ),

@@ -117,7 +117,8 @@ class DemoTimings:
         token_latency_ms: Emulated time per token.
         trainer_step_ms: Emulated training step.
         trainer_checkpoint_every: Steps between checkpoints.
-        reconcile_interval_ms: The server's ``HARU_RECONCILE_INTERVAL_MS``.
+        reconcile_interval_ms: The server's ``HARU_RECONCILE_INTERVAL_MS`` (None: not set,
+            the server's default).
         supervisor_shutdown_grace_ms: ``HARU_SUPERVISOR_SHUTDOWN_GRACE_MS`` (trainer SIGTERM
             to SIGKILL when a supervisor stops).
         stop_grace_s: SIGTERM to SIGKILL grace when the demo stops a process.
@@ -133,7 +134,7 @@ class DemoTimings:
     token_latency_ms: int = 2
     trainer_step_ms: int = 100
     trainer_checkpoint_every: int = 10
-    reconcile_interval_ms: int = 500
+    reconcile_interval_ms: int | None = None
     supervisor_shutdown_grace_ms: int = 2_000
     stop_grace_s: float = 5.0
     ready_timeout_s: float = 60.0
@@ -549,7 +550,19 @@ class DemoTopology:
 
     # ---- supervisors -------------------------------------------------------------------------
 
-    async def _start_supervisor(self, domain: DemoDomain) -> None:
+    async def restart_host(self, slug: str) -> None:
+        """Bring a lost host back (after :meth:`kill_host`).
+
+        Domain ``slug``'s vLLM servers (asleep) and supervisor start again on their old ports.
+        """
+        domain = self.domains[slug]
+        await self.restart_vllm(slug, asleep=True)
+        if domain.supervisor is not None and domain.supervisor.running:
+            await domain.supervisor.stop(grace_s=self.timings.stop_grace_s)
+        port = int(domain.supervisor_url.rsplit(":", 1)[1]) if domain.supervisor_url else 0
+        await self._start_supervisor(domain, port=port)
+
+    async def _start_supervisor(self, domain: DemoDomain, *, port: int = 0) -> None:
         folder = self.workdir / domain.slug
         bin_dir = folder / "bin"
         bin_dir.mkdir(parents=True, exist_ok=True)
@@ -592,7 +605,7 @@ class DemoTopology:
         write_nvidia_smi(bin_dir, [gpus[i] for i in sorted(gpus)])
         env = _base_env()
         env.update(
-            PORT="0",
+            PORT=str(port),
             HARU_SUPERVISOR_CONFIG=str(config_path),
             HARU_SUPERVISOR_GPU_SOURCE="nvidia-smi",
             HARU_SUPERVISOR_SHUTDOWN_GRACE_MS=str(self.timings.supervisor_shutdown_grace_ms),
@@ -691,8 +704,9 @@ class DemoTopology:
         env.update(
             PORT=str(self.server_port),
             HARU_DEFAULT_FLEET=self.fleet_slug,
-            HARU_RECONCILE_INTERVAL_MS=str(self.timings.reconcile_interval_ms),
         )
+        if self.timings.reconcile_interval_ms is not None:
+            env["HARU_RECONCILE_INTERVAL_MS"] = str(self.timings.reconcile_interval_ms)
         if self.options.database_url is not None:
             env["DATABASE_URL"] = self.options.database_url
         if self.options.supervisor_token is not None:

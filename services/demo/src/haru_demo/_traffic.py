@@ -43,9 +43,9 @@ class RequestRecord:
         ok: A complete, non-empty answer that was not aborted.
         stale: The proxy answered from its cached routing (``X-Haru-Routing: stale``).
         error: What went wrong, when not ok.
-        cut: A stream that failed after its first content chunk had arrived: the answer had
-            started, so no proxy could send the request again (a failure ``failed`` does not
-            count; :attr:`TrafficSummary.cut` does).
+        cut: A stream that failed after its response had started (status and headers
+            received, then the body broke off): no proxy can send it again, so ``failed`` does
+            not count it; :attr:`TrafficSummary.cut` does.
         held_ms: How long the proxy held the request through a failover (``X-Haru-Held-Ms``),
             when it did.
     """
@@ -69,13 +69,13 @@ class TrafficSummary:
     total: int
     ok: int
     failed: int
-    """Requests that failed before any of their answer arrived (cut streams excluded)."""
+    """Requests that failed before their response started (cut streams excluded)."""
     stale: int
     held: int = 0
     """Answered requests the proxy held through a failover."""
     longest_hold_ms: int = 0
     cut: int = 0
-    """Streams that failed after their answer had started (see :attr:`RequestRecord.cut`)."""
+    """Streams that failed after their response had started (see :attr:`RequestRecord.cut`)."""
 
     @classmethod
     def of(cls, records: Sequence[RequestRecord]) -> TrafficSummary:
@@ -319,7 +319,12 @@ class ChatTraffic:
         )
         stale = raw.headers.get(ROUTING_HEADER, "").lower() == "stale"
         held_ms = _held_ms(raw.headers.get(HELD_HEADER))
-        chunks = raw.parse()
+        # The status and headers have arrived: from here on the response has started, and a
+        # failure cannot be undone by sending the request again.
+        try:
+            chunks = raw.parse()
+        except Exception as exc:
+            raise _CutStreamError from exc
         if not isinstance(chunks, AsyncStream):
             raise TypeError(f"expected a stream, got {type(chunks).__name__}")
         content: list[str] = []
@@ -332,9 +337,7 @@ class ChatTraffic:
                     if choice.finish_reason is not None:
                         finish = choice.finish_reason
         except Exception as exc:
-            if content:
-                raise _CutStreamError from exc
-            raise
+            raise _CutStreamError from exc
         finally:
             await chunks.close()
         return _Answer(text="".join(content), finish=finish, stale=stale, held_ms=held_ms)
@@ -360,7 +363,7 @@ class ChatTraffic:
 
 
 class _CutStreamError(Exception):
-    """A stream failed after content had arrived (its cause is the failure)."""
+    """A stream failed after its response had started (its cause is the failure)."""
 
 
 @dataclass(frozen=True, slots=True)
