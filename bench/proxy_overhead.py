@@ -138,8 +138,18 @@ async def _serve_haru(
         partial.replace(counter_file)  # atomic: the parent never reads half a file
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
+    # Settings(...) reads no environment: the connection bounds a bench raises (bench/streams.py:
+    # thousands of streams, all from 127.0.0.1) are passed on explicitly.
+    bounds = {
+        field: int(os.environ[name])
+        for field, name in (
+            ("http_max_connections", "HARU_HTTP_MAX_CONNECTIONS"),
+            ("http_max_connections_per_peer", "HARU_HTTP_MAX_CONNECTIONS_PER_PEER"),
+        )
+        if name in os.environ
+    }
     settings = Settings(
-        database_url=url, port=port, default_fleet=FLEET, reconcile_interval_ms=None
+        database_url=url, port=port, default_fleet=FLEET, reconcile_interval_ms=None, **bounds
     )
     await run_server(settings, on_listening=lambda u: print(f"READY {u}", flush=True))
 
