@@ -154,8 +154,23 @@ async def _serve_haru(
             "tls_cert_file": Path(os.environ["BENCH_TLS_CERT"]),
             "tls_key_file": Path(os.environ["BENCH_TLS_KEY"]),
         }
+    # Settings(...) reads no environment: the connection bounds a bench raises (bench/streams.py:
+    # thousands of streams, all from 127.0.0.1) are passed on explicitly.
+    bounds = {
+        field: int(os.environ[name])
+        for field, name in (
+            ("http_max_connections", "HARU_HTTP_MAX_CONNECTIONS"),
+            ("http_max_connections_per_peer", "HARU_HTTP_MAX_CONNECTIONS_PER_PEER"),
+        )
+        if name in os.environ
+    }
     settings = Settings(
-        database_url=url, port=port, default_fleet=FLEET, reconcile_interval_ms=None, **tls
+        database_url=url,
+        port=port,
+        default_fleet=FLEET,
+        reconcile_interval_ms=None,
+        **tls,
+        **bounds,
     )
     await run_server(settings, on_listening=lambda u: print(f"READY {u}", flush=True))
 

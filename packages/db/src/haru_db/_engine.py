@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import sqlalchemy.exc as sa_exc
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, make_url
@@ -261,6 +260,10 @@ def _postgres_engine(
 
 def _quiet(driver_connection: Any) -> bool:
     """True when an idle psycopg connection is open and its socket has nothing to read."""
+    # Imported here, where a PostgreSQL connection exists: a SQLite server never loads the
+    # driver (about 8 MiB of its resident memory).
+    import psycopg
+
     try:
         if driver_connection.closed:
             return False

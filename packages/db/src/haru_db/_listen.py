@@ -16,7 +16,6 @@ import logging
 from collections.abc import Callable
 from typing import Final
 
-import psycopg
 from haru_protocol import FleetRoutePointer
 from sqlalchemy.engine import make_url
 
@@ -70,6 +69,9 @@ class RouteListener:
         """Listen until cancelled, reconnecting with backoff; returns at once on SQLite."""
         if not self.supported:
             return
+        # Imported here: a SQLite server never loads the PostgreSQL driver (about 8 MiB).
+        import psycopg
+
         conninfo = (
             make_url(self._url).set(drivername="postgresql").render_as_string(hide_password=False)
         )
@@ -93,6 +95,8 @@ class RouteListener:
             backoff = min(self._max_backoff, backoff * 2)
 
     async def _listen(self, conninfo: str) -> None:
+        import psycopg
+
         conn = await psycopg.AsyncConnection.connect(
             conninfo,
             autocommit=True,
