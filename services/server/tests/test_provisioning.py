@@ -76,10 +76,10 @@ TOKEN = "tok-provisioning-secret-4711"
 
 FAKE_SKY = """\
 #!{python}
-# Fake `sky` (SkyPilot 0.14 CLI, the commands Haru uses). State in $FAKE_SKY_STATE.
+# Fake `sky` (SkyPilot 0.14 CLI, the commands Haru uses). State in the folder baked in.
 import json, os, pathlib, subprocess, sys, time
 
-state = pathlib.Path(os.environ["FAKE_SKY_STATE"])
+state = pathlib.Path({state!r})  # baked in: `sky` gets no test variables
 args = sys.argv[1:]
 entry = {{"argv": args, "secret": os.environ.get("HARU_SUPERVISOR_TOKEN")}}
 for arg in args:
@@ -112,7 +112,12 @@ def save(name, cluster):
     tmp.write_text(json.dumps(cluster))
     os.replace(tmp, path(name))
 
-if args[:1] == ["launch"]:
+if args == ["--version"]:
+    print("skypilot, version " + config.get("version", "0.14.1"))
+elif args[:2] == ["api", "info"]:
+    print(json.dumps({{"client": {{"version": "0.14.1"}}, "server": {{"status": "healthy",
+          "version": config.get("version", "0.14.1"), "url": "http://127.0.0.1:46580"}}}}))
+elif args[:1] == ["launch"]:
     name = args[args.index("-c") + 1]
     behaviour = config.get("launch", {{}}).get(name, {{}})
     (state / f"launch-{{name}}.pid").write_text(str(os.getpid()))
@@ -131,12 +136,31 @@ if args[:1] == ["launch"]:
         print("Considered resources (1 node):")
         print(behaviour["stderr"], file=sys.stderr)
         sys.exit(behaviour["exit"])
-    save(name, {{"status": "INIT", "reads": 0}})
+    cluster = load(name)
+    if cluster is not None:
+        # SkyPilot reuses the cluster, re-runs setup and queues the job behind the old one,
+        # which holds every GPU: the new job stays PENDING.
+        cluster.setdefault("jobs", ["RUNNING"]).append("PENDING")
+        save(name, cluster)
+        print(f"Job submitted, ID: {{len(cluster['jobs'])}}")
+        sys.exit(0)
+    save(name, {{"status": "INIT", "reads": 0, "jobs": ["RUNNING"], "refreshed": time.time()}})
     if behaviour.get("hang"):
         time.sleep(60)
     print("Job submitted, ID: 1")
 elif args[:1] == ["down"]:
     path(args[1]).unlink(missing_ok=True)
+elif args[:1] == ["status"] and "--endpoint" in args:
+    port = int(args[args.index("--endpoint") + 1])
+    name = args[-1]
+    cluster = load(name)
+    if cluster is None:
+        print(f"ValueError: Cluster {{name!r}} not found.", file=sys.stderr)
+        sys.exit(1)
+    if cluster["status"] != "UP":
+        print(f"RuntimeError: Cluster {{name!r}} is not in UP status.", file=sys.stderr)
+        sys.exit(1)
+    print(f"127.0.0.1:{{port + config.get('port_offset', 0)}}")
 elif args[:1] == ["status"] and "--ip" in args:
     name = args[-1]
     cluster = load(name)
@@ -148,19 +172,32 @@ elif args[:1] == ["status"] and "--ip" in args:
         sys.exit(1)
     print("127.0.0.1")
 elif args[:1] == ["status"]:
-    name = args[1]
-    cluster = load(name)
-    if cluster is None:
-        print(f"Cluster(s) not found: \\x1b[1m{{name}}\\x1b[0m.")
-        print("[]")
-    else:
+    names = [a for a in args[1:] if not a.startswith("-") and a != "json"]
+    rows = []
+    for name in names:
+        cluster = load(name)
+        if cluster is not None and "cloud" in cluster and (
+            "--refresh" in args or time.time() - cluster.get("refreshed", 0) >= 60
+        ):
+            # Only a refresh (forced, or the daemon's every 60 s) sees what the cloud did.
+            if cluster["cloud"] == "gone":
+                path(name).unlink()
+                continue
+            cluster["status"] = cluster.pop("cloud")
+            save(name, cluster)
+        if cluster is None:
+            continue
         if cluster["status"] == "INIT":
             cluster["reads"] += 1
             if cluster["reads"] >= config.get("up_after", 2):
                 cluster["status"] = "UP"
             save(name, cluster)
-        print(json.dumps([{{"name": name, "status": cluster["status"], "nodes": 1,
-                           "autostop": -1, "launched_at": 1764460800}}], indent=2))
+        rows.append({{"name": name, "status": cluster["status"], "nodes": 1, "autostop": -1,
+                     "launched_at": 1764460800}})
+    missing = [n for n in names if n not in [r["name"] for r in rows]]
+    if missing:
+        print(f"Cluster(s) not found: \\x1b[1m{{', '.join(missing)}}\\x1b[0m.")
+    print(json.dumps(rows, indent=2))
 else:
     print(f"Error: No such command '{{args[0]}}'.", file=sys.stderr)
     sys.exit(2)
@@ -196,6 +233,16 @@ class FakeSky:
         else:
             path.write_text(json.dumps({"status": status, "reads": 0}))
 
+    def preempt(self, name: str, to: str = "gone") -> None:
+        """What the cloud did; SkyPilot's cache shows it only after a refresh."""
+        path = self.state / f"cluster-{name}.json"
+        cluster = json.loads(path.read_text())
+        cluster["cloud"] = to
+        path.write_text(json.dumps(cluster))
+
+    def jobs(self, name: str) -> list[str]:
+        return list(self.clusters()[name].get("jobs", []))
+
     def downs(self, name: str) -> list[dict[str, Any]]:
         return [c for c in self.calls() if c["argv"][:2] == ["down", name]]
 
@@ -213,10 +260,9 @@ def sky(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSky:
     bin_dir.mkdir()
     state.mkdir()
     script = bin_dir / "sky"
-    script.write_text(FAKE_SKY.format(python=sys.executable))
+    script.write_text(FAKE_SKY.format(python=sys.executable, state=str(state)))
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    monkeypatch.setenv("FAKE_SKY_STATE", str(state))
     fake = FakeSky(state)
     fake.configure()
     return fake
@@ -232,7 +278,7 @@ async def make_reconciler(clock: ManualClock, http: aiohttp.ClientSession) -> An
             SkyPilotDriver(SkyRunner(retry_delay=0)),
             clock=clock,
             supervisor_token=TOKEN,
-            options=ProvisionerOptions(status_interval_s=0),
+            options=ProvisionerOptions(status_interval_s=0, preflight=False),
         )
         made.append(provisioner)
         reconciler = Reconciler(
@@ -477,8 +523,7 @@ async def test_claim_without_outcome_and_no_cluster_fails_after_the_launch_budge
     await reconciler.tick("local")
     assert domain(await snapshot(store), "alpha").state is DomainState.PROVISIONING
     clock.advance(ms=60_001)
-    await reconciler.tick("local")
-    assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
+    await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
     assert sky.launches("haru-local--alpha") == []
     [event] = [
         e
@@ -541,7 +586,12 @@ async def test_a_killed_launch_that_brings_its_cluster_up_later_is_torn_down(
     clock.advance(ms=60_001)
     failed = await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
     # The client is dead; its request is not: the cluster comes up after the failure.
-    await tick_until(reconciler, store, lambda _: sky.appeared(name) and name not in sky.clusters())
+    await tick_until(
+        reconciler,
+        store,
+        lambda _: sky.appeared(name) and name not in sky.clusters(),
+        max_ticks=1500,
+    )
     assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
     assert len(sky.launches(name)) == 1
     await torn_down(reconciler, store, failed.id, name)
@@ -692,15 +742,18 @@ async def test_a_domain_launched_under_its_old_name_is_still_found_and_torn_down
         driver,
         clock=clock,
         supervisor_token=TOKEN,
-        options=ProvisionerOptions(status_interval_s=0),
+        options=ProvisionerOptions(status_interval_s=0, preflight=False),
     )
     try:
         current = await snapshot(store)
         assert await provisioner.cluster_name(current, domain(current, "alpha")) == old
         assert (await provisioner.observe(current, domain(current, "alpha"))).shown == "UP"
         # Addressed under its old name, never relaunched under the new one.
-        for _ in range(3):
+        for _ in range(200):
             await provisioner.step(await snapshot(store), None)
+            if domain(await snapshot(store), "alpha").serving_base_url is not None:
+                break
+            await asyncio.sleep(0.02)
         assert domain(await snapshot(store), "alpha").serving_base_url is not None
         assert await store.transition_domain(
             alpha.id,
@@ -740,10 +793,16 @@ async def test_preempted_active_fails_over_then_relaunches_as_standby(
     )
     alpha_id = domain(ready, "alpha").id
     beta_id = domain(ready, "beta").id
-    # Spot preemption: SkyPilot reports the cluster STOPPED, its supervisor is gone.
-    sky.set_status("haru-local--alpha", "STOPPED")
+    # Spot preemption: the cloud stopped the cluster, its supervisor is gone. SkyPilot's
+    # cache says so only after a refresh: Haru's reads ask for one.
+    sky.preempt("haru-local--alpha", "STOPPED")
     await fleet.stop_supervisor("alpha")
     result = await reconciler.tick("local")
+    for _ in range(200):
+        if result.operation is not None:
+            break
+        await asyncio.sleep(0.02)
+        result = await reconciler.tick("local")
     after = await snapshot(store)
     assert domain(after, "alpha").state is DomainState.FAILED
     [lost] = await events(store, ready.id, EventType.DOMAIN_CLUSTER_LOST)
@@ -763,10 +822,10 @@ async def test_preempted_active_fails_over_then_relaunches_as_standby(
     # No relaunch before the backoff since the failure has passed.
     assert len(sky.launches("haru-local--alpha")) == 1
     clock.advance(ms=60_000)
-    await reconciler.tick("local")
-    relaunched = await snapshot(store)
+    relaunched = await tick_until(
+        reconciler, store, lambda f: domain(f, "alpha").launch_attempt == 2
+    )
     assert domain(relaunched, "alpha").state is DomainState.PROVISIONING
-    assert domain(relaunched, "alpha").launch_attempt == 2
     [relaunch] = await events(store, ready.id, EventType.DOMAIN_RELAUNCH)
     assert (relaunch.payload["relaunch"], relaunch.payload["maxAttempts"]) == (1, 1)
     started = [
@@ -936,8 +995,7 @@ async def test_the_relaunch_streak_survives_a_server_restart(
     first, first_provisioner = make_reconciler(store)
     await launched_then_lost(first, 1)
     clock.advance(ms=1_000)
-    await first.tick("local")
-    assert domain(await snapshot(store), "alpha").launch_attempt == 2
+    await tick_until(first, store, lambda f: domain(f, "alpha").launch_attempt == 2)
     await launched_then_lost(first, 2)
     await first_provisioner.close()
 
@@ -948,8 +1006,7 @@ async def test_the_relaunch_streak_survives_a_server_restart(
         await second.tick("local")
     assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
     clock.advance(ms=1)
-    await second.tick("local")
-    assert domain(await snapshot(store), "alpha").launch_attempt == 3
+    await tick_until(second, store, lambda f: domain(f, "alpha").launch_attempt == 3)
     fleet = await snapshot(store)
     relaunches = await events(store, fleet.id, EventType.DOMAIN_RELAUNCH)
     assert [(e.payload["relaunch"], e.payload["backoffMs"]) for e in relaunches] == [
@@ -989,8 +1046,7 @@ async def test_the_relaunch_streak_survives_a_server_restart(
     fourth, _ = make_reconciler(store)
     await launched_then_lost(fourth, 4)
     clock.advance(ms=1_000)
-    await fourth.tick("local")
-    assert domain(await snapshot(store), "alpha").launch_attempt == 5
+    await tick_until(fourth, store, lambda f: domain(f, "alpha").launch_attempt == 5)
     relaunches = await events(store, fleet.id, EventType.DOMAIN_RELAUNCH)
     assert (relaunches[-1].payload["relaunch"], relaunches[-1].payload["backoffMs"]) == (1, 1_000)
 

@@ -80,8 +80,9 @@ def free_ports(count: int, taken: set[int]) -> list[int]:
 class Sky:
     """The fake ``sky`` of one test: its state directory and its hand (preemption)."""
 
-    def __init__(self, state: Path) -> None:
+    def __init__(self, state: Path, shims: Path) -> None:
         self.state = state
+        self.env = {**os.environ, "FAKE_SKY_STATE": str(state), "FAKE_SKY_SHIMS": str(shims)}
 
     def calls(self) -> list[dict[str, Any]]:
         path = self.state / "calls.jsonl"
@@ -94,14 +95,18 @@ class Sky:
         return self.state / "nodes" / name
 
     async def run(self, *argv: str) -> None:
-        proc = await asyncio.create_subprocess_exec(sys.executable, str(FAKE_SKY), *argv)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(FAKE_SKY), *argv, env=self.env
+        )
         assert await proc.wait() == 0
 
     def kill_all(self) -> None:
         """What ``sky down`` does to every node this test launched (nothing may outlive it)."""
         nodes = self.state / "nodes"
         for node in sorted(nodes.iterdir()) if nodes.exists() else ():
-            subprocess.run([sys.executable, str(FAKE_SKY), "down", node.name], check=True)
+            subprocess.run(
+                [sys.executable, str(FAKE_SKY), "down", node.name], check=True, env=self.env
+            )
 
 
 @pytest.fixture
@@ -112,7 +117,11 @@ def sky(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Sky]:
     for folder in (bin_dir, shims, state):
         folder.mkdir()
     wrappers = {
-        bin_dir / "sky": f'exec "{sys.executable}" "{FAKE_SKY}" "$@"',
+        # The folders are baked into the wrapper: `sky` gets none of the test's variables.
+        bin_dir / "sky": (
+            f'FAKE_SKY_STATE="{state}" FAKE_SKY_SHIMS="{shims}" '
+            f'exec "{sys.executable}" "{FAKE_SKY}" "$@"'
+        ),
         # `vllm serve ...` of the run script starts the emulator with the same command line.
         shims / "vllm": f'exec "{sys.executable}" -m haru_sim.vllm "$@"',
     }
@@ -120,9 +129,7 @@ def sky(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Sky]:
         path.write_text(f"#!/bin/sh\n{line}\n")
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    monkeypatch.setenv("FAKE_SKY_STATE", str(state))
-    monkeypatch.setenv("FAKE_SKY_SHIMS", str(shims))
-    fake = Sky(state)
+    fake = Sky(state, shims)
     yield fake
     fake.kill_all()
 
