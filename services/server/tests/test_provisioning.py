@@ -717,6 +717,8 @@ async def test_up_from_failed_never_launches_onto_the_cluster_still_there(
     first = order.index("launch")
     # SkyPilot would reuse the cluster and queue the new job behind the old one.
     assert "down" in order[first + 1 : second]
+    await tick_until(reconciler, store, lambda _: name in sky.clusters())
+    assert sky.jobs(name) == ["RUNNING"]  # a fresh cluster, no job PENDING behind another
 
 
 async def test_a_domain_launched_under_its_old_name_is_still_found_and_torn_down(
@@ -1121,3 +1123,104 @@ async def test_down_of_a_former_active_waits_out_the_route_guard(
     response = await client.post("/v1/fleets/local/domains/alpha/down")
     assert response.status == 202
     assert (await response.json())["domain"]["state"] == "stopping"
+
+
+async def test_addresses_are_skypilots_endpoints_of_each_port(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    # RunPod, Vast and Kubernetes LoadBalancers publish a port under another port: the
+    # head's IP with the task's port would lead nowhere.
+    sky.configure(port_offset=30_000)
+    await store_layout(sqlite_store, clock)
+    reconciler, _ = make_reconciler(sqlite_store)
+    done = await tick_until(
+        reconciler, sqlite_store, lambda f: domain(f, "alpha").supervisor_url is not None
+    )
+    alpha = domain(done, "alpha")
+    assert str(alpha.supervisor_url) == "http://127.0.0.1:38701"
+    assert str(alpha.serving_base_url) == "http://127.0.0.1:38000"
+    asked = [c["argv"] for c in sky.calls() if "--endpoint" in c["argv"]]
+    assert ["status", "--endpoint", "8701", "haru-local--alpha"] in asked
+    assert not [c for c in sky.calls() if "--ip" in c["argv"]]
+
+
+async def store_layout(store: StateStore, clock: ManualClock, **policy: Any) -> None:
+    await store.apply_fleet_layout(bare_layout(**policy), at=clock())
+
+
+async def test_one_refreshed_status_call_reads_every_cluster(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    await store_layout(sqlite_store, clock)
+    reconciler, _ = make_reconciler(sqlite_store)
+    await tick_until(
+        reconciler,
+        sqlite_store,
+        lambda f: all(d.supervisor_url is not None for d in f.domains),
+    )
+    reads = [c["argv"] for c in sky.calls() if c["argv"][:1] == ["status"]]
+    both = ["status", "haru-local--alpha", "haru-local--beta", "--refresh", "-o", "json"]
+    assert both in reads
+    # Every other read is refreshed too, but for each launch's check for a leftover cluster.
+    unrefreshed = [r for r in reads if "--endpoint" not in r and "--refresh" not in r]
+    assert sorted(unrefreshed) == [
+        ["status", f"haru-local--{slug}", "-o", "json"] for slug in ("alpha", "beta")
+    ]
+
+
+async def test_a_sky_older_than_the_minimum_launches_nothing(
+    sqlite_store: StateStore, clock: ManualClock, sky: FakeSky, caplog: pytest.LogCaptureFixture
+) -> None:
+    sky.configure(version="0.11.2")
+    await store_layout(sqlite_store, clock)
+    provisioner = Provisioner(
+        sqlite_store,
+        SkyPilotDriver(SkyRunner(retry_delay=0)),
+        clock=clock,
+        supervisor_token=TOKEN,
+        options=ProvisionerOptions(status_interval_s=0),
+    )
+    try:
+        async with asyncio.timeout(10):
+            while "older than 0.12.0" not in caplog.text:
+                await provisioner.step(await snapshot(sqlite_store), None)
+                await asyncio.sleep(0.02)
+        for _ in range(3):
+            await provisioner.step(await snapshot(sqlite_store), None)
+    finally:
+        await provisioner.close()
+    assert [c["argv"] for c in sky.calls()] == [["--version"]]
+    assert all(d.launch_attempt == 0 for d in (await snapshot(sqlite_store)).domains)
+
+
+async def test_launches_beyond_the_limit_wait_their_turn(
+    sqlite_store: StateStore, clock: ManualClock, sky: FakeSky
+) -> None:
+    sky.configure(launch={"haru-local--alpha": {"hang": True}})
+    await store_layout(sqlite_store, clock)
+    provisioner = Provisioner(
+        sqlite_store,
+        SkyPilotDriver(SkyRunner(retry_delay=0)),
+        clock=clock,
+        supervisor_token=TOKEN,
+        options=ProvisionerOptions(status_interval_s=0, max_concurrent_launches=1, preflight=False),
+    )
+    try:
+        for _ in range(2):
+            await provisioner.step(await snapshot(sqlite_store), None)
+        fleet = await snapshot(sqlite_store)
+        assert [d.launch_attempt for d in fleet.domains] == [1, 1]  # both claimed
+        async with asyncio.timeout(10):
+            while "haru-local--alpha" not in sky.clusters():
+                await asyncio.sleep(0.02)
+        for _ in range(3):
+            await provisioner.step(await snapshot(sqlite_store), None)
+        assert sky.launches("haru-local--beta") == []  # queued behind alpha's
+        pid = sky.launch_pid("haru-local--alpha")
+        os.kill(pid, 9)  # alpha's launch ends (failed): beta's turn
+        async with asyncio.timeout(10):
+            while not sky.launches("haru-local--beta"):
+                await provisioner.step(await snapshot(sqlite_store), None)
+                await asyncio.sleep(0.02)
+    finally:
+        await provisioner.close()
