@@ -25,6 +25,18 @@ Where SkyPilot 0.14.1 is unkind, the fake is too (read from its source):
   ``status`` with ``--ip``).
 - INIT that never turns UP (``up_after`` large): INIT is also SkyPilot's abnormal state
   (``sky/utils/status_lib.py`` ``ClusterStatus.INIT``: setup failed, or a node unhealthy).
+- ``launch`` onto a cluster still listed: SkyPilot reuses it, re-runs setup and queues the
+  new job behind the old one, which holds every GPU, so the new job stays PENDING
+  (``sky/execution.py``, the cluster's job queue); the fake keeps the cluster and appends a
+  PENDING job (``FakeSky.jobs``).
+- ``status --endpoint PORT N``: the port's endpoint, which need not be the head's IP with
+  PORT (``port_offset`` maps it as RunPod, Vast or a Kubernetes LoadBalancer would;
+  ``sky/client/cli/command.py`` ``_show_endpoint``); exit 1 when unknown or not UP.
+- ``status N1 N2 ... [--refresh] -o json``: one call for many clusters; a preemption
+  (``FakeSky.preempt``) shows only after a refresh, forced by ``--refresh`` or the API
+  server's daemon every 60 s (``sky/server/server.py``, ``sky/backends/backend_utils.py``).
+- ``--version`` and ``api info -o json`` answer what ``config.version`` says (Haru's
+  preflight refuses a ``sky`` older than 0.12).
 """
 
 from __future__ import annotations
