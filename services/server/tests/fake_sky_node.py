@@ -26,6 +26,9 @@ it answers the commands Haru uses like SkyPilot 0.14's CLI:
 - ``down NAME -y``: every process of the node dies, the cluster is gone.
 - ``fake-preempt NAME`` (not a SkyPilot command; the test's hand): a spot preemption. Every
   process of the node is SIGKILLed and SkyPilot no longer knows the cluster.
+- a ``no-capacity-NAME`` file in the state folder (the test's hand): the next launch of NAME
+  fails with SkyPilot's ``ResourcesUnavailableError`` before any machine exists, as a
+  relaunch right after a preemption often does.
 
 A node's processes are found through ``/proc/<pid>/environ`` (``FAKE_SKY_NODE``), which every
 descendant inherits, trainers in their own sessions included: a lost machine loses them all.
@@ -102,6 +105,16 @@ def kill_node(node: Path) -> int:
 def _launch(state: Path, args: list[str]) -> int:
     name = args[args.index("-c") + 1]
     task = yaml.safe_load(Path(args[-1]).read_text())
+    capacity = state / f"no-capacity-{name}"
+    if capacity.exists():
+        # Right after a spot preemption the region often has no capacity left: the launch
+        # fails before any machine exists (sky/exceptions.py ResourcesUnavailableError).
+        capacity.unlink()
+        sys.stderr.write(
+            "sky.exceptions.ResourcesUnavailableError: Failed to provision all possible "
+            "launchable resources.\n"
+        )
+        return 1
     if task.get("setup"):
         _save(state, name, {"status": "UP"})  # kept "for debugging", as SkyPilot does
         sys.stderr.write(

@@ -91,6 +91,13 @@ class Sky:
     def launches(self, name: str) -> list[dict[str, Any]]:
         return [c for c in self.calls() if c["argv"][:1] == ["launch"] and name in c["argv"]]
 
+    def listed(self) -> set[str]:
+        """The clusters the fake SkyPilot lists."""
+        return {
+            p.name.removeprefix("cluster-").removesuffix(".json")
+            for p in self.state.glob("cluster-*.json")
+        }
+
     def node(self, name: str) -> Path:
         return self.state / "nodes" / name
 
@@ -327,6 +334,8 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
 
     # The active's spot cluster is preempted: its machine dies and SkyPilot forgets it.
     beta_cluster = cluster_name("local", "beta")
+    # ... and the region has no capacity left for the first relaunch.
+    (sky.state / f"no-capacity-{beta_cluster}").touch()
     await sky.run("fake-preempt", beta_cluster)
     fleet = await control.wait(
         "failover to alpha",
@@ -339,16 +348,25 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
     fleet = await control.wait(
         "beta relaunched into standby posture", lambda f: standby_posture(by_slug(f, "beta"))
     )
-    assert by_slug(fleet, "beta").launch_attempt == 2
-    assert len(sky.launches(beta_cluster)) == 2
-    [relaunch] = await control.events(EventType.DOMAIN_RELAUNCH)
-    assert relaunch["payload"]["relaunch"] == 1
+    # The capacity error stayed in the relaunch streak: a second relaunch, after the backoff.
+    assert by_slug(fleet, "beta").launch_attempt == 3
+    assert len(sky.launches(beta_cluster)) == 3
+    relaunches = await control.events(EventType.DOMAIN_RELAUNCH)
+    assert [e["payload"]["relaunch"] for e in relaunches] == [1, 2]
+    [failed] = [
+        e
+        for e in await control.events(EventType.DOMAIN_PROVISIONING_FAILED)
+        if e["payload"]["cluster"] == beta_cluster
+    ]
+    assert "ResourcesUnavailableError" in failed["payload"]["stderr"]
     started = [
         e["payload"]["role"]
         for e in await control.events(EventType.DOMAIN_LAUNCH_STARTED)
         if e["payload"]["cluster"] == beta_cluster
     ]
-    assert started == ["standby", "standby"]
+    assert started == ["standby", "standby", "standby"]
+    # No cluster is left that Haru does not know about.
+    assert sky.listed() == {cluster_name("local", "alpha"), beta_cluster}
     shown = await control.haru("domain", "status", "local", "beta")
     assert f"cluster {beta_cluster}: UP" in shown
     # The relaunched standby can take over again: a promotion back to it succeeds.
