@@ -28,7 +28,9 @@ it answers the commands Haru uses like SkyPilot 0.14's CLI:
   process of the node is SIGKILLed and SkyPilot no longer knows the cluster.
 - a ``no-capacity-NAME`` file in the state folder (the test's hand): the next launch of NAME
   fails with SkyPilot's ``ResourcesUnavailableError`` before any machine exists, as a
-  relaunch right after a preemption often does.
+  relaunch right after a preemption often does; ``setup-fails-NAME``: the next launch fails
+  its setup and leaves the cluster UP; ``hang-NAME``: the next launch lists the cluster INIT
+  and never returns (killing it leaves the cluster, as killing ``sky launch`` does).
 
 A node's processes are found through ``/proc/<pid>/environ`` (``FAKE_SKY_NODE``), which every
 descendant inherits, trainers in their own sessions included: a lost machine loses them all.
@@ -115,7 +117,17 @@ def _launch(state: Path, args: list[str]) -> int:
             "launchable resources.\n"
         )
         return 1
-    if task.get("setup"):
+    hang = state / f"hang-{name}"
+    if hang.exists():
+        # The request provisions a machine and never ends; killing this client does not
+        # cancel it (sky/client/cli/command.py: "Request will continue running").
+        hang.unlink()
+        _save(state, name, {"status": "INIT"})
+        while True:
+            signal.pause()  # until Haru kills the client
+    setup_fails = state / f"setup-fails-{name}"
+    if task.get("setup") or setup_fails.exists():
+        setup_fails.unlink(missing_ok=True)
         _save(state, name, {"status": "UP"})  # kept "for debugging", as SkyPilot does
         sys.stderr.write(
             "fake sky: this task has a `setup` (it would install from the network); "

@@ -261,7 +261,13 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
         "activeDomainSlug": "alpha",
         # The failover's best-effort sleep of the lost active spends its budget before the
         # relaunch may start (no operation in flight): keep that budget short here.
-        "policy": {"autoFailover": True, "relaunchBackoffBaseMs": 200, "sleepTimeoutMs": 2_000},
+        "policy": {
+            "autoFailover": True,
+            "relaunchBackoffBaseMs": 200,
+            "sleepTimeoutMs": 2_000,
+            # A fake launch returns within seconds; the hanging one below is cut at this.
+            "launchTimeoutMs": 20_000,
+        },
         "domains": [domain_document(slug, tmp_path, taken) for slug in ("alpha", "beta")],
     }
     give_nodes_a_gpu(sky, document)
@@ -380,3 +386,39 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
         ),
     )
     assert await control.chat("chat-small", "back on beta") == "back on beta"
+
+    # The standby goes down and up again, and its launch fails its setup: SkyPilot keeps
+    # the cluster UP "for debugging"; Haru tears it down.
+    alpha_cluster = cluster_name("local", "alpha")
+    await control.haru("domain", "down", "local", "alpha")
+    await control.wait("alpha stopped", lambda f: by_slug(f, "alpha").state is DomainState.STOPPED)
+    assert sky.listed() == {beta_cluster}
+
+    async def failed_and_cleaned(attempt: int) -> dict[str, Any]:
+        await control.wait(
+            f"alpha attempt {attempt} failed",
+            lambda f: (
+                by_slug(f, "alpha").state is DomainState.FAILED
+                and by_slug(f, "alpha").launch_attempt == attempt
+            ),
+        )
+        async with asyncio.timeout(DEADLINE_S):
+            while sky.listed() != {beta_cluster}:  # nothing left that Haru does not know
+                await asyncio.sleep(0.1)
+        failures: list[dict[str, Any]] = [
+            e["payload"]
+            for e in await control.events(EventType.DOMAIN_PROVISIONING_FAILED)
+            if e["payload"]["cluster"] == alpha_cluster and e["payload"]["attempt"] == attempt
+        ]
+        assert len(failures) == 1
+        return failures[0]
+
+    (sky.state / f"setup-fails-{alpha_cluster}").touch()
+    await control.haru("domain", "up", "local", "alpha")
+    assert (await failed_and_cleaned(2))["reason"] == "launch_failed"
+    # A launch that hangs past launchTimeoutMs: killed, and the cluster its request left
+    # behind is torn down too.
+    (sky.state / f"hang-{alpha_cluster}").touch()
+    await control.haru("domain", "up", "local", "alpha")
+    assert (await failed_and_cleaned(3))["reason"] == "launch_timeout"
+    assert len(sky.launches(alpha_cluster)) == 3
