@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# The SkyPilot lane: validates the drivers' renders and parsers with SkyPilot itself.
+# The SkyPilot lane: validates the drivers' renders and parsers with SkyPilot itself, parses
+# every `sky` command line the drivers build with SkyPilot's own CLI (test_sky_cli.py: a
+# renamed or dropped flag fails here), and runs the status, endpoint, preflight and down
+# commands against a private local API server (test_sky_live.py).
 #
 # SkyPilot (~460 MB) is not in the workspace's dev group, so this lane keeps its own virtual
 # environment, cached across runs, with skypilot pinned by haru-driver-skypilot's `sky` extra.

@@ -36,7 +36,7 @@ from haru_protocol import SupervisorConfig
 FAKE_SKY = """\
 #!{python}
 import json, os, pathlib, sys
-state = pathlib.Path(os.environ["FAKE_SKY_STATE"])
+state = pathlib.Path({state!r})  # baked in: `sky` gets no test variables
 args = sys.argv[1:]
 entry = {{"argv": args, "token": os.environ.get("HARU_SUPERVISOR_TOKEN")}}
 for arg in args:
@@ -62,10 +62,9 @@ def fake_sky(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     bin_dir.mkdir()
     state.mkdir()
     script = bin_dir / "sky"
-    script.write_text(FAKE_SKY.format(python=sys.executable))
+    script.write_text(FAKE_SKY.format(python=sys.executable, state=str(state)))
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    monkeypatch.setenv("FAKE_SKY_STATE", str(state))
     monkeypatch.delenv(TOKEN_SECRET, raising=False)
     return state
 

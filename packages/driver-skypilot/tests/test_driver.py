@@ -147,7 +147,7 @@ class FakeSdk:
         self.calls: list[tuple[str, tuple[str, ...], float]] = []
 
     async def cluster_records(
-        self, names: Sequence[str], *, timeout: float
+        self, names: Sequence[str], *, timeout: float, refresh: bool = False
     ) -> list[Mapping[str, object]]:
         self.calls.append(("cluster", tuple(names), timeout))
         if isinstance(self.records, Exception):

@@ -15,6 +15,7 @@ from haru_driver_skypilot import (
     SkyTimeouts,
     SkyUnavailableError,
     is_cold_server_failure,
+    sky_environment,
     strip_ansi,
     temporary_yaml,
 )
@@ -44,9 +45,34 @@ async def test_runs_argv_with_the_given_timeout() -> None:
     fake = ScriptedExec(Reply(stdout="ok\n"))
     result = await runner(fake).run(["status", "c", "-o", "json"], timeout=12.5)
     assert result.stdout == "ok\n"
-    assert [(c.argv, c.timeout, c.env) for c in fake.calls] == [
-        (("sky", "status", "c", "-o", "json"), 12.5, None)
+    assert [(c.argv, c.timeout) for c in fake.calls] == [
+        (("sky", "status", "c", "-o", "json"), 12.5)
     ]
+
+
+async def test_sky_gets_what_skypilot_needs_and_none_of_harus_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HARU_SUPERVISOR_TOKEN", "tok-must-not-leak")
+    monkeypatch.setenv("HARU_DATABASE_URL", "postgresql://u:pw@db/haru")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE")
+    monkeypatch.setenv("SKYPILOT_API_SERVER_ENDPOINT", "http://127.0.0.1:46580")
+    monkeypatch.setenv("KUBECONFIG", "/etc/kube/config")
+    fake = ScriptedExec(Reply(), Reply())
+    await runner(fake).run(["status", "c", "-o", "json"], timeout=1)
+    await runner(fake).run(
+        ["launch", "-c", "c", "-y", "-d", "--secret", "HARU_SUPERVISOR_TOKEN", "t.yaml"],
+        timeout=1,
+        extra_env={"HARU_SUPERVISOR_TOKEN": "tok-for-this-launch"},
+        retry_cold=False,
+    )
+    status, launch = (dict(c.env or {}) for c in fake.calls)
+    assert status == sky_environment()
+    assert not [name for name in status if name.startswith("HARU_")]
+    for name in ("PATH", "HOME", "AWS_ACCESS_KEY_ID", "SKYPILOT_API_SERVER_ENDPOINT", "KUBECONFIG"):
+        assert status[name] == os.environ[name]
+    # The launch's secret, for that one call only.
+    assert launch == {**status, "HARU_SUPERVISOR_TOKEN": "tok-for-this-launch"}
 
 
 async def test_custom_executable_and_env_are_passed() -> None:

@@ -179,8 +179,13 @@ async def test_sdk_facade_calls_the_real_sdk_functions(
 ) -> None:
     # The SDK needs an API server; stand in for the network round trip only, and check the
     # call against the real signature so a renamed parameter fails here.
-    inspect.signature(sky.status).bind(cluster_names=["haru-demo-alpha"])
+    common = importlib.import_module("sky.utils.common")
+    force = common.StatusRefreshMode.FORCE
+    inspect.signature(sky.status).bind(
+        cluster_names=["haru-demo-alpha"], all_users=True, refresh=force
+    )
     inspect.signature(sky.get).bind("request-id")
+    inspect.signature(sky.api_cancel).bind("request-id", silent=True)
     seen: list[object] = []
 
     def fake_status(**kwargs: Any) -> str:
@@ -194,7 +199,11 @@ async def test_sdk_facade_calls_the_real_sdk_functions(
     monkeypatch.setattr(sky, "status", fake_status)
     monkeypatch.setattr(sky, "get", fake_get)
     records = await SkyPilotSdk().cluster_records(["haru-demo-alpha"], timeout=30)
-    assert seen == [{"cluster_names": ["haru-demo-alpha"]}]
+    await SkyPilotSdk().cluster_records(["haru-demo-alpha"], timeout=30, refresh=True)
+    assert seen == [
+        {"cluster_names": ["haru-demo-alpha"], "all_users": True},
+        {"cluster_names": ["haru-demo-alpha"], "all_users": True, "refresh": force},
+    ]
     assert "handle" not in records[0]
     info = cluster_info_from_record(records[0])
     assert info.status is ClusterStatus.UP

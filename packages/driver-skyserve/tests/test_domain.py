@@ -31,13 +31,15 @@ def domain(**provisioning: object) -> DomainLayout:
 
 
 def test_the_service_is_the_domain_less_the_supervisor() -> None:
-    layout = domain(replicas=3, gatewayPort=9000)
+    layout = domain(replicas=3, gatewayPort=9000, readinessInitialDelayS=5400)
     spec = domain_service(
         cluster_name("demo", "alpha"), layout.placement, layout.slots, layout.settings
     )
     config = service_config(spec)
     assert config["name"] == "haru-demo--alpha"
-    assert config["service"] == {"readiness_probe": READINESS_PATH, "replicas": 3, "ports": 9000}
+    # SkyServe's default delay (1,200 s) can be shorter than a vLLM install plus a model load.
+    probe = {"path": READINESS_PATH, "initial_delay_seconds": 5400}
+    assert config["service"] == {"readiness_probe": probe, "replicas": 3, "ports": 9000}
     assert config["resources"]["ports"] == [9000]
     # No supervisor: nothing configures or starts it, and no supervisor token is asked for;
     # the gateway (in the haru-supervisor package) needs the serving credential.

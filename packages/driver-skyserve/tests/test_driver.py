@@ -121,13 +121,15 @@ async def test_status_errors() -> None:
 
 
 async def test_teardown_and_custom_timeouts() -> None:
-    fake = ScriptedExec(Reply(), Reply(stdout=STATUS_READY), Reply())
+    gone = Reply(stdout="Services\nNo live services.\n")
+    fake = ScriptedExec(Reply(), Reply(stdout=STATUS_READY), Reply(), gone)
     d = driver(fake, timeouts=SkyTimeouts(launch=21, status=22, stop=23, down=24))
     await d.launch_service(SPEC)
     await d.get_service_status("haru-demo-alpha")
     await d.teardown_service("haru-demo-alpha")
-    assert fake.calls[-1].argv == ("sky", "serve", "down", "haru-demo-alpha", "-y")
-    assert [c.timeout for c in fake.calls] == [21, 22, 24]
+    assert fake.calls[-2].argv == ("sky", "serve", "down", "haru-demo-alpha", "-y", "--purge")
+    assert fake.calls[-1].argv == ("sky", "serve", "status", "haru-demo-alpha")
+    assert [c.timeout for c in fake.calls] == [21, 22, 24, 22]
 
 
 @pytest.mark.parametrize("name", ["", "--all", "-a", "a b", "UPPER"])
@@ -146,7 +148,7 @@ class FakeSdk:
         self.calls: list[tuple[tuple[str, ...], float]] = []
 
     async def cluster_records(
-        self, names: Sequence[str], *, timeout: float
+        self, names: Sequence[str], *, timeout: float, refresh: bool = False
     ) -> list[Mapping[str, object]]:
         raise AssertionError("not used by the SkyServe driver")
 

@@ -72,3 +72,24 @@ async def test_sdk_without_a_serve_controller_means_no_service(sky_cli: str) -> 
     driver = SkyServeDriver(status_source="auto", timeouts=TIMEOUTS)
     assert driver.uses_sdk
     assert await driver.get_service_status(MISSING) is None
+
+
+async def test_preflight_against_the_real_sky(sky_cli: str) -> None:
+    info = await SkyPilotDriver(runner(sky_cli), timeouts=TIMEOUTS).preflight()
+    assert info.client_version == "0.14.1"
+    assert info.server_version == "0.14.1"
+
+
+async def test_cli_batched_refreshed_status_and_endpoint_of_unknown_clusters(
+    sky_cli: str,
+) -> None:
+    driver = SkyPilotDriver(runner(sky_cli), timeouts=TIMEOUTS)
+    names = [MISSING, f"{MISSING}-2"]
+    assert await driver.get_domain_statuses(names, refresh=True) == {}
+    assert await driver.get_domain_statuses(names) == {}
+    assert await driver.get_endpoint(MISSING, 8000) is None  # exit 1: not found
+
+
+async def test_cli_serve_down_of_an_unknown_service_returns(sky_cli: str) -> None:
+    # No serve controller: `sky serve down` exits 1 "No live services.", i.e. nothing left.
+    await SkyServeDriver(runner(sky_cli), timeouts=TIMEOUTS).teardown_service(MISSING)

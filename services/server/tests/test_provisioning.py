@@ -25,6 +25,18 @@ Where SkyPilot 0.14.1 is unkind, the fake is too (read from its source):
   ``status`` with ``--ip``).
 - INIT that never turns UP (``up_after`` large): INIT is also SkyPilot's abnormal state
   (``sky/utils/status_lib.py`` ``ClusterStatus.INIT``: setup failed, or a node unhealthy).
+- ``launch`` onto a cluster still listed: SkyPilot reuses it, re-runs setup and queues the
+  new job behind the old one, which holds every GPU, so the new job stays PENDING
+  (``sky/execution.py``, the cluster's job queue); the fake keeps the cluster and appends a
+  PENDING job (``FakeSky.jobs``).
+- ``status --endpoint PORT N``: the port's endpoint, which need not be the head's IP with
+  PORT (``port_offset`` maps it as RunPod, Vast or a Kubernetes LoadBalancer would;
+  ``sky/client/cli/command.py`` ``_show_endpoint``); exit 1 when unknown or not UP.
+- ``status N1 N2 ... [--refresh] -o json``: one call for many clusters; a preemption
+  (``FakeSky.preempt``) shows only after a refresh, forced by ``--refresh`` or the API
+  server's daemon every 60 s (``sky/server/server.py``, ``sky/backends/backend_utils.py``).
+- ``--version`` and ``api info -o json`` answer what ``config.version`` says (Haru's
+  preflight refuses a ``sky`` older than 0.12).
 """
 
 from __future__ import annotations
@@ -80,10 +92,10 @@ SERVING_TOKEN = "serving-credential-for-tests-2b7d"
 
 FAKE_SKY = """\
 #!{python}
-# Fake `sky` (SkyPilot 0.14 CLI, the commands Haru uses). State in $FAKE_SKY_STATE.
+# Fake `sky` (SkyPilot 0.14 CLI, the commands Haru uses). State in the folder baked in.
 import json, os, pathlib, subprocess, sys, time
 
-state = pathlib.Path(os.environ["FAKE_SKY_STATE"])
+state = pathlib.Path({state!r})  # baked in: `sky` gets no test variables
 args = sys.argv[1:]
 entry = {{"argv": args, "secret": os.environ.get("HARU_SUPERVISOR_TOKEN")}}
 for arg in args:
@@ -116,7 +128,12 @@ def save(name, cluster):
     tmp.write_text(json.dumps(cluster))
     os.replace(tmp, path(name))
 
-if args[:1] == ["launch"]:
+if args == ["--version"]:
+    print("skypilot, version " + config.get("version", "0.14.1"))
+elif args[:2] == ["api", "info"]:
+    print(json.dumps({{"client": {{"version": "0.14.1"}}, "server": {{"status": "healthy",
+          "version": config.get("version", "0.14.1"), "url": "http://127.0.0.1:46580"}}}}))
+elif args[:1] == ["launch"]:
     name = args[args.index("-c") + 1]
     behaviour = config.get("launch", {{}}).get(name, {{}})
     (state / f"launch-{{name}}.pid").write_text(str(os.getpid()))
@@ -135,12 +152,31 @@ if args[:1] == ["launch"]:
         print("Considered resources (1 node):")
         print(behaviour["stderr"], file=sys.stderr)
         sys.exit(behaviour["exit"])
-    save(name, {{"status": "INIT", "reads": 0}})
+    cluster = load(name)
+    if cluster is not None:
+        # SkyPilot reuses the cluster, re-runs setup and queues the job behind the old one,
+        # which holds every GPU: the new job stays PENDING.
+        cluster.setdefault("jobs", ["RUNNING"]).append("PENDING")
+        save(name, cluster)
+        print(f"Job submitted, ID: {{len(cluster['jobs'])}}")
+        sys.exit(0)
+    save(name, {{"status": "INIT", "reads": 0, "jobs": ["RUNNING"], "refreshed": time.time()}})
     if behaviour.get("hang"):
         time.sleep(60)
     print("Job submitted, ID: 1")
 elif args[:1] == ["down"]:
     path(args[1]).unlink(missing_ok=True)
+elif args[:1] == ["status"] and "--endpoint" in args:
+    port = int(args[args.index("--endpoint") + 1])
+    name = args[-1]
+    cluster = load(name)
+    if cluster is None:
+        print(f"ValueError: Cluster {{name!r}} not found.", file=sys.stderr)
+        sys.exit(1)
+    if cluster["status"] != "UP":
+        print(f"RuntimeError: Cluster {{name!r}} is not in UP status.", file=sys.stderr)
+        sys.exit(1)
+    print(f"127.0.0.1:{{port + config.get('port_offset', 0)}}")
 elif args[:1] == ["status"] and "--ip" in args:
     name = args[-1]
     cluster = load(name)
@@ -152,19 +188,32 @@ elif args[:1] == ["status"] and "--ip" in args:
         sys.exit(1)
     print("127.0.0.1")
 elif args[:1] == ["status"]:
-    name = args[1]
-    cluster = load(name)
-    if cluster is None:
-        print(f"Cluster(s) not found: \\x1b[1m{{name}}\\x1b[0m.")
-        print("[]")
-    else:
+    names = [a for a in args[1:] if not a.startswith("-") and a != "json"]
+    rows = []
+    for name in names:
+        cluster = load(name)
+        if cluster is not None and "cloud" in cluster and (
+            "--refresh" in args or time.time() - cluster.get("refreshed", 0) >= 60
+        ):
+            # Only a refresh (forced, or the daemon's every 60 s) sees what the cloud did.
+            if cluster["cloud"] == "gone":
+                path(name).unlink()
+                continue
+            cluster["status"] = cluster.pop("cloud")
+            save(name, cluster)
+        if cluster is None:
+            continue
         if cluster["status"] == "INIT":
             cluster["reads"] += 1
             if cluster["reads"] >= config.get("up_after", 2):
                 cluster["status"] = "UP"
             save(name, cluster)
-        print(json.dumps([{{"name": name, "status": cluster["status"], "nodes": 1,
-                           "autostop": -1, "launched_at": 1764460800}}], indent=2))
+        rows.append({{"name": name, "status": cluster["status"], "nodes": 1, "autostop": -1,
+                     "launched_at": 1764460800}})
+    missing = [n for n in names if n not in [r["name"] for r in rows]]
+    if missing:
+        print(f"Cluster(s) not found: \\x1b[1m{{', '.join(missing)}}\\x1b[0m.")
+    print(json.dumps(rows, indent=2))
 else:
     print(f"Error: No such command '{{args[0]}}'.", file=sys.stderr)
     sys.exit(2)
@@ -200,6 +249,16 @@ class FakeSky:
         else:
             path.write_text(json.dumps({"status": status, "reads": 0}))
 
+    def preempt(self, name: str, to: str = "gone") -> None:
+        """What the cloud did; SkyPilot's cache shows it only after a refresh."""
+        path = self.state / f"cluster-{name}.json"
+        cluster = json.loads(path.read_text())
+        cluster["cloud"] = to
+        path.write_text(json.dumps(cluster))
+
+    def jobs(self, name: str) -> list[str]:
+        return list(self.clusters()[name].get("jobs", []))
+
     def downs(self, name: str) -> list[dict[str, Any]]:
         return [c for c in self.calls() if c["argv"][:2] == ["down", name]]
 
@@ -217,10 +276,9 @@ def sky(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSky:
     bin_dir.mkdir()
     state.mkdir()
     script = bin_dir / "sky"
-    script.write_text(FAKE_SKY.format(python=sys.executable))
+    script.write_text(FAKE_SKY.format(python=sys.executable, state=str(state)))
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    monkeypatch.setenv("FAKE_SKY_STATE", str(state))
     fake = FakeSky(state)
     fake.configure()
     return fake
@@ -239,7 +297,7 @@ async def make_reconciler(clock: ManualClock, http: aiohttp.ClientSession) -> An
             clock=clock,
             supervisor_token=TOKEN,
             serving_token=SERVING_TOKEN,
-            options=ProvisionerOptions(status_interval_s=0),
+            options=ProvisionerOptions(status_interval_s=0, preflight=False),
             pki=FleetPki(store, store_key),
         )
         made.append(provisioner)
@@ -574,8 +632,7 @@ async def test_claim_without_outcome_and_no_cluster_fails_after_the_launch_budge
     await reconciler.tick("local")
     assert domain(await snapshot(store), "alpha").state is DomainState.PROVISIONING
     clock.advance(ms=60_001)
-    await reconciler.tick("local")
-    assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
+    await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
     assert sky.launches("haru-local--alpha") == []
     [event] = [
         e
@@ -638,7 +695,12 @@ async def test_a_killed_launch_that_brings_its_cluster_up_later_is_torn_down(
     clock.advance(ms=60_001)
     failed = await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
     # The client is dead; its request is not: the cluster comes up after the failure.
-    await tick_until(reconciler, store, lambda _: sky.appeared(name) and name not in sky.clusters())
+    await tick_until(
+        reconciler,
+        store,
+        lambda _: sky.appeared(name) and name not in sky.clusters(),
+        max_ticks=1500,
+    )
     assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
     assert len(sky.launches(name)) == 1
     await torn_down(reconciler, store, failed.id, name)
@@ -764,6 +826,8 @@ async def test_up_from_failed_never_launches_onto_the_cluster_still_there(
     first = order.index("launch")
     # SkyPilot would reuse the cluster and queue the new job behind the old one.
     assert "down" in order[first + 1 : second]
+    await tick_until(reconciler, store, lambda _: name in sky.clusters())
+    assert sky.jobs(name) == ["RUNNING"]  # a fresh cluster, no job PENDING behind another
 
 
 async def test_a_domain_launched_under_its_old_name_is_still_found_and_torn_down(
@@ -790,7 +854,7 @@ async def test_a_domain_launched_under_its_old_name_is_still_found_and_torn_down
         clock=clock,
         supervisor_token=TOKEN,
         serving_token=SERVING_TOKEN,
-        options=ProvisionerOptions(status_interval_s=0),
+        options=ProvisionerOptions(status_interval_s=0, preflight=False),
         pki=FleetPki(store, STORE_KEY),
     )
     try:
@@ -798,8 +862,11 @@ async def test_a_domain_launched_under_its_old_name_is_still_found_and_torn_down
         assert await provisioner.cluster_name(current, domain(current, "alpha")) == old
         assert (await provisioner.observe(current, domain(current, "alpha"))).shown == "UP"
         # Addressed under its old name, never relaunched under the new one.
-        for _ in range(3):
+        for _ in range(200):
             await provisioner.step(await snapshot(store), None)
+            if domain(await snapshot(store), "alpha").serving_base_url is not None:
+                break
+            await asyncio.sleep(0.02)
         assert domain(await snapshot(store), "alpha").serving_base_url is not None
         assert await store.transition_domain(
             alpha.id,
@@ -841,10 +908,16 @@ async def test_preempted_active_fails_over_then_relaunches_as_standby(
     )
     alpha_id = domain(ready, "alpha").id
     beta_id = domain(ready, "beta").id
-    # Spot preemption: SkyPilot reports the cluster STOPPED, its supervisor is gone.
-    sky.set_status("haru-local--alpha", "STOPPED")
+    # Spot preemption: the cloud stopped the cluster, its supervisor is gone. SkyPilot's
+    # cache says so only after a refresh: Haru's reads ask for one.
+    sky.preempt("haru-local--alpha", "STOPPED")
     await fleet.stop_supervisor("alpha")
     result = await reconciler.tick("local")
+    for _ in range(200):
+        if result.operation is not None:
+            break
+        await asyncio.sleep(0.02)
+        result = await reconciler.tick("local")
     after = await snapshot(store)
     assert domain(after, "alpha").state is DomainState.FAILED
     [lost] = await events(store, ready.id, EventType.DOMAIN_CLUSTER_LOST)
@@ -864,10 +937,10 @@ async def test_preempted_active_fails_over_then_relaunches_as_standby(
     # No relaunch before the backoff since the failure has passed.
     assert len(sky.launches("haru-local--alpha")) == 1
     clock.advance(ms=60_000)
-    await reconciler.tick("local")
-    relaunched = await snapshot(store)
+    relaunched = await tick_until(
+        reconciler, store, lambda f: domain(f, "alpha").launch_attempt == 2
+    )
     assert domain(relaunched, "alpha").state is DomainState.PROVISIONING
-    assert domain(relaunched, "alpha").launch_attempt == 2
     [relaunch] = await events(store, ready.id, EventType.DOMAIN_RELAUNCH)
     assert (relaunch.payload["relaunch"], relaunch.payload["maxAttempts"]) == (1, 1)
     started = [
@@ -1037,8 +1110,7 @@ async def test_the_relaunch_streak_survives_a_server_restart(
     first, first_provisioner = make_reconciler(store)
     await launched_then_lost(first, 1)
     clock.advance(ms=1_000)
-    await first.tick("local")
-    assert domain(await snapshot(store), "alpha").launch_attempt == 2
+    await tick_until(first, store, lambda f: domain(f, "alpha").launch_attempt == 2)
     await launched_then_lost(first, 2)
     await first_provisioner.close()
 
@@ -1049,8 +1121,7 @@ async def test_the_relaunch_streak_survives_a_server_restart(
         await second.tick("local")
     assert domain(await snapshot(store), "alpha").state is DomainState.FAILED
     clock.advance(ms=1)
-    await second.tick("local")
-    assert domain(await snapshot(store), "alpha").launch_attempt == 3
+    await tick_until(second, store, lambda f: domain(f, "alpha").launch_attempt == 3)
     fleet = await snapshot(store)
     relaunches = await events(store, fleet.id, EventType.DOMAIN_RELAUNCH)
     assert [(e.payload["relaunch"], e.payload["backoffMs"]) for e in relaunches] == [
@@ -1090,8 +1161,7 @@ async def test_the_relaunch_streak_survives_a_server_restart(
     fourth, _ = make_reconciler(store)
     await launched_then_lost(fourth, 4)
     clock.advance(ms=1_000)
-    await fourth.tick("local")
-    assert domain(await snapshot(store), "alpha").launch_attempt == 5
+    await tick_until(fourth, store, lambda f: domain(f, "alpha").launch_attempt == 5)
     relaunches = await events(store, fleet.id, EventType.DOMAIN_RELAUNCH)
     assert (relaunches[-1].payload["relaunch"], relaunches[-1].payload["backoffMs"]) == (1, 1_000)
 
@@ -1166,3 +1236,104 @@ async def test_down_of_a_former_active_waits_out_the_route_guard(
     response = await client.post("/v1/fleets/local/domains/alpha/down")
     assert response.status == 202
     assert (await response.json())["domain"]["state"] == "stopping"
+
+
+async def test_addresses_are_skypilots_endpoints_of_each_port(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    # RunPod, Vast and Kubernetes LoadBalancers publish a port under another port: the
+    # head's IP with the task's port would lead nowhere.
+    sky.configure(port_offset=30_000)
+    await store_layout(sqlite_store, clock)
+    reconciler, _ = make_reconciler(sqlite_store)
+    done = await tick_until(
+        reconciler, sqlite_store, lambda f: domain(f, "alpha").supervisor_url is not None
+    )
+    alpha = domain(done, "alpha")
+    assert str(alpha.supervisor_url) == "http://127.0.0.1:38701"
+    assert str(alpha.serving_base_url) == "http://127.0.0.1:38000"
+    asked = [c["argv"] for c in sky.calls() if "--endpoint" in c["argv"]]
+    assert ["status", "--endpoint", "8701", "haru-local--alpha"] in asked
+    assert not [c for c in sky.calls() if "--ip" in c["argv"]]
+
+
+async def store_layout(store: StateStore, clock: ManualClock, **policy: Any) -> None:
+    await store.apply_fleet_layout(bare_layout(**policy), at=clock())
+
+
+async def test_one_refreshed_status_call_reads_every_cluster(
+    sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
+) -> None:
+    await store_layout(sqlite_store, clock)
+    reconciler, _ = make_reconciler(sqlite_store)
+    await tick_until(
+        reconciler,
+        sqlite_store,
+        lambda f: all(d.supervisor_url is not None for d in f.domains),
+    )
+    reads = [c["argv"] for c in sky.calls() if c["argv"][:1] == ["status"]]
+    both = ["status", "haru-local--alpha", "haru-local--beta", "--refresh", "-o", "json"]
+    assert both in reads
+    # Every other read is refreshed too, but for each launch's check for a leftover cluster.
+    unrefreshed = [r for r in reads if "--endpoint" not in r and "--refresh" not in r]
+    assert sorted(unrefreshed) == [
+        ["status", f"haru-local--{slug}", "-o", "json"] for slug in ("alpha", "beta")
+    ]
+
+
+async def test_a_sky_older_than_the_minimum_launches_nothing(
+    sqlite_store: StateStore, clock: ManualClock, sky: FakeSky, caplog: pytest.LogCaptureFixture
+) -> None:
+    sky.configure(version="0.11.2")
+    await store_layout(sqlite_store, clock)
+    provisioner = Provisioner(
+        sqlite_store,
+        SkyPilotDriver(SkyRunner(retry_delay=0)),
+        clock=clock,
+        supervisor_token=TOKEN,
+        options=ProvisionerOptions(status_interval_s=0),
+    )
+    try:
+        async with asyncio.timeout(10):
+            while "older than 0.12.0" not in caplog.text:
+                await provisioner.step(await snapshot(sqlite_store), None)
+                await asyncio.sleep(0.02)
+        for _ in range(3):
+            await provisioner.step(await snapshot(sqlite_store), None)
+    finally:
+        await provisioner.close()
+    assert [c["argv"] for c in sky.calls()] == [["--version"]]
+    assert all(d.launch_attempt == 0 for d in (await snapshot(sqlite_store)).domains)
+
+
+async def test_launches_beyond_the_limit_wait_their_turn(
+    sqlite_store: StateStore, clock: ManualClock, sky: FakeSky
+) -> None:
+    sky.configure(launch={"haru-local--alpha": {"hang": True}})
+    await store_layout(sqlite_store, clock)
+    provisioner = Provisioner(
+        sqlite_store,
+        SkyPilotDriver(SkyRunner(retry_delay=0)),
+        clock=clock,
+        supervisor_token=TOKEN,
+        options=ProvisionerOptions(status_interval_s=0, max_concurrent_launches=1, preflight=False),
+    )
+    try:
+        for _ in range(2):
+            await provisioner.step(await snapshot(sqlite_store), None)
+        fleet = await snapshot(sqlite_store)
+        assert [d.launch_attempt for d in fleet.domains] == [1, 1]  # both claimed
+        async with asyncio.timeout(10):
+            while "haru-local--alpha" not in sky.clusters():
+                await asyncio.sleep(0.02)
+        for _ in range(3):
+            await provisioner.step(await snapshot(sqlite_store), None)
+        assert sky.launches("haru-local--beta") == []  # queued behind alpha's
+        pid = sky.launch_pid("haru-local--alpha")
+        os.kill(pid, 9)  # alpha's launch ends (failed): beta's turn
+        async with asyncio.timeout(10):
+            while not sky.launches("haru-local--beta"):
+                await provisioner.step(await snapshot(sqlite_store), None)
+                await asyncio.sleep(0.02)
+    finally:
+        await provisioner.close()

@@ -95,8 +95,9 @@ def free_ports(count: int, taken: set[int]) -> list[int]:
 class Sky:
     """The fake ``sky`` of one test: its state directory and its hand (preemption)."""
 
-    def __init__(self, state: Path) -> None:
+    def __init__(self, state: Path, shims: Path) -> None:
         self.state = state
+        self.env = {**os.environ, "FAKE_SKY_STATE": str(state), "FAKE_SKY_SHIMS": str(shims)}
 
     def calls(self) -> list[dict[str, Any]]:
         path = self.state / "calls.jsonl"
@@ -105,18 +106,29 @@ class Sky:
     def launches(self, name: str) -> list[dict[str, Any]]:
         return [c for c in self.calls() if c["argv"][:1] == ["launch"] and name in c["argv"]]
 
+    def listed(self) -> set[str]:
+        """The clusters the fake SkyPilot lists."""
+        return {
+            p.name.removeprefix("cluster-").removesuffix(".json")
+            for p in self.state.glob("cluster-*.json")
+        }
+
     def node(self, name: str) -> Path:
         return self.state / "nodes" / name
 
     async def run(self, *argv: str) -> None:
-        proc = await asyncio.create_subprocess_exec(sys.executable, str(FAKE_SKY), *argv)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(FAKE_SKY), *argv, env=self.env
+        )
         assert await proc.wait() == 0
 
     def kill_all(self) -> None:
         """What ``sky down`` does to every node this test launched (nothing may outlive it)."""
         nodes = self.state / "nodes"
         for node in sorted(nodes.iterdir()) if nodes.exists() else ():
-            subprocess.run([sys.executable, str(FAKE_SKY), "down", node.name], check=True)
+            subprocess.run(
+                [sys.executable, str(FAKE_SKY), "down", node.name], check=True, env=self.env
+            )
 
 
 @pytest.fixture
@@ -127,7 +139,11 @@ def sky(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Sky]:
     for folder in (bin_dir, shims, state):
         folder.mkdir()
     wrappers = {
-        bin_dir / "sky": f'exec "{sys.executable}" "{FAKE_SKY}" "$@"',
+        # The folders are baked into the wrapper: `sky` gets none of the test's variables.
+        bin_dir / "sky": (
+            f'FAKE_SKY_STATE="{state}" FAKE_SKY_SHIMS="{shims}" '
+            f'exec "{sys.executable}" "{FAKE_SKY}" "$@"'
+        ),
         # `vllm serve ...` of the run script starts the emulator with the same command line.
         shims / "vllm": f'exec "{sys.executable}" -m haru_sim.vllm "$@"',
     }
@@ -135,9 +151,7 @@ def sky(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Sky]:
         path.write_text(f"#!/bin/sh\n{line}\n")
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    monkeypatch.setenv("FAKE_SKY_STATE", str(state))
-    monkeypatch.setenv("FAKE_SKY_SHIMS", str(shims))
-    fake = Sky(state)
+    fake = Sky(state, shims)
     yield fake
     fake.kill_all()
 
@@ -262,7 +276,13 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
         "activeDomainSlug": "alpha",
         # The failover's best-effort sleep of the lost active spends its budget before the
         # relaunch may start (no operation in flight): keep that budget short here.
-        "policy": {"autoFailover": True, "relaunchBackoffBaseMs": 200, "sleepTimeoutMs": 2_000},
+        "policy": {
+            "autoFailover": True,
+            "relaunchBackoffBaseMs": 200,
+            "sleepTimeoutMs": 2_000,
+            # A fake launch returns within seconds; the hanging one below is cut at this.
+            "launchTimeoutMs": 20_000,
+        },
         "domains": [domain_document(slug, tmp_path, taken) for slug in ("alpha", "beta")],
     }
     give_nodes_a_gpu(sky, document)
@@ -373,6 +393,8 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
 
     # The active's spot cluster is preempted: its machine dies and SkyPilot forgets it.
     beta_cluster = cluster_name("local", "beta")
+    # ... and the region has no capacity left for the first relaunch.
+    (sky.state / f"no-capacity-{beta_cluster}").touch()
     await sky.run("fake-preempt", beta_cluster)
     fleet = await control.wait(
         "failover to alpha",
@@ -385,7 +407,17 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
     fleet = await control.wait(
         "beta relaunched into standby posture", lambda f: standby_posture(by_slug(f, "beta"))
     )
-    assert by_slug(fleet, "beta").launch_attempt == 2
+    # The capacity error stayed in the relaunch streak: a second relaunch, after the backoff.
+    assert by_slug(fleet, "beta").launch_attempt == 3
+    assert len(sky.launches(beta_cluster)) == 3
+    relaunches = await control.events(EventType.DOMAIN_RELAUNCH)
+    assert [e["payload"]["relaunch"] for e in relaunches] == [1, 2]
+    [failed] = [
+        e
+        for e in await control.events(EventType.DOMAIN_PROVISIONING_FAILED)
+        if e["payload"]["cluster"] == beta_cluster
+    ]
+    assert "ResourcesUnavailableError" in failed["payload"]["stderr"]
     # The relaunch got a fresh certificate from the same CA, and the server trusts it.
     store = StateStore.open(database)
     try:
@@ -394,17 +426,16 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
     finally:
         await store.close()
     beta_id = by_slug(fleet, "beta").id
-    assert renewed[beta_id].attempt == 2
+    assert renewed[beta_id].attempt == 3
     assert renewed[beta_id].fingerprint != certs[beta_id].fingerprint
-    assert len(sky.launches(beta_cluster)) == 2
-    [relaunch] = await control.events(EventType.DOMAIN_RELAUNCH)
-    assert relaunch["payload"]["relaunch"] == 1
     started = [
         e["payload"]["role"]
         for e in await control.events(EventType.DOMAIN_LAUNCH_STARTED)
         if e["payload"]["cluster"] == beta_cluster
     ]
-    assert started == ["standby", "standby"]
+    assert started == ["standby", "standby", "standby"]
+    # No cluster is left that Haru does not know about.
+    assert sky.listed() == {cluster_name("local", "alpha"), beta_cluster}
     shown = await control.haru("domain", "status", "local", "beta")
     assert f"cluster {beta_cluster}: UP" in shown
     # The relaunched standby can take over again: a promotion back to it succeeds.
@@ -418,3 +449,39 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
         ),
     )
     assert await control.chat("chat-small", "back on beta") == "back on beta"
+
+    # The standby goes down and up again, and its launch fails its setup: SkyPilot keeps
+    # the cluster UP "for debugging"; Haru tears it down.
+    alpha_cluster = cluster_name("local", "alpha")
+    await control.haru("domain", "down", "local", "alpha")
+    await control.wait("alpha stopped", lambda f: by_slug(f, "alpha").state is DomainState.STOPPED)
+    assert sky.listed() == {beta_cluster}
+
+    async def failed_and_cleaned(attempt: int) -> dict[str, Any]:
+        await control.wait(
+            f"alpha attempt {attempt} failed",
+            lambda f: (
+                by_slug(f, "alpha").state is DomainState.FAILED
+                and by_slug(f, "alpha").launch_attempt == attempt
+            ),
+        )
+        async with asyncio.timeout(DEADLINE_S):
+            while sky.listed() != {beta_cluster}:  # nothing left that Haru does not know
+                await asyncio.sleep(0.1)
+        failures: list[dict[str, Any]] = [
+            e["payload"]
+            for e in await control.events(EventType.DOMAIN_PROVISIONING_FAILED)
+            if e["payload"]["cluster"] == alpha_cluster and e["payload"]["attempt"] == attempt
+        ]
+        assert len(failures) == 1
+        return failures[0]
+
+    (sky.state / f"setup-fails-{alpha_cluster}").touch()
+    await control.haru("domain", "up", "local", "alpha")
+    assert (await failed_and_cleaned(2))["reason"] == "launch_failed"
+    # A launch that hangs past launchTimeoutMs: killed, and the cluster its request left
+    # behind is torn down too.
+    (sky.state / f"hang-{alpha_cluster}").touch()
+    await control.haru("domain", "up", "local", "alpha")
+    assert (await failed_and_cleaned(3))["reason"] == "launch_timeout"
+    assert len(sky.launches(alpha_cluster)) == 3

@@ -7,7 +7,12 @@ The fake ``sky`` is a real executable on a temp PATH, run through the real
 ANSI-coloured STATUS, ``-`` for no endpoint) followed by the replica table, or ``No live
 services.`` for an unknown name; a service goes CONTROLLER_INIT, REPLICA_INIT (0/N), then
 READY with N/N replicas and an endpoint, unless a test sets its row. ``serve up`` fails or
-hangs on request. Budgets run on the injected clock; the store is real.
+hangs on request. As unkind as SkyServe 0.14.1: ``serve up`` of a service still listed fails
+with "Service N already exists." (``sky/serve/service.py``); ``serve down`` only schedules
+the termination (SHUTTING_DOWN for two more reads), skips a failed service without
+``--purge``, and exits 1 "No live services." without a controller
+(``sky/serve/serve_utils.py`` ``terminate_services``, ``sky/utils/controller_utils.py``).
+Budgets run on the injected clock; the store is real.
 """
 
 from __future__ import annotations
@@ -59,10 +64,10 @@ SERVICE = "haru-local--alpha"
 
 FAKE_SKY = """\
 #!{python}
-# Fake `sky serve` (SkyPilot 0.14.1 CLI, the commands Haru uses). State in $FAKE_SKY_STATE.
+# Fake `sky serve` (SkyPilot 0.14.1 CLI, the commands Haru uses). State in the folder baked in.
 import json, os, pathlib, sys, time
 
-state = pathlib.Path(os.environ["FAKE_SKY_STATE"])
+state = pathlib.Path({state!r})  # baked in: `sky` gets no test variables
 args = sys.argv[1:]
 entry = {{
     "argv": args,
@@ -105,7 +110,11 @@ def table(header, rows, coloured):
         lines.append("".join(cells))
     return "\\n".join(lines)
 
-if args[:2] == ["serve", "up"]:
+if args == ["--version"]:
+    print("skypilot, version 0.14.1")
+elif args[:2] == ["api", "info"]:
+    print(json.dumps({{"server": {{"status": "healthy", "version": "0.14.1"}}}}))
+elif args[:2] == ["serve", "up"]:
     name = args[args.index("-n") + 1]
     replicas = yaml_replicas = 1
     for line in entry.get("yaml", "").splitlines():
@@ -113,6 +122,11 @@ if args[:2] == ["serve", "up"]:
             replicas = int(line.split(": ")[1])
     behaviour = config.get("up", {{}}).get(name, {{}})
     (state / f"up-{{name}}.pid").write_text(str(os.getpid()))
+    (state / "controller").touch()
+    if load(name) is not None:
+        # sky/serve/service.py: the controller refuses a second service of one name.
+        print(f"ValueError: Service {{name}} already exists.", file=sys.stderr)
+        sys.exit(1)
     if "exit" in behaviour:
         print(behaviour["stderr"], file=sys.stderr)
         sys.exit(behaviour["exit"])
@@ -122,11 +136,23 @@ if args[:2] == ["serve", "up"]:
     print(f"Service name: {{name}}")
     print("Endpoint URL: " + config.get("endpoint", "127.0.0.1:30001"))
 elif args[:2] == ["serve", "down"]:
+    # sky/serve/serve_utils.py terminate_services: `down` only schedules the termination
+    # (SHUTTING_DOWN for `down_reads` more status reads); a failed service is skipped with
+    # exit 0 unless --purge; no controller at all: exit 1 "No live services."
     name = args[2]
-    if load(name) is None:
-        print(f"Service {{name!r}} not found.", file=sys.stderr)
+    service = load(name)
+    if not (state / "controller").exists():
+        print("No live services.", file=sys.stderr)
         sys.exit(1)
-    path(name).unlink()
+    if service is None:
+        print("No service to terminate.")
+        sys.exit(0)
+    failed = service.get("status") in ("FAILED", "CONTROLLER_FAILED", "FAILED_CLEANUP")
+    if failed and "--purge" not in args:
+        print(f"Service {{name!r}} is in failed status. Skipping its termination.")
+        sys.exit(0)
+    save(name, {{"auto": False, "status": "SHUTTING_DOWN", "ready": 0, "total": 0,
+                "endpoint": None, "left": config.get("down_reads", 2)}})
     print(f"Service {{name!r}} is scheduled to be terminated.")
 elif args[:2] == ["serve", "status"]:
     name = args[2]
@@ -135,6 +161,13 @@ elif args[:2] == ["serve", "status"]:
     if service is None:
         print("No live services.")
         sys.exit(0)
+    if service.get("left") is not None:
+        if service["left"] == 0:
+            path(name).unlink()
+            print("No live services.")
+            sys.exit(0)
+        service["left"] -= 1
+        save(name, service)
     if service["auto"]:
         service["reads"] += 1
         n, reads = service["replicas"], service["reads"]
@@ -206,13 +239,16 @@ def sky(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeSky:
     bin_dir.mkdir()
     state.mkdir()
     script = bin_dir / "sky"
-    script.write_text(FAKE_SKY.format(python=sys.executable))
+    script.write_text(FAKE_SKY.format(python=sys.executable, state=str(state)))
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    monkeypatch.setenv("FAKE_SKY_STATE", str(state))
     fake = FakeSky(state)
     fake.configure()
     return fake
+
+
+async def no_sleep(_delay: float) -> None:
+    await asyncio.sleep(0)
 
 
 @pytest.fixture
@@ -226,8 +262,8 @@ async def make_reconciler(clock: ManualClock, http: aiohttp.ClientSession) -> An
             clock=clock,
             supervisor_token=TOKEN,
             serving_token=SERVING_TOKEN,
-            options=ProvisionerOptions(status_interval_s=0),
-            service_driver=SkyServeDriver(SkyRunner(retry_delay=0)),
+            options=ProvisionerOptions(status_interval_s=0, preflight=False),
+            service_driver=SkyServeDriver(SkyRunner(retry_delay=0), sleep=no_sleep),
         )
         made.append(provisioner)
         reconciler = Reconciler(
@@ -359,7 +395,8 @@ async def test_service_to_ready_on_its_ready_replicas_with_the_endpoint_as_servi
     assert up["secret"] is None
     assert up["serving"] == SERVING_TOKEN
     rendered = yaml.safe_load(up["yaml"])
-    assert rendered["service"] == {"readiness_probe": "/health", "replicas": 2, "ports": 8000}
+    probe = {"path": "/health", "initial_delay_seconds": 3600}
+    assert rendered["service"] == {"readiness_probe": probe, "replicas": 2, "ports": 8000}
     assert rendered["secrets"] == {"HARU_SERVING_TOKEN": None}
     assert TOKEN not in json.dumps(sky.calls())
     assert SERVING_TOKEN not in json.dumps([c["argv"] for c in sky.calls()])
@@ -501,6 +538,12 @@ async def test_a_lost_service_during_provisioning_fails_the_domain(
     reconciler, _ = make_reconciler(store)
     await tick_until(reconciler, store, lambda f: domain(f, "alpha").launched_at is not None)
     sky.set_service(SERVICE, status)
+    if status == "NO_REPLICA":
+        # SkyServe replaces lost replicas by itself: NO_REPLICA is lost only once it lasts.
+        for _ in range(3):
+            await reconciler.tick("local")
+        assert domain(await snapshot(store), "alpha").state is DomainState.PROVISIONING
+        clock.advance(ms=120_000)
     failed = await tick_until(reconciler, store, in_state("alpha", DomainState.FAILED))
     [event] = await events(store, failed.id, EventType.DOMAIN_PROVISIONING_FAILED)
     assert event.payload["reason"] == "cluster_lost"
@@ -527,6 +570,9 @@ async def test_lost_active_service_fails_over_relaunches_and_goes_down(
     assert ready.active_domain_id == alpha_id
     # Every replica preempted and none left: SkyServe reports NO_REPLICA.
     sky.set_service(SERVICE, "NO_REPLICA")
+    await reconciler.tick("local")
+    assert domain(await snapshot(store), "alpha").state is DomainState.READY  # not yet
+    clock.advance(ms=120_000)
     result = await reconciler.tick("local")
     after = await snapshot(store)
     alpha = domain(after, "alpha")
@@ -600,15 +646,18 @@ async def test_lost_active_service_fails_over_relaunches_and_goes_down(
     )
     response = await client.post("/v1/fleets/local/domains/alpha/down")
     assert response.status == 202
-    for _ in range(200):
+    # (`serve down` is asynchronous: the driver reads `serve status` every DOWN_POLL_S.)
+    for _ in range(1500):
         await client.post("/v1/fleets/local/reconcile")
         if domain(await snapshot(store), "alpha").state is DomainState.STOPPED:
             break
         await asyncio.sleep(0.02)
     assert domain(await snapshot(store), "alpha").state is DomainState.STOPPED
+    # The relaunch took the lost service down first (SkyServe refuses a second `serve up`
+    # of a listed name), then `haru domain down`; each waited until it was no longer listed.
     assert [c["argv"] for c in sky.calls() if c["argv"][:2] == ["serve", "down"]] == [
-        ["serve", "down", SERVICE, "-y"]
-    ]
+        ["serve", "down", SERVICE, "-y", "--purge"]
+    ] * 2
     assert SERVICE not in sky.services()
     body = await (await client.get("/v1/fleets/local/domains/alpha")).json()
     assert body["clusterStatus"] == "absent"

@@ -20,27 +20,40 @@ from haru_driver_skypilot._domain import (
     setup_script,
     supervisor_config,
 )
-from haru_driver_skypilot._driver import DomainDriver, SkyPilotDriver, resolve_sdk
+from haru_driver_skypilot._driver import (
+    MIN_SKY_VERSION,
+    TESTED_SKY_VERSION,
+    DomainDriver,
+    SkyApiInfo,
+    SkyPilotDriver,
+    resolve_sdk,
+)
 from haru_driver_skypilot._errors import (
     InvalidSpecError,
     SkyCliError,
     SkyCommandError,
     SkyDriverError,
     SkyOutputError,
+    SkyPreflightError,
     SkySdkError,
     SkyTimeoutError,
     SkyUnavailableError,
+    SkyVersionMismatchError,
     UnknownStatusError,
 )
 from haru_driver_skypilot._render import dump_yaml, render_task_yaml, task_config
 from haru_driver_skypilot._runner import (
+    SKY_ENV_NAMES,
+    SKY_ENV_PREFIXES,
     SkyRunner,
     SkyTimeouts,
     is_cold_server_failure,
+    sky_environment,
     strip_ansi,
     temporary_yaml,
 )
 from haru_driver_skypilot._sdk import (
+    SDK_THREADS,
     SkyPilotSdk,
     SkySdk,
     StatusSource,
@@ -101,6 +114,9 @@ __all__ = (  # noqa: RUF022
     "SkyRunner",
     "SkyTimeouts",
     "is_cold_server_failure",
+    "sky_environment",
+    "SKY_ENV_NAMES",
+    "SKY_ENV_PREFIXES",
     "strip_ansi",
     "temporary_yaml",
     # Status
@@ -113,9 +129,13 @@ __all__ = (  # noqa: RUF022
     "DomainDriver",
     "SkyPilotDriver",
     "resolve_sdk",
+    "SkyApiInfo",
+    "MIN_SKY_VERSION",
+    "TESTED_SKY_VERSION",
     # SDK (optional extra `sky`)
     "SkySdk",
     "SkyPilotSdk",
+    "SDK_THREADS",
     "StatusSource",
     "sdk_available",
     "status_record_to_mapping",
@@ -130,6 +150,8 @@ __all__ = (  # noqa: RUF022
     "SkyOutputError",
     "UnknownStatusError",
     "SkySdkError",
+    "SkyVersionMismatchError",
+    "SkyPreflightError",
     # Test support
     "ScriptedExec",
     "Reply",

@@ -6,11 +6,13 @@ Hierarchy::
     ├── InvalidSpecError(ValueError)  (a launch or service spec that cannot be rendered)
     ├── SkyCommandError               (a `sky` command did not succeed; carries its argv)
     │   ├── SkyCliError               (exited non-zero: exit code and bounded stderr)
+    │   │   └── SkyVersionMismatchError   (the client and the API server disagree on versions)
     │   ├── SkyTimeoutError           (killed after its time bound)
     │   └── SkyUnavailableError       (could not be started: binary missing or not executable)
     ├── SkyOutputError                (output or SDK record not in the documented shape)
     │   └── UnknownStatusError        (a status outside SkyPilot's documented vocabulary)
-    └── SkySdkError                   (SkyPilot's Python SDK is missing or its call failed)
+    ├── SkySdkError                   (SkyPilot's Python SDK is missing or its call failed)
+    └── SkyPreflightError             (`sky` too old, or its API server does not answer)
 """
 
 from __future__ import annotations
@@ -133,3 +135,16 @@ class UnknownStatusError(SkyOutputError):
 
 class SkySdkError(SkyDriverError):
     """SkyPilot's Python SDK is not installed, or one of its calls failed or timed out."""
+
+
+class SkyVersionMismatchError(SkyCliError):
+    """The ``sky`` client and its API server run incompatible versions.
+
+    SkyPilot raises ``sky.exceptions.APIVersionMismatchError`` from every command
+    (``sky/server/common.py``, ``check_server_healthy``); nothing works until the server is
+    restarted with the client's version (``sky api stop``, then any ``sky`` call).
+    """
+
+
+class SkyPreflightError(SkyDriverError):
+    """``sky`` cannot be used: missing, older than the minimum, or its API server is down."""

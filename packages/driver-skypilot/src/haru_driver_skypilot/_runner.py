@@ -27,6 +27,7 @@ from haru_driver_skypilot._errors import (
     SkyOutputError,
     SkyTimeoutError,
     SkyUnavailableError,
+    SkyVersionMismatchError,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,88 @@ _COLD_SERVER_RE = re.compile(
     r"connection refused|connectionrefused|could not connect to skypilot api server",
     re.IGNORECASE,
 )
+
+
+SKY_ENV_NAMES = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "LANG",
+        "TZ",
+        "TMPDIR",
+        "TERM",
+        "VIRTUAL_ENV",
+        "KUBECONFIG",
+        "SSL_CERT_FILE",
+        "SSL_CERT_DIR",
+        "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "NO_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "no_proxy",
+    }
+)
+"""Variables a ``sky`` call keeps by name (see :func:`sky_environment`)."""
+
+SKY_ENV_PREFIXES = (
+    "SKYPILOT_",
+    "LC_",
+    "XDG_",
+    "AWS_",
+    "GOOGLE_",
+    "GCLOUD_",
+    "CLOUDSDK_",
+    "AZURE_",
+    "ARM_",
+    "OCI_",
+    "LAMBDA_",
+    "RUNPOD_",
+    "VAST_",
+    "NEBIUS_",
+    "CUDO_",
+    "FLUIDSTACK_",
+    "PAPERSPACE_",
+    "DO_",
+    "IBM_",
+    "SCP_",
+    "HYPERBOLIC_",
+    "KUBERNETES_",
+    "R2_",
+    "CLOUDFLARE_",
+)
+"""Prefixes of the variables a ``sky`` call keeps: SkyPilot's own and clouds' credentials."""
+
+
+def sky_environment(source: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a ``sky`` call gets: what SkyPilot needs of ``source``, nothing else.
+
+    A ``sky`` command that finds no API server starts one, and that server inherits the
+    command's environment for as long as it runs (``sky/server/common.py``: the local
+    server is spawned from the client). Haru's own variables (the supervisor token, the
+    database URL) must not live on in it, so only :data:`SKY_ENV_NAMES` and the
+    :data:`SKY_ENV_PREFIXES` pass (cloud credentials, ``SKYPILOT_*``); a launch adds its
+    secrets for that one call.
+
+    Args:
+        source: The environment to filter; this process's when ``None``.
+    """
+    env = os.environ if source is None else source
+    return {
+        name: value
+        for name, value in env.items()
+        if name in SKY_ENV_NAMES or name.startswith(SKY_ENV_PREFIXES)
+    }
+
+
+# The client and the API server speak different API versions (sky/exceptions.py
+# APIVersionMismatchError, raised by sky/server/common.py check_server_healthy).
+_VERSION_MISMATCH_RE = re.compile(r"APIVersionMismatchError|version mismatch", re.IGNORECASE)
 
 
 def strip_ansi(text: str) -> str:
@@ -106,8 +189,9 @@ class SkyRunner:
         Args:
             executable: The ``sky`` binary: a name looked up on ``PATH`` or a path.
             execute: The exec function (inject a fake in tests).
-            env: The complete environment of the child, or ``None`` to inherit this
-                process's environment.
+            env: The complete environment of the child, or ``None`` for
+                :func:`sky_environment` of this process's environment, read at each call
+                (never Haru's whole environment: an API server the call starts keeps it).
             cold_start_retries: How many times to retry a cold-server failure.
             retry_delay: Seconds to wait before such a retry.
             sleep: The sleep function used for that wait (inject to keep tests fast).
@@ -153,9 +237,9 @@ class SkyRunner:
             SkyOutputError: it printed more than the exec boundary accepts.
         """
         argv = (self._executable, *args)
-        env = self._env
+        env = sky_environment() if self._env is None else dict(self._env)
         if extra_env:
-            env = {**(os.environ if env is None else env), **extra_env}
+            env.update(extra_env)
         attempt = 0
         while True:
             logger.debug("running %s (timeout %.0f s)", argv, timeout)
@@ -179,7 +263,18 @@ class SkyRunner:
                 )
                 await self._sleep(self._retry_delay)
                 continue
-            raise SkyCliError.from_result(result)
+            error = SkyCliError.from_result(result)
+            if _VERSION_MISMATCH_RE.search(strip_ansi(f"{result.stdout}\n{result.stderr}")):
+                mismatch = SkyVersionMismatchError(
+                    f"{error} (the sky client and its API server run different versions: "
+                    "restart the API server with `sky api stop`)",
+                    argv=error.argv,
+                    returncode=error.returncode,
+                    stderr=error.stderr,
+                    stdout_tail=error.stdout_tail,
+                )
+                raise mismatch
+            raise error
 
 
 def _write_file(directory: str, filename: str, text: str) -> Path:

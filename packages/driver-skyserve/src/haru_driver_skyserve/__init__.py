@@ -9,7 +9,7 @@ failures raise haru_driver_skypilot's typed errors. Services depend on the
 """
 
 from haru_driver_skyserve._domain import READINESS_PATH, domain_service, endpoint_url
-from haru_driver_skyserve._driver import ServiceDriver, SkyServeDriver
+from haru_driver_skyserve._driver import DOWN_POLL_S, ServiceDriver, SkyServeDriver
 from haru_driver_skyserve._render import render_service_yaml, service_config
 from haru_driver_skyserve._spec import ServiceSpec
 from haru_driver_skyserve._status import (
@@ -39,4 +39,5 @@ __all__ = (  # noqa: RUF022
     # Driver
     "ServiceDriver",
     "SkyServeDriver",
+    "DOWN_POLL_S",
 )

@@ -54,6 +54,7 @@ def domain_service(
     return ServiceSpec(
         task=task,
         readiness_path=READINESS_PATH,
+        initial_delay_seconds=settings.readiness_initial_delay_s,
         replicas=settings.replicas,
         service_port=settings.gateway_port,
     )

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 from haru_driver_skypilot import (
     InvalidSpecError,
+    SkyCliError,
     SkyRunner,
     SkySdk,
+    SkyTimeoutError,
     SkyTimeouts,
     StatusSource,
     check_name,
     resolve_sdk,
+    strip_ansi,
     temporary_yaml,
 )
 
@@ -22,6 +27,9 @@ from haru_driver_skyserve._spec import ServiceSpec
 from haru_driver_skyserve._status import ServiceInfo, find_service, parse_service_status
 
 logger = logging.getLogger(__name__)
+
+DOWN_POLL_S = 2.0
+"""Seconds between two ``sky serve status`` reads while a service's termination runs."""
 
 
 class ServiceDriver(Protocol):
@@ -38,7 +46,7 @@ class ServiceDriver(Protocol):
         ...
 
     async def teardown_service(self, name: str) -> None:
-        """Tear the service and its replicas down."""
+        """Tear the service and its replicas down; return once SkyServe lists it no more."""
         ...
 
 
@@ -50,7 +58,7 @@ class SkyServeDriver:
 
         sky serve up -n NAME -y FILE       (timeouts.launch)
         sky serve status NAME              (timeouts.status; there is no JSON flag)
-        sky serve down NAME -y             (timeouts.down)
+        sky serve down NAME -y --purge     (timeouts.down, with the wait until it is gone)
     """
 
     def __init__(
@@ -60,6 +68,8 @@ class SkyServeDriver:
         timeouts: SkyTimeouts | None = None,
         status_source: StatusSource = "cli",
         sdk: SkySdk | None = None,
+        down_poll_s: float = DOWN_POLL_S,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         """Create a driver.
 
@@ -70,6 +80,8 @@ class SkyServeDriver:
             status_source: Where :meth:`get_service_status` reads from: ``"cli"`` (default),
                 ``"sdk"``, or ``"auto"`` (SDK when SkyPilot is importable).
             sdk: The SDK facade used when status comes from the SDK.
+            down_poll_s: Seconds between status reads while waiting for a termination.
+            sleep: The sleep of that wait (inject to keep tests fast).
 
         Raises:
             SkySdkError: ``status_source="sdk"`` and SkyPilot is not installed.
@@ -77,6 +89,8 @@ class SkyServeDriver:
         self._runner = runner if runner is not None else SkyRunner()
         self._timeouts = timeouts if timeouts is not None else SkyTimeouts()
         self._sdk = resolve_sdk(status_source, sdk)
+        self._down_poll_s = down_poll_s
+        self._sleep = sleep
 
     @property
     def uses_sdk(self) -> bool:
@@ -129,11 +143,42 @@ class SkyServeDriver:
         return parse_service_status(result.stdout, name, argv=result.argv)
 
     async def teardown_service(self, name: str) -> None:
-        """Run ``sky serve down NAME -y``.
+        """Run ``sky serve down NAME -y --purge``, then wait until SkyServe lists it no more.
+
+        SkyServe's ``down`` only schedules the termination (the controller tears the replicas
+        down later) and, without ``--purge``, skips a service in a failed status
+        (CONTROLLER_FAILED, FAILED_CLEANUP) with exit 0 and a "Skipping its termination"
+        line; with no serve controller at all it exits 1 with ``No live services.``, which
+        means nothing is left (``sky/serve/serve_utils.py`` ``terminate_services``,
+        ``sky/utils/controller_utils.py``). So the service is gone only once ``sky serve
+        status`` no longer lists it; that wait shares the ``timeouts.down`` bound.
 
         Raises:
-            SkyCommandError: the command failed, timed out or could not start.
+            SkyCommandError: the command failed, or the service was still listed at the end
+                of ``timeouts.down``.
         """
         check_name(name)
-        await self._runner.run(["serve", "down", name, "-y"], timeout=self._timeouts.down)
+        deadline = time.monotonic() + self._timeouts.down
+        try:
+            await self._runner.run(
+                ["serve", "down", name, "-y", "--purge"], timeout=self._timeouts.down
+            )
+        except SkyCliError as exc:
+            if "No live services" not in strip_ansi(f"{exc.stderr}\n{exc.stdout_tail}"):
+                raise
+            logger.info("SkyServe service %s: no serve controller, nothing to tear down", name)
+            return
+        while True:
+            info = await self.get_service_status(name)
+            if info is None:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SkyTimeoutError(
+                    f"SkyServe still lists service {name} as {info.status.value} after "
+                    f"`sky serve down` ({self._timeouts.down:g} s)",
+                    argv=("sky", "serve", "status", name),
+                    timeout=self._timeouts.down,
+                )
+            await self._sleep(min(self._down_poll_s, left))
         logger.info("tore down SkyServe service %s", name)

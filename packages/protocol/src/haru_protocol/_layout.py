@@ -351,6 +351,10 @@ class Provisioning(WireModel):
     """Relaunch the cluster when SkyPilot reports it lost (preempted, stopped, gone)."""
     replicas: Annotated[StrictInt, Field(ge=1, le=100)] = 1
     """``skyserve`` only: the fixed number of replicas."""
+    readiness_initial_delay_s: Annotated[StrictInt, Field(ge=0, le=86_400)] = 3_600
+    """``skyserve`` only: seconds SkyServe's readiness probe waits before a failed probe
+    counts (``initial_delay_seconds``). SkyServe's own default, 1,200 s, can be shorter than
+    installing vLLM plus loading a large model, and a replica failed then is replaced."""
 
 
 class DomainLayout(WireModel):

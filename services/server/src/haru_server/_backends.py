@@ -9,14 +9,16 @@ and whether a supervisor must answer before the domain is ready.
 
 from __future__ import annotations
 
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from haru_driver_skypilot import (
+    SERVING_TOKEN_SECRET,
     TLS_CERT_SECRET,
     TLS_KEY_SECRET,
     TOKEN_SECRET,
+    ClusterInfo,
     ClusterStatus,
     DomainDriver,
     domain_task,
@@ -34,12 +36,15 @@ _SERVICE_LOST = frozenset(
         ServiceStatus.FAILED,
         ServiceStatus.FAILED_CLEANUP,
         ServiceStatus.CONTROLLER_FAILED,
-        ServiceStatus.NO_REPLICA,
         ServiceStatus.SHUTTING_DOWN,
     }
 )
 """Service statuses that count as lost: no replica serves and SkyServe will not bring one
-back by itself (failed replicas, a failed controller, none left, or going away)."""
+back by itself (failed replicas, a failed controller, or going away). NO_REPLICA counts
+only once it has lasted ``no_replica_grace_s`` (see :class:`ServiceBackend`)."""
+
+NO_REPLICA_GRACE_S = 120.0
+"""How long a service may show NO_REPLICA before it counts as lost."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,14 +78,14 @@ class Address:
     model_urls: Mapping[str, str]
 
 
-def http_url(host: str, port: int, *, scheme: str = "http") -> str:
-    """``http://HOST:PORT`` (or another scheme; an IPv6 address in brackets)."""
-    shown = f"[{host}]" if ":" in host else host
-    return f"{scheme}://{shown}:{port}"
-
-
-_TASK_SECRETS = frozenset({TOKEN_SECRET, TLS_CERT_SECRET, TLS_KEY_SECRET})
+_TASK_SECRETS = frozenset({TOKEN_SECRET, SERVING_TOKEN_SECRET, TLS_CERT_SECRET, TLS_KEY_SECRET})
 """Secrets every ``skypilot`` task declares; any other name given is declared as extra."""
+
+
+def _https(endpoint: str) -> str:
+    """The supervisor's endpoint over TLS (SkyPilot prints ``HOST:PORT`` or an http URL)."""
+    rest = endpoint.split("://", 1)[1] if "://" in endpoint else endpoint
+    return f"https://{rest}"
 
 
 def _model_urls(base: str, slots: Sequence[SlotSpec], settings: Provisioning) -> dict[str, str]:
@@ -133,6 +138,15 @@ class Backend(Protocol):
         ...
 
 
+def cluster_observed(info: ClusterInfo | None) -> Observed:
+    """A cluster's status read as :class:`Observed` (``None``: SkyPilot does not know it)."""
+    if info is None:
+        return Observed(ABSENT, launched=False, addressable=False, lost=True)
+    up = info.status is ClusterStatus.UP
+    lost = info.status is ClusterStatus.STOPPED
+    return Observed(info.status.value, launched=up, addressable=up, lost=lost)
+
+
 class ClusterBackend:
     """``skypilot`` domains: one cluster, ``sky launch -d`` / ``sky status`` / ``sky down``."""
 
@@ -165,23 +179,27 @@ class ClusterBackend:
         return self.driver.launch_domain(spec, secrets=secrets)
 
     async def observe(self, name: str, settings: Provisioning) -> Observed:
-        info = await self.driver.get_domain_status(name)
-        if info is None:
-            return Observed(ABSENT, launched=False, addressable=False, lost=True)
-        up = info.status is ClusterStatus.UP
-        lost = info.status is ClusterStatus.STOPPED
-        return Observed(info.status.value, launched=up, addressable=up, lost=lost)
+        return cluster_observed(await self.driver.get_domain_status(name))
+
+    async def observe_many(self, names: Sequence[str], *, refresh: bool) -> dict[str, Observed]:
+        """One ``sky status`` of every name (a name SkyPilot does not know is ``absent``)."""
+        infos = await self.driver.get_domain_statuses(names, refresh=refresh)
+        return {name: cluster_observed(infos.get(name)) for name in names}
 
     async def address(
         self, name: str, domain: DomainSnapshot, settings: Provisioning, observed: Observed
     ) -> Address | None:
-        host = await self.driver.get_head_ip(name)
-        if host is None:
+        # SkyPilot's endpoint of each port, not the head's IP: on Kubernetes, RunPod and
+        # Vast the IP with the task's port does not reach it.
+        supervisor = await self.driver.get_endpoint(name, settings.supervisor_port)
+        if supervisor is None:
             return None
-        base = http_url(host, settings.gateway_port)
+        base = await self.driver.get_endpoint(name, settings.gateway_port)
+        if base is None:
+            return None
         return Address(
             # Over TLS with the certificate issued before the launch (see haru_server._pki).
-            supervisor_url=http_url(host, settings.supervisor_port, scheme="https"),
+            supervisor_url=_https(supervisor),
             serving_base_url=base,
             model_urls=_model_urls(base, _specs(domain), settings),
         )
@@ -206,8 +224,26 @@ class ServiceBackend:
     teardown_command = "sky serve down"
     has_supervisor = False
 
-    def __init__(self, driver: ServiceDriver) -> None:
+    def __init__(
+        self,
+        driver: ServiceDriver,
+        *,
+        clock: Callable[[], float],
+        no_replica_grace_s: float = NO_REPLICA_GRACE_S,
+    ) -> None:
+        """Create it.
+
+        Args:
+            driver: The SkyServe driver.
+            clock: Seconds (the provisioner's clock), to time NO_REPLICA.
+            no_replica_grace_s: How long NO_REPLICA may last before the service is lost:
+                SkyServe replaces preempted replicas by itself, and shows NO_REPLICA until
+                one is back (``sky/serve/serve_state.py`` ``ServiceStatus``).
+        """
         self.driver = driver
+        self._clock = clock
+        self._grace = no_replica_grace_s
+        self._no_replica_since: dict[str, float] = {}
 
     def launch(
         self,
@@ -226,8 +262,14 @@ class ServiceBackend:
     async def observe(self, name: str, settings: Provisioning) -> Observed:
         info = await self.driver.get_service_status(name)
         if info is None:
+            self._no_replica_since.pop(name, None)
             return Observed(ABSENT, launched=False, addressable=False, lost=True)
         lost = info.status in _SERVICE_LOST
+        if info.status is ServiceStatus.NO_REPLICA:
+            since = self._no_replica_since.setdefault(name, self._clock())
+            lost = self._clock() - since >= self._grace
+        else:
+            self._no_replica_since.pop(name, None)
         ready = info.ready_replicas or 0
         addressable = (
             info.status is ServiceStatus.READY

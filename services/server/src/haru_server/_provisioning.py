@@ -96,7 +96,14 @@ from haru_protocol import (
     SlotStateChanged,
 )
 
-from haru_server._backends import ABSENT, Backend, ClusterBackend, Observed, ServiceBackend
+from haru_server._backends import (
+    ABSENT,
+    NO_REPLICA_GRACE_S,
+    Backend,
+    ClusterBackend,
+    Observed,
+    ServiceBackend,
+)
 from haru_server._clock import Clock
 from haru_server._pki import FleetPki, PkiError
 
@@ -129,16 +136,52 @@ killing ``sky launch`` does not cancel its request), and one that never got read
 the same. A ``cluster_lost`` cluster is gone or STOPPED: the relaunch downs it first."""
 
 
+MAX_CONCURRENT_LAUNCHES = 4
+"""Launches one process runs at once; more wait their turn. A local SkyPilot API server runs
+at most 4 launch-type requests at once (``sky/server/requests/executor.py``, the long
+request queue), and a launch queued there would spend its ``launchTimeoutMs`` invisibly."""
+PREFLIGHT_RETRY_S = 60.0
+"""Seconds before a failed ``sky`` preflight is tried again."""
+
+
 @dataclass(frozen=True, slots=True)
 class ProvisionerOptions:
     """Tuning of the provisioned-domain lifecycle.
 
     Attributes:
-        status_interval_s: Least seconds between two ``sky status`` reads of one domain
-            (each read spawns ``sky``; the tick waits for it). 0 reads every tick.
+        status_interval_s: Least seconds between two batched ``sky status`` reads (one call
+            for every ``skypilot`` cluster this process watches, in the background: the tick
+            never waits for it). 0 reads as soon as the last read ended.
+        refresh: Read with ``--refresh`` (SkyPilot asks the clouds now). Without it the API
+            server answers from its cache, refreshed about once a minute and never for a
+            cluster with a running launch request, so a preemption shows up to a minute
+            late.
+        max_concurrent_launches: Launches run at once by this process (the rest queue).
+        no_replica_grace_s: How long a ``skyserve`` service may show NO_REPLICA before it
+            counts as lost.
+        preflight: Check ``sky`` (version, API server) before the first command.
     """
 
     status_interval_s: float = 10.0
+    refresh: bool = True
+    max_concurrent_launches: int = MAX_CONCURRENT_LAUNCHES
+    no_replica_grace_s: float = NO_REPLICA_GRACE_S
+    preflight: bool = True
+
+
+@dataclass(slots=True)
+class _Reads:
+    """The batched ``sky status`` reads of every ``skypilot`` cluster this process watches.
+
+    A domain that wants a status names its cluster in ``wanted``; one background read asks
+    SkyPilot about all of them; a domain takes a result only from a read that started after
+    it asked (``results`` keeps each name's latest, with its read's start).
+    """
+
+    wanted: set[str]
+    results: dict[str, tuple[float, Observed]]
+    task: asyncio.Task[None] | None = None
+    started_at: float | None = None
 
 
 @dataclass(slots=True)
@@ -179,6 +222,8 @@ class _Memory:
     cleanup: _Cleanup | None = None
     status_read_at: float | None = None
     addressed_at: datetime | None = None
+    status_asked_at: float | None = None
+    """When the domain asked the batched read for its cluster's status (monotonic)."""
     streak: _Streak | None = None
     name: tuple[int, str] | None = None
     """The cluster name of launch attempt N, as ``(N, name)``."""
@@ -248,14 +293,24 @@ class Provisioner:
         self._store = store
         self._pki = pki
         self._driver = driver
-        self._backends: dict[Provider, Backend] = {Provider.SKYPILOT: ClusterBackend(driver)}
+        self._options = options or ProvisionerOptions()
+        self._clusters = ClusterBackend(driver)
+        self._backends: dict[Provider, Backend] = {Provider.SKYPILOT: self._clusters}
         if service_driver is not None:
-            self._backends[Provider.SKYSERVE] = ServiceBackend(service_driver)
+            self._backends[Provider.SKYSERVE] = ServiceBackend(
+                service_driver,
+                clock=lambda: clock().timestamp(),
+                no_replica_grace_s=self._options.no_replica_grace_s,
+            )
         self._clock = clock
         secrets = {TOKEN_SECRET: supervisor_token, SERVING_TOKEN_SECRET: serving_token}
         self._secrets: Mapping[str, str] = {k: v for k, v in secrets.items() if v is not None}
-        self._options = options or ProvisionerOptions()
         self._memory: dict[UUID, _Memory] = {}
+        self._reads = _Reads(wanted=set(), results={})
+        self._launch_slots = asyncio.Semaphore(self._options.max_concurrent_launches)
+        self._preflight_ok = not self._options.preflight
+        self._preflight_at: float | None = None
+        self._preflight_task: asyncio.Task[None] | None = None
 
     async def close(self) -> None:
         """Cancel the launches this process still runs (their ``sky`` process groups die).
@@ -263,6 +318,7 @@ class Provisioner:
         Their claims stay: a later process finds the cluster through ``sky status``.
         """
         tasks = [m.launch.task for m in self._memory.values() if m.launch is not None]
+        tasks += [t for t in (self._reads.task, self._preflight_task) if t is not None]
         tasks += [m.teardown for m in self._memory.values() if m.teardown is not None]
         tasks += [m.cleanup.task for m in self._memory.values() if m.cleanup is not None]
         for task in tasks:
@@ -298,9 +354,10 @@ class Provisioner:
                     and str(d.supervisor_url).startswith("https://")
                 },
             )
-        for domain in fleet.domains:
-            if domain.provider not in self._backends:
-                continue
+        driven = [d for d in fleet.domains if d.provider in self._backends]
+        if driven and not self._preflight():
+            return False
+        for domain in driven:
             try:
                 landed |= await self._domain(fleet, domain, in_flight)
             except SkyDriverError as exc:
@@ -374,14 +431,88 @@ class Provisioner:
     def _backend(self, domain: DomainSnapshot) -> Backend:
         return self._backends[domain.provider]
 
-    async def _status(self, domain: DomainSnapshot, name: str, memory: _Memory) -> Observed | None:
-        """What SkyPilot says of ``name`` now; None when the last read is too recent."""
+    def _preflight(self) -> bool:
+        """Whether ``sky`` passed its check; starts the check in the background if due.
+
+        The check (``sky --version``, ``sky api info``, maybe ``sky api start``) runs once,
+        off the tick; a failure is logged and tried again after :data:`PREFLIGHT_RETRY_S`.
+        """
+        if self._preflight_ok:
+            return True
+        task = self._preflight_task
+        if task is not None and not task.done():
+            return False
         mono = time.monotonic()
-        last = memory.status_read_at
+        if self._preflight_at is not None and mono - self._preflight_at < PREFLIGHT_RETRY_S:
+            return False
+        self._preflight_at = mono
+        self._preflight_task = asyncio.create_task(self._check_sky(), name="haru-sky-preflight")
+        return False
+
+    async def _check_sky(self) -> None:
+        try:
+            info = await self._driver.preflight()
+        except SkyDriverError as exc:
+            # The message is the diagnosis: no traceback.
+            logger.error("SkyPilot cannot be used, provisioned domains wait: %s", exc)  # noqa: TRY400
+            return
+        logger.info(
+            "SkyPilot %s, API server %s at %s%s",
+            info.client_version,
+            info.server_version or "of unknown version",
+            info.server_url or "an unknown URL",
+            " (started by Haru, without Haru's environment)" if info.started else "",
+        )
+        self._preflight_ok = True
+
+    async def _status(self, domain: DomainSnapshot, name: str, memory: _Memory) -> Observed | None:
+        """What SkyPilot says of ``name``; None while no read newer than the ask has ended.
+
+        A ``skypilot`` cluster is read by the batched background read (:meth:`_read_all`):
+        the tick never waits for ``sky``. A ``skyserve`` service is read here, at most once
+        per ``status_interval_s``.
+        """
+        mono = time.monotonic()
+        if domain.provider is not Provider.SKYPILOT:
+            last = memory.status_read_at
+            if last is not None and mono - last < self._options.status_interval_s:
+                return None
+            memory.status_read_at = mono
+            return await self._backend(domain).observe(name, self._settings(domain))
+        if memory.status_asked_at is None:
+            memory.status_asked_at = mono
+        got = self._reads.results.get(name)
+        if got is not None and got[0] >= memory.status_asked_at:
+            memory.status_asked_at = None
+            return got[1]
+        self._reads.wanted.add(name)
+        self._start_read(mono)
+        return None
+
+    def _start_read(self, mono: float) -> None:
+        reads = self._reads
+        if reads.task is not None and not reads.task.done():
+            return
+        last = reads.started_at
         if last is not None and mono - last < self._options.status_interval_s:
-            return None
-        memory.status_read_at = mono
-        return await self._backend(domain).observe(name, self._settings(domain))
+            return
+        names = sorted(reads.wanted)
+        if not names:
+            return
+        reads.wanted = set()
+        reads.started_at = mono
+        reads.task = asyncio.create_task(self._read_all(names, mono), name="haru-sky-status")
+
+    async def _read_all(self, names: list[str], started: float) -> None:
+        """One ``sky status N1 N2 ... [--refresh] -o json``; bounded by the status timeout."""
+        try:
+            seen = await self._clusters.observe_many(names, refresh=self._options.refresh)
+        except SkyDriverError as exc:
+            logger.warning("SkyPilot status read of %d cluster(s) failed: %s", len(names), exc)
+            self._reads.wanted.update(names)  # asked again by the next read
+            return
+        for name, observed in seen.items():
+            self._reads.results[name] = (started, observed)
 
     # ---- step 1: claim and launch --------------------------------------------------------
 
@@ -415,11 +546,11 @@ class Provisioner:
         except SkyDriverError as exc:
             await self._fail(fleet, domain, attempt, _failure_from_error("launch_failed", exc), now)
             return True
-        if domain.provider is Provider.SKYPILOT:
-            # Never onto an existing cluster: SkyPilot would reuse it and queue the new job
-            # behind the old one, which holds every GPU.
-            olds = tuple(dict.fromkeys(n for n in (previous, name) if n is not None))
-            launch = self._fresh_launch(fleet, domain, olds, launch)
+        # Never onto an existing cluster: SkyPilot would reuse it and queue the new job behind
+        # the old one, which holds every GPU. Never `serve up` a service still listed:
+        # SkyServe answers "Service N already exists." (sky/serve/service.py).
+        olds = tuple(dict.fromkeys(n for n in (previous, name) if n is not None))
+        launch = self._fresh_launch(fleet, domain, olds, launch)
         task = asyncio.create_task(launch, name=f"haru-launch-{name}-{attempt}")
         memory.launch = _Launch(attempt, task)
         memory.addressed_at = None
@@ -462,16 +593,26 @@ class Provisioner:
         names: tuple[str, ...],
         launch: Coroutine[Any, Any, None],
     ) -> None:
-        """``sky down`` each of ``names`` that SkyPilot still lists, then run ``launch``."""
+        """``sky down`` each of ``names`` that SkyPilot still lists, then run ``launch``.
+
+        At most ``max_concurrent_launches`` of these run at once in this process; the others
+        wait here, their ``launchTimeoutMs`` running.
+        """
         backend = self._backend(domain)
+        try:
+            await self._launch_slots.acquire()
+        except BaseException:
+            launch.close()
+            raise
         try:
             for old in names:
                 seen = await backend.observe(old, self._settings(domain))
                 if seen.shown == ABSENT:
                     continue
                 logger.warning(
-                    "domain %s: cluster %s is %s before a launch: tearing it down",
+                    "domain %s: %s %s is %s before a launch: tearing it down",
                     domain.slug,
+                    backend.noun,
                     old,
                     seen.shown,
                 )
@@ -486,10 +627,12 @@ class Provisioner:
                     ),
                     self._clock(),
                 )
+            await launch
         except BaseException:
             launch.close()
             raise
-        await launch
+        finally:
+            self._launch_slots.release()
 
     # ---- step 2: the launch's outcome ----------------------------------------------------
 
@@ -537,6 +680,8 @@ class Provisioner:
             return await self._launched(fleet, domain, name, now, observed=True)
         if not overdue:
             return False
+        if seen is None and now - started <= 2 * _ms(fleet.policy.launch_timeout_ms):
+            return False  # SkyPilot's answer is on its way (the background read)
         shown = None if seen is None else seen.shown
         failure = _Failure(
             "launch_lost",
@@ -765,6 +910,7 @@ class Provisioner:
         if exc is None:
             memory.cleanup = None
             memory.status_read_at = None  # what is left, read at once
+            memory.status_asked_at = None
             logger.info("domain %s: cluster %s %s", domain.slug, cleanup.name, why)
             await self._event(
                 fleet, domain, DomainTeardown(cluster=cleanup.name, ok=True, message=why), now
@@ -896,8 +1042,7 @@ class Provisioner:
             ),
             now,
         )
-        if domain.provider is Provider.SKYPILOT:
-            self._start_cleanup(domain, memory, name, "the relaunches were spent")
+        self._start_cleanup(domain, memory, name, "the relaunches were spent")
 
     async def _streak(
         self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
@@ -1058,7 +1203,7 @@ class Provisioner:
             ),
             now,
         )
-        if domain.provider is Provider.SKYPILOT and failure.reason in _CLEANED_AFTER:
+        if failure.reason in _CLEANED_AFTER:
             self._start_cleanup(domain, memory, name, failure.reason)
 
     def _start_cleanup(self, domain: DomainSnapshot, memory: _Memory, name: str, why: str) -> None:

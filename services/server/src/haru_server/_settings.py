@@ -228,9 +228,9 @@ class Settings(BaseSettings):
     sky_status_interval_ms: Annotated[EnvInt, Field(ge=0, le=MAX_DURATION_MS)] = Field(
         10_000, validation_alias=_env("HARU_SKY_STATUS_INTERVAL_MS", "sky_status_interval_ms")
     )
-    """``HARU_SKY_STATUS_INTERVAL_MS``: least time between two ``sky status`` reads of one
-    ``skypilot`` domain (each spawns ``sky``; the tick waits for it); 0 = every tick. Bounds
-    how soon a preempted cluster is noticed."""
+    """``HARU_SKY_STATUS_INTERVAL_MS``: least time between two ``sky status --refresh`` reads
+    (one call for every ``skypilot`` cluster, in the background: the tick never waits for
+    it); 0 = as soon as the last one ended. Bounds how soon a preempted cluster is noticed."""
     retention_days: Annotated[EnvInt, Field(ge=0, le=36_500)] = Field(
         30, validation_alias=_env("HARU_RETENTION_DAYS", "retention_days")
     )
