@@ -551,7 +551,7 @@ async def test_each_launch_gets_a_fresh_certificate_only_through_secrets(
     assert cert.not_after - cert.issued_at == timedelta(days=30)
     [launch] = sky.launches("haru-local--alpha")
     # Declared as secrets; the values reach `sky` only through its environment.
-    assert launch["argv"].count("--secret") == 3
+    assert launch["argv"].count("--secret") == 4  # supervisor and serving tokens, key, certificate
     assert "HARU_NODE_TLS_KEY" in launch["argv"]
     assert "HARU_NODE_TLS_KEY" in launch["yaml"]
     assert "PRIVATE KEY" not in launch["yaml"]
@@ -1250,7 +1250,7 @@ async def test_addresses_are_skypilots_endpoints_of_each_port(
         reconciler, sqlite_store, lambda f: domain(f, "alpha").supervisor_url is not None
     )
     alpha = domain(done, "alpha")
-    assert str(alpha.supervisor_url) == "http://127.0.0.1:38701"
+    assert str(alpha.supervisor_url) == "https://127.0.0.1:38701"  # over TLS (fleet CA)
     assert str(alpha.serving_base_url) == "http://127.0.0.1:38000"
     asked = [c["argv"] for c in sky.calls() if "--endpoint" in c["argv"]]
     assert ["status", "--endpoint", "8701", "haru-local--alpha"] in asked
@@ -1316,7 +1316,9 @@ async def test_launches_beyond_the_limit_wait_their_turn(
         SkyPilotDriver(SkyRunner(retry_delay=0)),
         clock=clock,
         supervisor_token=TOKEN,
+        serving_token=SERVING_TOKEN,
         options=ProvisionerOptions(status_interval_s=0, max_concurrent_launches=1, preflight=False),
+        pki=FleetPki(sqlite_store, STORE_KEY),
     )
     try:
         for _ in range(2):
