@@ -7,11 +7,13 @@ its descendants:
 
 - The supervisor is a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``): an orphaned
   descendant is reparented to the supervisor, never to init, so it stays findable.
-- Every poll walks ``/proc``: a process is the run's when its parent is one of the run's
-  processes, when it is in the trainer's process group, or when it is an orphan adopted by
-  the supervisor whose environment carries the slot's ``HARU_GPU_INDEX`` and
-  ``HARU_CHECKPOINT_DIR`` (it escaped between two polls). A process is remembered by pid AND
-  start time, so a recycled pid is never mistaken for it, and signals go through a pidfd.
+- Every poll lists the host's processes (psutil, which reads ``/proc``): a process is the
+  run's when its parent is one of the run's processes, when it is in the trainer's process
+  group, or when it is an orphan adopted by the supervisor whose environment carries the
+  slot's ``HARU_GPU_INDEX`` and ``HARU_CHECKPOINT_DIR`` (it escaped between two polls). A
+  process is remembered by pid AND start time (psutil's process identity), so a recycled pid
+  is never mistaken for it, and signals go through a pidfd. psutil has no ``prctl``, so the
+  subreaper is still set through ``ctypes``.
 - Every signal goes to the group and to each tracked process; a run is idle again only once
   none of them is alive. That is what lets a promotion trust that the training VRAM is
   released.
@@ -34,9 +36,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
 
+import psutil
 from haru_protocol import SupervisorTrainingSlot, TrainingRunState, TrainingSlotStatus, TrainingStop
 
 from haru_supervisor._errors import ShuttingDownError, TrainingStartError
@@ -52,66 +54,62 @@ DEFAULT_POLL_S: Final = 0.05
 """How often a stopping run (or one whose trainer exited) checks for surviving processes."""
 
 DEFAULT_TRACK_S: Final = 0.5
-"""How often a running run walks ``/proc`` to learn its new descendants."""
+"""How often a running run lists the processes to learn its new descendants."""
 
 KILL_WAIT_S: Final = 10.0
 """After SIGKILL, how long a process may linger (uninterruptible I/O) before it is logged."""
 
-_PROC: Final = Path("/proc")
-
 
 @dataclass(frozen=True, slots=True)
 class _Proc:
-    """One line of ``/proc/<pid>/stat``: what tracking needs."""
+    """What tracking needs of one process (read through psutil)."""
 
+    process: psutil.Process
+    """Equal only to the same process: psutil compares pid AND start time since boot, so a
+    recycled pid never matches (and no clock step moves the start time)."""
     ppid: int
     pgid: int
-    start: int
-    """Start time in clock ticks since boot: with the pid, it names one process for good."""
     zombie: bool
 
 
-def _read_stat(pid: int | str) -> _Proc | None:
+def _read(process: psutil.Process) -> _Proc | None:
     try:
-        stat = (_PROC / str(pid) / "stat").read_bytes()
-    except OSError:
+        with process.oneshot():
+            ppid = process.ppid()
+            zombie = process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
         return None  # exited while we looked
-    # "pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime
-    # stime cutime cstime priority nice threads itrealvalue starttime ...": comm may hold
-    # spaces and parentheses, so split after its last ")".
-    fields = stat.rpartition(b")")[2].split()
-    if len(fields) < 20:
-        return None
     try:
-        return _Proc(
-            ppid=int(fields[1]),
-            pgid=int(fields[2]),
-            start=int(fields[19]),
-            zombie=fields[0] in (b"Z", b"X"),
-        )
-    except ValueError:
+        pgid = os.getpgid(process.pid)
+    except OSError:
+        pgid = -1  # a zombie may already have left its group
+    return _Proc(process=process, ppid=ppid, pgid=pgid, zombie=zombie)
+
+
+def _read_pid(pid: int) -> _Proc | None:
+    try:
+        return _read(psutil.Process(pid))
+    except psutil.Error:
         return None
 
 
 def _scan() -> dict[int, _Proc]:
-    """Every process of the host (of this pid namespace), from ``/proc``."""
+    """Every process of the host (of this pid namespace)."""
     procs: dict[int, _Proc] = {}
-    with contextlib.suppress(OSError), os.scandir(_PROC) as entries:
-        for entry in entries:
-            if entry.name.isdigit():
-                proc = _read_stat(entry.name)
-                if proc is not None:
-                    procs[int(entry.name)] = proc
+    for process in psutil.process_iter():
+        proc = _read(process)
+        if proc is not None:
+            procs[process.pid] = proc
     return procs
 
 
-def _environ_has(pid: int, marks: frozenset[bytes]) -> bool:
+def _environ_has(pid: int, marks: Mapping[str, str]) -> bool:
     """Whether ``pid``'s initial environment holds every ``NAME=value`` of ``marks``."""
     try:
-        environ = (_PROC / str(pid) / "environ").read_bytes()
-    except OSError:
+        environ = psutil.Process(pid).environ()
+    except psutil.Error:
         return False
-    return marks.issubset(environ.split(b"\0"))
+    return all(environ.get(name) == value for name, value in marks.items())
 
 
 def _group_alive(pgid: int) -> bool:
@@ -129,8 +127,8 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def _signal_process(pid: int, start: int, sig: signal.Signals) -> None:
-    """Signal ``pid`` only if it is still the process that started at ``start``.
+def _signal_process(process: psutil.Process, sig: signal.Signals) -> None:
+    """Signal ``process`` only if its pid still names it (not a process that reused it).
 
     Through a pidfd where the platform has one: once it is open, the pid cannot be recycled
     under it, so a signal never reaches an unrelated process that reused the number.
@@ -138,18 +136,16 @@ def _signal_process(pid: int, start: int, sig: signal.Signals) -> None:
     pidfd_open = getattr(os, "pidfd_open", None)
     send = getattr(signal, "pidfd_send_signal", None)
     if pidfd_open is None or send is None:
-        proc = _read_stat(pid)
-        if proc is not None and proc.start == start:
+        if process.is_running():
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+                os.kill(process.pid, sig)
         return
     try:
-        fd = pidfd_open(pid)
+        fd = pidfd_open(process.pid)
     except OSError:
         return  # gone
     try:
-        proc = _read_stat(pid)
-        if proc is not None and proc.start == start:
+        if process.is_running():
             with contextlib.suppress(ProcessLookupError):
                 send(fd, sig)
     finally:
@@ -168,6 +164,8 @@ _subreaper: bool | None = None
 
 def become_subreaper() -> bool:
     """Make this process the child subreaper of its descendants (Linux ``prctl``; once).
+
+    Through ``ctypes``: neither psutil nor the standard library wraps ``prctl``.
 
     A trainer's child whose parent exits is then reparented to the supervisor instead of
     init, so a process that left the trainer's session (``setsid``) before the supervisor saw
@@ -197,25 +195,25 @@ def become_subreaper() -> bool:
 class _Tracker:
     """The processes of one run: the trainer and every descendant seen so far."""
 
-    def __init__(self, leader: int, *, marks: frozenset[bytes]) -> None:
+    def __init__(self, leader: int, *, marks: Mapping[str, str]) -> None:
         self._leader = leader
         self._marks = marks
         self._self_pid = os.getpid()
         self._lock = threading.Lock()
-        self._linux = (_PROC / "self" / "stat").exists()
-        proc = _read_stat(leader) if self._linux else None
-        self._members: dict[int, int] = {} if proc is None else {leader: proc.start}
+        self._linux = psutil.LINUX
+        proc = _read_pid(leader) if self._linux else None
+        self._members: dict[int, psutil.Process] = {} if proc is None else {leader: proc.process}
 
     def refresh(self) -> tuple[int, ...]:
-        """Walk ``/proc`` (blocking: run it in a thread); the run's live processes, sorted."""
+        """List the processes (blocking: run it in a thread); the run's live processes, sorted."""
         if not self._linux:
             return (self._leader,) if _group_alive(self._leader) else ()
         procs = _scan()
         with self._lock:
             members = self._members
-            for pid, start in list(members.items()):
+            for pid, member in list(members.items()):
                 proc = procs.get(pid)
-                if proc is None or proc.start != start:
+                if proc is None or proc.process != member:
                     del members[pid]
                 elif proc.zombie:
                     del members[pid]
@@ -233,7 +231,7 @@ class _Tracker:
                         or proc.pgid == self._leader
                         or (proc.ppid == self._self_pid and _environ_has(pid, self._marks))
                     ):
-                        members[pid] = proc.start
+                        members[pid] = proc.process
                         grew = True
             return tuple(sorted(members))
 
@@ -242,8 +240,8 @@ class _Tracker:
         _signal_group(self._leader, sig)
         with self._lock:
             members = list(self._members.items())
-        for pid, start in members:
-            _signal_process(pid, start, sig)
+        for _pid, member in members:
+            _signal_process(member, sig)
 
 
 class TrainingRun:
@@ -292,9 +290,7 @@ class TrainingRun:
             CHECKPOINT_DIR_VAR: slot.checkpoint_dir,
             GPU_INDEX_VAR: str(slot.gpu_index),
         }
-        self._marks = frozenset(
-            f"{name}={self._env[name]}".encode() for name in (CHECKPOINT_DIR_VAR, GPU_INDEX_VAR)
-        )
+        self._marks = {name: self._env[name] for name in (CHECKPOINT_DIR_VAR, GPU_INDEX_VAR)}
         self._clock = clock
         self._poll_s = poll_s
         self._track_s = track_s
