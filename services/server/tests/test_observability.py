@@ -186,6 +186,15 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     assert value(server, "haru_operations_started_total", kind="promote") == 1
     assert value(server, "haru_operations_succeeded_total", kind="promote") == 1
     assert total(server, "haru_operations_failed_total") == 0
+    # Promotions by trigger and in total: the API's promote, created and ended in this process.
+    assert value(server, "haru_operations_requested_total", kind="promote", trigger="manual") == 1
+    assert total(server, "haru_operations_requested_total", trigger="automatic") == 0
+    finished = {"kind": "promote", "outcome": "succeeded"}
+    assert value(server, "haru_operation_duration_seconds_count", **finished) == 1
+    # The app clock moved 1 s per reconcile from the request to the switch.
+    assert value(server, "haru_operation_duration_seconds_sum", **finished) >= 1
+    assert ("haru_proxy_held_requests_in_flight", ()) in server
+    assert value(server, "haru_proxy_held_requests_in_flight") == 0
     for step in ("stop_training", "verify_gpu", "wake_vllm", "probe", "switch_active"):
         assert (
             value(
@@ -256,6 +265,10 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     assert value(beta_sup, "haru_supervisor_probe_results_total", model=MODEL, result="ok") >= 1
     assert value(alpha_sup, "haru_supervisor_training_runs", state="running") == 2
     assert value(beta_sup, "haru_supervisor_training_runs", state="idle") == 2
+    # The last heartbeat's status: the new standby's server sleeps, the new active's is awake.
+    assert value(alpha_sup, "haru_supervisor_vllm_sleeping", model=MODEL) == 1
+    assert ("haru_supervisor_vllm_sleeping", (("model", MODEL),)) in beta_sup
+    assert value(beta_sup, "haru_supervisor_vllm_sleeping", model=MODEL) == 0
     mib = 1024 * 1024
     assert value(beta_sup, "haru_supervisor_gpu_memory_total_bytes", gpu="0") == GPU_TOTAL_MIB * mib
 

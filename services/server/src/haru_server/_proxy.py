@@ -954,6 +954,9 @@ def install_proxy(app: web.Application, *, tuning: ProxyTuning | None = None) ->
     """
     holder = _ProxyHolder(tuning if tuning is not None else ProxyTuning())
     app[proxy_key] = holder
+    metrics = app.get(metrics_key)
+    if metrics is not None:
+        metrics.watch_holding(lambda: 0 if holder.proxy is None else holder.proxy.holding)
     app.router.add_post(CHAT_PATH, _chat_completions, expect_handler=_expect_continue)
     app.router.add_post(COMPLETIONS_PATH, _completions, expect_handler=_expect_continue)
     app.router.add_post(EMBEDDINGS_PATH, _embeddings, expect_handler=_expect_continue)

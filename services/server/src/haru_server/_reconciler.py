@@ -824,6 +824,7 @@ class Reconciler:
             at=now,
         )
         if created:
+            self._metrics.operation_requested(OperationKind.PROMOTE.value, "automatic")
             logger.warning(
                 "fleet %s: automatic failover (%s) to domain %s",
                 fleet.slug,
@@ -895,6 +896,7 @@ class Reconciler:
             at=now,
         )
         if created:
+            self._metrics.operation_requested(operation.kind.value, "restore")
             logger.warning(
                 "fleet %s: standby %s is out of standby posture (%s); demote %s queued to "
                 "restore it",
@@ -1114,6 +1116,11 @@ class Reconciler:
         self._step_metrics(operation, step, "done", now)
         if following is None:
             self._metrics.operation_succeeded(operation.kind.value)
+            self._metrics.operation_ended(
+                operation.kind.value,
+                outcome="succeeded",
+                seconds=(now - operation.created_at).total_seconds(),
+            )
         if not inline:
             await self._degrade_source(fleet, operation, step, now)
             await self._event(fleet, operation, result.detail, now)
@@ -1204,6 +1211,11 @@ class Reconciler:
             return await self._reread(operation), False, False
         self._step_metrics(operation, step, "failed", now)
         self._metrics.operation_failed(operation.kind.value, result.code.value)
+        self._metrics.operation_ended(
+            operation.kind.value,
+            outcome="failed",
+            seconds=(now - operation.created_at).total_seconds(),
+        )
         logger.warning(
             "operation %s (%s) failed at %s: %s: %s",
             operation.id,
@@ -1302,6 +1314,7 @@ class Reconciler:
         )
         if not created:
             return operation.state in (OperationState.PENDING, OperationState.RUNNING)
+        self._metrics.operation_requested(operation.kind.value, "restore")
         logger.info(
             "operation %s: demote %s queued to restore standby (%s)",
             cause.id,

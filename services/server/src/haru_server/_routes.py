@@ -67,6 +67,7 @@ from haru_server._keys import (
     reconciler_key,
     store_key,
 )
+from haru_server._metrics import metrics_key
 from haru_server._reconciler import RECENT_OPERATIONS, Accepted
 from haru_server._steps import former_active_guard_until
 
@@ -286,6 +287,9 @@ async def _request_operation(
             f"{operation.target_domain_id}) is in flight; retry when it has finished",
         )
     if created:
+        metrics = request.app.get(metrics_key)
+        if metrics is not None:
+            metrics.operation_requested(decision.kind.value, "manual")
         target = fleet.domain(decision.target_domain_id)
         logger.info(
             "fleet %s: %s of domain %s accepted (operation %s)",

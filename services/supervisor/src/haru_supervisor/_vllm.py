@@ -136,6 +136,8 @@ class _Server:
     answered: bool = False
     """``GET /version`` was answered since the last connection loss (maybe without one)."""
     refusal: str | None = None
+    sleeping: bool | None = None
+    """What the last status said (None: unknown, an action in flight, or no answer)."""
     gauges_reported: bool = False
     version_unparsed_reported: bool = False
 
@@ -265,6 +267,10 @@ class VllmAdminClient:
         """The URL of ``path`` on ``model``'s server (always on the loopback interface)."""
         return join_url(f"http://{VLLM_HOST}:{model.port}", path)
 
+    def last_sleeping(self) -> dict[str, bool | None]:
+        """Per model name, whether its server slept at its last status (None: unknown)."""
+        return {name: server.sleeping for name, server in self._servers.items()}
+
     def _server(self, model: SupervisorModel) -> _Server:
         return self._servers.setdefault(model.name, _Server())
 
@@ -359,6 +365,7 @@ class VllmAdminClient:
         def build(
             sleeping: bool | None, action: ModelAction | None = None, *, down: bool = False
         ) -> ModelStatus:
+            server.sleeping = sleeping
             return ModelStatus(
                 name=model.name,
                 port=model.port,
