@@ -86,6 +86,7 @@ from haru_server._errors import FleetNotFoundError
 from haru_server._logfields import log_fields
 from haru_server._metrics import ServerMetrics
 from haru_server._provisioning import Provisioner
+from haru_server._schema_gate import SchemaGate
 from haru_server._steps import (
     Done,
     Failed,
@@ -200,6 +201,8 @@ class Reconciler:
         provisioner: Drives the ``skypilot`` domains (launch, UP, address, loss, relaunch);
             None leaves them to the operator.
         gate: Refuses ticks while this host's clock is off the database's; None never does.
+        schema_gate: Refuses ticks while a newer release's schema is in the store; None never
+            does.
     """
 
     def __init__(
@@ -212,8 +215,10 @@ class Reconciler:
         metrics: ServerMetrics | None = None,
         provisioner: Provisioner | None = None,
         gate: SkewGate | None = None,
+        schema_gate: SchemaGate | None = None,
     ) -> None:
         self._gate = gate
+        self._schema_gate = schema_gate
         self._provisioner = provisioner
         self._metrics = metrics if metrics is not None else ServerMetrics()
         self._store = store
@@ -269,11 +274,14 @@ class Reconciler:
         Raises:
             FleetNotFoundError: No such fleet.
             ClockSkewedError: The gate refuses: this host's clock is off the database's.
+            SchemaNewerError: The schema gate refuses: a newer release migrated the store.
             haru_db.StateStoreUnavailableError: The store failed; the tick stops there.
         """
         # A tick of the loop gets its own request id (its log lines and supervisor calls share
         # it); a tick run by POST /reconcile keeps the request's.
         with request_id_scope():
+            if self._schema_gate is not None:
+                await self._schema_gate.check()
             if self._gate is not None:
                 await self._gate.check(fleet_ref)
             started = time.monotonic()

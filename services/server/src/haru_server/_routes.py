@@ -57,7 +57,7 @@ from haru_protocol import (
 from haru_web import ApiError, int_query, parse_body
 from pydantic import ValidationError
 
-from haru_server._errors import ClockSkewedError, FleetNotFoundError
+from haru_server._errors import ClockSkewedError, FleetNotFoundError, SchemaNewerError
 from haru_server._keys import (
     clock_key,
     kick_fleet_key,
@@ -238,7 +238,7 @@ async def reconcile(request: web.Request) -> web.Response:
         result = await request.app[reconciler_key].tick(ref.text)
     except FleetNotFoundError:
         raise _fleet_not_found(ref) from None
-    except ClockSkewedError as exc:
+    except (ClockSkewedError, SchemaNewerError) as exc:
         raise ApiError(ErrorCode.NOT_READY, f"not reconciling: {exc}") from None
     return _json(ReconcileResponse(fleet_id=result.fleet_id, operation=result.operation))
 
