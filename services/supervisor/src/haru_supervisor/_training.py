@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -156,6 +157,39 @@ def _reap(pid: int) -> None:
     """Collect an adopted orphan's exit status so it does not linger as a zombie."""
     with contextlib.suppress(ChildProcessError, OSError):
         os.waitpid(pid, os.WNOHANG)
+
+
+TRAINER_LOGGER: Final = "haru_supervisor.trainer"
+"""The logger of what trainers write: one record per line, with ``slot`` and ``stream``."""
+
+_trainer_logger = logging.getLogger(TRAINER_LOGGER)
+_LINE_LIMIT: Final = 16 * 1024
+"""Longest trainer line logged as one record; a longer one is logged in pieces."""
+_RELAY_DRAIN_S: Final = 1.0
+"""After the run ends, how long its output may still be read (a lost descendant may hold the
+pipe open: it is then abandoned)."""
+
+
+async def _relay(stream: asyncio.StreamReader, *, gpu_index: int, name: str) -> None:
+    """Log each line the trainer writes on ``name`` (``stdout``/``stderr``) until EOF.
+
+    In the supervisor's own log stream (JSON lines in JSON mode): the line as ``message``, with
+    ``slot`` (the GPU index) and ``stream`` as fields; control characters are escaped by the
+    formatter like any message.
+    """
+    while True:
+        try:
+            raw = await stream.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:
+            raw = exc.partial  # the last line, without a newline
+            if not raw:
+                return
+        except asyncio.LimitOverrunError as exc:
+            raw = await stream.read(min(max(exc.consumed, 1), _LINE_LIMIT))  # a piece of it
+        text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        _trainer_logger.info(
+            "GPU %d %s: %s", gpu_index, name, text, extra={"slot": gpu_index, "stream": name}
+        )
 
 
 _PR_SET_CHILD_SUBREAPER: Final = 36
@@ -306,6 +340,8 @@ class TrainingRun:
         self._idle = asyncio.Event()
         self._idle.set()
         self._watcher: asyncio.Task[None] | None = None
+        self._relays: list[asyncio.Task[None]] = []
+        self._pipes: list[asyncio.ReadTransport] = []
 
     @property
     def gpu_index(self) -> int:
@@ -356,12 +392,18 @@ class TrainingRun:
                 return False
             command = self._slot.command
             run_as = self._run_as
+            # Its output goes through the supervisor's log (one record per line), on pipes of
+            # our own: a descendant that outlives the run may keep them open, and the
+            # supervisor must be able to close its end then.
+            pipes = [os.pipe(), os.pipe()]
             try:
                 # With runAs: that user, its primary group and NO supplementary group (the
                 # supervisor's, root's included, would otherwise stay).
                 process = await asyncio.create_subprocess_exec(
                     *command,
                     stdin=asyncio.subprocess.DEVNULL,
+                    stdout=pipes[0][1],
+                    stderr=pipes[1][1],
                     env=self._env,
                     start_new_session=True,
                     user=None if run_as is None else run_as.uid,
@@ -369,10 +411,15 @@ class TrainingRun:
                     extra_groups=None if run_as is None else [],
                 )
             except (OSError, ValueError) as exc:
+                for read_end, _ in pipes:
+                    os.close(read_end)
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 raise TrainingStartError(
                     self.gpu_index, f"cannot run {command[0][:200]!r}: {reason}"
                 ) from exc
+            finally:
+                for _, write_end in pipes:
+                    os.close(write_end)  # the trainer holds its own copies
             self._state = TrainingRunState.RUNNING
             self._pgid = process.pid
             self._tracker = _Tracker(process.pid, marks=self._marks)
@@ -381,6 +428,20 @@ class TrainingRun:
             self._last_stop = None
             self._idle.clear()
             self._changed.clear()
+            loop = asyncio.get_running_loop()
+            for name, (read_end, _) in zip(("stdout", "stderr"), pipes, strict=True):
+                reader = asyncio.StreamReader(limit=_LINE_LIMIT)
+                transport, _ = await loop.connect_read_pipe(
+                    functools.partial(asyncio.StreamReaderProtocol, reader),
+                    os.fdopen(read_end, "rb", buffering=0),
+                )
+                self._pipes.append(transport)
+                self._relays.append(
+                    asyncio.create_task(
+                        _relay(reader, gpu_index=self.gpu_index, name=name),
+                        name=f"training-gpu{self.gpu_index}-{name}",
+                    )
+                )
             self._watcher = asyncio.create_task(
                 self._watch(process), name=f"training-gpu{self.gpu_index}"
             )
@@ -429,6 +490,13 @@ class TrainingRun:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+        for task in self._relays:
+            task.cancel()
+        await asyncio.gather(*self._relays, return_exceptions=True)
+        self._relays = []
+        for transport in self._pipes:
+            transport.close()
+        self._pipes = []
 
     async def _watch(self, process: asyncio.subprocess.Process) -> None:
         pgid = process.pid
@@ -486,6 +554,7 @@ class TrainingRun:
                             list(live),
                         )
                 await self._wait_for_change(leader, now=now)
+            await self._end_relays()
             self._log_exit(process.returncode)
             started = self._stop_started
             if started is not None:
@@ -507,6 +576,18 @@ class TrainingRun:
             self._pgid = None
             self._tracker = None
             self._idle.set()
+
+    async def _end_relays(self) -> None:
+        """Let the output relays read what is left (bounded), then stop them."""
+        relays, self._relays = self._relays, []
+        pipes, self._pipes = self._pipes, []
+        if relays:
+            _, pending = await asyncio.wait(relays, timeout=_RELAY_DRAIN_S)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*relays, return_exceptions=True)
+        for transport in pipes:
+            transport.close()
 
     async def _wait_for_change(self, leader: asyncio.Task[int], *, now: float) -> None:
         """Sleep until the leader exits, a stop changes the deadline, or a poll is due."""
