@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from haru_db import StateStore
 from haru_demo.localfleet import GPU_TOTAL_MIB, LocalFleet
-from haru_protocol import REQUEST_ID_HEADER
+from haru_protocol import REQUEST_ID_HEADER, InferenceSlotState, SlotKind
 from haru_server._app import create_app
 from haru_server._clock import ManualClock
 from haru_server._settings import Settings
@@ -336,3 +336,48 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     assert len(answer) >= 8
     for secret in (TOKEN, "zebra-quartz", answer):
         assert secret not in text
+
+
+async def test_a_known_model_that_cannot_be_served_keeps_its_label(
+    store: StateStore,
+    clock: ManualClock,
+    make_fleet: MakeFleet,
+    helpers: Any,
+    aiohttp_client: AiohttpClient,
+    http: aiohttp.ClientSession,
+) -> None:
+    fleet = await make_fleet()
+    snapshot = await helpers.seed(store, fleet, clock)
+    api = await aiohttp_client(
+        create_app(
+            Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None, failover_hold_ms=0),
+            store=store,
+            clock=clock,
+        ),
+        headers=AUTH,
+    )
+    clock.advance(seconds=1)
+    assert (await api.post("/v1/fleets/local/reconcile")).status == 200
+    alpha = next(d for d in snapshot.domains if d.slug == "alpha")
+    for slot in alpha.slots:
+        if slot.kind is SlotKind.INFERENCE:
+            assert await store.transition_slot(
+                slot.id,
+                kind=SlotKind.INFERENCE,
+                from_states=[InferenceSlotState.SERVING],
+                to=InferenceSlotState.FAILED,
+                at=clock(),
+            )
+    headers = {"X-Haru-Fleet": "local"}
+    body = {"messages": [{"role": "user", "content": PROMPT}]}
+    failed = await api.post("/v1/chat/completions", json={"model": MODEL, **body}, headers=headers)
+    assert failed.status == 503, await failed.text()
+    unknown = await api.post(
+        "/v1/chat/completions", json={"model": "no-such-model", **body}, headers=headers
+    )
+    assert unknown.status == 404
+    server = await scrape(http, str(api.make_url("")).rstrip("/"), headers=AUTH)
+    route = "/v1/chat/completions"
+    labels = {"fleet": "local", "route": route}
+    assert value(server, "haru_proxy_requests_total", model=MODEL, status="503", **labels) == 1
+    assert value(server, "haru_proxy_requests_total", model="unknown", status="404", **labels) == 1

@@ -403,9 +403,9 @@ class _Proxy:
         lookup = await self.cache.resolve(ref)
         routes = lookup.routes
         url = routes.target(model, path) if routes.routable else None
-        note_route(
-            request, routes.snapshot, model=model if url is not None else None, stale=lookup.stale
-        )
+        # A model of the fleet's layout keeps its label even when it cannot be served now.
+        known = url is not None or model in routes.known
+        note_route(request, routes.snapshot, model=model if known else None, stale=lookup.stale)
         if not routes.routable:
             raise _UnansweredError(_unroutable(lookup), lookup)
         if url is None and routes.unserved(model):

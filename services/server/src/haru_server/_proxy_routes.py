@@ -50,9 +50,19 @@ class RouteTable:
         routable: The active domain exists and is ready or degraded.
         models: Names of the active domain's eligible models, in layout order.
         bound: Names of every model the active domain binds, eligible or not.
+        known: Names of every model any domain binds (metric labels of answers that fail).
     """
 
-    __slots__ = ("_origins", "_targets", "bound", "fleet_slug", "models", "routable", "snapshot")
+    __slots__ = (
+        "_origins",
+        "_targets",
+        "bound",
+        "fleet_slug",
+        "known",
+        "models",
+        "routable",
+        "snapshot",
+    )
 
     def __init__(self, snapshot: FleetSnapshot) -> None:
         self.snapshot = snapshot
@@ -63,6 +73,10 @@ class RouteTable:
         self._targets: dict[str, dict[str, URL]] = {}
         self._origins: dict[str, str] = {}
         self.bound: frozenset[str] = frozenset()
+        self.known: frozenset[str] = frozenset(
+            b.name for domain in snapshot.domains for b in inference_bindings(domain)
+        )
+        """Every model any domain of the fleet binds (the layout's, so a bounded label set)."""
         if active is None:
             return
         self.bound = frozenset(b.name for b in inference_bindings(active))
