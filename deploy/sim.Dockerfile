@@ -10,10 +10,25 @@ ENV UV_PYTHON_DOWNLOADS=never \
     UV_COMPILE_BYTECODE=1 \
     UV_LINK_MODE=copy
 WORKDIR /src
+# 1. The third-party dependencies, from uv.lock and the root pyproject.toml alone: this layer is
+#    rebuilt only when the lock changes, never for a code change (uv's cache is a cache mount).
+RUN --mount=type=cache,target=/root/.cache/uv \
+    --mount=type=bind,source=uv.lock,target=uv.lock \
+    --mount=type=bind,source=pyproject.toml,target=pyproject.toml \
+    --mount=type=bind,source=deploy/install-service.sh,target=deploy/install-service.sh \
+    sh deploy/install-service.sh --dependencies-only /opt/haru haru-supervisor haru-sim
 COPY . .
-RUN sh deploy/install-service.sh /opt/haru haru-supervisor haru-sim
+# 2. The supervisor and haru-sim, as wheels: the same script tests/test_images.py runs.
+RUN --mount=type=cache,target=/root/.cache/uv \
+    sh deploy/install-service.sh /opt/haru haru-supervisor haru-sim
 
 FROM python:3.11-slim-bookworm
+ARG HARU_VERSION=0.1.0
+LABEL org.opencontainers.image.title="haru-sim-host" \
+      org.opencontainers.image.description="An emulated GPU host for deploy/compose.yaml (not for production)" \
+      org.opencontainers.image.version="${HARU_VERSION}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.base.name="docker.io/library/python:3.11-slim-bookworm"
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini=0.19.0-1 \
     && rm -rf /var/lib/apt/lists/* \

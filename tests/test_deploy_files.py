@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from haru_server._settings import env_names
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
+KNOWN_ISSUES = ROOT / "KNOWN_ISSUES.md"
 DOCKERFILES = (
     "services/server/Dockerfile",
     "services/supervisor/Dockerfile",
@@ -162,3 +165,69 @@ def test_hadolint_passes(dockerfile: str) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+_IMAGE_REFS = re.compile(
+    r"^(?:# syntax=(\S+)|FROM (\S+)|COPY --from=(\S+) )", flags=re.MULTILINE | re.IGNORECASE
+)
+_STAGE_NAMES = re.compile(r"^FROM \S+ AS (\S+)$", flags=re.MULTILINE | re.IGNORECASE)
+
+
+def _unpinned_images(text: str) -> set[str]:
+    stages = set(_STAGE_NAMES.findall(text))
+    images = {ref for match in _IMAGE_REFS.findall(text) for ref in match if ref}
+    return {image for image in images - stages if "@sha256:" not in image}
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_every_base_image_is_pinned_by_digest_or_a_known_issue(dockerfile: str) -> None:
+    known = KNOWN_ISSUES.read_text()
+    title = "### The images' base images are tags, not digests"
+    entry = known[known.index(title) :].split("\n### ", 1)[0] if title in known else ""
+    for image in _unpinned_images((ROOT / dockerfile).read_text()):
+        assert f"`{image}`" in entry, f"{dockerfile}: {image} is neither pinned nor known"
+
+
+def test_the_pin_check_sees_every_unpinned_reference() -> None:
+    text = (
+        "# syntax=docker/dockerfile:1\n"
+        "FROM python:3.11-slim AS build\n"
+        "COPY --from=ghcr.io/astral-sh/uv:0.13.9 /uv /usr/local/bin/uv\n"
+        "FROM debian@sha256:0123\n"
+        "COPY --from=build /opt /opt\n"
+    )
+    assert _unpinned_images(text) == {
+        "docker/dockerfile:1",
+        "python:3.11-slim",
+        "ghcr.io/astral-sh/uv:0.13.9",
+    }
+
+
+@pytest.mark.parametrize(
+    ("dockerfile", "member"),
+    [
+        ("services/server/Dockerfile", "services/server"),
+        ("services/supervisor/Dockerfile", "services/supervisor"),
+        ("deploy/sim.Dockerfile", "packages/sim"),
+    ],
+)
+def test_images_carry_oci_labels_with_the_package_version(dockerfile: str, member: str) -> None:
+    final = (ROOT / dockerfile).read_text().split("\nFROM ")[-1]
+    labels = dict(
+        re.findall(r'(org\.opencontainers\.image\.[a-z.]+)="([^"]*)"', final.replace("\\\n", " "))
+    )
+    assert {"title", "description", "version", "licenses", "base.name"} <= {
+        key.removeprefix("org.opencontainers.image.") for key in labels
+    }
+    (default,) = re.findall(r"^ARG HARU_VERSION=(\S+)$", final, flags=re.MULTILINE)
+    assert labels["org.opencontainers.image.version"] == "${HARU_VERSION}"
+    project = tomllib.loads((ROOT / member / "pyproject.toml").read_text())["project"]
+    assert default == project["version"]
+    assert labels["org.opencontainers.image.licenses"] == project["license"]
+
+
+def test_the_supervisor_image_has_the_run_as_user_its_readme_names() -> None:
+    dockerfile = (ROOT / "services/supervisor/Dockerfile").read_text().replace("\\\n", " ")
+    readme = (ROOT / "services/supervisor/README.md").read_text()
+    assert re.search(r"useradd [^\n]*--uid 10002 [^\n]*--create-home\s+haru-trainer", dockerfile)
+    assert '"runAs": "haru-trainer"' in readme

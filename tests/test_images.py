@@ -82,11 +82,26 @@ def context(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def install_line(dockerfile: str) -> list[str]:
-    """The ``deploy/install-service.sh`` arguments of a Dockerfile's RUN line."""
+_INSTALL = re.compile(r"^    sh deploy/install-service\.sh (.+)$", flags=re.MULTILINE)
+_BIND = re.compile(r"--mount=type=bind,source=([^,]+),target=([^ ]+)")
+
+
+def install_lines(dockerfile: str) -> tuple[list[str], list[str]]:
+    """The ``deploy/install-service.sh`` arguments of the dependency layer and the final one."""
     text = (ROOT / dockerfile).read_text()
-    (line,) = re.findall(r"^RUN sh deploy/install-service\.sh (.+)$", text, flags=re.MULTILINE)
-    return shlex.split(line)
+    first, second = (shlex.split(line) for line in _INSTALL.findall(text))
+    assert first[0] == "--dependencies-only"
+    assert first[1:] == second, "both layers install the same packages"
+    return first[1:], second
+
+
+def dependency_layer_files(dockerfile: str) -> list[str]:
+    """What the dependency layer sees of the build context (its bind mounts)."""
+    text = (ROOT / dockerfile).read_text()
+    head = text[: text.index("\nCOPY . .\n")]
+    mounts = _BIND.findall(head)
+    assert all(source == target for source, target in mounts)
+    return [source for source, _ in mounts]
 
 
 def image_env(dockerfile: str) -> dict[str, str]:
@@ -109,18 +124,32 @@ def healthcheck(dockerfile: str) -> list[str]:
     return argv
 
 
-def install(context: Path, venv: Path, dockerfile: str) -> Path:
-    target, *packages = install_line(dockerfile)
-    assert target == "/opt/haru"
+def _run_install(cwd: Path, *args: str) -> None:
     done = subprocess.run(
-        ["sh", "deploy/install-service.sh", str(venv), *packages],  # noqa: S607
-        cwd=context,
+        ["sh", "deploy/install-service.sh", *args],  # noqa: S607
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def install(context: Path, venv: Path, dockerfile: str) -> Path:
+    """Install as the image's two layers do, each seeing what its layer sees."""
+    (target, *packages), _ = install_lines(dockerfile)
+    assert target == "/opt/haru"
+    # The dependency layer sees only its bind mounts: a code change cannot invalidate it.
+    lock_only = venv.parent / "dependency-layer"
+    for name in dependency_layer_files(dockerfile):
+        (lock_only / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(context / name, lock_only / name)
+    _run_install(lock_only, "--dependencies-only", str(venv), *packages)
+    third_party = distributions(venv)
+    assert third_party, "the dependency layer installed nothing"
+    assert not {name for name in third_party if name.startswith("haru")}
+    _run_install(context, str(venv), *packages)
     return venv
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import itertools
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from haru_db import (
+    SCHEMA_RELEASES,
     SchemaOutdatedError,
     SchemaTooNewError,
     StateStore,
@@ -29,6 +31,7 @@ from haru_db._migrate import alembic_config
 from haru_db._tables import metadata
 from haru_db.testing import DatabaseUrlFactory
 from haru_protocol import FleetLayout, OperationKind
+from packaging.version import Version
 from sqlalchemy.engine import Connection
 
 TABLES = {"fleets", "domains", "slots", "operations", "events", "fleet_cas", "domain_certs"}
@@ -223,3 +226,18 @@ def test_the_wheel_ships_the_migrations_and_the_pytest_plugin(tmp_path: Path) ->
         "haru_db/migrations/versions/v0010_fleet_ca.py",
         "haru_db/py.typed",
     } <= names
+
+
+def test_the_package_version_names_the_schema() -> None:
+    """A migration without a new haru-db version (and its SCHEMA_RELEASES entry) fails here."""
+    releases = list(SCHEMA_RELEASES.items())
+    version, head = releases[-1]
+    # The release that introduced this code's head is this one or an older one.
+    assert Version(version) <= Version(importlib.metadata.version("haru-db"))
+    assert head == head_revision(), "a new migration needs a new release entry"
+    versions = [Version(v) for v, _ in releases]
+    assert versions == sorted(set(versions)), "one entry per release, oldest first"
+    heads = [h for _, h in releases]
+    assert heads == sorted(set(heads)), "each listed release moved the schema forward"
+    # The released pairs never change.
+    assert SCHEMA_RELEASES["0.1.0"] == "0007"

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 from haru_db import StateStore
@@ -210,6 +211,9 @@ async def test_remote_commands_against_a_running_server(served: tuple[str, Local
     events = await run_cli("events", "local", *auth)
     assert events.exit_code == 0
     assert "routing.switched" in events.output
+    # Each event's domain by slug, in a column of its own.
+    switched = next(line for line in events.output.splitlines() if "routing.switched" in line)
+    assert switched.split()[2] == "beta", switched
     assert "operation.succeeded" in events.output
     later = await run_cli("events", "local", "--after", "100000", *auth)
     assert later.exit_code == 0
@@ -255,6 +259,10 @@ async def test_json_output_for_scripts_and_the_wait_exit_codes(
     events = await run_split("events", "local", "--json", *auth)
     assert events.exit_code == 0, events.output
     parsed = [Event.model_validate_json(line) for line in events.stdout.splitlines()]
+    documents = [json.loads(line) for line in events.stdout.splitlines()]
+    slugs = {d["domainId"]: d["domainSlug"] for d in documents if d["domainId"] is not None}
+    assert set(slugs.values()) == {"alpha", "beta"}
+    assert {UUID(i): slug for i, slug in slugs.items()} == {d.id: d.slug for d in snapshot.domains}
     assert [e.id for e in parsed] == sorted(e.id for e in parsed)
     assert "routing.switched" in {str(e.type) for e in parsed}
 

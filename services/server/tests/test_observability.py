@@ -22,7 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from haru_db import StateStore
 from haru_demo.localfleet import GPU_TOTAL_MIB, LocalFleet
-from haru_protocol import REQUEST_ID_HEADER
+from haru_protocol import REQUEST_ID_HEADER, InferenceSlotState, SlotKind
 from haru_server._app import create_app
 from haru_server._clock import ManualClock
 from haru_server._settings import Settings
@@ -186,6 +186,15 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     assert value(server, "haru_operations_started_total", kind="promote") == 1
     assert value(server, "haru_operations_succeeded_total", kind="promote") == 1
     assert total(server, "haru_operations_failed_total") == 0
+    # Promotions by trigger and in total: the API's promote, created and ended in this process.
+    assert value(server, "haru_operations_requested_total", kind="promote", trigger="manual") == 1
+    assert total(server, "haru_operations_requested_total", trigger="automatic") == 0
+    finished = {"kind": "promote", "outcome": "succeeded"}
+    assert value(server, "haru_operation_duration_seconds_count", **finished) == 1
+    # The app clock moved 1 s per reconcile from the request to the switch.
+    assert value(server, "haru_operation_duration_seconds_sum", **finished) >= 1
+    assert ("haru_proxy_held_requests_in_flight", ()) in server
+    assert value(server, "haru_proxy_held_requests_in_flight") == 0
     for step in ("stop_training", "verify_gpu", "wake_vllm", "probe", "switch_active"):
         assert (
             value(
@@ -256,6 +265,10 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     assert value(beta_sup, "haru_supervisor_probe_results_total", model=MODEL, result="ok") >= 1
     assert value(alpha_sup, "haru_supervisor_training_runs", state="running") == 2
     assert value(beta_sup, "haru_supervisor_training_runs", state="idle") == 2
+    # The last heartbeat's status: the new standby's server sleeps, the new active's is awake.
+    assert value(alpha_sup, "haru_supervisor_vllm_sleeping", model=MODEL) == 1
+    assert ("haru_supervisor_vllm_sleeping", (("model", MODEL),)) in beta_sup
+    assert value(beta_sup, "haru_supervisor_vllm_sleeping", model=MODEL) == 0
     mib = 1024 * 1024
     assert value(beta_sup, "haru_supervisor_gpu_memory_total_bytes", gpu="0") == GPU_TOTAL_MIB * mib
 
@@ -323,3 +336,48 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     assert len(answer) >= 8
     for secret in (TOKEN, "zebra-quartz", answer):
         assert secret not in text
+
+
+async def test_a_known_model_that_cannot_be_served_keeps_its_label(
+    store: StateStore,
+    clock: ManualClock,
+    make_fleet: MakeFleet,
+    helpers: Any,
+    aiohttp_client: AiohttpClient,
+    http: aiohttp.ClientSession,
+) -> None:
+    fleet = await make_fleet()
+    snapshot = await helpers.seed(store, fleet, clock)
+    api = await aiohttp_client(
+        create_app(
+            Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None, failover_hold_ms=0),
+            store=store,
+            clock=clock,
+        ),
+        headers=AUTH,
+    )
+    clock.advance(seconds=1)
+    assert (await api.post("/v1/fleets/local/reconcile")).status == 200
+    alpha = next(d for d in snapshot.domains if d.slug == "alpha")
+    for slot in alpha.slots:
+        if slot.kind is SlotKind.INFERENCE:
+            assert await store.transition_slot(
+                slot.id,
+                kind=SlotKind.INFERENCE,
+                from_states=[InferenceSlotState.SERVING],
+                to=InferenceSlotState.FAILED,
+                at=clock(),
+            )
+    headers = {"X-Haru-Fleet": "local"}
+    body = {"messages": [{"role": "user", "content": PROMPT}]}
+    failed = await api.post("/v1/chat/completions", json={"model": MODEL, **body}, headers=headers)
+    assert failed.status == 503, await failed.text()
+    unknown = await api.post(
+        "/v1/chat/completions", json={"model": "no-such-model", **body}, headers=headers
+    )
+    assert unknown.status == 404
+    server = await scrape(http, str(api.make_url("")).rstrip("/"), headers=AUTH)
+    route = "/v1/chat/completions"
+    labels = {"fleet": "local", "route": route}
+    assert value(server, "haru_proxy_requests_total", model=MODEL, status="503", **labels) == 1
+    assert value(server, "haru_proxy_requests_total", model="unknown", status="404", **labels) == 1

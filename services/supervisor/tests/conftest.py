@@ -177,7 +177,7 @@ def supervisor(aiohttp_client: Any) -> SupervisorFactory:
         settings = Settings(
             config=parsed,
             token=None if token is None else SecretStr(token),
-            shutdown_grace_s=shutdown_grace_s,
+            shutdown_grace_ms=round(shutdown_grace_s * 1000),
             stop_grace_s=stop_grace_s,
             trainer_env=dict(os.environ) if environ is None else environ,
             search_path=search_path,

@@ -526,7 +526,7 @@ async def test_app_cleanup_stops_running_trainers(
         {"slots": [_training(1, sim_trainer("--ignore-sigterm"), tmp_path)]}
     )
     app = create_app(
-        Settings(config=config, shutdown_grace_s=0.2),
+        Settings(config=config, shutdown_grace_ms=200),
         nvml_loader=lambda: None,
         training_poll_s=0.02,
     )

@@ -81,7 +81,10 @@ async def _chat(url: str, *, words: int = 3, **extra: Any) -> dict[str, Any]:
         ("0.17.0rc1", (0, 17)),
         ("v0.9.2.dev3+gabc", (0, 9)),
         ("1.0.0", (1, 0)),
+        ("0.17.0.post1+cu128", (0, 17)),
+        ("2", (2, 0)),
         ("dev", None),
+        ("0.17abc", None),
     ],
 )
 def test_parse_vllm_version(version: str, parsed: tuple[int, int] | None) -> None:

@@ -157,6 +157,11 @@ def test_optional_variables(env: dict[str, str], expected: tuple[str, object]) -
         ({"HARU_SUPERVISOR_GPU_SOURCE": "cuda"}, "HARU_SUPERVISOR_GPU_SOURCE must be one of"),
         ({"HARU_SUPERVISOR_SHUTDOWN_GRACE_MS": "soon"}, "non-negative integer"),
         ({"HARU_SUPERVISOR_SHUTDOWN_GRACE_MS": "+5"}, "non-negative integer"),
+        ({"HARU_SUPERVISOR_SHUTDOWN_GRACE_MS": "2147483648"}, "SHUTDOWN_GRACE_MS"),
+        (
+            {"HARU_SUPERVISOR_GPU_SOURCE": "cuda", "PORT": "x"},
+            "PORT must be an integer.*; HARU_SUPERVISOR_GPU_SOURCE must be one of",
+        ),
         ({"PORT": "\u0661"}, "PORT must be an integer"),
         ({"HARU_SUPERVISOR_TOKEN": "short-tok"}, "HARU_SUPERVISOR_TOKEN is 9 characters long"),
         ({"HARU_HTTP_HEADER_TIMEOUT_MS": "0"}, "HARU_HTTP_HEADER_TIMEOUT_MS"),

@@ -461,3 +461,33 @@ async def test_a_trainer_run_as_another_user_cannot_read_the_supervisor_environm
 def test_run_as_a_missing_user_is_refused_when_the_run_is_built(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="no such user"):
         TrainingRun(_snooping_slot(tmp_path, "no-such-user-haru"), base_env={})
+
+
+async def test_trainer_output_is_logged_line_by_line_with_its_slot(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    script = (
+        "import sys\n"
+        "print('step 1 loss=0.5')\n"
+        "print('a\\x1b[2Kbar')\n"
+        "sys.stdout.write('x' * 20000 + '\\n')\n"
+        "sys.stderr.write('warning: no newline at the end')\n"
+    )
+    run = _run((sys.executable, "-c", script), tmp_path)
+    with caplog.at_level(logging.INFO):
+        assert await run.start() is True
+        await run.wait_idle()
+    records = [r for r in caplog.records if r.name == "haru_supervisor.trainer"]
+    lines = [(r.__dict__["slot"], r.__dict__["stream"], r.getMessage()) for r in records]
+    assert (1, "stdout", "GPU 1 stdout: step 1 loss=0.5") in lines
+    assert (1, "stdout", "GPU 1 stdout: a\x1b[2Kbar") in lines  # escaped by the formatter
+    assert (1, "stderr", "GPU 1 stderr: warning: no newline at the end") in lines
+    # A line longer than the limit comes in pieces, none of it lost.
+    pieces = [m for s, n, m in lines if n == "stdout" and "xxx" in m]
+    assert sum(m.count("x") for m in pieces) == 20000
+    assert len(pieces) >= 2
+    # Every line was read before the run reported its end.
+    exit_line = next(
+        i for i, r in enumerate(caplog.records) if "exited with status 0" in r.getMessage()
+    )
+    assert all(caplog.records.index(r) < exit_line for r in records)

@@ -23,7 +23,14 @@ from haru_db._events import OperationEvent
 from haru_db._exec import DEFAULT_CALL_TIMEOUT_S
 from haru_db._layout import LayoutApplyResult, StoredPolicy
 from haru_db._listen import ROUTE_CHANNEL, RouteListener
-from haru_db._migrate import check_schema, current_revision, downgrade, head_revision, upgrade
+from haru_db._migrate import (
+    SCHEMA_RELEASES,
+    check_schema,
+    current_revision,
+    downgrade,
+    head_revision,
+    upgrade,
+)
 from haru_db._mirrors import SlotMirror
 from haru_db._operator import load_layout_file, seed_layout_file
 from haru_db._prune import (
@@ -45,6 +52,8 @@ __all__ = (
     "RELAUNCH_STREAK_EVENTS",
     # Route notifications
     "ROUTE_CHANNEL",
+    # Schema releases
+    "SCHEMA_RELEASES",
     # Errors
     "BackupError",
     "BackupResult",

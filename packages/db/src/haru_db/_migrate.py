@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
+from typing import Final
 
 from alembic import command
 from alembic.config import Config
@@ -59,6 +61,18 @@ def alembic_config() -> Config:
     config = Config()
     config.set_main_option("script_location", SCRIPT_LOCATION)
     return config
+
+
+SCHEMA_RELEASES: Final[Mapping[str, str]] = MappingProxyType(
+    {
+        "0.1.0": "0007",
+    }
+)
+"""Each haru-db release that changed the schema (oldest first) and the revision it migrates to.
+
+A released schema never changes: a new migration ships in a new version, with a new entry
+here (a test fails when the newest entry is not :func:`head_revision` or names a version newer
+than the installed one). ``haru_build_info``'s version thus names the schema too."""
 
 
 def head_revision() -> str:

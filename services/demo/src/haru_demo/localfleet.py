@@ -249,7 +249,7 @@ class LocalFleet:
             port=0,
             token=None if options.supervisor_token is None else SecretStr(options.supervisor_token),
             gpu_source="nvidia-smi",
-            shutdown_grace_s=options.trainer_shutdown_grace_s,
+            shutdown_grace_ms=round(options.trainer_shutdown_grace_s * 1000),
             trainer_env=dict(os.environ),
             search_path=search_path,
             tls_cert_file=None if options.supervisor_tls is None else options.supervisor_tls[0],

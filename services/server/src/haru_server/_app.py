@@ -49,6 +49,7 @@ from haru_server._keys import (
     promotion_accepted_key,
     provisioner_key,
     reconciler_key,
+    schema_gate_key,
     settings_key,
     store_clock_key,
     store_key,
@@ -64,6 +65,7 @@ from haru_server._ready import ready_routes
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._retention import Pruner
 from haru_server._routes import routes
+from haru_server._schema_gate import SchemaGate
 from haru_server._settings import Settings
 from haru_server.openapi import api_table
 
@@ -124,6 +126,7 @@ def create_app(
     app[draining_key] = asyncio.Event()
     app[_owns_store_key] = store is None
     app[store_key] = store if store is not None else StateStore.open(settings.database_url)
+    app[schema_gate_key] = SchemaGate(app[store_key].url)
     app_clock: Clock
     store_clock: StoreClock | None = None
     if clock is not None:
@@ -266,6 +269,7 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             metrics=app[metrics_key],
             provisioner=provisioner,
             gate=None if store_clock is None else SkewGate(store_clock, app[store_key]),
+            schema_gate=app[schema_gate_key],
         )
         try:
             yield

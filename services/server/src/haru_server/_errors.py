@@ -5,7 +5,8 @@ Hierarchy::
     HaruServerError
     ├── SettingsError(ValueError)        (_settings: the environment holds an unusable value)
     ├── FleetNotFoundError               (a fleet reference matches no fleet)
-    └── ClockSkewedError                 (this host's clock is off the database's: no tick)
+    ├── ClockSkewedError                 (this host's clock is off the database's: no tick)
+    └── SchemaNewerError                 (a newer release migrated the store: no tick)
 
 A failed call to a supervisor raises ``haru_supervisor.client.SupervisorCallError``; it is never
 fatal to a reconcile tick: the step that made the call turns it into a pending, failed or
@@ -29,3 +30,7 @@ class FleetNotFoundError(HaruServerError):
 
 class ClockSkewedError(HaruServerError):
     """This process must not reconcile: its clock is off the database's, or not compared yet."""
+
+
+class SchemaNewerError(HaruServerError):
+    """This process must not reconcile: a newer release migrated the store under it."""

@@ -15,6 +15,7 @@ from haru_server._clock import StoreClock
 from haru_server._loop import ReconcileLoop
 from haru_server._provisioning import Provisioner
 from haru_server._reconciler import Accepted, Reconciler
+from haru_server._schema_gate import SchemaGate
 from haru_server._settings import Settings
 
 
@@ -38,6 +39,9 @@ draining_key = web.AppKey("draining", asyncio.Event)
 loop_key: web.AppKey[ReconcileLoop | None] = web.AppKey("reconcile_loop")
 """The background loop, or None when ``HARU_RECONCILE_INTERVAL_MS`` turns it off."""
 provisioner_key = web.AppKey("provisioner", Provisioner)
+schema_gate_key = web.AppKey("schema_gate", SchemaGate)
+"""Refuses reconcile ticks while a newer release's schema is in the store (``/readyz`` tells
+it what each of its own schema checks found)."""
 """Drives ``skypilot`` domains; the domain routes read cluster status through it."""
 promotion_accepted_key: web.AppKey[Callable[[UUID], None]] = web.AppKey("promotion_accepted")
 """Told the fleet id when this process accepts a promotion (its proxy then holds for it)."""

@@ -19,7 +19,7 @@ from uuid import UUID
 
 from haru_db import StateStore, StateStoreUnavailableError
 
-from haru_server._errors import ClockSkewedError, FleetNotFoundError
+from haru_server._errors import ClockSkewedError, FleetNotFoundError, SchemaNewerError
 from haru_server._reconciler import Accepted, Reconciler
 
 logger = logging.getLogger(__name__)
@@ -235,11 +235,12 @@ class ReconcileLoop:
                 logger.info("reconcile loop: fleet %s is gone; its worker stops", ref)
                 self._workers.pop(worker.fleet_id, None)
                 return
-            except ClockSkewedError:
-                # The gate logged why and recorded the event; the loop keeps polling it.
+            except (ClockSkewedError, SchemaNewerError) as exc:
+                # The gate logged why (the clock's also recorded an event); the loop keeps
+                # polling it: a clock back in bounds, or a store downgraded, resumes.
                 if failing is None:
                     failing_since = time.monotonic()
-                failing = "clock skewed"
+                failing = "clock skewed" if isinstance(exc, ClockSkewedError) else "schema newer"
             except StateStoreUnavailableError as exc:
                 message = f"state store unavailable: {exc}"
                 now = time.monotonic()

@@ -180,6 +180,27 @@ class ServerMetrics:
             ["kind", "code"],
             registry=r,
         )
+        self.operations_requested = Counter(
+            "haru_operations_requested",
+            "Operations created, by kind and trigger: manual (the API), automatic (a failover "
+            "the reconciler started) or restore (a demote putting a standby back in posture). "
+            "Counted once, by the process whose write created it.",
+            ["kind", "trigger"],
+            registry=r,
+        )
+        self.operation_seconds = Histogram(
+            "haru_operation_duration_seconds",
+            "Time from an operation's creation to its end (application clock), by outcome; "
+            "observed once, by the process whose write ended it.",
+            ["kind", "outcome"],
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.proxy_holding = Gauge(
+            "haru_proxy_held_requests_in_flight",
+            "Inference requests this process holds now, waiting for a failover.",
+            registry=r,
+        )
         self.step_seconds = Histogram(
             "haru_operation_step_duration_seconds",
             "Time from a step's start to the CAS that resolved it (application clock).",
@@ -301,6 +322,18 @@ class ServerMetrics:
 
     def step_resolved(self, kind: str, step: str, *, outcome: str, seconds: float) -> None:
         self.step_seconds.labels(kind, step, outcome).observe(max(seconds, 0.0))
+
+    def operation_requested(self, kind: str, trigger: str) -> None:
+        """An operation was created (``trigger``: manual, automatic or restore)."""
+        self.operations_requested.labels(kind, trigger).inc()
+
+    def operation_ended(self, kind: str, *, outcome: str, seconds: float) -> None:
+        """An operation succeeded or failed ``seconds`` after it was created."""
+        self.operation_seconds.labels(kind, outcome).observe(max(seconds, 0.0))
+
+    def watch_holding(self, holding: Callable[[], int]) -> None:
+        """Read the number of requests held now at each scrape."""
+        self.proxy_holding.set_function(lambda: float(holding()))
 
     def operation_succeeded(self, kind: str) -> None:
         self.operations_succeeded.labels(kind).inc()

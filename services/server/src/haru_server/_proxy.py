@@ -413,9 +413,9 @@ class _Proxy:
         lookup = await self.cache.resolve(ref)
         routes = lookup.routes
         url = routes.target(model, path) if routes.routable else None
-        note_route(
-            request, routes.snapshot, model=model if url is not None else None, stale=lookup.stale
-        )
+        # A model of the fleet's layout keeps its label even when it cannot be served now.
+        known = url is not None or model in routes.known
+        note_route(request, routes.snapshot, model=model if known else None, stale=lookup.stale)
         if not routes.routable:
             raise _UnansweredError(_unroutable(lookup), lookup)
         if url is None and routes.unserved(model):
@@ -968,6 +968,9 @@ def install_proxy(app: web.Application, *, tuning: ProxyTuning | None = None) ->
     """
     holder = _ProxyHolder(tuning if tuning is not None else ProxyTuning())
     app[proxy_key] = holder
+    metrics = app.get(metrics_key)
+    if metrics is not None:
+        metrics.watch_holding(lambda: 0 if holder.proxy is None else holder.proxy.holding)
     app.router.add_post(CHAT_PATH, _chat_completions, expect_handler=_expect_continue)
     app.router.add_post(COMPLETIONS_PATH, _completions, expect_handler=_expect_continue)
     app.router.add_post(EMBEDDINGS_PATH, _embeddings, expect_handler=_expect_continue)

@@ -103,6 +103,7 @@ class RouteTable:
         routable: The active domain exists and is ready or degraded.
         models: Names of the active domain's eligible models, in layout order.
         bound: Names of every model the active domain binds, eligible or not.
+        known: Names of every model any domain binds (metric labels of answers that fail).
     """
 
     __slots__ = (
@@ -111,6 +112,7 @@ class RouteTable:
         "_targets",
         "bound",
         "fleet_slug",
+        "known",
         "models",
         "routable",
         "snapshot",
@@ -128,6 +130,10 @@ class RouteTable:
         self._origins: dict[str, str] = {}
         self._auth: dict[str, str] = {}
         self.bound: frozenset[str] = frozenset()
+        self.known: frozenset[str] = frozenset(
+            b.name for domain in snapshot.domains for b in inference_bindings(domain)
+        )
+        """Every model any domain of the fleet binds (the layout's, so a bounded label set)."""
         if active is None:
             return
         self.bound = frozenset(b.name for b in inference_bindings(active))

@@ -17,7 +17,13 @@ from haru_db import HaruDbError, SchemaOutdatedError, SchemaTooNewError, check_s
 from haru_protocol import ErrorCode, Readiness
 from haru_web import ApiError
 
-from haru_server._keys import draining_key, loop_key, store_clock_key, store_key
+from haru_server._keys import (
+    draining_key,
+    loop_key,
+    schema_gate_key,
+    store_clock_key,
+    store_key,
+)
 
 ready_routes = web.RouteTableDef()
 
@@ -39,12 +45,21 @@ async def readyz(request: web.Request) -> web.Response:
         # the shared database under this process, which must then stop taking traffic.
         async with asyncio.timeout(store.call_timeout_s):
             await check_schema(store.url)
-    except (SchemaOutdatedError, SchemaTooNewError) as exc:
+    except SchemaTooNewError as exc:
+        # This process stops reconciling at once, not only at its gate's next own check.
+        gate = request.app.get(schema_gate_key)
+        if gate is not None:
+            gate.saw(exc)
+        raise _not_ready(f"state store schema: {exc}") from None
+    except SchemaOutdatedError as exc:
         raise _not_ready(f"state store schema: {exc}") from None
     except HaruDbError as exc:
         raise _not_ready(f"state store: {exc}") from None
     except TimeoutError:
         raise _not_ready("state store: the schema check timed out") from None
+    gate = request.app.get(schema_gate_key)
+    if gate is not None:
+        gate.saw(None)
     clock = request.app[store_clock_key]
     if clock is not None:
         checks.append("clock")

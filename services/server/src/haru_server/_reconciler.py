@@ -86,6 +86,7 @@ from haru_server._errors import FleetNotFoundError
 from haru_server._logfields import log_fields
 from haru_server._metrics import ServerMetrics
 from haru_server._provisioning import Provisioner
+from haru_server._schema_gate import SchemaGate
 from haru_server._steps import (
     Done,
     Failed,
@@ -200,6 +201,8 @@ class Reconciler:
         provisioner: Drives the ``skypilot`` domains (launch, UP, address, loss, relaunch);
             None leaves them to the operator.
         gate: Refuses ticks while this host's clock is off the database's; None never does.
+        schema_gate: Refuses ticks while a newer release's schema is in the store; None never
+            does.
     """
 
     def __init__(
@@ -212,8 +215,10 @@ class Reconciler:
         metrics: ServerMetrics | None = None,
         provisioner: Provisioner | None = None,
         gate: SkewGate | None = None,
+        schema_gate: SchemaGate | None = None,
     ) -> None:
         self._gate = gate
+        self._schema_gate = schema_gate
         self._provisioner = provisioner
         self._metrics = metrics if metrics is not None else ServerMetrics()
         self._store = store
@@ -269,11 +274,14 @@ class Reconciler:
         Raises:
             FleetNotFoundError: No such fleet.
             ClockSkewedError: The gate refuses: this host's clock is off the database's.
+            SchemaNewerError: The schema gate refuses: a newer release migrated the store.
             haru_db.StateStoreUnavailableError: The store failed; the tick stops there.
         """
         # A tick of the loop gets its own request id (its log lines and supervisor calls share
         # it); a tick run by POST /reconcile keeps the request's.
         with request_id_scope():
+            if self._schema_gate is not None:
+                await self._schema_gate.check()
             if self._gate is not None:
                 await self._gate.check(fleet_ref)
             started = time.monotonic()
@@ -824,6 +832,7 @@ class Reconciler:
             at=now,
         )
         if created:
+            self._metrics.operation_requested(OperationKind.PROMOTE.value, "automatic")
             logger.warning(
                 "fleet %s: automatic failover (%s) to domain %s",
                 fleet.slug,
@@ -895,6 +904,7 @@ class Reconciler:
             at=now,
         )
         if created:
+            self._metrics.operation_requested(operation.kind.value, "restore")
             logger.warning(
                 "fleet %s: standby %s is out of standby posture (%s); demote %s queued to "
                 "restore it",
@@ -1114,6 +1124,11 @@ class Reconciler:
         self._step_metrics(operation, step, "done", now)
         if following is None:
             self._metrics.operation_succeeded(operation.kind.value)
+            self._metrics.operation_ended(
+                operation.kind.value,
+                outcome="succeeded",
+                seconds=(now - operation.created_at).total_seconds(),
+            )
         if not inline:
             await self._degrade_source(fleet, operation, step, now)
             await self._event(fleet, operation, result.detail, now)
@@ -1204,6 +1219,11 @@ class Reconciler:
             return await self._reread(operation), False, False
         self._step_metrics(operation, step, "failed", now)
         self._metrics.operation_failed(operation.kind.value, result.code.value)
+        self._metrics.operation_ended(
+            operation.kind.value,
+            outcome="failed",
+            seconds=(now - operation.created_at).total_seconds(),
+        )
         logger.warning(
             "operation %s (%s) failed at %s: %s: %s",
             operation.id,
@@ -1302,6 +1322,7 @@ class Reconciler:
         )
         if not created:
             return operation.state in (OperationState.PENDING, OperationState.RUNNING)
+        self._metrics.operation_requested(operation.kind.value, "restore")
         logger.info(
             "operation %s: demote %s queued to restore standby (%s)",
             cause.id,

@@ -57,7 +57,7 @@ from haru_protocol import (
 from haru_web import ApiError, int_query, parse_body
 from pydantic import ValidationError
 
-from haru_server._errors import ClockSkewedError, FleetNotFoundError
+from haru_server._errors import ClockSkewedError, FleetNotFoundError, SchemaNewerError
 from haru_server._keys import (
     clock_key,
     kick_fleet_key,
@@ -67,6 +67,7 @@ from haru_server._keys import (
     reconciler_key,
     store_key,
 )
+from haru_server._metrics import metrics_key
 from haru_server._reconciler import RECENT_OPERATIONS, Accepted
 from haru_server._steps import former_active_guard_until
 
@@ -237,7 +238,7 @@ async def reconcile(request: web.Request) -> web.Response:
         result = await request.app[reconciler_key].tick(ref.text)
     except FleetNotFoundError:
         raise _fleet_not_found(ref) from None
-    except ClockSkewedError as exc:
+    except (ClockSkewedError, SchemaNewerError) as exc:
         raise ApiError(ErrorCode.NOT_READY, f"not reconciling: {exc}") from None
     return _json(ReconcileResponse(fleet_id=result.fleet_id, operation=result.operation))
 
@@ -286,6 +287,9 @@ async def _request_operation(
             f"{operation.target_domain_id}) is in flight; retry when it has finished",
         )
     if created:
+        metrics = request.app.get(metrics_key)
+        if metrics is not None:
+            metrics.operation_requested(decision.kind.value, "manual")
         target = fleet.domain(decision.target_domain_id)
         logger.info(
             "fleet %s: %s of domain %s accepted (operation %s)",

@@ -36,6 +36,7 @@ from typer.core import TyperCommand, TyperGroup
 
 if TYPE_CHECKING:
     from datetime import datetime
+    from uuid import UUID
 
     from haru_protocol import (
         DomainSnapshot,
@@ -1134,8 +1135,15 @@ def domain_down(
 # ---- events ----------------------------------------------------------------------------------
 
 
-def format_event(event: Event) -> str:
-    """One event as one line."""
+def event_domain(event: Event, domains: Mapping[UUID, str]) -> str:
+    """The event's domain by slug (its id when the fleet no longer has it; ``-`` for none)."""
+    if event.domain_id is None:
+        return "-"
+    return domains.get(event.domain_id, str(event.domain_id))
+
+
+def format_event(event: Event, domains: Mapping[UUID, str] | None = None) -> str:
+    """One event as one line (its domain by slug, from ``domains``)."""
     import json
     from datetime import UTC
 
@@ -1150,7 +1158,8 @@ def format_event(event: Event) -> str:
     else:
         payload = json.dumps(data.model_dump(mode="json"), separators=(",", ":"), sort_keys=True)
     stamp = event.created_at.astimezone(UTC).isoformat(timespec="milliseconds")
-    return f"{event.id:>6}  {stamp}  {event.type:<36} {payload}"
+    domain = event_domain(event, domains or {})
+    return f"{event.id:>6}  {stamp}  {domain:<12} {event.type:<36} {payload}"
 
 
 def events(
@@ -1168,19 +1177,37 @@ def events(
         bool, typer.Option("--json", help="Print each event as one JSON line (JSON Lines).")
     ] = False,
 ) -> None:
-    """Print a fleet's audit trail, oldest first."""
+    """Print a fleet's audit trail, oldest first, each event's domain by slug.
+
+    JSON lines carry ``domainSlug`` beside ``domainId`` (null for an event of no domain, or of
+    a domain the fleet no longer has).
+    """
     import asyncio
+    import json
 
     async def go() -> None:
         cursor = after
         async with _client(url, token) as client:
+            domains: dict[UUID, str] = {}
+
+            async def learn() -> None:
+                snapshot = await client.fleet(ref)
+                domains.update({domain.id: domain.slug for domain in snapshot.domains})
+
+            await learn()
             while True:
                 page = await client.events(ref, after=cursor, limit=500)
+                if any(e.domain_id is not None and e.domain_id not in domains for e in page.events):
+                    await learn()  # a domain added since (with --follow)
                 for event in page.events:
                     if as_json:
-                        _print_json(event.model_dump_json())
+                        document = json.loads(event.model_dump_json(by_alias=True))
+                        document["domainSlug"] = (
+                            None if event.domain_id is None else domains.get(event.domain_id)
+                        )
+                        _print_json(json.dumps(document, separators=(",", ":")))
                     else:
-                        _console().print(format_event(event), markup=False)
+                        _console().print(format_event(event, domains), markup=False)
                     cursor = event.id
                 if page.next_after is not None:
                     continue

@@ -96,7 +96,11 @@ def create_app(
     )
     app[runs_key] = runs
     add_metrics_route(
-        app, metrics.registry, before_scrape=metrics.before_scrape(runs, lambda: app.get(gpu_key))
+        app,
+        metrics.registry,
+        before_scrape=metrics.before_scrape(
+            runs, lambda: app.get(gpu_key), lambda: app.get(vllm_key)
+        ),
     )
 
     async def http_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -13,10 +13,10 @@ own call) is accepted and logged (``_routes.admit_fence``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Final
 from uuid import UUID
 
+from cachetools import LRUCache
 from haru_protocol import SupervisorFence
 
 MAX_FLEETS: Final = 64
@@ -30,8 +30,7 @@ class FenceBook:
     def __init__(self, *, capacity: int = MAX_FLEETS) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
-        self._capacity = capacity
-        self._highest: OrderedDict[UUID, int] = OrderedDict()
+        self._highest: LRUCache[UUID, int] = LRUCache(maxsize=capacity)
 
     def highest(self, fleet_id: UUID) -> int | None:
         """The highest token seen for ``fleet_id`` (None: none yet)."""
@@ -49,8 +48,6 @@ class FenceBook:
         seen = self._highest.get(fence.fleet_id)
         if seen is not None and fence.token < seen:
             return seen
+        # The least recently used fleet is evicted past the capacity.
         self._highest[fence.fleet_id] = fence.token
-        self._highest.move_to_end(fence.fleet_id)
-        while len(self._highest) > self._capacity:
-            self._highest.popitem(last=False)
         return None

@@ -28,6 +28,7 @@ from prometheus_client import (
 from haru_supervisor._errors import GpuMemorySourceError, GpuMemoryUnavailable
 from haru_supervisor._gpu import GpuMemoryReader
 from haru_supervisor._training import TrainingRuns
+from haru_supervisor._vllm import VllmAdminClient
 
 logger = logging.getLogger("haru_supervisor.admin")
 
@@ -73,6 +74,13 @@ class SupervisorMetrics:
         self.gpu_total = Gauge(
             "haru_supervisor_gpu_memory_total_bytes", "GPU memory in all.", ["gpu"], registry=r
         )
+        self.vllm_sleeping = Gauge(
+            "haru_supervisor_vllm_sleeping",
+            "1 when the model's vLLM server slept at its last status (heartbeat), 0 when awake; "
+            "absent while unknown (an action in flight, no answer).",
+            ["model"],
+            registry=r,
+        )
         self.probes = Counter(
             "haru_supervisor_probe_results",
             "Probe completions by model and result.",
@@ -89,9 +97,16 @@ class SupervisorMetrics:
             self.probes.labels(result.model, "ok" if result.ok else "failed").inc()
 
     def before_scrape(
-        self, runs: TrainingRuns, gpu: Callable[[], GpuMemoryReader | None]
+        self,
+        runs: TrainingRuns,
+        gpu: Callable[[], GpuMemoryReader | None],
+        vllm: Callable[[], VllmAdminClient | None] = lambda: None,
     ) -> Callable[[], Awaitable[None]]:
-        """The refresh run before each scrape: training states, then GPU memory (bounded)."""
+        """The refresh run before each scrape.
+
+        Training states, sleeping servers (as their last status said: no call to vLLM), then
+        GPU memory (bounded).
+        """
 
         async def refresh() -> None:
             counts = dict.fromkeys(TrainingRunState, 0)
@@ -99,6 +114,12 @@ class SupervisorMetrics:
                 counts[status.state] += 1
             for state, count in counts.items():
                 self.training_runs.labels(state.value).set(count)
+            client = vllm()
+            if client is not None:
+                self.vllm_sleeping.clear()
+                for model, sleeping in client.last_sleeping().items():
+                    if sleeping is not None:
+                        self.vllm_sleeping.labels(model).set(1 if sleeping else 0)
             reader = gpu()
             if reader is None:
                 return

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -103,6 +102,15 @@ class _MappingEnv(EnvSettingsSource):
 _DurationMs = Annotated[EnvInt, Field(ge=1, le=2_147_483_647)]
 
 
+def _gpu_source(value: object) -> object:
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower()
+    if text not in GPU_SOURCES:
+        raise ValueError(f"must be one of {', '.join(GPU_SOURCES)}, got {_quote(text)!r}")
+    return text
+
+
 class Settings(BaseSettings):
     """Everything the supervisor needs to start (README: "Configuration").
 
@@ -138,11 +146,17 @@ class Settings(BaseSettings):
     token: SecretStr | None = Field(None, validation_alias=AliasChoices("token", TOKEN_VAR))
     """``HARU_SUPERVISOR_TOKEN`` (or ``HARU_SUPERVISOR_TOKEN_FILE``): the bearer token of every
     ``/v1/*`` route; None = open API on 127.0.0.1 only, browsers kept out."""
-    gpu_source: GpuSource = "auto"
-    """``HARU_SUPERVISOR_GPU_SOURCE``: NVML, ``nvidia-smi``, or NVML with a fallback."""
-    shutdown_grace_s: float = Field(DEFAULT_SHUTDOWN_GRACE_S, ge=0)
-    """``HARU_SUPERVISOR_SHUTDOWN_GRACE_MS`` (in seconds here): SIGTERM-to-SIGKILL grace of
-    trainers when the supervisor itself shuts down."""
+    gpu_source: Annotated[GpuSource, BeforeValidator(_gpu_source)] = Field(
+        "auto", validation_alias=AliasChoices("gpu_source", GPU_SOURCE_VAR)
+    )
+    """``HARU_SUPERVISOR_GPU_SOURCE``: NVML, ``nvidia-smi``, or NVML with a fallback (any case;
+    blank: ``auto``)."""
+    shutdown_grace_ms: Annotated[EnvInt, Field(ge=0, le=2_147_483_647)] = Field(
+        round(DEFAULT_SHUTDOWN_GRACE_S * 1000),
+        validation_alias=AliasChoices("shutdown_grace_ms", SHUTDOWN_GRACE_VAR),
+    )
+    """``HARU_SUPERVISOR_SHUTDOWN_GRACE_MS``: SIGTERM-to-SIGKILL grace of trainers when the
+    supervisor itself shuts down."""
     stop_grace_s: float = Field(DEFAULT_STOP_GRACE_S, ge=0)
     """Grace of ``POST /v1/training/stop`` when the body names none."""
     trainer_env: Mapping[str, str] = Field(default_factory=_empty_env, repr=False, exclude=True)
@@ -215,6 +229,11 @@ class Settings(BaseSettings):
     ) -> tuple[Any, ...]:
         # Only what is passed: load_settings() passes the environment it was given.
         return (init_settings,)
+
+    @property
+    def shutdown_grace_s(self) -> float:
+        """:attr:`shutdown_grace_ms` in seconds."""
+        return self.shutdown_grace_ms / 1000
 
     @field_validator("token", mode="before")
     @classmethod
@@ -390,30 +409,6 @@ def resolve_api_keys(config: SupervisorConfig, environ: Mapping[str, str]) -> di
     return keys
 
 
-def _parse_gpu_source(raw: str | None) -> GpuSource:
-    text = (raw or "").strip().lower()
-    if not text:
-        return "auto"
-    for source in GPU_SOURCES:
-        if text == source:
-            return source
-    raise SettingsError(
-        f"{GPU_SOURCE_VAR} must be one of {', '.join(GPU_SOURCES)}, got {_quote(text)!r}"
-    )
-
-
-def _parse_grace(raw: str | None) -> float:
-    if raw is None or not raw.strip():
-        return DEFAULT_SHUTDOWN_GRACE_S
-    text = raw.strip()
-    if re.fullmatch(r"[0-9]{1,10}", text) is None or int(text) > 2_147_483_647:
-        raise SettingsError(
-            f"{SHUTDOWN_GRACE_VAR} must be a non-negative integer (milliseconds), "
-            f"got {_quote(text)!r}"
-        )
-    return int(text) / 1000
-
-
 _ENV_VARS: Final = {
     "PORT": "PORT",
     HOST_VAR: HOST_VAR,
@@ -431,6 +426,8 @@ _ENV_VARS: Final = {
     TLS_CERT_FILE_VAR: TLS_CERT_FILE_VAR,
     TLS_KEY_FILE_VAR: TLS_KEY_FILE_VAR,
     TLS_CLIENT_CA_FILE_VAR: TLS_CLIENT_CA_FILE_VAR,
+    GPU_SOURCE_VAR: GPU_SOURCE_VAR,
+    SHUTDOWN_GRACE_VAR: SHUTDOWN_GRACE_VAR,
 }
 _FIELD_VARS: Final = {
     "port": "PORT",
@@ -449,6 +446,8 @@ _FIELD_VARS: Final = {
     "tls_cert_file": TLS_CERT_FILE_VAR,
     "tls_key_file": TLS_KEY_FILE_VAR,
     "tls_client_ca_file": TLS_CLIENT_CA_FILE_VAR,
+    "gpu_source": GPU_SOURCE_VAR,
+    "shutdown_grace_ms": SHUTDOWN_GRACE_VAR,
 }
 
 
@@ -468,8 +467,6 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
     try:
         return Settings(
             config=config,
-            gpu_source=_parse_gpu_source(environ.get(GPU_SOURCE_VAR)),
-            shutdown_grace_s=_parse_grace(environ.get(SHUTDOWN_GRACE_VAR)),
             trainer_env=environ,
             vllm_api_keys=resolve_api_keys(config, environ),
             search_path=environ.get("PATH"),

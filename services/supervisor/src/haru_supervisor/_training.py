@@ -7,11 +7,13 @@ its descendants:
 
 - The supervisor is a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``): an orphaned
   descendant is reparented to the supervisor, never to init, so it stays findable.
-- Every poll walks ``/proc``: a process is the run's when its parent is one of the run's
-  processes, when it is in the trainer's process group, or when it is an orphan adopted by
-  the supervisor whose environment carries the slot's ``HARU_GPU_INDEX`` and
-  ``HARU_CHECKPOINT_DIR`` (it escaped between two polls). A process is remembered by pid AND
-  start time, so a recycled pid is never mistaken for it, and signals go through a pidfd.
+- Every poll lists the host's processes (psutil, which reads ``/proc``): a process is the
+  run's when its parent is one of the run's processes, when it is in the trainer's process
+  group, or when it is an orphan adopted by the supervisor whose environment carries the
+  slot's ``HARU_GPU_INDEX`` and ``HARU_CHECKPOINT_DIR`` (it escaped between two polls). A
+  process is remembered by pid AND start time (psutil's process identity), so a recycled pid
+  is never mistaken for it, and signals go through a pidfd. psutil has no ``prctl``, so the
+  subreaper is still set through ``ctypes``.
 - Every signal goes to the group and to each tracked process; a run is idle again only once
   none of them is alive. That is what lets a promotion trust that the training VRAM is
   released.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -34,9 +37,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Final
 
+import psutil
 from haru_protocol import SupervisorTrainingSlot, TrainingRunState, TrainingSlotStatus, TrainingStop
 
 from haru_supervisor._errors import ShuttingDownError, TrainingStartError
@@ -52,66 +55,62 @@ DEFAULT_POLL_S: Final = 0.05
 """How often a stopping run (or one whose trainer exited) checks for surviving processes."""
 
 DEFAULT_TRACK_S: Final = 0.5
-"""How often a running run walks ``/proc`` to learn its new descendants."""
+"""How often a running run lists the processes to learn its new descendants."""
 
 KILL_WAIT_S: Final = 10.0
 """After SIGKILL, how long a process may linger (uninterruptible I/O) before it is logged."""
 
-_PROC: Final = Path("/proc")
-
 
 @dataclass(frozen=True, slots=True)
 class _Proc:
-    """One line of ``/proc/<pid>/stat``: what tracking needs."""
+    """What tracking needs of one process (read through psutil)."""
 
+    process: psutil.Process
+    """Equal only to the same process: psutil compares pid AND start time since boot, so a
+    recycled pid never matches (and no clock step moves the start time)."""
     ppid: int
     pgid: int
-    start: int
-    """Start time in clock ticks since boot: with the pid, it names one process for good."""
     zombie: bool
 
 
-def _read_stat(pid: int | str) -> _Proc | None:
+def _read(process: psutil.Process) -> _Proc | None:
     try:
-        stat = (_PROC / str(pid) / "stat").read_bytes()
-    except OSError:
+        with process.oneshot():
+            ppid = process.ppid()
+            zombie = process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
         return None  # exited while we looked
-    # "pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime
-    # stime cutime cstime priority nice threads itrealvalue starttime ...": comm may hold
-    # spaces and parentheses, so split after its last ")".
-    fields = stat.rpartition(b")")[2].split()
-    if len(fields) < 20:
-        return None
     try:
-        return _Proc(
-            ppid=int(fields[1]),
-            pgid=int(fields[2]),
-            start=int(fields[19]),
-            zombie=fields[0] in (b"Z", b"X"),
-        )
-    except ValueError:
+        pgid = os.getpgid(process.pid)
+    except OSError:
+        pgid = -1  # a zombie may already have left its group
+    return _Proc(process=process, ppid=ppid, pgid=pgid, zombie=zombie)
+
+
+def _read_pid(pid: int) -> _Proc | None:
+    try:
+        return _read(psutil.Process(pid))
+    except psutil.Error:
         return None
 
 
 def _scan() -> dict[int, _Proc]:
-    """Every process of the host (of this pid namespace), from ``/proc``."""
+    """Every process of the host (of this pid namespace)."""
     procs: dict[int, _Proc] = {}
-    with contextlib.suppress(OSError), os.scandir(_PROC) as entries:
-        for entry in entries:
-            if entry.name.isdigit():
-                proc = _read_stat(entry.name)
-                if proc is not None:
-                    procs[int(entry.name)] = proc
+    for process in psutil.process_iter():
+        proc = _read(process)
+        if proc is not None:
+            procs[process.pid] = proc
     return procs
 
 
-def _environ_has(pid: int, marks: frozenset[bytes]) -> bool:
+def _environ_has(pid: int, marks: Mapping[str, str]) -> bool:
     """Whether ``pid``'s initial environment holds every ``NAME=value`` of ``marks``."""
     try:
-        environ = (_PROC / str(pid) / "environ").read_bytes()
-    except OSError:
+        environ = psutil.Process(pid).environ()
+    except psutil.Error:
         return False
-    return marks.issubset(environ.split(b"\0"))
+    return all(environ.get(name) == value for name, value in marks.items())
 
 
 def _group_alive(pgid: int) -> bool:
@@ -129,8 +128,8 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def _signal_process(pid: int, start: int, sig: signal.Signals) -> None:
-    """Signal ``pid`` only if it is still the process that started at ``start``.
+def _signal_process(process: psutil.Process, sig: signal.Signals) -> None:
+    """Signal ``process`` only if its pid still names it (not a process that reused it).
 
     Through a pidfd where the platform has one: once it is open, the pid cannot be recycled
     under it, so a signal never reaches an unrelated process that reused the number.
@@ -138,18 +137,16 @@ def _signal_process(pid: int, start: int, sig: signal.Signals) -> None:
     pidfd_open = getattr(os, "pidfd_open", None)
     send = getattr(signal, "pidfd_send_signal", None)
     if pidfd_open is None or send is None:
-        proc = _read_stat(pid)
-        if proc is not None and proc.start == start:
+        if process.is_running():
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+                os.kill(process.pid, sig)
         return
     try:
-        fd = pidfd_open(pid)
+        fd = pidfd_open(process.pid)
     except OSError:
         return  # gone
     try:
-        proc = _read_stat(pid)
-        if proc is not None and proc.start == start:
+        if process.is_running():
             with contextlib.suppress(ProcessLookupError):
                 send(fd, sig)
     finally:
@@ -162,12 +159,47 @@ def _reap(pid: int) -> None:
         os.waitpid(pid, os.WNOHANG)
 
 
+TRAINER_LOGGER: Final = "haru_supervisor.trainer"
+"""The logger of what trainers write: one record per line, with ``slot`` and ``stream``."""
+
+_trainer_logger = logging.getLogger(TRAINER_LOGGER)
+_LINE_LIMIT: Final = 16 * 1024
+"""Longest trainer line logged as one record; a longer one is logged in pieces."""
+_RELAY_DRAIN_S: Final = 1.0
+"""After the run ends, how long its output may still be read (a lost descendant may hold the
+pipe open: it is then abandoned)."""
+
+
+async def _relay(stream: asyncio.StreamReader, *, gpu_index: int, name: str) -> None:
+    """Log each line the trainer writes on ``name`` (``stdout``/``stderr``) until EOF.
+
+    In the supervisor's own log stream (JSON lines in JSON mode): the line as ``message``, with
+    ``slot`` (the GPU index) and ``stream`` as fields; control characters are escaped by the
+    formatter like any message.
+    """
+    while True:
+        try:
+            raw = await stream.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:
+            raw = exc.partial  # the last line, without a newline
+            if not raw:
+                return
+        except asyncio.LimitOverrunError as exc:
+            raw = await stream.read(min(max(exc.consumed, 1), _LINE_LIMIT))  # a piece of it
+        text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+        _trainer_logger.info(
+            "GPU %d %s: %s", gpu_index, name, text, extra={"slot": gpu_index, "stream": name}
+        )
+
+
 _PR_SET_CHILD_SUBREAPER: Final = 36
 _subreaper: bool | None = None
 
 
 def become_subreaper() -> bool:
     """Make this process the child subreaper of its descendants (Linux ``prctl``; once).
+
+    Through ``ctypes``: neither psutil nor the standard library wraps ``prctl``.
 
     A trainer's child whose parent exits is then reparented to the supervisor instead of
     init, so a process that left the trainer's session (``setsid``) before the supervisor saw
@@ -197,25 +229,25 @@ def become_subreaper() -> bool:
 class _Tracker:
     """The processes of one run: the trainer and every descendant seen so far."""
 
-    def __init__(self, leader: int, *, marks: frozenset[bytes]) -> None:
+    def __init__(self, leader: int, *, marks: Mapping[str, str]) -> None:
         self._leader = leader
         self._marks = marks
         self._self_pid = os.getpid()
         self._lock = threading.Lock()
-        self._linux = (_PROC / "self" / "stat").exists()
-        proc = _read_stat(leader) if self._linux else None
-        self._members: dict[int, int] = {} if proc is None else {leader: proc.start}
+        self._linux = psutil.LINUX
+        proc = _read_pid(leader) if self._linux else None
+        self._members: dict[int, psutil.Process] = {} if proc is None else {leader: proc.process}
 
     def refresh(self) -> tuple[int, ...]:
-        """Walk ``/proc`` (blocking: run it in a thread); the run's live processes, sorted."""
+        """List the processes (blocking: run it in a thread); the run's live processes, sorted."""
         if not self._linux:
             return (self._leader,) if _group_alive(self._leader) else ()
         procs = _scan()
         with self._lock:
             members = self._members
-            for pid, start in list(members.items()):
+            for pid, member in list(members.items()):
                 proc = procs.get(pid)
-                if proc is None or proc.start != start:
+                if proc is None or proc.process != member:
                     del members[pid]
                 elif proc.zombie:
                     del members[pid]
@@ -233,7 +265,7 @@ class _Tracker:
                         or proc.pgid == self._leader
                         or (proc.ppid == self._self_pid and _environ_has(pid, self._marks))
                     ):
-                        members[pid] = proc.start
+                        members[pid] = proc.process
                         grew = True
             return tuple(sorted(members))
 
@@ -242,8 +274,8 @@ class _Tracker:
         _signal_group(self._leader, sig)
         with self._lock:
             members = list(self._members.items())
-        for pid, start in members:
-            _signal_process(pid, start, sig)
+        for _pid, member in members:
+            _signal_process(member, sig)
 
 
 class TrainingRun:
@@ -292,9 +324,7 @@ class TrainingRun:
             CHECKPOINT_DIR_VAR: slot.checkpoint_dir,
             GPU_INDEX_VAR: str(slot.gpu_index),
         }
-        self._marks = frozenset(
-            f"{name}={self._env[name]}".encode() for name in (CHECKPOINT_DIR_VAR, GPU_INDEX_VAR)
-        )
+        self._marks = {name: self._env[name] for name in (CHECKPOINT_DIR_VAR, GPU_INDEX_VAR)}
         self._clock = clock
         self._poll_s = poll_s
         self._track_s = track_s
@@ -310,6 +340,8 @@ class TrainingRun:
         self._idle = asyncio.Event()
         self._idle.set()
         self._watcher: asyncio.Task[None] | None = None
+        self._relays: list[asyncio.Task[None]] = []
+        self._pipes: list[asyncio.ReadTransport] = []
 
     @property
     def gpu_index(self) -> int:
@@ -360,12 +392,18 @@ class TrainingRun:
                 return False
             command = self._slot.command
             run_as = self._run_as
+            # Its output goes through the supervisor's log (one record per line), on pipes of
+            # our own: a descendant that outlives the run may keep them open, and the
+            # supervisor must be able to close its end then.
+            pipes = [os.pipe(), os.pipe()]
             try:
                 # With runAs: that user, its primary group and NO supplementary group (the
                 # supervisor's, root's included, would otherwise stay).
                 process = await asyncio.create_subprocess_exec(
                     *command,
                     stdin=asyncio.subprocess.DEVNULL,
+                    stdout=pipes[0][1],
+                    stderr=pipes[1][1],
                     env=self._env,
                     start_new_session=True,
                     user=None if run_as is None else run_as.uid,
@@ -373,10 +411,15 @@ class TrainingRun:
                     extra_groups=None if run_as is None else [],
                 )
             except (OSError, ValueError) as exc:
+                for read_end, _ in pipes:
+                    os.close(read_end)
                 reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
                 raise TrainingStartError(
                     self.gpu_index, f"cannot run {command[0][:200]!r}: {reason}"
                 ) from exc
+            finally:
+                for _, write_end in pipes:
+                    os.close(write_end)  # the trainer holds its own copies
             self._state = TrainingRunState.RUNNING
             self._pgid = process.pid
             self._tracker = _Tracker(process.pid, marks=self._marks)
@@ -385,6 +428,20 @@ class TrainingRun:
             self._last_stop = None
             self._idle.clear()
             self._changed.clear()
+            loop = asyncio.get_running_loop()
+            for name, (read_end, _) in zip(("stdout", "stderr"), pipes, strict=True):
+                reader = asyncio.StreamReader(limit=_LINE_LIMIT)
+                transport, _ = await loop.connect_read_pipe(
+                    functools.partial(asyncio.StreamReaderProtocol, reader),
+                    os.fdopen(read_end, "rb", buffering=0),
+                )
+                self._pipes.append(transport)
+                self._relays.append(
+                    asyncio.create_task(
+                        _relay(reader, gpu_index=self.gpu_index, name=name),
+                        name=f"training-gpu{self.gpu_index}-{name}",
+                    )
+                )
             self._watcher = asyncio.create_task(
                 self._watch(process), name=f"training-gpu{self.gpu_index}"
             )
@@ -433,6 +490,13 @@ class TrainingRun:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+        for task in self._relays:
+            task.cancel()
+        await asyncio.gather(*self._relays, return_exceptions=True)
+        self._relays = []
+        for transport in self._pipes:
+            transport.close()
+        self._pipes = []
 
     async def _watch(self, process: asyncio.subprocess.Process) -> None:
         pgid = process.pid
@@ -490,6 +554,7 @@ class TrainingRun:
                             list(live),
                         )
                 await self._wait_for_change(leader, now=now)
+            await self._end_relays()
             self._log_exit(process.returncode)
             started = self._stop_started
             if started is not None:
@@ -511,6 +576,18 @@ class TrainingRun:
             self._pgid = None
             self._tracker = None
             self._idle.set()
+
+    async def _end_relays(self) -> None:
+        """Let the output relays read what is left (bounded), then stop them."""
+        relays, self._relays = self._relays, []
+        pipes, self._pipes = self._pipes, []
+        if relays:
+            _, pending = await asyncio.wait(relays, timeout=_RELAY_DRAIN_S)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*relays, return_exceptions=True)
+        for transport in pipes:
+            transport.close()
 
     async def _wait_for_change(self, leader: asyncio.Task[int], *, now: float) -> None:
         """Sleep until the leader exits, a stop changes the deadline, or a poll is due."""

@@ -19,7 +19,6 @@ import errno
 import json
 import logging
 import math
-import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ from typing import Final
 
 import aiohttp
 from haru_protocol import ModelAction, ModelStatus, ProbeResult, SupervisorModel, join_url
+from packaging.version import InvalidVersion, Version
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from haru_supervisor._errors import VllmAdminError
@@ -91,13 +92,17 @@ class _BodyTooLargeError(Exception):
     pass
 
 
-_VERSION_RE: Final = re.compile(r"^\s*v?(\d+)\.(\d+)")
-
-
 def parse_vllm_version(text: str) -> tuple[int, int] | None:
-    """``(major, minor)`` of a vLLM version string (``0.33.0``, ``0.17.0rc1``, ``0.9.2.dev3``)."""
-    match = _VERSION_RE.match(text)
-    return None if match is None else (int(match.group(1)), int(match.group(2)))
+    """``(major, minor)`` of a vLLM version string (``0.33.0``, ``0.17.0rc1``, ``0.9.2.dev3``).
+
+    Read as a PEP 440 version (vLLM's own scheme, ``packaging.version``); None for anything
+    else (a source build may report any string).
+    """
+    try:
+        release = Version(text.strip()).release
+    except InvalidVersion:
+        return None
+    return (release[0], release[1] if len(release) > 1 else 0)
 
 
 def version_refusal(version: str) -> str | None:
@@ -131,6 +136,8 @@ class _Server:
     answered: bool = False
     """``GET /version`` was answered since the last connection loss (maybe without one)."""
     refusal: str | None = None
+    sleeping: bool | None = None
+    """What the last status said (None: unknown, an action in flight, or no answer)."""
     gauges_reported: bool = False
     version_unparsed_reported: bool = False
 
@@ -176,58 +183,32 @@ def _json_object(body: bytes) -> Mapping[str, object] | None:
     return data if isinstance(data, dict) else None
 
 
-def _parse_labels_end(line: str, start: int) -> int:
-    """Index just past the ``}`` closing the label set that opens at ``start``."""
-    in_quotes = False
-    escaped = False
-    for index in range(start + 1, len(line)):
-        char = line[index]
-        if escaped:
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        elif char == '"':
-            in_quotes = not in_quotes
-        elif char == "}" and not in_quotes:
-            return index + 1
-    return -1
-
-
 def sum_metrics(text: str, names: frozenset[str]) -> dict[str, float]:
     """Sum every sample of each metric in ``names`` in a Prometheus text exposition.
 
     Several engines (data parallel) or label sets each contribute a sample; the sum is what
     the server as a whole holds. A metric with no parseable sample is absent from the result.
+
+    Each sample line of a wanted metric is read by prometheus-client's parser on its own, so
+    one malformed line (or one of an unrelated metric) costs only that sample, not the whole
+    exposition; the histograms vLLM also exports are never parsed.
     """
     totals: dict[str, float] = {}
     for raw in text.splitlines():
         line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        brace = line.find("{")
-        space = line.find(" ")
-        if brace != -1 and (space == -1 or brace < space):
-            name = line[:brace]
-            end = _parse_labels_end(line, brace)
-            if end == -1:
-                continue
-            rest = line[end:]
-        else:
-            if space == -1:
-                continue
-            name, rest = line[:space], line[space:]
-        if name not in names:
-            continue
-        fields = rest.split()
-        if not fields:
+        if not line.startswith(tuple(names)):
             continue
         try:
-            value = float(fields[0])
+            samples = [
+                sample
+                for family in text_string_to_metric_families(line + "\n")
+                for sample in family.samples
+            ]
         except ValueError:
             continue
-        if math.isnan(value):
-            continue
-        totals[name] = totals.get(name, 0.0) + value
+        for sample in samples:
+            if sample.name in names and not math.isnan(sample.value):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
 
 
@@ -285,6 +266,10 @@ class VllmAdminClient:
     def url(model: SupervisorModel, path: str) -> str:
         """The URL of ``path`` on ``model``'s server (always on the loopback interface)."""
         return join_url(f"http://{VLLM_HOST}:{model.port}", path)
+
+    def last_sleeping(self) -> dict[str, bool | None]:
+        """Per model name, whether its server slept at its last status (None: unknown)."""
+        return {name: server.sleeping for name, server in self._servers.items()}
 
     def _server(self, model: SupervisorModel) -> _Server:
         return self._servers.setdefault(model.name, _Server())
@@ -380,6 +365,7 @@ class VllmAdminClient:
         def build(
             sleeping: bool | None, action: ModelAction | None = None, *, down: bool = False
         ) -> ModelStatus:
+            server.sleeping = sleeping
             return ModelStatus(
                 name=model.name,
                 port=model.port,
