@@ -524,12 +524,25 @@ async def _probe(ctx: StepContext) -> StepResult:
     return Done(OperationStepDone(step=ctx.step, latency_ms=latencies), mirror=_SERVING)
 
 
+async def _fresh_pointer(ctx: StepContext) -> FleetRoutePointer:
+    """The route pointer as the store has it now, never the tick's snapshot of it.
+
+    A process paused inside a tick resumes with a snapshot that another process may have made
+    stale by a whole operation: a decision about who is active reads the pointer itself.
+    """
+    pointer = await ctx.store.get_fleet_route_pointer(str(ctx.fleet.id))
+    if pointer is None:
+        raise _Outcome(Pending("the fleet's route pointer is gone"))
+    return pointer
+
+
 async def _switch_active(ctx: StepContext) -> StepResult:
     fleet, op, target = ctx.fleet, ctx.operation, ctx.target
-    if fleet.active_domain_id == target.id:
+    current = await _fresh_pointer(ctx)
+    if current.active_domain_id == target.id:
         return Done(
             OperationStepDone(
-                step=ctx.step, already_active=True, route_revision=fleet.route_revision
+                step=ctx.step, already_active=True, route_revision=current.route_revision
             )
         )
     switched = await ctx.store.switch_active(
@@ -770,6 +783,16 @@ async def _demote_old_sleep(ctx: StepContext) -> StepResult:
     guarded = _route_guard(ctx)
     if guarded is not None:
         return guarded
+    if (await _fresh_pointer(ctx)).active_domain_id == source.id:
+        # Routing names the previous active again (this operation never moved it, or a later
+        # one moved it back while this process stood still): never sleep the domain that
+        # serves, and never train beside its awake vLLM.
+        return Done(
+            OperationStepDone(
+                step=ctx.step, domain_id=source.id, skipped="the previous active is routed to"
+            ),
+            complete=True,
+        )
     return await _sleep_domain(ctx, source, drain=True)
 
 
@@ -783,7 +806,7 @@ async def _demote_old_train(ctx: StepContext) -> StepResult:
 
 
 async def _sleep_vllm(ctx: StepContext) -> StepResult:
-    if ctx.fleet.active_domain_id == ctx.target.id:
+    if (await _fresh_pointer(ctx)).active_domain_id == ctx.target.id:
         return Failed(
             OperationErrorCode.TARGET_IS_ACTIVE,
             f"domain {ctx.target.slug!r} became the active domain; it cannot be put to sleep",
