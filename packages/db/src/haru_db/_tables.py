@@ -190,6 +190,8 @@ domains = sa.Table(
     sa.Column("launch_started_at", UtcDateTime(), nullable=True),
     sa.Column("launched_at", UtcDateTime(), nullable=True),
     sa.Column("model_urls", sa.JSON(), nullable=True),
+    # A proxy's latest refused connect to the domain (migration 0008).
+    sa.Column("connect_failed_at", UtcDateTime(), nullable=True),
     sa.UniqueConstraint("fleet_id", "slug"),
     # Target of the composite keys that keep pointers and operations inside their fleet.
     sa.UniqueConstraint("fleet_id", "id"),
