@@ -26,6 +26,15 @@ ALLOWED_IMPORTS = {
 
 # The contract other packages code against (CORE_API); removing a name breaks them.
 CONTRACT = {
+    "Reach",
+    "UNREACHABLE",
+    "WeakEvidence",
+    "serving_endpoints",
+    "check_endpoints",
+    "host_unreachable",
+    "proxy_connect_failed",
+    "proxy_kick",
+    "weak_evidence",
     "DOMAIN_TRANSITIONS",
     "INFERENCE_TRANSITIONS",
     "TRAINING_TRANSITIONS",

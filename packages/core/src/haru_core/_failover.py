@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Literal
-from urllib.parse import urlsplit
 from uuid import UUID
 
 from haru_protocol import (
@@ -322,17 +321,39 @@ def serving_endpoints(domain: DomainSnapshot) -> tuple[tuple[str, int], ...]:
     Each model binding's ``servingUrl`` and the domain's ``servingBaseUrl``: what the proxy
     connects to. A URL without a host is left out.
     """
-    urls = [str(b.serving_url) for b in inference_bindings(domain) if b.serving_url is not None]
+    urls = [b.serving_url for b in inference_bindings(domain) if b.serving_url is not None]
     if domain.serving_base_url is not None:
-        urls.append(str(domain.serving_base_url))
+        urls.append(domain.serving_base_url)
     found: dict[tuple[str, int], None] = {}
     for url in urls:
-        parts = urlsplit(url)
-        if parts.hostname is None:
-            continue
-        default = 443 if parts.scheme == "https" else 80
-        found[(parts.hostname, parts.port or default)] = None
+        endpoint = _host_port(url)
+        if endpoint is not None:
+            found[endpoint] = None
     return tuple(found)
+
+
+def _host_port(url: str) -> tuple[str, int] | None:
+    """``(host, port)`` of an ``http(s)://`` URL (already validated).
+
+    The scheme's default port when none is given; an IPv6 literal comes back bare.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return None
+    authority = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0].rpartition("@")[2]
+    default = 443 if scheme.lower() == "https" else 80
+    if authority.startswith("["):
+        host, _, tail = authority[1:].partition("]")
+        port_text = tail.removeprefix(":")
+    else:
+        host, colon, port_text = authority.rpartition(":")
+        if not colon:
+            host, port_text = authority, ""
+    if not host:
+        return None
+    if not port_text:
+        return host, default
+    return (host, int(port_text)) if port_text.isdigit() else None
 
 
 def check_endpoints(
