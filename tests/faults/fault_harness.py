@@ -120,6 +120,9 @@ _NOTABLE = frozenset(
         "domain.state.changed",
         "domain.degraded.escalated",
         "domain.supervisor.unauthorized",
+        "domain.dead_suspected",
+        "domain.dead_cleared",
+        "server.partitioned",
         "slot.state.changed",
     }
 )
@@ -283,7 +286,38 @@ def _round_three_faults(
     return faults, workers
 
 
-def make_schedule(seed: int, variant: str, *, faults: int = 8, window_s: float = 20.0) -> Schedule:
+FLAP_PERIOD_S = (0.1, 0.6)
+"""A lossy link: the supervisor is stopped and resumed in turns of this length (heartbeats that
+time out between ones that answer)."""
+
+
+def _round_four_faults(seed: int, domains: tuple[str, ...], window_s: float) -> list[Fault]:
+    """Faults of the fourth round (evidence-based detection), from a stream of their own
+    (``<seed>:evidence``: the faults a seed drew before stay the same): a partition of a
+    domain (its supervisor and vLLM servers stopped: every connection times out, which is
+    weak evidence), a lossy link (the supervisor stopped and resumed in turns) and a lost host
+    (supervisor and vLLM servers SIGKILLed: connections refused, strong evidence)."""
+    rng = random.Random(f"{seed}:evidence")
+    faults: list[Fault] = []
+    for kind, chance in (("partition", 0.4), ("lossy_link", 0.4), ("host_loss", 0.35)):
+        if rng.random() < chance:
+            faults.append(
+                Fault(
+                    round(rng.uniform(0, window_s), 1),
+                    kind,
+                    rng.choice(domains),
+                    round(rng.uniform(1.0, 4.0), 1),
+                    f"period {rng.uniform(*FLAP_PERIOD_S):.2f}s" if kind == "lossy_link" else "",
+                )
+            )
+    return faults
+
+
+def make_schedule(
+    seed: int, variant: str, *, faults: int = 8, window_s: float = 20.0, evidence: bool = True
+) -> Schedule:
+    """The schedule of ``seed``; ``evidence`` False leaves out the fourth round's faults (the
+    schedule the seed drew before they existed)."""
     rng = random.Random(f"{variant}:{seed}")
     domains = ("alpha", "beta", "gamma")[: rng.choice((2, 3))]
     replicas = rng.choice((2, 3)) if variant == "pg-replicas" else 1
@@ -315,6 +349,8 @@ def make_schedule(seed: int, variant: str, *, faults: int = 8, window_s: float =
     chosen += _extra_faults(seed, variant, replicas, window_s)
     third, workers = _round_three_faults(seed, variant, replicas, domains, window_s)
     chosen += third
+    if evidence:
+        chosen += _round_four_faults(seed, domains, window_s)
     chosen.sort(key=lambda f: f.at_s)
     return Schedule(
         seed,
@@ -326,6 +362,19 @@ def make_schedule(seed: int, variant: str, *, faults: int = 8, window_s: float =
         window_s,
         tuple(sorted(workers.items())),
     )
+
+
+def _processes_in(folder: Path) -> list[int]:
+    """Pids of live processes whose working directory is ``folder`` or inside it (Linux)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cwd = os.readlink(entry / "cwd").removesuffix(" (deleted)")
+        except OSError:
+            continue
+        if cwd == str(folder) or cwd.startswith(f"{folder}{os.sep}"):
+            found.append(int(entry.name))
+    return found
 
 
 def fleet_shape(domains: tuple[str, ...]) -> FleetLayout:
@@ -653,7 +702,12 @@ class Run:
         """The process a fault stops and starts again, if any (faults on one process run one
         after the other: two restarts of one supervisor at once would start two on its port,
         and the one left untracked would keep serving, with whatever token it had)."""
-        if fault.kind in ("supervisor_restart", "supervisor_outage", "token_rotation"):
+        if fault.kind in (
+            "supervisor_restart",
+            "supervisor_outage",
+            "token_rotation",
+            "lossy_link",
+        ):
             return f"supervisor {fault.target}"
         if fault.kind == "vllm_crash":
             return f"vllm {fault.target}"
@@ -690,15 +744,22 @@ class Run:
             return
 
     async def apply(self, fault: Fault) -> None:
+        processes = self._processes_of(fault)
+        async with contextlib.AsyncExitStack() as held:
+            for process in processes:  # sorted: no two faults wait for each other
+                lock = self._process_locks.setdefault(process, asyncio.Lock())
+                if lock.locked():
+                    self.history.note(
+                        "fault", f"{fault.kind} waits: a fault on {process} is running"
+                    )
+                await held.enter_async_context(lock)
+            await self._apply(fault)
+
+    def _processes_of(self, fault: Fault) -> tuple[str, ...]:
+        if fault.kind in ("partition", "host_loss"):
+            return (f"supervisor {fault.target}", f"vllm {fault.target}")
         process = self._process_of(fault)
-        if process is None:
-            await self._apply(fault)
-            return
-        lock = self._process_locks.setdefault(process, asyncio.Lock())
-        if lock.locked():
-            self.history.note("fault", f"{fault.kind} waits: a fault on {process} is running")
-        async with lock:
-            await self._apply(fault)
+        return () if process is None else (process,)
 
     async def _apply(self, fault: Fault) -> None:
         assert self.topology is not None
@@ -742,6 +803,8 @@ class Run:
             await self._sim_faults(slug, None)
         elif fault.kind == "supervisor_restart":
             await restart_supervisor(topo, slug, token=TOKEN)
+        elif fault.kind in ("partition", "lossy_link", "host_loss"):
+            await self._network_fault(fault, topo)
         elif fault.kind == "supervisor_outage":
             supervisor = topo.domains[slug].supervisor
             assert supervisor is not None
@@ -796,6 +859,57 @@ class Run:
                 await asyncio.sleep(d)
             finally:
                 set_clock_offset(path, 0)
+
+    async def _network_fault(self, fault: Fault, topo: DemoTopology) -> None:
+        """A domain cut off (``partition``: its supervisor and vLLM servers SIGSTOPped, so
+        every connection to them times out), a lossy link to its supervisor (``lossy_link``:
+        stopped and resumed in turns) or its host lost (``host_loss``: supervisor and vLLM
+        servers SIGKILLed, so connections are refused; started again afterwards, the vLLM
+        servers in the mode the domain's role implies)."""
+        slug, d = fault.target, fault.duration_s
+        domain = topo.domains[slug]
+        supervisor = domain.supervisor
+        assert supervisor is not None
+        if fault.kind == "host_loss":
+            await self.check_sims()  # its counters go with it
+            await asyncio.gather(supervisor.kill(), topo.kill_vllm(slug))
+            # Everything else the host ran goes with it: its trainers (and their children), which
+            # work in the domain's folder.
+            left = _processes_in(topo.workdir / slug)
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            self.history.note(
+                "fault", f"host of {slug} lost (supervisor, vLLM and {len(left)} more killed)"
+            )
+            await asyncio.sleep(d)
+            asleep = await self._pointer_slug() != slug
+            await topo.restart_vllm(slug, asleep=asleep)
+            await restart_supervisor(topo, slug, token=TOKEN)
+            self.history.note(
+                "fault", f"host of {slug} back, vLLM {'asleep' if asleep else 'awake'}"
+            )
+            return
+        if fault.kind == "partition":
+            procs = [supervisor, *(s.process for s in domain.vllm.values())]
+            for proc in procs:
+                proc.signal_group(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(d)
+            finally:
+                for proc in procs:
+                    proc.signal_group(signal.SIGCONT)
+            return
+        period = float(fault.extra.split()[1].rstrip("s"))
+        end = self.history.now() + d
+        try:
+            while self.history.now() < end:
+                supervisor.signal_group(signal.SIGSTOP)
+                await asyncio.sleep(period)
+                supervisor.signal_group(signal.SIGCONT)
+                await asyncio.sleep(period)
+        finally:
+            supervisor.signal_group(signal.SIGCONT)
 
     async def _pause(self, fault: Fault) -> None:
         """SIGSTOP one worker process of a replica (``HARU_WORKERS`` > 1) or the whole replica
@@ -1240,6 +1354,52 @@ class Run:
                         "pointer-moved-without-promote", f"t={at:.1f} revision {rev} -> {pointer}"
                     )
         self._check_backoff(events, ops)
+        self._check_evidence(events)
+
+    def _check_evidence(self, events: list[Any]) -> None:
+        """No fast failover without strong evidence, and none without a real cause.
+
+        Every escalation of the active on evidence (``domain.degraded.escalated`` with
+        ``evidence``: the fast path, without the grace) must follow a ``domain.dead_suspected``
+        of the same domain and evidence, at least ``deadConfirmMs`` earlier (its confirmed
+        second observation). And every ``domain.dead_suspected`` must fall in a window of a
+        fault that really killed the domain's serving (``vllm_crash``, ``host_loss``: the
+        harness's own ground truth), give or take the clock faults' skew and a slack: a
+        partition, a lossy link, a hang, 500s or a supervisor restart never prove a domain
+        dead. Escalations after the grace and stale failovers keep their own timers (weak
+        evidence) and are not checked here.
+        """
+        confirm = timedelta(milliseconds=resolve_policy(POLICY).dead_confirm_ms)
+        start_wall = self._start_wall()
+        slack = 2.0 + self.max_skew_s
+        deadly = [w for w in self.windows if w.kind in ("vllm_crash", "host_loss")]
+        suspected: dict[tuple[UUID | None, str], list[datetime]] = defaultdict(list)
+        for event in events:
+            if event.created_at < start_wall:
+                continue
+            slug = self.slug_of.get(event.domain_id) if event.domain_id else None
+            if event.type == "domain.dead_suspected":
+                evidence = str(event.payload.get("evidence"))
+                suspected[(event.domain_id, evidence)].append(event.created_at)
+                at = (event.created_at - start_wall).total_seconds()
+                if not any(
+                    w.target == slug and w.start - slack <= at <= w.end + slack for w in deadly
+                ):
+                    self.history.violation(
+                        "dead-without-cause",
+                        f"{slug} suspected dead ({evidence}) at t={at:.1f}s with no crash or "
+                        "lost host on it",
+                    )
+            elif event.type == "domain.degraded.escalated" and event.payload.get("evidence"):
+                evidence = str(event.payload["evidence"])
+                seen = suspected.get((event.domain_id, evidence), [])
+                skew = timedelta(seconds=self.max_skew_s)
+                if not any(at + confirm - skew <= event.created_at for at in seen):
+                    self.history.violation(
+                        "failover-without-strong-evidence",
+                        f"{slug} failed on {evidence} without a dead_suspected at least "
+                        f"{confirm.total_seconds():.1f}s before",
+                    )
 
     def _start_wall(self) -> datetime:
         return datetime.now(UTC) - timedelta(seconds=self.history.now())
@@ -1336,6 +1496,9 @@ class Run:
             "supervisor_restart",
             "supervisor_outage",
             "token_rotation",
+            "partition",
+            "lossy_link",
+            "host_loss",
         }
         for at, target, why in self.healthz_failures:
             excused = any(
@@ -1368,6 +1531,8 @@ class Run:
                     return "replica or worker stopped (a health check takes it out)"
                 if w.kind.startswith("vllm_") and w.kind != "vllm_wake_fails":
                     return f"{w.kind} on {w.target}: no domain could serve"
+                if w.kind in ("partition", "host_loss"):
+                    return f"{w.kind} of {w.target}: its vLLM servers were gone or stopped"
                 if w.kind in ("store_cut", "store_stall") and not self._warm(
                     outcome.replica, w.start, outcome.end
                 ):

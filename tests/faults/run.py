@@ -59,6 +59,12 @@ def _parser() -> argparse.ArgumentParser:
         "PostgreSQL forwarder, fleet on ephemeral ports and database); more than the machine's "
         "cores / 4 slows every schedule's processes",
     )
+    parser.add_argument(
+        "--no-evidence",
+        action="store_true",
+        help="leave out the evidence faults (partition, lossy link, lost host): the schedules "
+        "seeds drew before they existed",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--summary-json", type=Path, default=None)
     return parser
@@ -69,7 +75,13 @@ async def _one(
 ) -> tuple[dict[str, Any] | None, str | None]:
     """Run one schedule; returns its summary row (None on a harness error) and its failure."""
     async with gate:
-        schedule = make_schedule(seed, variant, faults=args.faults, window_s=args.window_s)
+        schedule = make_schedule(
+            seed,
+            variant,
+            faults=args.faults,
+            window_s=args.window_s,
+            evidence=not args.no_evidence,
+        )
         folder = workdir / f"{variant}-{seed}"
         started = time.monotonic()
         try:
@@ -129,6 +141,7 @@ async def _in_child(
             *("--database-url", args.database_url, "--summary-json", str(summary), "--child"),
             *(["--hold"] if args.hold else []),
             *(["--keep"] if args.keep else []),
+            *(["--no-evidence"] if args.no_evidence else []),
         ]
         child = await asyncio.create_subprocess_exec(
             *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT

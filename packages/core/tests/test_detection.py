@@ -7,12 +7,17 @@ from typing import TYPE_CHECKING
 
 import pytest
 from haru_core import (
+    Reach,
     active_proven_dead,
     awaiting_confirmation,
+    check_endpoints,
     dead_since,
     detect_dead_active,
     detect_failover,
+    host_unreachable,
     server_partitioned,
+    serving_endpoints,
+    weak_evidence,
 )
 from haru_protocol import (
     DomainState,
@@ -250,3 +255,82 @@ def test_reaching_no_supervisor_of_several_is_a_partition(make: FleetFactory) ->
     # One domain alone: its loss and a partition look the same, and nothing could take over.
     assert not server_partitioned([a], [])
     assert not server_partitioned([], [])
+
+
+# ---- a lost host ----
+
+
+def test_a_lost_host_is_supervisor_and_every_endpoint_refused_while_the_standby_answers(
+    make: FleetFactory,
+) -> None:
+    fleet = two_model_fleet(make)
+    alpha, beta = fleet.domains
+    links = serving_endpoints(alpha)
+    assert links == (("alpha.test", 8000), ("alpha.test", 8800))
+    refused = dict.fromkeys(links, Reach.REFUSED)
+    mixed = {links[0]: Reach.NO_ROUTE, links[1]: Reach.REFUSED}
+    for endpoints in (refused, mixed):
+        assert host_unreachable(
+            fleet, alpha, supervisor=Reach.REFUSED, endpoints=endpoints, reached=[beta.id]
+        )
+    # The server reached no other domain: its own network may be the one gone.
+    assert not check_endpoints(fleet, alpha, supervisor=Reach.REFUSED, reached=[])
+    assert not host_unreachable(
+        fleet, alpha, supervisor=Reach.REFUSED, endpoints=refused, reached=[]
+    )
+    # A silent drop, a slow supervisor, a TLS failure: weak.
+    for supervisor in (Reach.CONNECT_TIMEOUT, Reach.SLOW, Reach.BROKEN, None):
+        assert not host_unreachable(
+            fleet, alpha, supervisor=supervisor, endpoints=refused, reached=[beta.id]
+        )
+    # One endpoint still listening, or timing out: weak.
+    for alive in (Reach.ANSWERED, Reach.CONNECT_TIMEOUT):
+        assert not host_unreachable(
+            fleet,
+            alpha,
+            supervisor=Reach.REFUSED,
+            endpoints={**refused, links[1]: alive},
+            reached=[beta.id],
+        )
+    # The standby is never proven dead this way.
+    assert not host_unreachable(
+        fleet,
+        beta,
+        supervisor=Reach.REFUSED,
+        endpoints=dict.fromkeys(serving_endpoints(beta), Reach.REFUSED),
+        reached=[alpha.id],
+    )
+
+
+def test_weak_evidence_names_what_keeps_the_grace(make: FleetFactory) -> None:
+    fleet = two_model_fleet(make)
+    alpha, beta = fleet.domains
+
+    def weak(**kw: object) -> str | None:
+        args: dict[str, object] = {
+            "status": None,
+            "supervisor": None,
+            "proxy_failed": False,
+            "proven": False,
+        }
+        args.update(kw)
+        return weak_evidence(fleet, alpha, **args)  # type: ignore[arg-type]
+
+    assert weak(supervisor=Reach.SLOW) == "heartbeat_timeout"
+    assert weak(supervisor=Reach.CONNECT_TIMEOUT) == "heartbeat_timeout"
+    assert weak(supervisor=Reach.REFUSED) == "heartbeat_unreachable"
+    assert weak(supervisor=Reach.BROKEN) == "heartbeat_error"
+    # A partial loss (one model of two refuses) is weak: the other still serves.
+    partial = status(a=(False, True), b=(False, False))
+    assert weak(status=partial) == "partial_models_down"
+    assert weak(status=status(a=(False, False), b=(False, False)), proxy_failed=True) == (
+        "proxy_connect_failed"
+    )
+    assert weak(status=status(a=(False, False), b=(False, False))) is None
+    assert weak(supervisor=Reach.REFUSED, proven=True) is None
+    assert (
+        weak_evidence(
+            fleet, beta, status=None, supervisor=Reach.REFUSED, proxy_failed=True, proven=False
+        )
+        is None
+    )

@@ -8,11 +8,14 @@ from datetime import UTC, datetime, timedelta
 
 from haru_core import (
     PROMOTE_STEPS,
+    UNREACHABLE,
     CreateOperation,
     InvalidTarget,
+    Reach,
     active_proven_dead,
     build_route_intent,
     can_transition,
+    check_endpoints,
     clamp_to_now,
     decide_demotion,
     decide_promotion,
@@ -22,16 +25,21 @@ from haru_core import (
     domain_change_on_heartbeat,
     elapsed_since,
     has_inference_bindings,
+    host_unreachable,
     inference_slots,
     is_stale,
     is_viable_standby,
     machine_for,
+    proxy_connect_failed,
+    proxy_kick,
     rank_standbys,
     server_partitioned,
+    serving_endpoints,
     slot_bindings,
     slot_health_changes,
     step_budget_ms,
     step_remaining_ms,
+    weak_evidence,
 )
 from haru_protocol import (
     Cloud,
@@ -583,3 +591,93 @@ def test_a_partition_means_no_supervisor_reached(
     reached = data.draw(st.lists(st.sampled_from(polled), unique=True) if polled else st.just([]))
     partitioned = server_partitioned(polled, reached)
     assert partitioned == (len(polled) >= 2 and not reached)
+
+
+# ---- a lost host ----
+
+REACHES = st.sampled_from(list(Reach))
+
+
+@PROPERTY_SETTINGS
+@given(fleet=fleets(), data=st.data())
+def test_a_lost_host_needs_every_link_refused_and_another_domain_reached(
+    fleet: FleetSnapshot, data: st.DataObject
+) -> None:
+    domain = data.draw(st.sampled_from(fleet.domains))
+    supervisor = data.draw(st.one_of(st.none(), REACHES))
+    links = serving_endpoints(domain)
+    endpoints = {e: data.draw(REACHES) for e in links}
+    skip_one: bool = data.draw(st.booleans())
+    if links and skip_one:
+        del endpoints[links[-1]]  # one endpoint not checked
+    reached = data.draw(st.lists(st.sampled_from([d.id for d in fleet.domains]), unique=True))
+    proven = host_unreachable(
+        fleet, domain, supervisor=supervisor, endpoints=endpoints, reached=reached
+    )
+    expected = (
+        domain.id == fleet.active_domain_id
+        and supervisor in UNREACHABLE
+        and bool(links)
+        and all(endpoints.get(e) in UNREACHABLE for e in links)
+        and any(d != domain.id for d in reached)
+    )
+    assert proven == expected
+    # Proof implies the check was due, and a server that reached no other domain (its own
+    # network) never proves anything.
+    if proven:
+        assert check_endpoints(fleet, domain, supervisor=supervisor, reached=reached)
+    assert not host_unreachable(
+        fleet, domain, supervisor=supervisor, endpoints=endpoints, reached=[domain.id]
+    )
+    # Strong and weak evidence never describe the same observation.
+    assert (
+        weak_evidence(
+            fleet, domain, status=None, supervisor=supervisor, proxy_failed=True, proven=proven
+        )
+        is None
+        or not proven
+    )
+
+
+@PROPERTY_SETTINGS
+@given(fleet=fleets(), data=st.data())
+def test_one_link_that_is_not_refused_is_no_proof(
+    fleet: FleetSnapshot, data: st.DataObject
+) -> None:
+    actives = [d for d in fleet.domains if d.id == fleet.active_domain_id]
+    endpoints_of = [d for d in actives if serving_endpoints(d)]
+    if not endpoints_of:
+        return
+    domain = endpoints_of[0]
+    links = serving_endpoints(domain)
+    spared = data.draw(st.sampled_from(links))
+    alive = data.draw(
+        st.sampled_from([Reach.ANSWERED, Reach.SLOW, Reach.CONNECT_TIMEOUT, Reach.BROKEN])
+    )
+    endpoints = {e: (alive if e == spared else Reach.REFUSED) for e in links}
+    others = [d.id for d in fleet.domains if d.id != domain.id]
+    assert not host_unreachable(
+        fleet, domain, supervisor=Reach.NO_ROUTE, endpoints=endpoints, reached=others
+    )
+
+
+@PROPERTY_SETTINGS
+@given(
+    fleet=fleets(),
+    age_ms=st.integers(-5_000, 20_000),
+    window_ms=st.integers(0, 10_000),
+    data=st.data(),
+)
+def test_a_proxy_record_is_recent_or_not_and_kicks_once(
+    fleet: FleetSnapshot, age_ms: int, window_ms: int, data: st.DataObject
+) -> None:
+    domain = data.draw(st.sampled_from(fleet.domains))
+    stamped = domain.model_copy(update={"connect_failed_at": NOW - timedelta(milliseconds=age_ms)})
+    recent = proxy_connect_failed(stamped, now=NOW, window_ms=window_ms)
+    assert recent == (max(age_ms, 0) <= window_ms)
+    assert proxy_kick(stamped, seen=None, now=NOW, window_ms=window_ms) == recent
+    # Once acted on, the same record never kicks again.
+    assert not proxy_kick(stamped, seen=stamped.connect_failed_at, now=NOW, window_ms=window_ms)
+    assert not proxy_connect_failed(
+        domain.model_copy(update={"connect_failed_at": None}), now=NOW, window_ms=window_ms
+    )

@@ -224,6 +224,7 @@ def test_the_wheel_ships_the_migrations_and_the_pytest_plugin(tmp_path: Path) ->
         "haru_db/migrations/versions/v0007_operation_fence.py",
         "haru_db/migrations/versions/v0009_config_revision.py",
         "haru_db/migrations/versions/v0010_fleet_ca.py",
+        "haru_db/migrations/versions/v0008_domain_connect_failed.py",
         "haru_db/py.typed",
     } <= names
 

@@ -82,6 +82,17 @@ STORED: dict[str, dict[str, Any]] = {
     "domain.degraded.escalated": {"from": "degraded", "to": "failed", "degradedGraceMs": 30000},
     "domain.supervisor.unauthorized": {"message": "401 from supervisor", "role": "standby"},
     "domain.supervisor.authorized": {},
+    "domain.dead_suspected": {
+        "evidence": "host_unreachable",
+        "models": ["m"],
+        "endpoints": 1,
+        "proxyConnectFailedAt": "2026-12-03T10:00:00+00:00",
+        "deadConfirmMs": 1000,
+    },
+    "domain.dead_cleared": {
+        "evidence": "models_refused",
+        "suspectedAt": "2026-12-03T10:00:00+00:00",
+    },
     "slot.state.changed": {
         "kind": "inference",
         "from": "serving",
@@ -142,6 +153,8 @@ STORED: dict[str, dict[str, Any]] = {
     "domain.teardown": {"cluster": "haru-f-a", "ok": True},
     "server.clock.skewed": {"skewMs": 10800000, "maxSkewMs": 2000, "host": "cp-2", "pid": 41},
     "server.clock.recovered": {"skewMs": -12, "maxSkewMs": 2000, "host": "cp-2", "pid": 41},
+    "server.partitioned": {"domains": 2, "host": "cp-2", "pid": 41},
+    "server.partition.healed": {"host": "cp-2", "pid": 41},
 }
 
 

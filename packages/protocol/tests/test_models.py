@@ -280,6 +280,7 @@ def test_fleet_snapshot_keys() -> None:
         "launchAttempt",
         "launchStartedAt",
         "launchedAt",
+        "connectFailedAt",
     ]
     assert keys(fleet.domains[0].slots[0]) == [
         "id",

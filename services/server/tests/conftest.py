@@ -18,6 +18,7 @@ from haru_db import StateStore
 from haru_demo.localfleet import LocalFleet, LocalFleetOptions
 from haru_protocol import FleetSnapshot, Operation, OperationState, PolicyPatch
 from haru_server._clock import ManualClock
+from haru_server._metrics import ServerMetrics
 from haru_server._reconciler import Reconciler, ReconcilerOptions, TickResult
 from haru_server._steps import StepTuning
 from haru_supervisor.client import SupervisorClient
@@ -64,6 +65,7 @@ def make_reconciler(clock: ManualClock, http: aiohttp.ClientSession) -> Callable
         chaining: bool = True,
         tuning: StepTuning = FAST_TUNING,
         heartbeat_timeout_s: float = 2.0,
+        metrics: ServerMetrics | None = None,
     ) -> Reconciler:
         return Reconciler(
             store,
@@ -72,6 +74,7 @@ def make_reconciler(clock: ManualClock, http: aiohttp.ClientSession) -> Callable
             options=ReconcilerOptions(
                 chaining=chaining, tuning=tuning, heartbeat_timeout_s=heartbeat_timeout_s
             ),
+            metrics=metrics,
         )
 
     return make

@@ -22,13 +22,20 @@ from haru_protocol import (
     PolicyPatch,
 )
 from haru_server._clock import ManualClock
+from haru_server._metrics import ServerMetrics
 from haru_server._reconciler import Reconciler
+from prometheus_client import CollectorRegistry
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 MakeReconciler = Callable[..., Reconciler]
 
 DEFAULT_AUTO = PolicyPatch(auto_failover=True)
 """The default policy, with only automatic failover turned on."""
+
+
+def gauge(metrics: ServerMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
 
 
 def state_of(snapshot: FleetSnapshot, slug: str) -> DomainState:
@@ -59,10 +66,12 @@ async def started(
     make_reconciler: MakeReconciler,
     helpers: Any,
     clock: ManualClock,
+    *,
+    metrics: ServerMetrics | None = None,
 ) -> tuple[LocalFleet, FleetSnapshot, Reconciler]:
     fleet = await make_fleet(training_gpus=())
     seeded = await helpers.seed(store, fleet, clock, policy=DEFAULT_AUTO)
-    reconciler = make_reconciler(store)
+    reconciler = make_reconciler(store, metrics=metrics)
     first = await reconciler.tick("local")
     assert first.operation is None
     assert state_of(await snapshot(store), "alpha") is DomainState.READY
@@ -152,6 +161,9 @@ async def test_the_confirmation_needs_a_fresh_answer_from_the_supervisor(
         await sim.set_faults(refuse=True)
     assert (await reconciler.tick("local")).confirming
     await fleet.stop_supervisor("alpha")  # no second proof can come
+    for sim in fleet.domain("alpha").sims.values():
+        # Its servers accept connections again: nor is the host proven gone.
+        await sim.set_faults(refuse=False)
     clock.advance(ms=seeded.policy.dead_confirm_ms * 5)
     result = await reconciler.tick("local")
     assert result.operation is None
@@ -216,14 +228,20 @@ async def test_one_dead_model_of_several_keeps_the_grace(
 
 
 async def test_a_server_that_reaches_no_domain_judges_nothing_and_never_fails_over(
-    sqlite_store: StateStore,
+    store: StateStore,
     make_fleet: MakeFleet,
     make_reconciler: MakeReconciler,
     clock: ManualClock,
     helpers: Any,
 ) -> None:
-    store = sqlite_store
-    fleet, seeded, reconciler = await started(store, make_fleet, make_reconciler, helpers, clock)
+    metrics = ServerMetrics(CollectorRegistry())
+    fleet, seeded, reconciler = await started(
+        store, make_fleet, make_reconciler, helpers, clock, metrics=metrics
+    )
+    # Everything of the active is gone (supervisor and servers refuse), but so is every
+    # other domain: from here that is this server's own network.
+    for sim in fleet.domain("alpha").sims.values():
+        await sim.stop()
     await fleet.stop_supervisor("alpha")
     await fleet.stop_supervisor("beta")
     policy = seeded.policy
@@ -237,14 +255,23 @@ async def test_a_server_that_reaches_no_domain_judges_nothing_and_never_fails_ov
             DomainState.READY,
             DomainState.READY,
         )
+    assert gauge(metrics, "haru_reconcile_partitioned", fleet="local") == 1
+    cut_off = [e.type for e in await store.list_events(seeded.id, limit=1000)]
+    assert EventType.DOMAIN_DEAD_SUSPECTED not in cut_off
     await fleet.restart_supervisor("alpha")
     await fleet.restart_supervisor("beta")
     result = await reconciler.tick("local")
     assert result.operation is None
     assert (await snapshot(store)).active_domain_id == id_of(seeded, "alpha")
+    assert gauge(metrics, "haru_reconcile_partitioned", fleet="local") == 0
     types = [e.type for e in await store.list_events(seeded.id, limit=1000)]
     assert EventType.OPERATION_AUTO_FAILOVER not in types
     assert EventType.DOMAIN_HEARTBEAT_FAILED not in types
+    # Visible to every replica and operator: once when it began, once when it ended.
+    partition = [
+        t for t in types if t in (EventType.SERVER_PARTITIONED, EventType.SERVER_PARTITION_HEALED)
+    ]
+    assert partition == [EventType.SERVER_PARTITIONED, EventType.SERVER_PARTITION_HEALED]
 
 
 async def test_a_dead_active_without_a_viable_standby_is_not_failed_nor_polled_at_the_busy_pace(
@@ -269,4 +296,114 @@ async def test_a_dead_active_without_a_viable_standby_is_not_failed_nor_polled_a
         DomainState.DEGRADED,
         id_of(seeded, "alpha"),
     )
+    assert await escalations(store, seeded.id) == []
+
+
+# ---- a lost host ----
+
+
+async def test_a_lost_host_fails_over_after_the_confirmation_not_the_staleness(
+    store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    metrics = ServerMetrics(CollectorRegistry())
+    fleet, seeded, reconciler = await started(
+        store, make_fleet, make_reconciler, helpers, clock, metrics=metrics
+    )
+    confirm_ms = seeded.policy.dead_confirm_ms
+    assert confirm_ms < seeded.policy.heartbeat_stale_ms
+    # The host is gone: its supervisor and every server refuse connections; beta answers.
+    await fleet.stop_supervisor("alpha")
+    for sim in fleet.domain("alpha").sims.values():
+        await sim.stop()
+
+    result = await reconciler.tick("local")
+    assert result.operation is None
+    assert result.confirming  # a fresh observation now, not the next regular tick
+    assert state_of(await snapshot(store), "alpha") is DomainState.DEGRADED
+    events = await store.list_events(seeded.id, limit=1000)
+    [suspected] = [e for e in events if e.type == EventType.DOMAIN_DEAD_SUSPECTED]
+    assert suspected.domain_id == id_of(seeded, "alpha")
+    assert suspected.payload["evidence"] == "host_unreachable"
+    assert suspected.payload["endpoints"] == len(fleet.domain("alpha").sims)
+    assert set(suspected.payload["models"]) == set(fleet.domain("alpha").sims)
+
+    clock.advance(ms=confirm_ms - 1)
+    result = await reconciler.tick("local")
+    assert result.operation is None
+    clock.advance(ms=1)
+    result = await reconciler.tick("local")
+    assert result.operation is not None
+    assert result.operation.kind is OperationKind.PROMOTE
+    assert result.operation.target_domain_id == id_of(seeded, "beta")
+    after = await snapshot(store)
+    assert after.active_domain_id == id_of(seeded, "beta")
+    [escalated] = await escalations(store, seeded.id)
+    assert escalated["evidence"] == "host_unreachable"
+    assert escalated["deadConfirmMs"] == confirm_ms
+    assert (
+        metrics.registry.get_sample_value(
+            "haru_reconcile_dead_suspected_total",
+            {"fleet": "local", "evidence": "host_unreachable", "outcome": "confirmed"},
+        )
+        == 1
+    )
+
+
+async def test_a_lost_supervisor_whose_servers_still_listen_keeps_the_staleness(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    metrics = ServerMetrics(CollectorRegistry())
+    fleet, seeded, reconciler = await started(
+        store, make_fleet, make_reconciler, helpers, clock, metrics=metrics
+    )
+    await fleet.stop_supervisor("alpha")  # the servers still listen: they may still serve
+    result = await reconciler.tick("local")
+    assert result.operation is None
+    assert not result.confirming
+    assert state_of(await snapshot(store), "alpha") is DomainState.DEGRADED
+    clock.advance(ms=seeded.policy.dead_confirm_ms * 5)
+    result = await reconciler.tick("local")
+    assert result.operation is None
+    types = [e.type for e in await store.list_events(seeded.id, limit=1000)]
+    assert EventType.DOMAIN_DEAD_SUSPECTED not in types
+    assert await escalations(store, seeded.id) == []
+    weak = metrics.registry.get_sample_value(
+        "haru_reconcile_weak_evidence_total", {"fleet": "local", "kind": "heartbeat_unreachable"}
+    )
+    assert weak == 2
+
+
+async def test_a_host_back_within_the_confirmation_is_cleared_not_failed(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    make_reconciler: MakeReconciler,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    store = sqlite_store
+    fleet, seeded, reconciler = await started(store, make_fleet, make_reconciler, helpers, clock)
+    sims = list(fleet.domain("alpha").sims.values())
+    await fleet.stop_supervisor("alpha")
+    for sim in sims:
+        await sim.set_faults(refuse=True)
+    assert (await reconciler.tick("local")).confirming
+    await fleet.restart_supervisor("alpha")
+    for sim in sims:
+        await sim.set_faults(refuse=False)
+    clock.advance(ms=seeded.policy.dead_confirm_ms)
+    result = await reconciler.tick("local")
+    assert result.operation is None
+    assert not result.confirming
+    events = await store.list_events(seeded.id, limit=1000)
+    kinds = [e.type for e in events if e.type.startswith("domain.dead_")]
+    assert kinds == [EventType.DOMAIN_DEAD_SUSPECTED, EventType.DOMAIN_DEAD_CLEARED]
     assert await escalations(store, seeded.id) == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 import subprocess
 import sys
@@ -17,10 +18,12 @@ from haru_supervisor.client import (
     SupervisorBadResponseError,
     SupervisorCallError,
     SupervisorClient,
+    SupervisorConnectError,
     SupervisorRejectedError,
     SupervisorTimeoutError,
     SupervisorUnauthorizedError,
     SupervisorUnreachableError,
+    connect_failure,
     probe_timeout_ms,
 )
 from pytest_aiohttp import AiohttpServer
@@ -186,8 +189,42 @@ async def test_refused_connection_is_unreachable(session: aiohttp.ClientSession)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    with pytest.raises(SupervisorUnreachableError):
+    with pytest.raises(SupervisorConnectError) as caught:
         await SupervisorClient(session, token=None).status(f"http://127.0.0.1:{port}", timeout_s=2)
+    assert isinstance(caught.value, SupervisorUnreachableError)
+    assert caught.value.reason == "refused"
+
+
+async def test_a_slow_answer_is_never_a_connect_failure(
+    aiohttp_server: AiohttpServer, session: aiohttp.ClientSession
+) -> None:
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response(STATUS)
+
+    url = await serve(aiohttp_server, slow)
+    with pytest.raises(SupervisorTimeoutError) as timed_out:
+        await SupervisorClient(session, token=None).status(url, timeout_s=0.1)
+    assert connect_failure(timed_out.value) is None
+    release.set()
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        (errno.ECONNREFUSED, "refused"),
+        (errno.EHOSTUNREACH, "no_route"),
+        (errno.ENETUNREACH, "no_route"),
+        (errno.EHOSTDOWN, "no_route"),
+        (errno.ETIMEDOUT, None),
+        (errno.ECONNRESET, None),
+    ],
+)
+def test_connect_failures_are_told_by_their_errno(code: int, reason: str | None) -> None:
+    assert connect_failure(OSError(code, "x")) == reason
+    assert connect_failure(TimeoutError()) is None
 
 
 async def test_redirect_is_not_followed(

@@ -24,17 +24,26 @@ from haru_core._decisions import (
 )
 from haru_core._errors import HaruCoreError, InvalidTransitionError
 from haru_core._failover import (
+    UNREACHABLE,
     FailoverDecision,
+    Reach,
+    WeakEvidence,
     active_proven_dead,
     awaiting_confirmation,
+    check_endpoints,
     dead_since,
     detect_dead_active,
     detect_degraded_escalation,
     detect_failover,
+    host_unreachable,
     is_stale,
     is_viable_standby,
+    proxy_connect_failed,
+    proxy_kick,
     rank_standbys,
     server_partitioned,
+    serving_endpoints,
+    weak_evidence,
 )
 from haru_core._heartbeat import (
     DomainChange,
@@ -169,6 +178,15 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "dead_since",
     "detect_dead_active",
     "server_partitioned",
+    "Reach",
+    "UNREACHABLE",
+    "WeakEvidence",
+    "serving_endpoints",
+    "check_endpoints",
+    "host_unreachable",
+    "proxy_connect_failed",
+    "proxy_kick",
+    "weak_evidence",
     # Promotion backoff
     "PromotionBackoff",
     "backoff_delay_ms",

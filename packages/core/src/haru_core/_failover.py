@@ -1,19 +1,24 @@
 """Standby ranking, failover detection and degraded escalation (SPEC 7.3 step 2, 7.4).
 
-Evidence about the active comes in two strengths. Strong: its supervisor answers and every
-model the layout binds to the active refuses connections (nothing listens on the port: the
-vLLM process is gone); once a later heartbeat, at least ``deadConfirmMs`` after the first,
-still proves it, the active fails at once (:func:`detect_dead_active`). Weak: anything else
-(an unanswered heartbeat, a slow or erroring server, one model of several down while the
-others serve) keeps the ``degradedGraceMs`` grace and the ``heartbeatStaleMs`` staleness.
-A server that reaches no domain of a fleet judges nothing (:func:`server_partitioned`).
+Evidence about the active comes in two strengths. Strong, of two kinds: its supervisor
+answers and every model the layout binds to the active refuses connections (nothing listens
+on the port: the vLLM process is gone; :func:`active_proven_dead`), or its supervisor AND
+every serving endpoint of the active refuse the connection or have no route while another
+domain of the fleet answers (the host is gone; :func:`host_unreachable`). Once a later
+observation, at least ``deadConfirmMs`` after the first, still proves it, the active fails at
+once (:func:`detect_dead_active`). Weak: anything else (an unanswered or slow heartbeat, a
+connect that times out, a TLS failure, error answers, one model of several down while the
+others serve, the proxies' failed connects on their own; :func:`weak_evidence`) keeps the
+``degradedGraceMs`` grace and the ``heartbeatStaleMs`` staleness. A server that reaches no
+domain of a fleet judges nothing (:func:`server_partitioned`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from enum import StrEnum
 from typing import Literal
 from uuid import UUID
 
@@ -284,3 +289,182 @@ def server_partitioned(polled: Collection[UUID], reached: Collection[UUID]) -> b
     domain, fails nothing and fails nothing over until a supervisor answers again.
     """
     return len(set(polled)) >= 2 and not set(polled) & set(reached)
+
+
+class Reach(StrEnum):
+    """How one connection attempt to a domain (its supervisor, a serving endpoint) ended."""
+
+    ANSWERED = "answered"
+    """Connected; whatever came back (an error status included) came from the host."""
+    REFUSED = "refused"
+    """The host answered the connect with a reset: nothing listens on the port."""
+    NO_ROUTE = "no_route"
+    """No route to the host, or the host or its network is unreachable (ICMP)."""
+    CONNECT_TIMEOUT = "connect_timeout"
+    """No answer to the connect at all within the bound (dropped packets, a silent host)."""
+    SLOW = "slow"
+    """Connected, but no answer within the bound."""
+    BROKEN = "broken"
+    """Anything else: TLS refused or failed, a reset after connecting, an unusable answer."""
+
+
+UNREACHABLE: frozenset[Reach] = frozenset({Reach.REFUSED, Reach.NO_ROUTE})
+"""The outcomes that count as strong evidence a host is gone.
+
+A connect timeout is not among them: packet loss and a congested link look the same for as
+long as the bound, and a host that drops packets silently waits ``heartbeatStaleMs``."""
+
+
+def serving_endpoints(domain: DomainSnapshot) -> tuple[tuple[str, int], ...]:
+    """The ``(host, port)`` of every serving endpoint of ``domain``, in layout order, once.
+
+    Each model binding's ``servingUrl`` and the domain's ``servingBaseUrl``: what the proxy
+    connects to. A URL without a host is left out.
+    """
+    urls = [b.serving_url for b in inference_bindings(domain) if b.serving_url is not None]
+    if domain.serving_base_url is not None:
+        urls.append(domain.serving_base_url)
+    found: dict[tuple[str, int], None] = {}
+    for url in urls:
+        endpoint = _host_port(url)
+        if endpoint is not None:
+            found[endpoint] = None
+    return tuple(found)
+
+
+def _host_port(url: str) -> tuple[str, int] | None:
+    """``(host, port)`` of an ``http(s)://`` URL (already validated).
+
+    The scheme's default port when none is given; an IPv6 literal comes back bare.
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return None
+    authority = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0].rpartition("@")[2]
+    default = 443 if scheme.lower() == "https" else 80
+    if authority.startswith("["):
+        host, _, tail = authority[1:].partition("]")
+        port_text = tail.removeprefix(":")
+    else:
+        host, colon, port_text = authority.rpartition(":")
+        if not colon:
+            host, port_text = authority, ""
+    if not host:
+        return None
+    if not port_text:
+        return host, default
+    return (host, int(port_text)) if port_text.isdigit() else None
+
+
+def check_endpoints(
+    fleet: FleetSnapshot,
+    domain: DomainSnapshot,
+    *,
+    supervisor: Reach | None,
+    reached: Collection[UUID],
+) -> bool:
+    """Whether the caller should connect to the active's serving endpoints now.
+
+    Only when ``domain`` is the active, its supervisor refused the heartbeat's connection or
+    had no route (``supervisor``), and another domain of the fleet was reached this round
+    (``reached``): otherwise the answer could not make the evidence strong, and a server that
+    lost its own network would only pile up connects.
+    """
+    return (
+        is_active(fleet, domain)
+        and supervisor in UNREACHABLE
+        and bool(serving_endpoints(domain))
+        and any(d != domain.id for d in reached)
+    )
+
+
+def host_unreachable(
+    fleet: FleetSnapshot,
+    domain: DomainSnapshot,
+    *,
+    supervisor: Reach | None,
+    endpoints: Mapping[tuple[str, int], Reach],
+    reached: Collection[UUID],
+) -> bool:
+    """Whether one observation proves the active's host gone (strong evidence).
+
+    Proof: :func:`check_endpoints` holds, and every serving endpoint of the active
+    (:func:`serving_endpoints`) refused the connection or had no route in ``endpoints``. One
+    endpoint that connects (even slowly), times out or was not checked is no proof.
+    """
+    if not check_endpoints(fleet, domain, supervisor=supervisor, reached=reached):
+        return False
+    return all(endpoints.get(e) in UNREACHABLE for e in serving_endpoints(domain))
+
+
+def proxy_connect_failed(domain: DomainSnapshot, *, now: datetime, window_ms: int) -> bool:
+    """Whether a proxy recorded a refused connect to ``domain`` within ``window_ms`` of ``now``.
+
+    Corroboration and a reason to look again at once; never proof on its own (a proxy's
+    network, or one endpoint among several, may be the one at fault).
+    """
+    require_aware("now", now)
+    failed = domain.connect_failed_at
+    if failed is None:
+        return False
+    return elapsed_since(failed, now=now) <= timedelta(milliseconds=window_ms)
+
+
+def proxy_kick(
+    domain: DomainSnapshot, *, seen: datetime | None, now: datetime, window_ms: int
+) -> bool:
+    """Whether a proxy's record is new to the caller and recent: worth a fresh heartbeat now.
+
+    ``seen``: the newest ``connectFailedAt`` of ``domain`` the caller already acted on.
+    """
+    failed = domain.connect_failed_at
+    if failed is None or not proxy_connect_failed(domain, now=now, window_ms=window_ms):
+        return False
+    return seen is None or failed > seen
+
+
+WeakEvidence = Literal[
+    "heartbeat_unreachable",
+    "heartbeat_timeout",
+    "heartbeat_error",
+    "partial_models_down",
+    "proxy_connect_failed",
+]
+
+
+def weak_evidence(
+    fleet: FleetSnapshot,
+    domain: DomainSnapshot,
+    *,
+    status: SupervisorStatus | None,
+    supervisor: Reach | None,
+    proxy_failed: bool,
+    proven: bool,
+) -> WeakEvidence | None:
+    """What ``domain`` (the active) showed that is NOT enough to fail it fast, if anything.
+
+    ``status``: its supervisor's answer (None: none); ``supervisor``: how the heartbeat's
+    connection ended; ``proxy_failed``: :func:`proxy_connect_failed`; ``proven``: this
+    observation is strong evidence (then nothing is weak). Weak evidence keeps the grace and
+    the staleness; callers count it so that a blip is visible without a failover.
+    """
+    if proven or not is_active(fleet, domain):
+        return None
+    if status is None:
+        if supervisor in (Reach.SLOW, Reach.CONNECT_TIMEOUT):
+            return "heartbeat_timeout"
+        if supervisor in UNREACHABLE:
+            return "heartbeat_unreachable"
+        return "heartbeat_error"
+    names = {b.name for b in inference_bindings(domain)}
+    down = {
+        model.name
+        for slot in status.slots
+        for model in slot.models or ()
+        if model.name in names and model.down
+    }
+    if down:
+        return "partial_models_down"
+    if proxy_failed:
+        return "proxy_connect_failed"
+    return None

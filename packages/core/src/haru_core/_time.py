@@ -58,7 +58,13 @@ def fleet_times_ahead(fleet: FleetSnapshot, *, now: datetime) -> bool:
     return any(
         lies_ahead(value, now=now)
         for d in fleet.domains
-        for value in (d.last_seen_at, d.state_updated_at, d.launch_started_at, d.launched_at)
+        for value in (
+            d.last_seen_at,
+            d.state_updated_at,
+            d.launch_started_at,
+            d.launched_at,
+            d.connect_failed_at,
+        )
     )
 
 

@@ -147,6 +147,7 @@ def snapshot_from_rows(rows: Sequence[Row]) -> FleetSnapshot:
                 "launch_started_at": row["d_launch_started_at"],
                 "launched_at": row["d_launched_at"],
                 "model_urls": row["d_model_urls"],
+                "connect_failed_at": row["d_connect_failed_at"],
                 "slots": [],
             }
             domains[domain_id] = domain

@@ -251,6 +251,20 @@ class StateStore:
         return await _transitions.mark_domains_seen(self._ex, domain_ids, at=at)
 
     @_bounded
+    async def record_connect_failed(self, domain_id: UUID, *, at: datetime) -> bool:
+        """Record that a proxy could not connect to ``domain_id``'s serving endpoint at ``at``.
+
+        Refused or no route (never a timeout or an error answer). The stored time only moves
+        forward; the domain's ``updated_at`` and the fleet's route pointer do not move. Read
+        back as ``DomainSnapshot.connect_failed_at``.
+
+        Returns:
+            True when the stored time moved; False when a later one was stored already, or no
+            such domain exists.
+        """
+        return await _transitions.record_connect_failed(self._ex, domain_id, at=at)
+
+    @_bounded
     async def clamp_future_times(
         self, fleet_id: UUID, *, operation_ids: Collection[UUID] = (), at: datetime
     ) -> int:

@@ -196,6 +196,8 @@ domains = sa.Table(
     # Revision of the operator's configuration (URLs, placement, provisioning; migration
     # 0009): `haru apply` swaps on it and raises it by one.
     sa.Column("config_revision", sa.Integer(), nullable=False, server_default=sa.text("1")),
+    # A proxy's latest refused connect to the domain (migration 0008).
+    sa.Column("connect_failed_at", UtcDateTime(), nullable=True),
     sa.UniqueConstraint("fleet_id", "slug"),
     # Target of the composite keys that keep pointers and operations inside their fleet.
     sa.UniqueConstraint("fleet_id", "id"),

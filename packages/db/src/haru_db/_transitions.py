@@ -178,7 +178,29 @@ async def record_route_lease(ex: Executor, fleet_id: UUID, lease_ms: int) -> boo
     return bool(await ex.write(stmt))
 
 
-_DOMAIN_TIMES = ("last_seen_at", "state_updated_at", "launch_started_at", "launched_at")
+async def record_connect_failed(ex: Executor, domain_id: UUID, *, at: datetime) -> bool:
+    # Only ever moved forward, in one statement; neither updated_at nor the pointer moves (no
+    # route notification, no cache invalidation).
+    at = aware(at)
+    stmt = (
+        sa.update(domains)
+        .where(
+            domains.c.id == domain_id,
+            sa.or_(domains.c.connect_failed_at.is_(None), domains.c.connect_failed_at < at),
+        )
+        .values(connect_failed_at=at)
+        .returning(domains.c.id)
+    )
+    return bool(await ex.write(stmt))
+
+
+_DOMAIN_TIMES = (
+    "last_seen_at",
+    "state_updated_at",
+    "launch_started_at",
+    "launched_at",
+    "connect_failed_at",
+)
 _OPERATION_TIMES = ("created_at", "step_started_at", "finished_at")
 
 

@@ -271,6 +271,10 @@ class DomainHeartbeatFailed(_DomainChange):
     event_type = EventType.DOMAIN_HEARTBEAT_FAILED
 
 
+DeadEvidence = Literal["models_refused", "host_unreachable"]
+"""Strong evidence that the active domain is dead (``domain.dead_suspected``)."""
+
+
 class DomainDegradedEscalated(EventPayload):
     """``domain.degraded.escalated``: a degraded active domain fails.
 
@@ -286,6 +290,13 @@ class DomainDegradedEscalated(EventPayload):
     """The active's models whose servers refused connections on heartbeats at least
     ``deadConfirmMs`` apart (absent: the grace ran out)."""
     dead_confirm_ms: StrictInt | None = Field(default=None, exclude_if=lambda v: v is None)
+    evidence: DeadEvidence | None = _optional()
+    """What proved it dead (absent: the grace ran out): ``models_refused`` (its supervisor
+    answered and every bound model refuses connections) or ``host_unreachable`` (its
+    supervisor and every serving endpoint refused or had no route while another domain
+    answered)."""
+    suspected_at: IsoDatetime | None = _optional()
+    """When the first proof was seen (its ``domain.dead_suspected`` event)."""
 
 
 class DomainSupervisorUnauthorized(EventPayload):
@@ -301,6 +312,36 @@ class DomainSupervisorAuthorized(EventPayload):
     """``domain.supervisor.authorized``: the supervisor accepts the server's token again."""
 
     event_type = EventType.DOMAIN_SUPERVISOR_AUTHORIZED
+
+
+class DomainDeadSuspected(EventPayload):
+    """``domain.dead_suspected``: a first heartbeat proves the active dead; a second confirms.
+
+    Written by the server process that saw the proof. ``domain.degraded.escalated`` with the
+    same ``evidence`` follows once a fresh observation at least ``deadConfirmMs`` later still
+    proves it; ``domain.dead_cleared`` when one does not.
+    """
+
+    event_type = EventType.DOMAIN_DEAD_SUSPECTED
+
+    evidence: DeadEvidence
+    models: tuple[str, ...]
+    """The active's bound models."""
+    endpoints: StrictInt = 0
+    """``host_unreachable``: how many serving endpoints refused or had no route."""
+    proxy_connect_failed_at: IsoDatetime | None = _optional()
+    """The latest refused upstream connect to this domain any server's proxy recorded
+    (corroboration only; it never fails the domain over by itself)."""
+    dead_confirm_ms: StrictInt
+
+
+class DomainDeadCleared(EventPayload):
+    """``domain.dead_cleared``: a suspected-dead active answered again before it was failed."""
+
+    event_type = EventType.DOMAIN_DEAD_CLEARED
+
+    evidence: DeadEvidence
+    suspected_at: IsoDatetime
 
 
 class SlotStateChanged(EventPayload):
@@ -515,6 +556,30 @@ class ServerClockRecovered(_ServerClock):
     event_type = EventType.SERVER_CLOCK_RECOVERED
 
 
+class ServerPartitioned(EventPayload):
+    """``server.partitioned``: a server process reached no supervisor of the fleet.
+
+    It judges no domain and fails nothing over until one answers again (its own network, or
+    every domain at once, cannot be told apart from there).
+    """
+
+    event_type = EventType.SERVER_PARTITIONED
+
+    domains: StrictInt
+    """How many supervisors it polled."""
+    host: str
+    pid: StrictInt
+
+
+class ServerPartitionHealed(EventPayload):
+    """``server.partition.healed``: a partitioned server process reaches a supervisor again."""
+
+    event_type = EventType.SERVER_PARTITION_HEALED
+
+    host: str
+    pid: StrictInt
+
+
 # ---- reading ---------------------------------------------------------------------------------
 
 
@@ -550,6 +615,8 @@ KnownEventPayload = (
     | DomainDegradedEscalated
     | DomainSupervisorUnauthorized
     | DomainSupervisorAuthorized
+    | DomainDeadSuspected
+    | DomainDeadCleared
     | SlotStateChanged
     | FleetLayoutApplied
     | FleetPolicyChanged
@@ -565,6 +632,8 @@ KnownEventPayload = (
     | DomainTeardown
     | ServerClockSkewed
     | ServerClockRecovered
+    | ServerPartitioned
+    | ServerPartitionHealed
 )
 """Every typed payload (one per :class:`EventType`)."""
 

@@ -114,6 +114,10 @@ class DomainSnapshot(PeerModel):
     """When the last claimed launch started."""
     launched_at: AwareDatetime | None = None
     """When the last claimed launch returned successfully (null while running or failed)."""
+    connect_failed_at: AwareDatetime | None = None
+    """The latest time a server's proxy could not connect to this domain's serving endpoint
+    (refused or no route), recorded at most once a second per server process. Corroboration
+    for the failure detector, never proof on its own (null: never recorded)."""
 
 
 class FleetSnapshot(PeerModel):

@@ -165,6 +165,32 @@ class ServerMetrics:
             ["fleet", "domain", "reason"],
             registry=r,
         )
+        self.reconcile_partitioned = Gauge(
+            "haru_reconcile_partitioned",
+            "1 while this process's latest heartbeat round reached no supervisor of the fleet.",
+            ["fleet"],
+            registry=r,
+        )
+        self.dead_suspected = Counter(
+            "haru_reconcile_dead_suspected",
+            "Runs of strong evidence that the active is dead, by evidence and outcome "
+            "(suspected: first proof; confirmed: failed after deadConfirmMs; cleared: it "
+            "answered again first).",
+            ["fleet", "evidence", "outcome"],
+            registry=r,
+        )
+        self.weak_evidence = Counter(
+            "haru_reconcile_weak_evidence",
+            "Heartbeat rounds in which the active showed only weak evidence (no fast failover).",
+            ["fleet", "kind"],
+            registry=r,
+        )
+        self.connect_failed_stamps = Counter(
+            "haru_proxy_connect_failed_stamps",
+            "Refused or unroutable upstream connects this process recorded in the store.",
+            ["fleet"],
+            registry=r,
+        )
         self.operations_started = Counter(
             "haru_operations_started",
             "Operations claimed (first step started).",
@@ -316,6 +342,18 @@ class ServerMetrics:
 
     def heartbeat_failed(self, fleet: str, domain: str, *, reason: str) -> None:
         self.heartbeat_failures.labels(fleet, domain, reason).inc()
+
+    def partitioned(self, fleet: str, *, cut_off: bool) -> None:
+        self.reconcile_partitioned.labels(fleet).set(1 if cut_off else 0)
+
+    def dead_evidence(self, fleet: str, evidence: str, outcome: str) -> None:
+        self.dead_suspected.labels(fleet, evidence, outcome).inc()
+
+    def weak(self, fleet: str, kind: str) -> None:
+        self.weak_evidence.labels(fleet, kind).inc()
+
+    def connect_failed_stamped(self, fleet: str) -> None:
+        self.connect_failed_stamps.labels(fleet).inc()
 
     def operation_started(self, kind: str) -> None:
         self.operations_started.labels(kind).inc()

@@ -49,6 +49,7 @@ import aiohttp
 from aiohttp import hdrs, web
 from haru_db import RouteListener
 from haru_protocol import REQUEST_ID_HEADER, ErrorCode, FleetRoutePointer, Policy
+from haru_supervisor.client import connect_failure
 from haru_web import ApiError, connection_cap, current_request_id
 from yarl import URL
 
@@ -75,6 +76,7 @@ from haru_server._route_cache import (
     RouteLookup,
     ref_key,
 )
+from haru_server._stamps import ConnectStamps
 
 logger = logging.getLogger(__name__)
 
@@ -302,6 +304,9 @@ class _Proxy:
             lease_ms=settings.route_lease_ms,
             idle_ms=tuning.lease_idle_ms,
             clock=tuning.monotonic,
+        )
+        self.stamps = ConnectStamps(
+            app[store_key], self._clock, metrics=app.get(metrics_key), monotonic=tuning.monotonic
         )
         self._kick = _KickDebouncer(
             app.get(kick_fleet_key),
@@ -641,6 +646,10 @@ class _Proxy:
             # Connect failures (refused, unroutable, connect timeout) mean the active domain's
             # server is not there: ask the reconciler to look now instead of at its next tick.
             self._kick_for(lookup, url, "unreachable", exc)
+            active = lookup.snapshot.active_domain_id
+            if active is not None and connect_failure(exc) is not None:
+                # Refused or no route (never a timeout): every replica's tick sees it.
+                self.stamps(lookup.routes.fleet_slug, active)
             # Refused, unroutable or a connect timeout: the body was never sent.
             error = ApiError(
                 ErrorCode.UPSTREAM_UNREACHABLE,
@@ -890,6 +899,7 @@ class _ProxyHolder:
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                await proxy.stamps.aclose()
                 await proxy.cache.aclose()
 
 

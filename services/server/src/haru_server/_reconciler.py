@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -19,9 +21,11 @@ from uuid import UUID
 from haru_core import (
     CreateOperation,
     DomainChange,
+    Reach,
     active_proven_dead,
     awaiting_confirmation,
     awake_standbys,
+    check_endpoints,
     dead_since,
     decide_demotion,
     detect_dead_active,
@@ -31,20 +35,29 @@ from haru_core import (
     domain_change_on_heartbeat,
     first_step,
     fleet_times_ahead,
+    host_unreachable,
+    inference_bindings,
     is_best_effort,
     is_step_overdue,
     next_step,
     operations_ahead,
     promotion_backoff,
+    proxy_connect_failed,
+    proxy_kick,
     restore_candidates,
     restore_confirmed,
     server_partitioned,
+    serving_endpoints,
     slot_health_changes,
     step_budget_ms,
     step_remaining_ms,
+    weak_evidence,
 )
 from haru_db import OperationEvent, SlotMirror, StateStore, StateStoreUnavailableError
 from haru_protocol import (
+    DeadEvidence,
+    DomainDeadCleared,
+    DomainDeadSuspected,
     DomainDegradedEscalated,
     DomainHeartbeatFailed,
     DomainNotReady,
@@ -70,6 +83,8 @@ from haru_protocol import (
     OperationStepDone,
     OperationStepTimeoutBestEffort,
     OperationSucceeded,
+    ServerPartitioned,
+    ServerPartitionHealed,
     SlotStateChanged,
     SupervisorStatus,
 )
@@ -77,6 +92,9 @@ from haru_supervisor.client import (
     HEARTBEAT_TIMEOUT_S,
     SupervisorCallError,
     SupervisorClient,
+    SupervisorConnectError,
+    SupervisorRejectedError,
+    SupervisorTimeoutError,
     SupervisorUnauthorizedError,
 )
 from haru_web import request_id_scope
@@ -86,6 +104,7 @@ from haru_server._errors import FleetNotFoundError
 from haru_server._logfields import log_fields
 from haru_server._metrics import ServerMetrics
 from haru_server._provisioning import Provisioner
+from haru_server._reach import ENDPOINT_CONNECT_TIMEOUT_S, connect_reach
 from haru_server._schema_gate import SchemaGate
 from haru_server._steps import (
     Done,
@@ -120,6 +139,19 @@ IN_FLIGHT_REUSE_S = 0.25
 
 HEARTBEAT_ROUND_S = 2.0
 """How long a tick waits for the heartbeats it starts (each poll has its own bound too)."""
+
+PROXY_EVIDENCE_WINDOW_MS = 10_000
+"""A proxy's refused connect (``connectFailedAt``) this recent corroborates and kicks."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Proof:
+    """This process's unbroken run of observations proving the active dead."""
+
+    since: datetime
+    models: tuple[str, ...]
+    evidence: DeadEvidence
+
 
 _Answer = SupervisorStatus | _Refused | None
 
@@ -238,9 +270,15 @@ class Reconciler:
         self._ahead: dict[UUID, frozenset[UUID]] = {}
         # Per active domain: since when, and which models, this process's heartbeats have
         # proven it dead without a break (haru_core.dead_since).
-        self._dead: dict[UUID, tuple[datetime, tuple[str, ...]]] = {}
+        self._dead: dict[UUID, _Proof] = {}
         # Fleets whose latest heartbeat round reached no supervisor at all.
         self._partitioned: set[UUID] = set()
+        # How each domain's latest finished heartbeat poll ended (its connection).
+        self._reach: dict[UUID, Reach] = {}
+        # Per domain, the newest proxy connectFailedAt this process acted on (a kick).
+        self._proxy_seen: dict[UUID, datetime] = {}
+        # Per active domain, the weak evidence its latest round showed (logged on change).
+        self._weak: dict[UUID, str] = {}
 
     async def close(self) -> None:
         """Cancel the heartbeat polls still running (a hung supervisor's)."""
@@ -346,8 +384,10 @@ class Reconciler:
             proof = (
                 None if fleet.active_domain_id is None else self._dead.get(fleet.active_domain_id)
             )
-            confirming = not partitioned and awaiting_confirmation(
-                fleet, now=self._clock(), since=None if proof is None else proof[0]
+            now = self._clock()
+            confirming = not partitioned and (
+                awaiting_confirmation(fleet, now=now, since=None if proof is None else proof.since)
+                or self._proxy_kicked(fleet, now)
             )
             return TickResult(fleet.id, None, in_flight=False, confirming=confirming)
         return await self._drive(fleet, operation)
@@ -424,9 +464,11 @@ class Reconciler:
         try:
             status = await self._client.status(url, timeout_s=self._options.heartbeat_timeout_s)
         except SupervisorUnauthorizedError as exc:
+            self._reach[domain.id] = Reach.ANSWERED
             self._heartbeat_errors[domain.id] = str(exc)
             return _Refused(str(exc))
         except SupervisorCallError as exc:
+            self._reach[domain.id] = _reach_of(exc)
             message = str(exc)
             if self._heartbeat_errors.get(domain.id) != message:
                 self._heartbeat_errors[domain.id] = message
@@ -437,6 +479,7 @@ class Reconciler:
                     extra=log_fields(fleet, domain=domain),
                 )
             return None
+        self._reach[domain.id] = Reach.ANSWERED
         if self._heartbeat_errors.pop(domain.id, None) is not None:
             logger.info(
                 "heartbeat of domain %s answers again",
@@ -509,12 +552,11 @@ class Reconciler:
         )
         answers = await self._round(fleet, polled)
         now = self._clock()
-        partitioned = self._note_partition(
-            fleet,
-            polled=[d.id for d, _ in polled],
-            reached=[d.id for d, answer in answers if answer is not None],
+        reached = [d.id for d, answer in answers if answer is not None]
+        partitioned = await self._note_partition(
+            fleet, polled=[d.id for d, _ in polled], reached=reached, now=now
         )
-        self._note_dead(fleet, [d for d, _ in polled], {d.id: a for d, a in answers}, now)
+        await self._note_dead(fleet, {d.id: a for d, a in answers}, reached, now)
         landed = False
         verdicts: list[tuple[DomainSnapshot, SupervisorStatus | None, bool]] = []
         for domain, answer in answers:
@@ -554,11 +596,19 @@ class Reconciler:
         )
         return fleet.model_copy(update={"domains": domains}), answered
 
-    def _note_partition(
-        self, fleet: FleetSnapshot, *, polled: list[UUID], reached: list[UUID]
+    async def _note_partition(
+        self, fleet: FleetSnapshot, *, polled: list[UUID], reached: list[UUID], now: datetime
     ) -> bool:
-        """Record whether this round reached no supervisor of ``fleet`` (logged on change)."""
+        """Record whether this round reached no supervisor of ``fleet`` (evented on change).
+
+        While it reaches none, this process judges no domain and fails nothing over: its own
+        network and every domain lost at once look the same from here. The gauge
+        ``haru_reconcile_partitioned`` and a ``server.partitioned`` event (when the store is
+        reachable) say so; ``server.partition.healed`` when a supervisor answers again.
+        """
         partitioned = server_partitioned(polled, reached)
+        self._metrics.partitioned(fleet.slug, cut_off=partitioned)
+        payload: ServerPartitioned | ServerPartitionHealed
         if partitioned and fleet.id not in self._partitioned:
             self._partitioned.add(fleet.id)
             logger.warning(
@@ -569,6 +619,9 @@ class Reconciler:
                 len(polled),
                 extra=log_fields(fleet),
             )
+            payload = ServerPartitioned(
+                domains=len(polled), host=socket.gethostname(), pid=os.getpid()
+            )
         elif not partitioned and fleet.id in self._partitioned:
             self._partitioned.discard(fleet.id)
             logger.info(
@@ -576,44 +629,171 @@ class Reconciler:
                 fleet.slug,
                 extra=log_fields(fleet),
             )
+            payload = ServerPartitionHealed(host=socket.gethostname(), pid=os.getpid())
+        else:
+            return partitioned
+        await self._store.append_event(fleet_id=fleet.id, payload=payload, at=now)
         return partitioned
 
-    def _note_dead(
+    def _proxy_kicked(self, fleet: FleetSnapshot, now: datetime) -> bool:
+        """Whether a proxy recorded a refused connect to the active, new to this process.
+
+        Then the loop comes back at once for a fresh heartbeat (never a failover by itself).
+        """
+        active = fleet.active_domain
+        if active is None or active.connect_failed_at is None:
+            return False
+        seen = self._proxy_seen.get(active.id)
+        if not proxy_kick(active, seen=seen, now=now, window_ms=PROXY_EVIDENCE_WINDOW_MS):
+            return False
+        self._proxy_seen[active.id] = active.connect_failed_at
+        logger.info(
+            "fleet %s: a proxy could not connect to active domain %s at %s; heartbeat again now",
+            fleet.slug,
+            active.slug,
+            active.connect_failed_at.isoformat(),
+            extra=log_fields(fleet, domain=active),
+        )
+        return True
+
+    async def _endpoints(self, domain: DomainSnapshot) -> dict[tuple[str, int], Reach]:
+        """How a bounded connect to each serving endpoint of ``domain`` ended (concurrently)."""
+        links = serving_endpoints(domain)
+        reaches = await asyncio.gather(
+            *(connect_reach(h, p, timeout_s=ENDPOINT_CONNECT_TIMEOUT_S) for h, p in links)
+        )
+        return dict(zip(links, reaches, strict=True))
+
+    async def _observe(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, answer: _Answer, reached: list[UUID]
+    ) -> tuple[tuple[str, ...], DeadEvidence | None, int, Reach | None]:
+        """One observation of ``domain``: the proven-dead models, the evidence, endpoints."""
+        status = answer if isinstance(answer, SupervisorStatus) else None
+        if status is not None:
+            models = active_proven_dead(fleet, domain, status)
+            return models, ("models_refused" if models else None), 0, Reach.ANSWERED
+        supervisor = None if answer is not None else self._reach.get(domain.id)
+        if not check_endpoints(fleet, domain, supervisor=supervisor, reached=reached):
+            return (), None, 0, supervisor
+        endpoints = await self._endpoints(domain)
+        if host_unreachable(
+            fleet, domain, supervisor=supervisor, endpoints=endpoints, reached=reached
+        ):
+            names = tuple(dict.fromkeys(b.name for b in inference_bindings(domain)))
+            return names, "host_unreachable", len(endpoints), supervisor
+        logger.info(
+            "domain %s: supervisor %s but a serving endpoint does not (%s): weak evidence",
+            domain.slug,
+            None if supervisor is None else supervisor.value,
+            ", ".join(f"{h}:{p} {r.value}" for (h, p), r in endpoints.items()),
+            extra=log_fields(fleet, domain=domain),
+        )
+        return (), None, 0, supervisor
+
+    async def _note_dead(
         self,
         fleet: FleetSnapshot,
-        polled: list[DomainSnapshot],
         answers: dict[UUID, _Answer],
+        reached: list[UUID],
         now: datetime,
     ) -> None:
-        """Follow the run of heartbeats proving the active dead.
+        """Follow the run of observations proving the active dead (and count weak evidence).
 
-        Any other answer ends it, and so does none (a poll still running this round): the
-        confirmation needs a fresh proof, never an old one.
+        Any other observation ends it, and so does none (a poll still running this round): the
+        confirmation needs a fresh proof, never an old one. The first proof is evented
+        (``domain.dead_suspected``), and so is a run that ends before it failed the active
+        (``domain.dead_cleared``).
         """
-        for domain in polled:
-            answer = answers.get(domain.id)
-            status = answer if isinstance(answer, SupervisorStatus) else None
-            models = () if status is None else active_proven_dead(fleet, domain, status)
+        for domain in fleet.domains:
             previous = self._dead.get(domain.id)
-            since = dead_since(
-                None if previous is None else previous[0], proven=bool(models), now=now
-            )
-            if since is None:
-                if self._dead.pop(domain.id, None) is not None:
-                    logger.info(
-                        "domain %s: no longer proven dead",
-                        domain.slug,
-                        extra=log_fields(fleet, domain=domain),
-                    )
+            if domain.supervisor_url is None or domain.id not in answers:
+                # Not polled, or its poll is still running: no fresh observation.
+                if previous is not None:
+                    await self._clear_dead(fleet, domain, previous, now)
                 continue
-            if previous is None:
-                logger.warning(
-                    "domain %s: every model's server refuses connections (%s); confirming",
-                    domain.slug,
-                    ", ".join(models),
-                    extra=log_fields(fleet, domain=domain),
-                )
-            self._dead[domain.id] = (since, models)
+            answer = answers[domain.id]
+            models, evidence, endpoints, supervisor = await self._observe(
+                fleet, domain, answer, reached
+            )
+            proxy_failed = proxy_connect_failed(domain, now=now, window_ms=PROXY_EVIDENCE_WINDOW_MS)
+            self._note_weak(
+                fleet,
+                domain,
+                weak_evidence(
+                    fleet,
+                    domain,
+                    status=answer if isinstance(answer, SupervisorStatus) else None,
+                    supervisor=supervisor,
+                    proxy_failed=proxy_failed,
+                    proven=evidence is not None,
+                ),
+            )
+            since = dead_since(
+                None if previous is None else previous.since, proven=evidence is not None, now=now
+            )
+            if since is None or evidence is None:
+                if previous is not None:
+                    await self._clear_dead(fleet, domain, previous, now)
+                continue
+            self._dead[domain.id] = _Proof(since, models, evidence)
+            if previous is not None:
+                continue
+            logger.warning(
+                "domain %s: proven dead (%s: %s); confirming in %d ms",
+                domain.slug,
+                evidence,
+                ", ".join(models),
+                fleet.policy.dead_confirm_ms,
+                extra=log_fields(fleet, domain=domain),
+            )
+            self._metrics.dead_evidence(fleet.slug, evidence, "suspected")
+            await self._store.append_event(
+                fleet_id=fleet.id,
+                payload=DomainDeadSuspected(
+                    evidence=evidence,
+                    models=models,
+                    endpoints=endpoints,
+                    proxy_connect_failed_at=domain.connect_failed_at if proxy_failed else None,
+                    dead_confirm_ms=fleet.policy.dead_confirm_ms,
+                ),
+                at=now,
+                domain_id=domain.id,
+            )
+
+    async def _clear_dead(
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, proof: _Proof, now: datetime
+    ) -> None:
+        self._dead.pop(domain.id, None)
+        logger.info(
+            "domain %s: no longer proven dead",
+            domain.slug,
+            extra=log_fields(fleet, domain=domain),
+        )
+        self._metrics.dead_evidence(fleet.slug, proof.evidence, "cleared")
+        await self._store.append_event(
+            fleet_id=fleet.id,
+            payload=DomainDeadCleared(evidence=proof.evidence, suspected_at=proof.since),
+            at=now,
+            domain_id=domain.id,
+        )
+
+    def _note_weak(self, fleet: FleetSnapshot, domain: DomainSnapshot, kind: str | None) -> None:
+        """Count weak evidence against the active (visible, never a fast failover)."""
+        if kind is None:
+            self._weak.pop(domain.id, None)
+            return
+        self._metrics.weak(fleet.slug, kind)
+        if self._weak.get(domain.id) != kind:
+            self._weak[domain.id] = kind
+            logger.info(
+                "active domain %s: weak evidence (%s): the grace (%d ms) and the staleness "
+                "(%d ms) decide",
+                domain.slug,
+                kind,
+                fleet.policy.degraded_grace_ms,
+                fleet.policy.heartbeat_stale_ms,
+                extra=log_fields(fleet, domain=domain),
+            )
 
     def _left_running(self, fleet: FleetSnapshot, polling: set[UUID]) -> dict[UUID, _Answer]:
         """The answers of the polls earlier ticks of ``fleet`` left running that are done now.
@@ -754,8 +934,7 @@ class Reconciler:
         proof = None if active_id is None else self._dead.get(active_id)
         if proof is None:
             return fleet
-        since, models = proof
-        domain_id = detect_dead_active(fleet, now=now, since=since)
+        domain_id = detect_dead_active(fleet, now=now, since=proof.since)
         if domain_id is None:
             return fleet
         escalated = await self._store.escalate_domain_if_fleet_idle(
@@ -768,19 +947,23 @@ class Reconciler:
             return fleet
         self._dead.pop(domain_id, None)
         logger.warning(
-            "fleet %s: active domain proven dead (%s refuse connections); failed",
+            "fleet %s: active domain proven dead (%s: %s), confirmed; failed",
             fleet.slug,
-            ", ".join(models),
+            proof.evidence,
+            ", ".join(proof.models),
             extra=log_fields(fleet, domain=domain_id),
         )
+        self._metrics.dead_evidence(fleet.slug, proof.evidence, "confirmed")
         await self._store.append_event(
             fleet_id=fleet.id,
             payload=DomainDegradedEscalated(
                 from_state=DomainState.DEGRADED,
                 to_state=DomainState.FAILED,
                 degraded_grace_ms=fleet.policy.degraded_grace_ms,
-                dead_models=models,
+                dead_models=proof.models,
                 dead_confirm_ms=fleet.policy.dead_confirm_ms,
+                evidence=proof.evidence,
+                suspected_at=proof.since,
             ),
             at=now,
             domain_id=domain_id,
@@ -1378,6 +1561,18 @@ def _domain_change_payload(
         active_ready=verdict.active_ready,
         models_not_awake=verdict.models_not_awake,
     )
+
+
+def _reach_of(exc: SupervisorCallError) -> Reach:
+    """How a failed heartbeat's connection ended (only refused / no route are strong)."""
+    if isinstance(exc, SupervisorConnectError):
+        return Reach(exc.reason)
+    if isinstance(exc, SupervisorTimeoutError):
+        # A connect nobody answered and a slow answer both end here: weak either way.
+        return Reach.SLOW
+    if isinstance(exc, SupervisorRejectedError):
+        return Reach.ANSWERED  # an error status came from the host
+    return Reach.BROKEN  # TLS, plain HTTP refused, a reset after connecting, a bad answer
 
 
 def _role(fleet: FleetSnapshot, domain: DomainSnapshot) -> Literal["active", "standby"]:

@@ -14,6 +14,8 @@ Hierarchy::
     SupervisorCallError              one call to a supervisor failed (.url)
     ├── SupervisorUnauthorizedError  401/403: the token is missing or wrong (.status)
     ├── SupervisorUnreachableError   connect failure, reset, refused, unusable URL
+    │   ├── SupervisorConnectError   the TCP connect was refused or had no route (.reason):
+    │   │                            nothing listens there, or the host is gone
     │   ├── SupervisorTlsError       the supervisor's certificate failed verification (expired,
     │   │                            another CA, another name, not the pinned one) or the
     │   │                            handshake failed
@@ -33,6 +35,7 @@ operation step they are made for (:class:`~haru_protocol.SupervisorFence`, sent 
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import json
 import logging
@@ -41,7 +44,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import TypeVar
+from typing import Literal, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -71,10 +74,12 @@ __all__ = (
     "MAX_RESPONSE_BYTES",
     "MIN_CALL_TIMEOUT_S",
     "PROBE_REPLY_MARGIN_S",
+    "ConnectFailure",
     "IssuedTrust",
     "SupervisorBadResponseError",
     "SupervisorCallError",
     "SupervisorClient",
+    "SupervisorConnectError",
     "SupervisorLinks",
     "SupervisorPlaintextError",
     "SupervisorRejectedError",
@@ -84,6 +89,7 @@ __all__ = (
     "SupervisorUnauthorizedError",
     "SupervisorUnreachableError",
     "client_ssl_context",
+    "connect_failure",
     "is_loopback_url",
     "pin_key",
     "probe_timeout_ms",
@@ -112,6 +118,45 @@ class SupervisorUnauthorizedError(SupervisorCallError):
 
 class SupervisorUnreachableError(SupervisorCallError):
     """The supervisor could not be reached (refused, reset, DNS, TLS, unusable URL)."""
+
+
+ConnectFailure = Literal["refused", "no_route"]
+"""Why a TCP connect failed in a way only a missing listener or host explains."""
+
+_NO_ROUTE_ERRNOS = frozenset({errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN})
+
+
+def connect_failure(exc: BaseException) -> ConnectFailure | None:
+    """``refused`` or ``no_route`` when ``exc`` is that kind of failed TCP connect, else None.
+
+    Refused: the host answered the connect with a reset (``ECONNREFUSED``). No route: the
+    kernel or a router said the host or its network cannot be reached (``EHOSTUNREACH``,
+    ``ENETUNREACH``, ``EHOSTDOWN``). A timeout, a name that does not resolve, a TLS failure
+    or a reset after connecting is none of these: the host may be there.
+    """
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        code = exc.os_error.errno
+    elif isinstance(exc, OSError) and not isinstance(exc, TimeoutError):
+        code = exc.errno
+    else:
+        return None
+    if code == errno.ECONNREFUSED:
+        return "refused"
+    if code in _NO_ROUTE_ERRNOS:
+        return "no_route"
+    return None
+
+
+class SupervisorConnectError(SupervisorUnreachableError):
+    """The TCP connect to the supervisor was refused or had no route (nothing was sent).
+
+    Attributes:
+        reason: ``refused`` or ``no_route`` (:func:`connect_failure`).
+    """
+
+    def __init__(self, message: str, *, url: str, reason: ConnectFailure) -> None:
+        super().__init__(message, url=url)
+        self.reason: ConnectFailure = reason
 
 
 class SupervisorTlsError(SupervisorUnreachableError):
@@ -476,10 +521,20 @@ class SupervisorClient:
                 if isinstance(exc, aiohttp.ServerDisconnectedError) and url.startswith("https:")
                 else ""
             )
+            failure = connect_failure(exc)
+            if failure is not None:
+                raise SupervisorConnectError(
+                    f"{method} {url}: {type(exc).__name__}: {exc}", url=url, reason=failure
+                ) from exc
             raise SupervisorUnreachableError(
                 f"{method} {url}: {type(exc).__name__}: {exc}{hint}", url=url
             ) from exc
         except OSError as exc:
+            failure = connect_failure(exc)
+            if failure is not None:
+                raise SupervisorConnectError(
+                    f"{method} {url}: {exc}", url=url, reason=failure
+                ) from exc
             raise SupervisorUnreachableError(f"{method} {url}: {exc}", url=url) from exc
         if status in (401, 403):
             raise SupervisorUnauthorizedError(

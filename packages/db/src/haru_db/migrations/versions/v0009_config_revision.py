@@ -1,7 +1,7 @@
 """A configuration revision on fleets, domains and slots, for ``haru apply``.
 
 Revision ID: 0009
-Revises: 0007 (no 0008 was ever released)
+Revises: 0008
 Create Date: 2026-12-03
 
 Frozen history: this file imports no haru_db code.
@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0009"
-down_revision: str | None = "0007"
+down_revision: str | None = "0008"
 branch_labels: str | None = None
 depends_on: str | None = None
 
