@@ -332,7 +332,7 @@ def test_setup_installs_the_pinned_packages_unless_the_image_has_them() -> None:
     domain = example_domain_layout()
     task = example_domain_task(start_asleep=False)
     assert task.setup is not None
-    assert "pip install --upgrade vllm==0.33.0 haru-supervisor==0.1.0" in task.setup
+    assert "pip install --upgrade vllm==0.33.0 haru-supervisor==0.2.0" in task.setup
     assert "setup" in yaml.safe_load(render_task_yaml(task))
     document = domain.model_dump(mode="json", by_alias=True, exclude_none=True)
     document["provisioning"]["install"] = False

@@ -203,8 +203,8 @@ def test_skyserve_refuses_supervisor_settings() -> None:
     doc["domains"][0]["provisioning"] = {"supervisorPort": 8701}
     rejected(doc, "supervisorPort asks for a Haru supervisor, and SkyServe replicas run none")
     # The package carries the serving gateway too, so a replica installs it.
-    doc["domains"][0]["provisioning"] = {"supervisorPackage": "haru-supervisor==0.1.0"}
-    assert check(doc).domains[0].settings.supervisor_package == "haru-supervisor==0.1.0"
+    doc["domains"][0]["provisioning"] = {"supervisorPackage": "haru-supervisor==0.2.0"}
+    assert check(doc).domains[0].settings.supervisor_package == "haru-supervisor==0.2.0"
     # The other provisioning keys are the service's.
     doc["domains"][0]["provisioning"] = {"gatewayPort": 9000, "replicas": 3}
     assert check(doc).domains[0].settings.gateway_port == 9000

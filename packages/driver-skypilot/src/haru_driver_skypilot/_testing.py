@@ -105,7 +105,7 @@ def example_domain_layout() -> DomainLayout:
             },
             "provisioning": {
                 "vllmVersion": "0.33.0",
-                "supervisorPackage": "haru-supervisor==0.1.0",
+                "supervisorPackage": "haru-supervisor==0.2.0",
             },
             "slots": [
                 {

@@ -333,7 +333,7 @@ class Provisioning(WireModel):
     """The vLLM release ``setup`` installs (``pip install vllm==<version>``)."""
     supervisor_package: NonEmptyStr = "haru-supervisor"
     """What ``setup`` installs for the supervisor and the serving gateway (``haru-gateway``):
-    a requirement (``haru-supervisor==0.1.0``), a wheel URL or a path on the machine."""
+    a requirement (``haru-supervisor==0.2.0``), a wheel URL or a path on the machine."""
     supervisor_port: Port = 8701
     """Public port of the supervisor."""
     gateway_port: Port = 8000
