@@ -2,7 +2,7 @@
 
 One extra check: every answer of 400 or more is the ``{"error": {"code", "message"}}`` envelope
 with a known code, except an inference answer the upstream itself produced (the proxy streams
-those back as they are, SPEC 7.5; the emulated vLLM marks none of the fuzz cases' answers).
+those back as they are, DESIGN 7.5; the emulated vLLM marks none of the fuzz cases' answers).
 """
 
 from __future__ import annotations

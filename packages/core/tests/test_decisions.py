@@ -1,4 +1,4 @@
-"""Bindings helpers and the promote/demote decisions of SPEC 7.2."""
+"""Bindings helpers and the promote/demote decisions of DESIGN 7.2."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Heartbeat verdicts of SPEC 7.3 step 1: slot health mirroring and domain transitions."""
+"""Heartbeat verdicts of DESIGN 7.3 step 1: slot health mirroring and domain transitions."""
 
 from __future__ import annotations
 

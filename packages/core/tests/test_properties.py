@@ -220,7 +220,7 @@ _TIER = {DomainState.READY: 0, DomainState.DEGRADED: 1}
 
 
 def strictly_better(a: DomainSnapshot, b: DomainSnapshot) -> bool:
-    """SPEC 7.4's ranking written as a comparison: is ``a`` a strictly better standby than ``b``?"""
+    """DESIGN 7.4's ranking as a comparison: is ``a`` a strictly better standby than ``b``?"""
     tier_a, tier_b = _TIER.get(a.state, 2), _TIER.get(b.state, 2)
     if tier_a != tier_b:
         return tier_a < tier_b

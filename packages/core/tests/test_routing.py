@@ -1,4 +1,4 @@
-"""Routable models, binding lookup and the route intent of SPEC 7.4."""
+"""Routable models, binding lookup and the route intent of DESIGN 7.4."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The state tables of SPEC 4, checked pair by pair against an independent transcription."""
+"""The state tables of DESIGN 4, checked pair by pair against an independent transcription."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from haru_core import (
 )
 from haru_protocol import DomainState, InferenceSlotState, SlotKind, TrainingSlotState
 
-# Transcribed by hand from SPEC 4 (not derived from the code under test).
-SPEC_TABLES: dict[Machine, dict[str, set[str]]] = {
+# Transcribed by hand from DESIGN 4 (not derived from the code under test).
+EXPECTED_TABLES: dict[Machine, dict[str, set[str]]] = {
     "domain": {
         "provisioning": {"ready", "degraded", "failed", "stopping"},
         "ready": {"degraded", "failed", "stopping"},
@@ -56,7 +56,7 @@ MACHINES: tuple[Machine, ...] = ("domain", "inference", "training")
 # Every state of every machine plus strings that belong to none: a state of the wrong kind
 # (e.g. the training state "idle" on the inference table) must never transition.
 ALL_STATES = sorted(
-    {s for table in SPEC_TABLES.values() for s in table} | {"", "READY", "unknown", "Serving"}
+    {s for table in EXPECTED_TABLES.values() for s in table} | {"", "READY", "unknown", "Serving"}
 )
 
 ALL_PAIRS = [
@@ -67,7 +67,7 @@ ALL_PAIRS = [
 
 
 def spec_allows(machine: Machine, from_state: str, to_state: str) -> bool:
-    return to_state in SPEC_TABLES[machine].get(from_state, set())
+    return to_state in EXPECTED_TABLES[machine].get(from_state, set())
 
 
 @pytest.mark.parametrize(("machine", "from_state", "to_state"), ALL_PAIRS)
@@ -90,7 +90,7 @@ def test_pair_count_covers_every_table() -> None:
     allowed = sum(
         spec_allows(m, f, t) for m in MACHINES for f, t in itertools.product(ALL_STATES, ALL_STATES)
     )
-    assert allowed == sum(len(v) for table in SPEC_TABLES.values() for v in table.values())
+    assert allowed == sum(len(v) for table in EXPECTED_TABLES.values() for v in table.values())
     assert allowed == 15 + 24 + 14
 
 
@@ -105,11 +105,11 @@ def test_no_self_transitions(machine: Machine) -> None:
     [
         pytest.param(m, t, id=f"{m}:{t}")
         for m in MACHINES
-        for t in [*sorted(SPEC_TABLES[m]), "unknown", "idle", "serving"]
+        for t in [*sorted(EXPECTED_TABLES[m]), "unknown", "idle", "serving"]
     ],
 )
 def test_states_with_edge_to_every_target(machine: Machine, to_state: str) -> None:
-    expected = {f for f, targets in SPEC_TABLES[machine].items() if to_state in targets}
+    expected = {f for f, targets in EXPECTED_TABLES[machine].items() if to_state in targets}
     assert states_with_edge_to(machine, to_state) == expected
 
 
@@ -128,9 +128,9 @@ def test_states_with_edge_to_known_cas_lists() -> None:
 
 @pytest.mark.parametrize("machine", MACHINES)
 def test_valid_states_and_wrong_kind(machine: Machine) -> None:
-    assert valid_states(machine) == set(SPEC_TABLES[machine])
+    assert valid_states(machine) == set(EXPECTED_TABLES[machine])
     for state in ALL_STATES:
-        assert is_valid_state(machine, state) is (state in SPEC_TABLES[machine])
+        assert is_valid_state(machine, state) is (state in EXPECTED_TABLES[machine])
 
 
 def test_wrong_kind_states_never_transition() -> None:
@@ -148,9 +148,9 @@ def test_enum_tables_equal_spec() -> None:
         assert isinstance(table, dict)
         return {k.value: {v.value for v in vs} for k, vs in table.items()}
 
-    assert as_str(DOMAIN_TRANSITIONS) == SPEC_TABLES["domain"]
-    assert as_str(INFERENCE_TRANSITIONS) == SPEC_TABLES["inference"]
-    assert as_str(TRAINING_TRANSITIONS) == SPEC_TABLES["training"]
+    assert as_str(DOMAIN_TRANSITIONS) == EXPECTED_TABLES["domain"]
+    assert as_str(INFERENCE_TRANSITIONS) == EXPECTED_TABLES["inference"]
+    assert as_str(TRAINING_TRANSITIONS) == EXPECTED_TABLES["training"]
     assert set(DOMAIN_TRANSITIONS) == set(DomainState)
     assert set(INFERENCE_TRANSITIONS) == set(InferenceSlotState)
     assert set(TRAINING_TRANSITIONS) == set(TrainingSlotState)

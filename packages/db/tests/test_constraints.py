@@ -1,4 +1,4 @@
-"""The schema's own constraints (SPEC 5.2), exercised with raw statements on both engines."""
+"""The schema's own constraints (DESIGN 5.2), exercised with raw statements on both engines."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""escalate_domain_if_fleet_idle: every guard is part of the one statement (SPEC 5.3)."""
+"""escalate_domain_if_fleet_idle: every guard is part of the one statement (DESIGN 5.3)."""
 
 from __future__ import annotations
 

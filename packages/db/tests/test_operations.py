@@ -1,4 +1,4 @@
-"""Operation CAS writes (SPEC 5.3): each wins once, and each has a losing case."""
+"""Operation CAS writes (DESIGN 5.3): each wins once, and each has a losing case."""
 
 from __future__ import annotations
 

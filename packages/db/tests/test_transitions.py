@@ -1,4 +1,4 @@
-"""State CAS writes: every (from, to) pair of every table of SPEC 4, on both engines."""
+"""State CAS writes: every (from, to) pair of every table of DESIGN 4, on both engines."""
 
 from __future__ import annotations
 

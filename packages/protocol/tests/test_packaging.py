@@ -1,6 +1,6 @@
 """haru-protocol and haru-core build as wheels that install alone into a clean virtualenv.
 
-This is the promise of SPEC 2 ("each package builds its own wheel and installs alone with pip
+This is the promise of DESIGN 2 ("each package builds its own wheel and installs alone with pip
 into a clean virtualenv"): it catches a missing runtime dependency, a module left out of the
 wheel, package data that is not shipped, or an import of a workspace-only package.
 """

@@ -1,4 +1,4 @@
-"""The supervisor's config document (SPEC 6.1): strict keys and its cross-field rules."""
+"""The supervisor's config document (DESIGN 6.1): strict keys and its cross-field rules."""
 
 from __future__ import annotations
 

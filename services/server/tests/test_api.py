@@ -1,4 +1,4 @@
-"""The control API of SPEC 7.2 over a real aiohttp server: every route, status and envelope."""
+"""The control API of DESIGN 7.2 over a real aiohttp server: every route, status and envelope."""
 
 from __future__ import annotations
 

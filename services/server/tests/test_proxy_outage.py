@@ -1,4 +1,4 @@
-"""The proxy through a state-store outage, on both engines (SPEC 7.5 fail-open rules).
+"""The proxy through a state-store outage, on both engines (DESIGN 7.5 fail-open rules).
 
 PostgreSQL lane: the proxy's store talks to PostgreSQL through a TCP forwarder on 127.0.0.1
 that the test cuts (connections dropped, new ones refused) or black-holes (bytes stop

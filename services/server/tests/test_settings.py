@@ -1,4 +1,4 @@
-"""The environment of SPEC 7.1: blank = unset, trimmed tokens, clear boot errors."""
+"""The environment of DESIGN 7.1: blank = unset, trimmed tokens, clear boot errors."""
 
 from __future__ import annotations
 

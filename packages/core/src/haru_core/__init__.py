@@ -128,7 +128,7 @@ from haru_core._time import (
 )
 
 __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
-    # State tables (SPEC 4)
+    # State tables (DESIGN 4)
     "DOMAIN_TRANSITIONS",
     "INFERENCE_TRANSITIONS",
     "TRAINING_TRANSITIONS",
@@ -141,7 +141,7 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "can_transition",
     "assert_transition",
     "states_with_edge_to",
-    # Operation plans (SPEC 4, 3.5)
+    # Operation plans (DESIGN 4, 3.5)
     "PROMOTE_STEPS",
     "DEMOTE_STEPS",
     "BEST_EFFORT_STEPS",
@@ -159,14 +159,14 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "inference_bindings",
     "has_inference_bindings",
     "is_active",
-    # Promotion and demotion decisions (SPEC 7.2)
+    # Promotion and demotion decisions (DESIGN 7.2)
     "AlreadyActive",
     "TargetProblem",
     "InvalidTarget",
     "CreateOperation",
     "decide_promotion",
     "decide_demotion",
-    # Failover (SPEC 7.3 step 2)
+    # Failover (DESIGN 7.3 step 2)
     "FailoverDecision",
     "is_stale",
     "is_viable_standby",
@@ -213,7 +213,7 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "restore_confirmed",
     "detect_restore",
     "detect_restores",
-    # Heartbeat verdicts (SPEC 7.3 step 1)
+    # Heartbeat verdicts (DESIGN 7.3 step 1)
     "SlotChange",
     "DomainChange",
     "HeartbeatVerdict",
@@ -231,7 +231,7 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "ROUTE_READ_BOUND_MS",
     "ROUTE_GUARD_MARGIN_MS",
     "lease_guard_ms",
-    # Routing (SPEC 7.4)
+    # Routing (DESIGN 7.4)
     "routable_models",
     "find_routable_binding",
     "build_route_intent",

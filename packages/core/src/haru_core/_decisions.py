@@ -1,4 +1,4 @@
-"""Whether a promote or demote request may create an operation (SPEC 7.2)."""
+"""Whether a promote or demote request may create an operation (DESIGN 7.2)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ class HaruCoreError(Exception):
 
 
 class InvalidTransitionError(HaruCoreError):
-    """A state change the state tables of SPEC 4 forbid."""
+    """A state change the state tables of DESIGN 4 forbid."""
 
     def __init__(self, machine: str, from_state: str, to_state: str) -> None:
         super().__init__(f"{machine} transition {from_state!r} -> {to_state!r} is not allowed")

@@ -1,4 +1,4 @@
-"""Standby ranking, failover detection and degraded escalation (SPEC 7.3 step 2, 7.4).
+"""Standby ranking, failover detection and degraded escalation (DESIGN 7.3 step 2, 7.4).
 
 Evidence about the active comes in two strengths. Strong, of two kinds: its supervisor
 answers and every model the layout binds to the active refuses connections (nothing listens
@@ -129,7 +129,7 @@ def _is_fallback_candidate(domain: DomainSnapshot) -> bool:
 def detect_failover(
     fleet: FleetSnapshot, *, now: datetime, answered: frozenset[UUID] = frozenset()
 ) -> FailoverDecision | None:
-    """Decide an automatic failover (SPEC 7.3 step 2).
+    """Decide an automatic failover (DESIGN 7.3 step 2).
 
     Needs ``autoFailover`` on and an active domain that is failed or stale. An active whose
     supervisor refuses the server's token (``authFailing``) is never stale: a configuration

@@ -1,6 +1,6 @@
 """Heartbeat verdicts: what a supervisor's status report means for slot and domain state.
 
-SPEC 7.3 step 1. Everything is judged against the LAYOUT (the models the fleet binds), never
+DESIGN 7.3 step 1. Everything is judged against the LAYOUT (the models the fleet binds), never
 against the supervisor's own ``ready`` flag: a supervisor configured with fewer models than the
 layout binds must not make its domain look healthy. The reconciler applies each change with its
 own compare-and-swap, so one dead GPU never drags its siblings.

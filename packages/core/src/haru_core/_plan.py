@@ -1,4 +1,4 @@
-"""Operation plans: the ordered steps of a promote and a demote, and their budgets (SPEC 4, 3.5)."""
+"""Operation plans: the ordered steps of a promote and a demote, and their budgets (DESIGN 4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Standby posture: a standby out of it gets a demote (SPEC 7.3, beyond).
+"""Standby posture: a standby out of it gets a demote (DESIGN 7.3, beyond).
 
 A standby's posture is vLLM asleep and training running. A supervisor restart stops its
 trainers (and a trainer may die); the heartbeat then mirrors the training slot to ``idle`` and

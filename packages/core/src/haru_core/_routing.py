@@ -1,4 +1,4 @@
-"""Where traffic may go: routable models of the active domain and the route intent (SPEC 7.4)."""
+"""Where traffic may go: routable models of the active domain and the route intent (DESIGN 7.4)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def _target(domain: DomainSnapshot, *, active: bool) -> RouteTarget:
 
 
 def build_route_intent(fleet: FleetSnapshot, *, now: datetime) -> RouteIntent:
-    """The provider-neutral route intent of ``fleet`` at ``now`` (SPEC 7.4).
+    """The provider-neutral route intent of ``fleet`` at ``now`` (DESIGN 7.4).
 
     A model is eligible when its domain is ready or degraded and its slot is serving. The active
     target has weight 1 and is eligible when it has an endpoint URL and at least one eligible

@@ -1,4 +1,4 @@
-"""The state tables of SPEC 4: the single source of truth for every state change."""
+"""The state tables of DESIGN 4: the single source of truth for every state change."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Haru's state store: schema, Alembic migrations and the compare-and-swap repository.
 
 One URL picks the engine: PostgreSQL (psycopg 3) in production, an embedded SQLite file by
-default. Every write is one guarded statement that reports whether it won (SPEC 5.3); reads
+default. Every write is one guarded statement that reports whether it won (DESIGN 5.3); reads
 return haru_protocol read models. The pytest plugin :mod:`haru_db.testing` gives other
 packages a freshly migrated database per test on both engines.
 """

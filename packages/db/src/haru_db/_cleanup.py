@@ -54,4 +54,4 @@ PROMOTE_FAIL_CLEANUP = PromoteFailCleanup(
     training_resumed_from=(_T.STOPPING.value,),
     training_to=_T.TRAINING.value,
 )
-"""The rule of SPEC 7.3 (failed promote): fail the wake path, give trainers back their GPUs."""
+"""The rule of DESIGN 7.3 (failed promote): fail the wake path, give trainers back their GPUs."""

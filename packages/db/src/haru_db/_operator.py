@@ -15,7 +15,7 @@ from haru_db._store import LayoutApplyResult, StateStore
 
 
 def load_layout_file(path: str | os.PathLike[str]) -> FleetLayout:
-    """Read and validate a fleet layout document (SPEC 3.4; strict: unknown keys are errors).
+    """Read and validate a fleet layout document (DESIGN 3.4; strict: unknown keys are errors).
 
     Raises:
         LayoutFileError: The file cannot be read, is not JSON, or fails validation. The

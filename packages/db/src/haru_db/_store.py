@@ -95,7 +95,7 @@ def _bounded(
 
 
 class StateStore:
-    """The repository of SPEC 5.3 over one :class:`~sqlalchemy.ext.asyncio.AsyncEngine`.
+    """The repository of DESIGN 5.3 over one :class:`~sqlalchemy.ext.asyncio.AsyncEngine`.
 
     Create it with :meth:`open` and close it with :meth:`close`, inside the event loop that
     uses it (its connections belong to that loop). Every method is one short statement (reads

@@ -1,4 +1,4 @@
-"""SQLAlchemy Core tables of SPEC 5.2 (the schema the migrations build; nothing else).
+"""SQLAlchemy Core tables of DESIGN 5.2 (the schema the migrations build; nothing else).
 
 These tables describe the migrated schema so that statements can be built against it and a
 test can prove the migrations and these models never drift (``alembic compare_metadata``).
@@ -88,7 +88,7 @@ class UtcDateTime(sa.types.TypeDecorator[datetime]):
 
 
 class SlugIsValid(sa.sql.expression.ColumnElement[bool]):
-    """``column`` holds a DNS-label slug (SPEC 3.1), as a CHECK expression for each engine.
+    """``column`` holds a DNS-label slug (DESIGN 3.1), as a CHECK expression for each engine.
 
     PostgreSQL gets the regular expression itself; SQLite has no regex operator, so the same
     language is spelled with GLOB (only ``[a-z0-9-]``, no leading, trailing or double hyphen).
@@ -271,7 +271,7 @@ operations = sa.Table(
         f"({_in('state', FINISHED_STATES)} AND finished_at IS NOT NULL)",
         name="finished_at_iff_finished",
     ),
-    # At most one in-flight operation per fleet (SPEC 5.2); create_operation relies on it.
+    # At most one in-flight operation per fleet (DESIGN 5.2); create_operation relies on it.
     sa.Index(
         "uq_operations_one_in_flight_per_fleet",
         "fleet_id",

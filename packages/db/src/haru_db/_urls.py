@@ -11,7 +11,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
 Dialect = Literal["sqlite", "postgresql"]
-"""The two engines of SPEC 5.1."""
+"""The two engines of DESIGN 5.1."""
 
 DEFAULT_DATABASE_FILE = "haru.db"
 """File name of the embedded SQLite database (in the working directory) when no URL is given."""

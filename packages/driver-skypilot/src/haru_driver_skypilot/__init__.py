@@ -1,4 +1,4 @@
-"""SkyPilot boundary of Haru: task YAML renderer and ``sky`` CLI runner (SPEC 8).
+"""SkyPilot boundary of Haru: task YAML renderer and ``sky`` CLI runner (DESIGN 8).
 
 Haru never calls a cloud API: a domain with provider ``skypilot`` is one SkyPilot cluster,
 described by a :class:`TaskSpec`, rendered by :func:`render_task_yaml`, and driven by

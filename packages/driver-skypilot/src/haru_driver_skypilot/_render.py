@@ -1,4 +1,4 @@
-"""Pure rendering of a :class:`TaskSpec` into SkyPilot task YAML (SPEC 8)."""
+"""Pure rendering of a :class:`TaskSpec` into SkyPilot task YAML (DESIGN 8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SkyServe boundary of Haru: service YAML renderer and ``sky serve`` runner (SPEC 8).
+"""SkyServe boundary of Haru: service YAML renderer and ``sky serve`` runner (DESIGN 8).
 
 A domain with provider ``skyserve`` is one SkyServe service: a
 :class:`~haru_driver_skypilot.TaskSpec` plus a readiness probe, replica count and service

@@ -1,4 +1,4 @@
-"""Pure rendering of a :class:`ServiceSpec` into SkyServe service YAML (SPEC 8)."""
+"""Pure rendering of a :class:`ServiceSpec` into SkyServe service YAML (DESIGN 8)."""
 
 from __future__ import annotations
 

@@ -192,11 +192,11 @@ from haru_protocol._supervisor import (
 from haru_protocol._urls import UrlJoinError, join_url
 
 __all__ = (
-    # Errors (SPEC 9)
+    # Errors (DESIGN 9)
     "ERROR_STATUS",
     "EVENT_PAYLOADS",
     "FENCE_HEADER",
-    # Vocabularies (SPEC 4)
+    # Vocabularies (DESIGN 4)
     "IN_FLIGHT_OPERATION_STATES",
     # Bases and scalar types
     "MAX_DURATION_MS",
@@ -205,7 +205,7 @@ __all__ = (
     "MAX_REQUEST_ID_LENGTH",
     "REQUEST_ID_HEADER",
     # Helpers
-    # Server read models and control API (SPEC 3.6, 7.2, 7.4)
+    # Server read models and control API (DESIGN 3.6, 7.2, 7.4)
     "AcceptedResponse",
     "AlreadyActiveResponse",
     "AnyEventPayload",
@@ -226,7 +226,7 @@ __all__ = (
     "DomainHeartbeatFailed",
     "DomainLaunchStarted",
     "DomainLaunchSucceeded",
-    # Operator documents (SPEC 3)
+    # Operator documents (DESIGN 3)
     "DomainLayout",
     "DomainNotReady",
     "DomainProvisioningFailed",
@@ -261,7 +261,7 @@ __all__ = (
     "FleetRoutePointer",
     "FleetSnapshot",
     "GpuIndex",
-    # Supervisor config and API (SPEC 6)
+    # Supervisor config and API (DESIGN 6)
     "GpuMemory",
     "GpuMemoryResponse",
     "GpuProcess",

@@ -1,4 +1,4 @@
-"""Closed vocabularies of SPEC section 4 (states, kinds, steps) and the event types."""
+"""Closed vocabularies of DESIGN section 4 (states, kinds, steps) and the event types."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ class HaruProtocolError(Exception):
 
 
 class ErrorCode(StrEnum):
-    """Every code an error envelope may carry (SPEC section 9)."""
+    """Every code an error envelope may carry (DESIGN section 9)."""
 
     UNAUTHORIZED = "unauthorized"
     FLEET_NOT_FOUND = "fleet_not_found"

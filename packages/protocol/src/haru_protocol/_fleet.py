@@ -1,4 +1,4 @@
-"""Read models and control-API bodies of the server (SPEC 3.6, 7.2, 7.4)."""
+"""Read models and control-API bodies of the server (DESIGN 3.6, 7.2, 7.4)."""
 
 from __future__ import annotations
 
@@ -328,7 +328,7 @@ class RouteTarget(PeerModel):
 
 
 class RouteIntent(PeerModel):
-    """Provider-neutral routing intent any router can apply (SPEC 7.4)."""
+    """Provider-neutral routing intent any router can apply (DESIGN 7.4)."""
 
     fleet_id: UUID
     fleet_slug: Slug

@@ -1,4 +1,4 @@
-"""Operator-authored documents: placement, slots, policy and the fleet layout (SPEC 3.2-3.5)."""
+"""Operator-authored documents: placement, slots, policy and the fleet layout (DESIGN 3.2-3.5)."""
 
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ class ProbeSettings(WireModel):
 
 
 class Policy(WireModel):
-    """A fleet's resolved policy: the operator's patch over the current defaults (SPEC 3.5)."""
+    """A fleet's resolved policy: the operator's patch over the current defaults (DESIGN 3.5)."""
 
     auto_failover: Flag = False
     """Promote a standby automatically when the active fails or goes stale."""
@@ -507,7 +507,7 @@ class DomainLayout(WireModel):
 
 
 class FleetLayout(WireModel):
-    """Declarative seed document of a fleet (SPEC 3.4); applying it is additive and idempotent."""
+    """Declarative seed document of a fleet (DESIGN 3.4); applying it is additive and idempotent."""
 
     schema_uri: str | None = Field(default=None, alias="$schema")
     """Optional JSON Schema reference for editors; ignored by Haru."""

@@ -1,4 +1,4 @@
-"""The fleet-reference rule (SPEC 3.1): how a path segment or header names a fleet.
+"""The fleet-reference rule (DESIGN 3.1): how a path segment or header names a fleet.
 
 One function, :func:`parse_fleet_ref`, used by the store, the route cache and the API, so the
 rule cannot drift between them: a UUID-shaped reference (any case) is looked up as an id

@@ -14,7 +14,7 @@ EXAMPLE_LAYOUT_RESOURCE = "examples/example-fleet.json"
 
 
 def example_layout_json() -> str:
-    """Text of the bundled two-domain example layout (SPEC 3.4)."""
+    """Text of the bundled two-domain example layout (DESIGN 3.4)."""
     return (
         resources.files("haru_protocol")
         .joinpath(EXAMPLE_LAYOUT_RESOURCE)

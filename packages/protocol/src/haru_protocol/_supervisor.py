@@ -1,4 +1,4 @@
-"""The supervisor's config document and every request and response body of its API (SPEC 6)."""
+"""The supervisor's config document and every request and response body of its API (DESIGN 6)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``haru-sim-trainer``: an emulated preemptible LoRA training job (stdlib only).
 
-Contract with the supervisor (SPEC 6.5): started with ``HARU_CHECKPOINT_DIR`` and
+Contract with the supervisor (DESIGN 6.5): started with ``HARU_CHECKPOINT_DIR`` and
 ``HARU_GPU_INDEX`` in its environment, in its own process group; stopped with SIGTERM to
 the group, then SIGKILL after a grace. It resumes from the checkpoint in
 ``HARU_CHECKPOINT_DIR``, "trains" one step every ``--step-ms``, checkpoints every

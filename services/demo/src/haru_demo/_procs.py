@@ -5,7 +5,7 @@ group id and one ``killpg`` reaches whatever it spawned inside its group. Stoppi
 the group, then SIGKILL after a grace. A module-level registry of live groups is SIGKILLed by an
 ``atexit`` hook as a last resort, for the paths where the orderly ``finally`` could not run.
 
-Trainers are started by the supervisors in sessions of their own (SPEC 6.5), so they are not in
+Trainers are started by the supervisors in sessions of their own (DESIGN 6.5), so they are not in
 any group the demo started; :func:`kill_stray_trainers` finds the ones that still carry a
 checkpoint directory inside the demo's workdir and kills them.
 """

@@ -1,6 +1,6 @@
 """Haru control server: control API, reconciler, inference proxy and the haru CLI.
 
-:func:`create_app` builds the aiohttp application (control API of SPEC 7.2, the inference
+:func:`create_app` builds the aiohttp application (control API of DESIGN 7.2, the inference
 proxy of 7.5, the reconcile loop of 7.3); :func:`run_server` boots it the way ``haru serve``
 does (announce, migrate, listen, stop on a signal). :class:`Reconciler` runs reconcile ticks
 against a :class:`haru_db.StateStore` and the domains' supervisors (through

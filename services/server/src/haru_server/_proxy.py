@@ -1,4 +1,4 @@
-"""The inference proxy: OpenAI-compatible requests streamed to the active domain (SPEC 7.5).
+"""The inference proxy: OpenAI-compatible requests streamed to the active domain (DESIGN 7.5).
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/embeddings`` and
 ``GET /v1/models``. The fleet comes from ``X-Haru-Fleet`` (else ``HARU_DEFAULT_FLEET``); the

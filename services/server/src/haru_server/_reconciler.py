@@ -1,4 +1,4 @@
-"""The reconcile tick (SPEC 7.3): heartbeats, escalation, failover, and the in-flight operation.
+"""The reconcile tick (DESIGN 7.3): heartbeats, escalation, failover, and the in-flight operation.
 
 Safe to run concurrently from many processes: every write is one compare-and-swap, no
 transaction spans a supervisor call, and only the tick whose CAS lands writes the events and
@@ -170,7 +170,7 @@ class ReconcilerOptions:
     """Tuning of the reconcile tick.
 
     Attributes:
-        heartbeat_timeout_s: Bound of each heartbeat poll (SPEC: about 5 s).
+        heartbeat_timeout_s: Bound of each heartbeat poll (about 5 s).
         heartbeat_round_s: How long a tick waits for the polls it started. A poll still
             running then (a hung supervisor) goes on in the background, up to its own bound;
             its domain is left unjudged until a later tick finds the poll done, and no tick
@@ -573,7 +573,7 @@ class Reconciler:
                     fleet, domain, status, now, busy=domain.id in busy
                 )
             verdicts.append((domain, status, refused is not None))
-        # Slot health first, then the heartbeats (SPEC 7.3), every answering domain's in one
+        # Slot health first, then the heartbeats (DESIGN 7.3), every answering domain's in one
         # statement.
         answered = frozenset(domain.id for domain, status, _ in verdicts if status is not None)
         seen = await self._store.mark_domains_seen(answered, at=now) if answered else frozenset()

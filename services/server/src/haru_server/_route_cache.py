@@ -3,7 +3,7 @@
 Every request reads the fleet's narrow route pointer (one small SELECT). A cached snapshot is
 reused while its ``routeRevision`` matches the pointer and its TTL (non-routing state such as
 slot health) has not run out; otherwise a fresh snapshot is loaded. The failure rules
-(SPEC 7.5):
+(DESIGN 7.5):
 
 - the pointer read FAILS (store unreachable or slower than its bound): serve the last snapshot
   this process cached for the fleet, marked stale; nothing cached means 503. This is safe
@@ -157,7 +157,7 @@ class _ReadBatch:
 
 
 class RouteCache(Generic[T]):
-    """Per-process routing cache with the fail-open rules of SPEC 7.5.
+    """Per-process routing cache with the fail-open rules of DESIGN 7.5.
 
     Args:
         store: Where pointers and snapshots come from.
@@ -989,7 +989,7 @@ def ref_key(ref: str) -> str | None:
 
 
 def _cache_key(ref: str) -> str:
-    """The cache key of a fleet reference (SPEC 7.5's id-first rule, one spelling per fleet).
+    """The cache key of a fleet reference (DESIGN 7.5's id-first rule, one spelling per fleet).
 
     Raises:
         ApiError: ``fleet_not_found`` when ``ref`` is neither an id nor a slug: no fleet can

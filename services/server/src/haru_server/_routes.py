@@ -1,4 +1,4 @@
-"""The control API (SPEC 7.2): fleets, operations, events, route intent and reconcile."""
+"""The control API (DESIGN 7.2): fleets, operations, events, route intent and reconcile."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ routes = web.RouteTableDef()
 EVENTS_DEFAULT_LIMIT = 100
 EVENTS_MAX_LIMIT = 1000
 CONTROL_BODY_LIMIT = 16 * 1024
-"""Largest body a control-API POST accepts (SPEC 7.2)."""
+"""Largest body a control-API POST accepts (DESIGN 7.2)."""
 
 
 class ReconcileRequest(WireModel):

@@ -1,4 +1,4 @@
-"""The server's environment (SPEC 7.1), parsed once at start-up into a frozen object.
+"""The server's environment (DESIGN 7.1), parsed once at start-up into a frozen object.
 
 :meth:`Settings.from_env` reads a mapping (``os.environ`` in production) through
 pydantic-settings; building :class:`Settings` directly (tests, embedding) reads nothing from
@@ -463,7 +463,7 @@ class Settings(BaseSettings):
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
-        """Parse the environment (SPEC 7.1); blank values count as unset.
+        """Parse the environment (DESIGN 7.1); blank values count as unset.
 
         Raises:
             SettingsError: A value is unusable; the message names the variable, never a token.

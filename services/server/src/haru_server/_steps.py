@@ -1,4 +1,4 @@
-"""Step executors of promote and demote (SPEC 7.3): each is re-runnable and proves its result.
+"""Step executors of promote and demote (DESIGN 7.3): each is re-runnable and proves its result.
 
 An executor runs once per tick. It acts on a supervisor (idempotently), polls the
 supervisor's status for PROOF and returns :class:`Done` only on that proof. Every supervisor

@@ -271,8 +271,8 @@ def api_table() -> ApiTable:
         '`{"error": {"code", "message"}}`.',
         routes=ROUTES,
         tags={
-            "control": "Fleets, operations and the audit trail (SPEC 7.2).",
-            "inference": "The OpenAI-compatible proxy to the active domain (SPEC 7.5).",
+            "control": "Fleets, operations and the audit trail (DESIGN 7.2).",
+            "inference": "The OpenAI-compatible proxy to the active domain (DESIGN 7.5).",
             "health": "Probes and this document.",
         },
     )

@@ -1,6 +1,6 @@
 """Haru supervisor: the agent on each GPU host (vLLM sleep/wake, training runs, GPU memory).
 
-It serves the API of SPEC 6.4 to the control plane, drives the local vLLM servers' admin
+It serves the API of DESIGN 6.4 to the control plane, drives the local vLLM servers' admin
 routes on 127.0.0.1, runs one preemptible trainer per training slot in its own process group,
 and reports GPU memory from NVML or ``nvidia-smi``. Run it with ``haru-supervisor``.
 

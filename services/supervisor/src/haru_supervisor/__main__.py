@@ -1,6 +1,6 @@
 """``haru-supervisor``: run the GPU-host agent until SIGTERM or SIGINT.
 
-Shutdown (SPEC 6.5): refuse new training starts, stop every run (SIGTERM now, SIGKILL after
+Shutdown (DESIGN 6.5): refuse new training starts, stop every run (SIGTERM now, SIGKILL after
 the grace) and wait for it to end, then stop listening and exit. A second signal during the
 grace SIGKILLs the trainers at once.
 """
@@ -55,7 +55,7 @@ _HTTP_SHUTDOWN_TIMEOUT_S = 5.0
 
 
 async def serve(settings: Settings) -> int:
-    """Serve until SIGTERM/SIGINT, then shut down as SPEC 6.5 says; returns the exit status."""
+    """Serve until SIGTERM/SIGINT, then shut down as DESIGN 6.5 says; returns the exit status."""
     if settings.open_to_network:
         logger.warning(
             "!!! %s is not set and HARU_ALLOW_OPEN_BIND lets the supervisor listen on %s: its "

@@ -1,4 +1,4 @@
-"""GPU memory (SPEC 6.6): NVML when it is installed and finds a GPU, else ``nvidia-smi``.
+"""GPU memory (DESIGN 6.6): NVML when it is installed and finds a GPU, else ``nvidia-smi``.
 
 One definition of "used" whatever the source: memory allocated by processes and their CUDA
 contexts, EXCLUDING the memory the driver reserves for itself. That is what ``nvidia-smi``

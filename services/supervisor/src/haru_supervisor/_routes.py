@@ -1,4 +1,4 @@
-"""The supervisor API (SPEC 6.4)."""
+"""The supervisor API (DESIGN 6.4)."""
 
 from __future__ import annotations
 

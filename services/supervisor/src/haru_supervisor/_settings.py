@@ -289,7 +289,7 @@ class Settings(BaseSettings):
 
     @property
     def host(self) -> str:
-        """``HARU_HOST``, else all interfaces with a token and loopback without one (SPEC 6.2)."""
+        """``HARU_HOST``, else all interfaces with a token and loopback without one (DESIGN 6.2)."""
         return choose_bind_host(
             self.bind_host,
             token_set=self.token is not None,

@@ -1,4 +1,4 @@
-"""Training runs: one trainer and all its descendants per training slot (SPEC 6.5).
+"""Training runs: one trainer and all its descendants per training slot (DESIGN 6.5).
 
 A run is ``idle``, ``running`` or ``stopping``. Its trainer runs in its own session and
 process group, but a descendant may leave both (``setsid``, a daemonizing double fork), so

@@ -1,4 +1,4 @@
-"""The client that drives supervisors: typed, bounded calls to the supervisor API (SPEC 6.4).
+"""The client that drives supervisors: typed, bounded calls to the supervisor API (DESIGN 6.4).
 
 The control server uses it, and so can a custom orchestrator built on haru-core: importing this
 module needs only haru-protocol, aiohttp and pydantic, never the supervisor's own server side
@@ -215,7 +215,7 @@ MIN_CALL_TIMEOUT_S = 0.001
 """A call is never given a zero or negative bound (aiohttp would read it as "no bound")."""
 
 HEARTBEAT_TIMEOUT_S = 5.0
-"""Bound of one heartbeat poll (SPEC 7.3: about 5 s)."""
+"""Bound of one heartbeat poll (DESIGN 7.3: about 5 s)."""
 
 PROBE_REPLY_MARGIN_S = 2.0
 """Time the supervisor keeps, inside the HTTP bound of a probe call, to report its verdicts.

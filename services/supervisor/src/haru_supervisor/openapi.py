@@ -1,4 +1,4 @@
-"""The supervisor's OpenAPI route table (SPEC 6.4).
+"""The supervisor's OpenAPI route table (DESIGN 6.4).
 
 Every route the application registers is declared here, one line each (a test compares this
 table with the app's router, both ways). The document is generated from it and the wire

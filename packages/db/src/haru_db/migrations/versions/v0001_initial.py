@@ -1,4 +1,4 @@
-"""Initial schema: fleets, domains, slots, operations, events (SPEC 5.2).
+"""Initial schema: fleets, domains, slots, operations, events (DESIGN 5.2).
 
 Revision ID: 0001
 Revises:
