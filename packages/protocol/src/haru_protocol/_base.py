@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Annotated
 from urllib.parse import urlsplit
@@ -72,6 +73,8 @@ def _check_model_name(value: str) -> str:
     return value
 
 
+# Pure, and every snapshot read validates each domain's URLs again.
+@functools.lru_cache(maxsize=4096)
 def _check_http_url(value: str) -> str:
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https"):

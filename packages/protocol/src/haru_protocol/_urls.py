@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from haru_protocol._errors import HaruProtocolError
@@ -11,6 +12,8 @@ class UrlJoinError(HaruProtocolError, ValueError):
     """The requested join would change the origin or escape the base path."""
 
 
+# Pure in its arguments, and a reconcile tick joins the same few per domain each time.
+@functools.lru_cache(maxsize=4096)
 def join_url(base: str, path: str) -> str:
     """Append ``path`` to ``base``, keeping the base's path prefix and query string.
 

@@ -31,6 +31,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from haru_core import is_viable_standby
 from haru_protocol import (
+    DomainSnapshot,
     DomainState,
     FleetSnapshot,
     SlotKind,
@@ -315,6 +316,8 @@ class ServerMetrics:
         self._headers_by_fleet: dict[str, Histogram] = {}
         self._marks: dict[UUID, _StandbyMark] = {}
         self._standby_totals: dict[tuple[str, str], list[float]] = {}
+        # Per (fleet, domain) slug, the state ``haru_domain_state`` was last set to.
+        self._domain_states: dict[tuple[str, str], DomainState] = {}
 
     @contextlib.contextmanager
     def watching_gc(self) -> Iterator[None]:
@@ -386,6 +389,12 @@ class ServerMetrics:
         """Record a tick's view of every domain: its state and the fleet's ready standbys."""
         self.fleet_seen(fleet)
         for domain in fleet.domains:
+            key = (fleet.slug, domain.slug)
+            if self._domain_states.get(key) is domain.state:
+                continue  # the gauges already say so: no label lookups per tick and domain
+            if len(self._domain_states) >= 65536:
+                self._domain_states.clear()
+            self._domain_states[key] = domain.state
             for state in DomainState:
                 self.domain_state.labels(fleet.slug, domain.slug, state.value).set(
                     1 if domain.state is state else 0
@@ -425,12 +434,10 @@ class ServerMetrics:
         self.active_domain.labels(fleet.slug, slug).set(1)
 
     def heartbeat_answered(
-        self, fleet: FleetSnapshot, domain_id: UUID, status: SupervisorStatus, at: datetime
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, status: SupervisorStatus, at: datetime
     ) -> None:
         """Account the time since the domain's previous answer to its standby duty cycle."""
-        domain = fleet.domain(domain_id)
-        if domain is None:
-            return
+        domain_id = domain.id
         self._heartbeat_age.answered[(fleet.slug, domain.slug)] = self._monotonic()
         training = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
         if not training:

@@ -443,18 +443,20 @@ class Reconciler:
         if ahead:
             self._ahead[fleet.id] = ahead
         domains = []
+        changed = False
         for domain in fleet.domains:
             backoff = promotion_backoff(fleet.policy, domain.id, recent, now=now)
-            domains.append(
-                domain.model_copy(
-                    update={
-                        "auth_failing": domain.id in self._auth_failing,
-                        "last_supervisor_error": self._heartbeat_errors.get(domain.id),
-                        "promotion_backoff_until": None if backoff is None else backoff.until,
-                    }
-                )
-            )
-        return fleet.model_copy(update={"domains": tuple(domains)})
+            update = {
+                "auth_failing": domain.id in self._auth_failing,
+                "last_supervisor_error": self._heartbeat_errors.get(domain.id),
+                "promotion_backoff_until": None if backoff is None else backoff.until,
+            }
+            if all(getattr(domain, name) == value for name, value in update.items()):
+                domains.append(domain)  # already says so: no copy per tick and domain
+                continue
+            changed = True
+            domains.append(domain.model_copy(update=update))
+        return fleet.model_copy(update={"domains": tuple(domains)}) if changed else fleet
 
     # ---- step 1: heartbeats ------------------------------------------------------------------
 
@@ -568,7 +570,7 @@ class Reconciler:
                 reason = "unauthorized" if refused is not None else "unreachable"
                 self._metrics.heartbeat_failed(fleet.slug, domain.slug, reason=reason)
             else:
-                self._metrics.heartbeat_answered(fleet, domain.id, status, now)
+                self._metrics.heartbeat_answered(fleet, domain, status, now)
                 landed |= await self._mirror_slots(
                     fleet, domain, status, now, busy=domain.id in busy
                 )

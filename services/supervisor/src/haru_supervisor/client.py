@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import ipaddress
 import json
 import logging
@@ -314,6 +315,8 @@ class SupervisorLinks:
     issued: Mapping[str, IssuedTrust] = field(default_factory=_no_issued)
 
 
+# Pure, and asked once per supervisor call (each heartbeat).
+@functools.lru_cache(maxsize=4096)
 def is_loopback_url(url: str) -> bool:
     """The URL's host is ``localhost`` or a loopback address (the link stays on this host)."""
     host = (urlsplit(url).hostname or "").lower()
