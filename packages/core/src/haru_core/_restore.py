@@ -82,8 +82,7 @@ def _drivable_standby(fleet: FleetSnapshot, domain: DomainSnapshot) -> bool:
         and domain.state is DomainState.READY
         and not domain.auth_failing
         and domain.supervisor_url is not None
-        and has_inference_bindings(domain)
-        and bool(inference_slots(domain))
+        and has_inference_bindings(domain)  # so it has an inference slot too
     )
 
 
