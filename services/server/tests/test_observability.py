@@ -175,14 +175,32 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     await reconcile("req-after-1")  # alpha's first heartbeat as a training standby
     await reconcile("req-after-2")  # ... and 1 s of it
     await chat(api, "req-chat-2")
+    streamed = await api.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "stream": True},
+        headers={"X-Haru-Fleet": "local", REQUEST_ID_HEADER: "req-stream"},
+    )
+    assert streamed.status == 200, await streamed.text()
+    assert streamed.headers["Content-Type"].startswith("text/event-stream")
+    assert (await streamed.text()).rstrip().endswith("data: [DONE]")
 
     # ---- the server's metrics ----------------------------------------------------------------
     async with http.get(f"{api.make_url('/metrics')}") as refused:
         assert refused.status == 401
     server = await scrape(http, str(api.make_url("")).rstrip("/"), headers=AUTH)
     chat_ok = {"fleet": "local", "model": MODEL, "route": "/v1/chat/completions", "status": "200"}
-    assert value(server, "haru_proxy_requests_total", **chat_ok) == 2
-    assert value(server, "haru_proxy_upstream_time_to_headers_seconds_count", fleet="local") == 2
+    assert value(server, "haru_proxy_requests_total", **chat_ok) == 3
+    assert value(server, "haru_proxy_upstream_time_to_headers_seconds_count", fleet="local") == 3
+    # Time to first token: only the streamed answer has one, labelled with its model.
+    ttft = {"fleet": "local", "model": MODEL}
+    assert value(server, "haru_proxy_time_to_first_token_seconds_count", **ttft) == 1
+    assert total(server, "haru_proxy_time_to_first_token_seconds_count") == 1
+    assert value(server, "haru_proxy_time_to_first_token_seconds_sum", **ttft) > 0
+    # The route lease this process routes the fleet on (HARU_ROUTE_LEASE_MS): confirmed by a
+    # read moments ago (the bound is loose: the machine may be slow, never the test).
+    lease_age = server.get(("haru_route_lease_age_seconds", (("fleet", "local"),)))
+    assert lease_age is not None
+    assert 0 <= lease_age < 60, lease_age
     assert value(server, "haru_operations_started_total", kind="promote") == 1
     assert value(server, "haru_operations_succeeded_total", kind="promote") == 1
     assert total(server, "haru_operations_failed_total") == 0

@@ -75,6 +75,49 @@ async def test_an_old_server_stops_reconciling_once_a_newer_release_migrated(
     assert after != before
 
 
+async def test_an_old_server_refuses_api_writes_once_a_newer_release_migrated(
+    store: StateStore, clock: Any, make_fleet: Any, helpers: Any, aiohttp_client: AiohttpClient
+) -> None:
+    fleet = await make_fleet()
+    seeded = await helpers.seed(store, fleet, clock)
+    old = await aiohttp_client(
+        create_app(Settings(reconcile_interval_ms=None), store=store, clock=clock)
+    )
+    beta = next(d for d in seeded.domains if d.slug == "beta")
+    layout = {"layout": fleet.layout().model_dump(mode="json", by_alias=True)}
+    writes: list[tuple[str, str, dict[str, Any]]] = [
+        ("POST", "/v1/fleets/local/promote", {"targetDomainId": str(beta.id)}),
+        ("POST", "/v1/fleets/local/demote", {"targetDomainId": str(beta.id)}),
+        ("PATCH", "/v1/fleets/local/policy", {"heartbeatStaleMs": 9000}),
+        ("POST", "/v1/fleets/local/apply", layout),
+        ("POST", "/v1/fleets/local/domains/beta/up", {}),
+        ("POST", "/v1/fleets/local/domains/beta/down", {}),
+    ]
+
+    await stamp(store, NEWER)  # the new release's servers migrated the store
+    assert (await old.get("/readyz")).status == 503
+    before = await store.get_fleet_snapshot("local")
+    events = await store.list_events(seeded.id, limit=1000)
+    for method, path, body in writes:
+        response = await old.request(method, path, json=body)
+        answer = await response.json()
+        assert response.status == 503, (path, answer)
+        assert answer["error"]["code"] == "not_ready", path
+        assert "newer than this release" in answer["error"]["message"], path
+    # Nothing was written: no operation, no policy, no event.
+    assert await store.get_fleet_snapshot("local") == before
+    assert await store.get_in_flight_operation(seeded.id) is None
+    assert await store.list_events(seeded.id, limit=1000) == events
+    # Reads still answer, a dry run included (it writes nothing).
+    dry = await old.post("/v1/fleets/local/apply", json={**layout, "dryRun": True})
+    assert dry.status == 200, await dry.text()
+
+    await stamp(store, head_revision())  # rolled back: `haru db downgrade` to this release's
+    assert (await old.get("/readyz")).status == 200
+    policy = await old.patch("/v1/fleets/local/policy", json={"heartbeatStaleMs": 9000})
+    assert policy.status == 200, await policy.text()
+
+
 class _Now:
     def __init__(self) -> None:
         self.value = 0.0

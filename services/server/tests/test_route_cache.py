@@ -888,3 +888,20 @@ async def test_a_promotion_is_dated_from_when_this_process_first_saw_it(
     clock.advance(5)
     cache.note_promotion(fleet.id)  # accepted by this process: known before any read
     assert cache.promotion_since(fleet.id) == clock.now
+
+
+async def test_lease_ages_count_from_the_read_that_confirmed_the_pointer(
+    store: ScriptedStore, clock: FakeClock
+) -> None:
+    leased = await leased_cache(store, clock)
+    try:
+        assert leased.cache.lease_ages() == {"prod": 0.0}
+        clock.advance(0.5)  # the refresher is paused: nothing confirms the pointer
+        assert leased.cache.lease_ages() == {"prod": pytest.approx(0.5)}
+        leased.rounds.put_nowait(None)  # one refresher round reads and confirms it
+        await settle()
+        assert store.pointer_reads == 3
+        assert leased.cache.lease_ages() == {"prod": 0.0}
+    finally:
+        await leased.cache.aclose()
+    assert make_cache(store, clock).lease_ages() == {}  # lease_ms = 0: nothing is leased

@@ -35,7 +35,8 @@ from haru_protocol import (
 )
 from haru_web import ApiError, parse_body
 
-from haru_server._keys import clock_key, kick_fleet_key, store_key
+from haru_server._keys import clock_key, kick_fleet_key, schema_gate_key, store_key
+from haru_server._schema_gate import check_writes
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ async def apply_layout(request: web.Request) -> web.Response:
     plan = planned.plan
     if body.dry_run:
         return _answer(ApplyResponse(plan=plan, applied=False, fleet_id=plan.fleet_id))
+    await check_writes(request.app[schema_gate_key])
     if body.revisions is not None and _keys(body.revisions) != _keys(plan.revisions):
         raise ApiError(
             ErrorCode.PLAN_STALE,

@@ -100,6 +100,30 @@ class _HeartbeatAge(Collector):
         yield family
 
 
+class _LeaseAge(Collector):
+    """``haru_route_lease_age_seconds``: age of the route pointer this process routes on.
+
+    Read from the proxy's route cache at scrape time (``lease_ages``): seconds since the read
+    that last confirmed each leased fleet's pointer started. It stays under the lease plus the
+    read bound while the store answers; beyond that, requests read before routing (or fail open
+    while the store does not answer, which is when it keeps growing).
+    """
+
+    def __init__(self) -> None:
+        self.ages: Callable[[], dict[str, float]] = dict
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "haru_route_lease_age_seconds",
+            "Seconds since the route pointer this process routes the fleet on was confirmed "
+            "by a read (fleets with a kept route lease only).",
+            labels=["fleet"],
+        )
+        for fleet, age in sorted(self.ages().items()):
+            family.add_metric([fleet], age)
+        yield family
+
+
 class ServerMetrics:
     """The server's metrics and the hooks that move them (one instance per app).
 
@@ -138,6 +162,8 @@ class ServerMetrics:
         )
         self._heartbeat_age = _HeartbeatAge(monotonic)
         r.register(self._heartbeat_age)
+        self._lease_age = _LeaseAge()
+        r.register(self._lease_age)
         self.gc_pause = Histogram(
             "haru_gc_pause_seconds",
             "Pauses of the cyclic garbage collector (the event loop stops for each), by "
@@ -257,6 +283,14 @@ class ServerMetrics:
             "haru_proxy_upstream_time_to_headers_seconds",
             "Time from sending a request upstream to its response headers.",
             ["fleet"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "haru_proxy_time_to_first_token_seconds",
+            "Time from a streamed inference request's arrival to the first chunk of its "
+            "answer relayed to the client (successful event streams only), by fleet and model.",
+            ["fleet", "model"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -484,6 +518,14 @@ class ServerMetrics:
                 )
             histogram.observe(headers_s)
 
+    def watch_lease_ages(self, ages: Callable[[], dict[str, float]]) -> None:
+        """Read the route lease age of every leased fleet (by slug) at each scrape."""
+        self._lease_age.ages = ages
+
+    def first_token(self, fleet: str, model: str, seconds: float) -> None:
+        """A streamed answer's first chunk reached the client ``seconds`` after the request."""
+        self.time_to_first_token.labels(fleet, model).observe(max(seconds, 0.0))
+
     def request_held(self, fleet: str) -> None:
         """A request waited for a failover to move the route (the data path calls this)."""
         self.proxy_held.labels(fleet).inc()
@@ -514,6 +556,8 @@ class ProxyNote:
     stale: bool = False
     upstream: str | None = None
     headers_s: float | None = None
+    started: float = 0.0
+    """``time.monotonic()`` when the request arrived (time to first token counts from here)."""
 
 
 proxy_note_key: Final = web.RequestKey("haru_proxy_note", ProxyNote)
@@ -542,6 +586,14 @@ def note_upstream(request: web.Request, origin: str, headers_s: float) -> None:
     note.headers_s = headers_s
 
 
+def note_first_chunk(request: web.Request) -> None:
+    """The first chunk of a successful event stream was relayed to the client."""
+    note = request.get(proxy_note_key)
+    if note is None:
+        return
+    request.app[metrics_key].first_token(note.fleet, note.model, time.monotonic() - note.started)
+
+
 def proxy_access_middleware(paths: frozenset[str]) -> Middleware:
     """Count and access-log every request to the proxied ``paths`` (status known at the end)."""
 
@@ -549,10 +601,10 @@ def proxy_access_middleware(paths: frozenset[str]) -> Middleware:
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in paths:
             return await handler(request)
-        note = ProxyNote()
+        started = time.monotonic()
+        note = ProxyNote(started=started)
         request[proxy_note_key] = note
         request[access_logged_key] = True  # _record writes this request's access line
-        started = time.monotonic()
         status = 500
         try:
             response = await handler(request)

@@ -54,7 +54,7 @@ from haru_web import ApiError, connection_cap, current_request_id
 from yarl import URL
 
 from haru_server._keys import FleetKicker, clock_key, kick_fleet_key, settings_key, store_key
-from haru_server._metrics import metrics_key, note_route, note_upstream
+from haru_server._metrics import metrics_key, note_first_chunk, note_route, note_upstream
 from haru_server._proxy_routes import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -722,9 +722,16 @@ class _Proxy:
         if held_ms is not None:
             headers[HELD_HEADER] = str(held_ms)
         content = upstream.content
+        # Time to first token: the first chunk of a successful event stream (a streamed
+        # completion); other answers have no first token to time.
+        timing = 200 <= upstream.status < 300 and (content_type or "").startswith(
+            "text/event-stream"
+        )
         if content.is_eof() and content.exception() is None:
             # The whole answer arrived together with its headers (a small JSON answer): it is
             # already in memory, so send it in one write instead of headers, body, terminator.
+            if timing:
+                note_first_chunk(request)
             return web.Response(status=upstream.status, body=content.read_nowait(), headers=headers)
         response = web.StreamResponse(status=upstream.status, headers=headers)
         length = upstream.content_length
@@ -743,6 +750,9 @@ class _Proxy:
                 if not chunk:
                     break
                 await response.write(chunk)
+                if timing:
+                    timing = False
+                    note_first_chunk(request)
             await response.write_eof()
         except ConnectionError:
             # The client went away mid-answer: stop reading (the caller closes the upstream).
@@ -981,6 +991,9 @@ def install_proxy(app: web.Application, *, tuning: ProxyTuning | None = None) ->
     metrics = app.get(metrics_key)
     if metrics is not None:
         metrics.watch_holding(lambda: 0 if holder.proxy is None else holder.proxy.holding)
+        metrics.watch_lease_ages(
+            lambda: {} if holder.proxy is None else holder.proxy.cache.lease_ages()
+        )
     app.router.add_post(CHAT_PATH, _chat_completions, expect_handler=_expect_continue)
     app.router.add_post(COMPLETIONS_PATH, _completions, expect_handler=_expect_continue)
     app.router.add_post(EMBEDDINGS_PATH, _embeddings, expect_handler=_expect_continue)

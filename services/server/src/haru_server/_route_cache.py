@@ -254,6 +254,19 @@ class RouteCache(Generic[T]):
         lease = self._leases.get(fleet_id)
         return None if lease is None else lease.pointer
 
+    def lease_ages(self) -> dict[str, float]:
+        """Seconds since each leased fleet's pointer was last confirmed, by fleet slug.
+
+        The age of the pointer this process routes on without reading (measured from the start
+        of the read that confirmed it, on this process's clock); only fleets with a kept lease
+        appear (none with ``lease_ms`` = 0: every request reads).
+        """
+        now = self._clock()
+        return {
+            lease.pointer.slug: max(now - lease.confirmed_at, 0.0)
+            for lease in self._leases.values()
+        }
+
     def refreshing(self, fleet_id: UUID) -> bool:
         """Whether a background refresher keeps ``fleet_id``'s lease confirmed."""
         lease = self._leases.get(fleet_id)

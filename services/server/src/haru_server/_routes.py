@@ -65,10 +65,12 @@ from haru_server._keys import (
     promotion_accepted_key,
     provisioner_key,
     reconciler_key,
+    schema_gate_key,
     store_key,
 )
 from haru_server._metrics import metrics_key
 from haru_server._reconciler import RECENT_OPERATIONS, Accepted
+from haru_server._schema_gate import check_writes
 from haru_server._steps import former_active_guard_until
 
 logger = logging.getLogger(__name__)
@@ -183,6 +185,7 @@ POLICY_SWAP_ATTEMPTS = 5
 @routes.patch("/v1/fleets/{ref}/policy")
 async def patch_policy(request: web.Request) -> web.Response:
     update = await parse_body(request, PolicyPatch, limit=CONTROL_BODY_LIMIT)
+    await check_writes(request.app[schema_gate_key])
     fleet = await _snapshot(request)
     store = request.app[store_key]
     for _ in range(POLICY_SWAP_ATTEMPTS):
@@ -246,6 +249,7 @@ async def reconcile(request: web.Request) -> web.Response:
 async def _request_operation(
     request: web.Request, kind: OperationKind, target_domain_id: UUID
 ) -> web.Response:
+    await check_writes(request.app[schema_gate_key])
     fleet = await _snapshot(request)
     loop = request.app[loop_key]
     if loop is not None and not await loop.covers(fleet.id):
@@ -476,6 +480,7 @@ async def _domain_action(
 @routes.post("/v1/fleets/{ref}/domains/{domain}/up")
 async def domain_up(request: web.Request) -> web.Response:
     await parse_body(request, DomainActionRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
+    await check_writes(request.app[schema_gate_key])
     fleet = await _snapshot(request)
     domain = _domain_of(fleet, request)
     _provisioned(request, domain, "up")
@@ -491,6 +496,7 @@ async def domain_up(request: web.Request) -> web.Response:
 @routes.post("/v1/fleets/{ref}/domains/{domain}/down")
 async def domain_down(request: web.Request) -> web.Response:
     await parse_body(request, DomainActionRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
+    await check_writes(request.app[schema_gate_key])
     fleet = await _snapshot(request)
     domain = _domain_of(fleet, request)
     _provisioned(request, domain, "down")

@@ -8,6 +8,10 @@ is gone. Each tick (the loop's and ``POST /reconcile``'s) therefore checks, at m
 does, the tick is refused (:class:`SchemaNewerError`) before it reads or writes anything. A
 store moved back to a known revision (``haru db downgrade``) is reconciled again.
 
+The API's writes (promote, demote, policy, apply, domain up and down) pass the same gate
+(:func:`check_writes`): a client that reaches an old server directly, not through the load
+balancer, gets 503 ``not_ready`` instead of a write in the old shape.
+
 An outdated schema (the store not migrated yet: the new release's server before its
 migration) is not refused here: it fails its own boot and readiness checks.
 """
@@ -20,6 +24,8 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from haru_db import HaruDbError, SchemaTooNewError, check_schema
+from haru_protocol import ErrorCode
+from haru_web import ApiError
 
 from haru_server._errors import SchemaNewerError
 
@@ -97,3 +103,15 @@ class SchemaGate:
         elif self._refusal is not None:
             logger.warning("the state store's schema is known again: reconciling resumes")
             self._refusal = None
+
+
+async def check_writes(gate: SchemaGate) -> None:
+    """Return when an API write may run (the reconcile ticks' gate, same interval).
+
+    Raises:
+        haru_web.ApiError: 503 ``not_ready`` while a newer release's schema is in the store.
+    """
+    try:
+        await gate.check()
+    except SchemaNewerError as exc:
+        raise ApiError(ErrorCode.NOT_READY, f"not accepting writes: {exc}") from None
