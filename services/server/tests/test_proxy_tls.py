@@ -2,16 +2,18 @@
 
 Real sockets: the proxy app on 127.0.0.1, an emulated vLLM behind a TLS terminator whose
 certificate comes from a trustme CA, a real SQLite store, and the official ``openai`` SDK as
-the client.
+the client; the boot warnings from a whole ``run_server``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import ssl
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,11 +22,12 @@ import openai
 import pytest
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from haru_db import StateStore
+from haru_db import StateStore, upgrade
 from haru_db.testing import confirm_domains
 from haru_protocol import FleetLayout
 from haru_server._keys import clock_key, settings_key, store_key
 from haru_server._proxy import ProxyTuning, install_proxy
+from haru_server._serve import run_server
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
 from haru_web import ApiError, render_api_error
@@ -225,3 +228,39 @@ async def test_a_plain_http_upstream_on_another_host_is_refused_unless_allowed(
     assert "plain HTTP on another host" in error["message"]
     assert "HARU_ALLOW_PLAINTEXT=1" in error["message"]
     assert sim.recorded_requests == ()
+
+
+@asynccontextmanager
+async def running_server(settings: Settings) -> AsyncIterator[str]:
+    """``run_server`` in this process; yields its base URL."""
+    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_server(settings, on_listening=listening.set_result, stop=stop))
+    try:
+        yield await asyncio.wait_for(asyncio.shield(listening), 30)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+async def test_the_server_names_each_domain_served_in_clear_text_at_boot(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, allowed: bool
+) -> None:
+    db = f"sqlite:///{tmp_path / 'boot.db'}"
+    await upgrade(db)
+    store = StateStore.open(db)
+    try:
+        await _fleet(store, "http://192.0.2.7:8000/serving?key=x")
+    finally:
+        await store.close()
+    caplog.set_level(logging.WARNING)
+    async with running_server(Settings(database_url=db, port=0, allow_plaintext=allowed)):
+        pass
+    log = caplog.text
+    endpoint = "domain alpha of fleet prod: serving endpoint http://192.0.2.7:8000"
+    if allowed:
+        assert f"{endpoint} is reached in CLEAR TEXT" in log
+    else:
+        assert f"{endpoint} is plain HTTP on another host" in log
+    assert "key=x" not in log  # the origin only: a query may carry a credential
