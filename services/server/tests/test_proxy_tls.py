@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import ssl
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -264,3 +266,27 @@ async def test_the_server_names_each_domain_served_in_clear_text_at_boot(
     else:
         assert f"{endpoint} is plain HTTP on another host" in log
     assert "key=x" not in log  # the origin only: a query may carry a credential
+
+
+async def test_haru_serve_refuses_a_serving_ca_file_that_does_not_load(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
+    env.update(
+        DATABASE_URL=f"sqlite:///{tmp_path / 'boot.db'}",
+        PORT="0",
+        HARU_SERVING_CA_FILE=str(tmp_path / "missing.pem"),
+    )
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "haru_server",
+        "serve",
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(60):
+        _, err = await process.communicate()
+    log = err.decode(errors="replace")
+    assert process.returncode == 2, log
+    assert "cannot load HARU_SERVING_CA_FILE" in log
