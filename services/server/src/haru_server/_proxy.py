@@ -8,8 +8,13 @@ path). The client's headers are not forwarded (its ``Authorization`` above all):
 gets ``content-type``, ``accept``, the request id and, when the upstream has one, its own
 serving credential as ``Authorization: Bearer`` (a static binding's ``apiKeyEnv`` /
 ``apiKeyFile``, read on the server; ``HARU_SERVING_TOKEN`` for a provisioned domain's
-gateway). The answer streams back chunk by chunk with its status; only ``content-type`` is copied
-(and ``location`` on a 3xx: redirects are never followed, the client gets them as sent).
+gateway). An ``https://`` upstream is verified first (a ``skypilot`` domain's gateway against
+its fleet's CA under the domain's name, any other against ``HARU_SERVING_CA_FILE`` or the
+system store; a failure is a 502 saying why, never a retry in clear text), and ``http://`` to
+another host is refused unless ``HARU_ALLOW_PLAINTEXT`` (``skyserve`` endpoints excepted: they
+have no certificate). The answer streams back chunk by chunk with its status; only
+``content-type`` is copied (and ``location`` on a 3xx: redirects are never followed, the
+client gets them as sent).
 The upstream gets ``HARU_CHAT_HEADER_TIMEOUT_MS`` to send its headers; afterwards only
 silence is bounded: an upstream that sends nothing for ``HARU_UPSTREAM_IDLE_TIMEOUT_MS``
 mid-answer is cut. A client that goes away aborts the upstream request; an upstream that dies
