@@ -162,7 +162,9 @@ def test_the_run_script_writes_the_tls_secrets_to_private_files(tmp_path: Path) 
     inherited = (tmp_path / ".haru" / "child-env").read_text()
     assert "HARU_NODE_TLS" not in inherited
     assert "xyz" not in inherited
-    assert 'HARU_TLS_CERT_FILE="$HOME/.haru/tls/node.crt"' in run
+    # The supervisor and the gateway both serve HTTPS with them.
+    assert run.count('HARU_TLS_CERT_FILE="$HOME/.haru/tls/node.crt"') == 2
+    assert "HARU_TLS_CERT_FILE" in next(line for line in run.splitlines() if "$GATEWAY" in line)
 
 
 def test_the_run_script_refuses_to_start_without_the_tls_secrets(tmp_path: Path) -> None:

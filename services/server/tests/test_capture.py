@@ -1,15 +1,15 @@
 """Haru's parts as separate hosts, and what a packet capture of their links shows.
 
 Network namespaces on a private bridge (``haru_sim.netlab``): two GPU hosts (``alpha``,
-``beta``: an emulated vLLM server and the real ``haru-supervisor``, which serves HTTPS only) and
-a ``client`` host that talks to the server through the ``openai`` SDK over HTTPS. The server
-runs in this process on the bridge's address; it reaches each GPU host through a userspace
-delay relay (20 ms each way: 40 ms RTT, as between two regions; these kernels have no
-``netem``). ``tshark`` captures the bridge (every veth's frames cross it) during a whole
-promotion and 100 chat requests; the capture must hold neither token, nor any prompt or
-completion, except on the server's link to the serving endpoints, which is plain HTTP on a
-static domain (see KNOWN_ISSUES, "Serving endpoints and SkyPilot hosts: what still travels in
-clear text"): that link is checked for the tokens only.
+``beta``: an emulated vLLM server on the host's loopback, the real ``haru-gateway`` in front of
+it and the real ``haru-supervisor``, both serving HTTPS only) and a ``client`` host that talks
+to the server through the ``openai`` SDK over HTTPS. The server runs in this process on the
+bridge's address; it reaches each GPU host through a userspace delay relay (20 ms each way:
+40 ms RTT, as between two regions; these kernels have no ``netem``), verifying the gateways
+against ``HARU_SERVING_CA_FILE`` and presenting the gateway's serving credential (the static
+binding's ``apiKeyEnv``). ``tshark`` captures the bridge (every veth's frames cross it) during
+a whole promotion and 100 chat requests; the capture must hold neither token, nor the serving
+credential, nor any prompt or completion, nor any clear-text HTTP.
 
 Skipped with the reason where namespaces or ``tshark`` are missing; a failure under ``CI``.
 """
@@ -47,7 +47,10 @@ SUPERVISOR_TOKEN = "sup-tok-capture-8c1f0e5a"
 API_TOKEN = "api-tok-capture-3b7d22e9"
 MODEL = "chat"
 VLLM_PORT = 8100
+GATEWAY_PORT = 8000
 SUPERVISOR_PORT = 8701
+SERVING_KEY_VAR = "HARU_TEST_CAPTURE_SERVING_KEY"
+SERVING_KEY = "serving-key-capture-61d9a4f2"
 DELAY_S = 0.020
 CHATS = 100
 DEADLINE_S = 90.0
@@ -84,7 +87,8 @@ def start_gpu_host(
     asleep: bool,
     cert: tuple[Path, Path] | None = None,
 ) -> None:
-    """An emulated vLLM server and a TLS supervisor in ``host`` (both die with the lab)."""
+    """An emulated vLLM server, a TLS gateway and a TLS supervisor in ``host`` (all die with
+    the lab). vLLM listens on the host's loopback only: the gateway is its one way in."""
     home = tmp / host.name
     bin_dir = home / "bin"
     gpu = EmulatedGpu(index=0, models=(GpuModel(name=MODEL, port=VLLM_PORT, awake_mib=30_000),))
@@ -103,7 +107,7 @@ def start_gpu_host(
             }
         )
     )
-    vllm = [sys.executable, "-m", "haru_sim.vllm", "--host", "0.0.0.0", "--port", str(VLLM_PORT)]
+    vllm = [sys.executable, "-m", "haru_sim.vllm", "--host", "127.0.0.1", "--port", str(VLLM_PORT)]
     vllm += ["--served-model-name", MODEL, *(["--start-asleep"] if asleep else [])]
     host.popen(vllm, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     cert_file, key_file = cert or leaf(pki, home, host.name, host.address, gateway)
@@ -117,6 +121,15 @@ def start_gpu_host(
         "HARU_TLS_CERT_FILE": str(cert_file),
         "HARU_TLS_KEY_FILE": str(key_file),
     }
+    gateway_argv = [sys.executable, "-m", "haru_supervisor._gateway", "--listen", str(GATEWAY_PORT)]
+    gateway_argv += ["--token-env", SERVING_KEY_VAR, "--route", f"{MODEL}={VLLM_PORT}"]
+    with (home / "gateway.log").open("wb") as log:
+        host.popen(
+            gateway_argv,
+            env={**env, SERVING_KEY_VAR: SERVING_KEY},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     supervisor = [sys.executable, "-m", "haru_supervisor"]
     with (home / "supervisor.log").open("wb") as log:
         host.popen(supervisor, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -149,7 +162,9 @@ def layout(urls: dict[str, tuple[str, str]]) -> FleetLayout:
                 {
                     "kind": "inference",
                     "gpuIndex": 0,
-                    "models": [{"name": MODEL, "servingUrl": serving}],
+                    "models": [
+                        {"name": MODEL, "servingUrl": serving, "apiKeyEnv": SERVING_KEY_VAR}
+                    ],
                 }
             ],
         }
@@ -208,8 +223,9 @@ print(json.dumps(answers))
 
 
 async def test_a_capture_of_a_promotion_and_chats_holds_no_token_and_no_prompt(
-    netlab: Lab, tshark: str, pki: Any, tmp_path: Path
+    netlab: Lab, tshark: str, pki: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv(SERVING_KEY_VAR, SERVING_KEY)
     capture_file = tmp_path / "links.pcapng"
     lab = netlab
     alpha, beta, client = lab.host("alpha"), lab.host("beta"), lab.host("client")
@@ -217,20 +233,18 @@ async def test_a_capture_of_a_promotion_and_chats_holds_no_token_and_no_prompt(
     start_gpu_host(alpha, tmp_path, pki, gateway=gw, asleep=False)
     start_gpu_host(beta, tmp_path, pki, gateway=gw, asleep=True)
     relays: list[DelayRelay] = []
-    serving_ports: set[str] = set()
     urls: dict[str, tuple[str, str]] = {}
     stack = contextlib.AsyncExitStack()
     for host in (alpha, beta):
         sup = DelayRelay((gw, 0), (host.address, SUPERVISOR_PORT), delay_s=DELAY_S)
-        vllm = DelayRelay((gw, 0), (host.address, VLLM_PORT), delay_s=DELAY_S)
-        for relay in (sup, vllm):
+        gateway = DelayRelay((gw, 0), (host.address, GATEWAY_PORT), delay_s=DELAY_S)
+        for relay in (sup, gateway):
             await stack.enter_async_context(relay)
-        relays += [sup, vllm]
-        # The server's link to the serving endpoint (through the relay) is plain HTTP.
-        serving_ports.add(str(vllm.address[1]))
+        relays += [sup, gateway]
+        # The server's link to the serving endpoint (through the relay) is HTTPS too.
         urls[host.name] = (
             f"https://{gw}:{sup.address[1]}",
-            f"http://{gw}:{vllm.address[1]}",
+            f"https://{gw}:{gateway.address[1]}/m/{MODEL}",
         )
     db = f"sqlite:///{tmp_path / 'haru.db'}"
     await upgrade(db)
@@ -249,6 +263,7 @@ async def test_a_capture_of_a_promotion_and_chats_holds_no_token_and_no_prompt(
         tls_cert_file=server_cert,
         tls_key_file=server_key,
         supervisor_ca_file=pki.ca_file,
+        serving_ca_file=pki.ca_file,
         default_fleet="local",
         reconcile_interval_ms=200,
     )
@@ -327,18 +342,14 @@ async def test_a_capture_of_a_promotion_and_chats_holds_no_token_and_no_prompt(
     assert captured, "the capture holds no TCP payload at all"
     server_port = url.rsplit(":", 1)[1]
     everything = b"".join(captured.values())
-    # Proof that the capture sees the links: the server's calls to the plain serving endpoints.
-    assert b"POST /v1/chat/completions" in everything
-    for secret in (SUPERVISOR_TOKEN, API_TOKEN):
+    for secret in (SUPERVISOR_TOKEN, API_TOKEN, SERVING_KEY):
         assert secret.encode() not in everything, f"{secret} crossed a link in clear text"
-    tls_streams = {
-        key: data
-        for key, data in captured.items()
-        if not set(key.split(":")[1].split("-")) & (serving_ports | {str(VLLM_PORT)})
-    }
-    # The client's link (HTTPS to the server) and the supervisor links hold no text at all.
-    assert any(server_port in key for key in tls_streams)
-    for key, data in tls_streams.items():
+    # Proof that the capture sees every kind of link: the client's (HTTPS to the server) and
+    # the server's (its relays, on this host) to the gateways and to the supervisors.
+    ports = {port for key in captured for port in key.split(":")[1].split("-")}
+    assert {server_port, str(GATEWAY_PORT), str(SUPERVISOR_PORT)} <= ports
+    # Every link holds no text at all: no prompt, no completion, no clear-text HTTP.
+    for key, data in captured.items():
         assert b"zanzibar" not in data, f"prompt or completion text in stream {key}"
         assert b"HTTP/1.1" not in data, f"clear-text HTTP in stream {key}"
 

@@ -448,12 +448,12 @@ async def test_layout_to_ready_with_no_hand_typed_url(
     for slug in ("alpha", "beta"):
         got = domain(done, slug)
         assert str(got.supervisor_url) == fleet.domain(slug).supervisor_url
-        assert str(got.serving_base_url) == "http://127.0.0.1:8000"
+        assert str(got.serving_base_url) == "https://127.0.0.1:8000"
         assert got.launch_attempt == 1
         assert got.launched_at is not None
         urls = [str(m.serving_url) for s in got.slots for m in getattr(s.spec, "models", ())]
         assert urls
-        assert all(u.startswith("http://127.0.0.1:8000/m/") for u in urls)
+        assert all(u.startswith("https://127.0.0.1:8000/m/") for u in urls)
         launches = sky.launches(f"haru-local--{slug}")
         assert len(launches) == 1
         argv = launches[0]["argv"]
@@ -1251,7 +1251,7 @@ async def test_addresses_are_skypilots_endpoints_of_each_port(
     )
     alpha = domain(done, "alpha")
     assert str(alpha.supervisor_url) == "https://127.0.0.1:38701"  # over TLS (fleet CA)
-    assert str(alpha.serving_base_url) == "http://127.0.0.1:38000"
+    assert str(alpha.serving_base_url) == "https://127.0.0.1:38000"  # the gateway too
     asked = [c["argv"] for c in sky.calls() if "--endpoint" in c["argv"]]
     assert ["status", "--endpoint", "8701", "haru-local--alpha"] in asked
     assert not [c for c in sky.calls() if "--ip" in c["argv"]]

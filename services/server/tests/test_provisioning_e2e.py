@@ -327,7 +327,7 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
     fleet_ca = ssl.create_default_context(cadata=stored_ca.cert_pem)
     for slug in ("alpha", "beta"):
         domain = by_slug(fleet, slug)
-        gateway = f"http://127.0.0.1:{ports[slug]['gatewayPort']}"
+        gateway = f"https://127.0.0.1:{ports[slug]['gatewayPort']}"
         assert str(domain.supervisor_url) == f"https://127.0.0.1:{ports[slug]['supervisorPort']}"
         name = f"{slug}.local.haru.internal"
         assert certs[domain.id].server_name == name
@@ -349,10 +349,16 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
             for m in s.spec.models
         )
         assert urls == [f"{gateway}/m/chat-small", f"{gateway}/m/org%2Fchat%20large"]
-        # The gateway serves only the server, which presents the serving credential.
-        async with http.post(f"{gateway}/m/chat-small/v1/chat/completions", json={}) as resp:
+        # The gateway serves only the server, which presents the serving credential, and
+        # only over TLS with the domain's certificate from the fleet's CA.
+        chat_url = f"{gateway}/m/chat-small/v1/chat/completions"
+        async with http.post(chat_url, json={}, ssl=fleet_ca, server_hostname=name) as resp:
             assert resp.status == 401
             assert "chat" not in await resp.text()
+        with pytest.raises(aiohttp.ClientError):
+            await http.post(chat_url.replace("https://", "http://"), json={})
+        with pytest.raises(aiohttp.ClientConnectorCertificateError):
+            await http.post(chat_url, json={}, ssl=fleet_ca, server_hostname=other_name(slug))
         assert TOKEN not in json.dumps(launch)
         assert SERVING_TOKEN not in json.dumps(launch)
         # The supervisor holds the token the secret carried, and nothing else opens it; it
@@ -364,9 +370,8 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
         async with http.get(status_url, headers=auth, ssl=fleet_ca, server_hostname=name) as resp:
             assert resp.status == 200
         # Another domain's name: refused, although the same CA issued both.
-        other = f"{'beta' if slug == 'alpha' else 'alpha'}.local.haru.internal"
         with pytest.raises(aiohttp.ClientConnectorCertificateError):
-            await http.get(status_url, ssl=fleet_ca, server_hostname=other)
+            await http.get(status_url, ssl=fleet_ca, server_hostname=other_name(slug))
         with pytest.raises(aiohttp.ClientError):
             await http.get(status_url.replace("https://", "http://"), headers=auth)
         # Each model is an emulated `vllm serve` on its generated port, with its source.
@@ -377,6 +382,7 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
             assert state["served_model_names"] == [name]
             async with http.get(f"http://127.0.0.1:{base + offset}/v1/models") as resp:
                 assert (await resp.json())["data"][0]["root"] == (source or name)
+    # The proxy reaches the gateway over TLS, trusting the fleet's CA under alpha's name.
     assert await control.chat("chat-small", "hello alpha") == "hello alpha"
 
     # A planned switchover through the CLI.
@@ -485,3 +491,8 @@ async def test_two_skypilot_domains_from_seed_to_promotion_and_preemption(
     await control.haru("domain", "up", "local", "alpha")
     assert (await failed_and_cleaned(3))["reason"] == "launch_timeout"
     assert len(sky.launches(alpha_cluster)) == 3
+
+
+def other_name(slug: str) -> str:
+    """The server name of the other domain of the fleet (same CA, not this domain's name)."""
+    return f"{'beta' if slug == 'alpha' else 'alpha'}.local.haru.internal"

@@ -8,8 +8,9 @@ writes the supervisor config (generated from the same slots), starts one vLLM se
 name), the serving gateway ``haru-gateway`` (the only public route to them, behind the serving
 credential) and, last, the supervisor. A standby's servers are put to sleep by the reconciler.
 The supervisor token, the serving credential and the domain's TLS key and certificate are
-SkyPilot secrets: their values never enter the YAML; the supervisor serves HTTPS with that
-certificate.
+SkyPilot secrets: their values never enter the YAML; the supervisor and the gateway serve HTTPS
+with that certificate. A SkyServe replica (no supervisor) gets no certificate: its gateway
+serves plain HTTP behind SkyServe's load balancer.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ TLS_KEY_SECRET = "HARU_NODE_TLS_KEY"  # noqa: S105 -- a variable name, not a val
 
 TLS_DIR = "$HOME/.haru/tls"
 """Where ``run`` writes the domain's certificate (``node.crt``) and key (``node.key``), mode
-0600 in a 0700 directory; the supervisor serves HTTPS with them."""
+0600 in a 0700 directory; the supervisor and the gateway serve HTTPS with them."""
 
 SERVING_TOKEN_SECRET = "HARU_SERVING_TOKEN"  # noqa: S105 -- a variable name, not a value
 """The secret carrying the serving credential (the name haru-gateway reads): the Haru server
@@ -80,7 +81,7 @@ def model_ports(slots: Sequence[SlotSpec], settings: Provisioning) -> list[Model
 
 
 def serving_path(model: str) -> str:
-    """The gateway path prefix of ``model`` (its serving URL is ``http://HOST:PORT`` + this).
+    """The gateway path prefix of ``model`` (its serving URL is the gateway's URL + this).
 
     The name is percent-encoded as one path segment (UTF-8; ``/``, spaces and non-ASCII
     letters included), and the gateway decodes it back.
@@ -228,7 +229,10 @@ def run_script(
     if not supervisor:
         lines.append(f"exec {gateway}")
         return "\n".join(lines)
-    lines.append(f'nohup {gateway} > "$HARU_DIR/gateway.log" 2>&1 &')
+    # HTTPS with the domain's certificate (the server verifies it against the fleet's CA and
+    # the domain's name); only the gateway's environment gets the files' paths.
+    tls_env = f'HARU_TLS_CERT_FILE="{TLS_DIR}/node.crt" HARU_TLS_KEY_FILE="{TLS_DIR}/node.key"'
+    lines.append(f'{tls_env} nohup {gateway} > "$HARU_DIR/gateway.log" 2>&1 &')
     # A standby's servers start awake too. The reconciler puts them to sleep through the
     # supervisor, which serialises that sleep with every other admin action. A sleep sent
     # from this script could land after a promotion woke the domain (seen in CI), so the
@@ -238,7 +242,7 @@ def run_script(
         f"export PORT={settings.supervisor_port}",
         # HTTPS with the certificate the server issued from the fleet's CA (it trusts only
         # that CA and checks the domain's name); re-read by the supervisor when it changes.
-        f'export HARU_TLS_CERT_FILE="{TLS_DIR}/node.crt" HARU_TLS_KEY_FILE="{TLS_DIR}/node.key"',
+        f"export {tls_env}",
         # The token arrives as a SkyPilot secret; the supervisor refuses to run open on 0.0.0.0.
         f': "${{{TOKEN_SECRET}:?the supervisor token secret is missing}}"',
         'exec "$SUPERVISOR"',

@@ -13,10 +13,11 @@ from uuid import UUID
 
 import aiohttp
 from aiohttp import web
-from haru_core import lease_guard_ms
+from haru_core import inference_bindings, lease_guard_ms
 from haru_db import HaruDbError, StateStore
 from haru_driver_skypilot import SkyPilotDriver
 from haru_driver_skyserve import SkyServeDriver
+from haru_protocol import DomainSnapshot, Provider
 from haru_supervisor.client import SupervisorClient, SupervisorLinks, is_loopback_url
 from haru_web import (
     OPENAPI_PATH,
@@ -30,6 +31,7 @@ from haru_web import (
     openapi_handler,
     request_id_middleware,
 )
+from yarl import URL
 
 from haru_server._apply import apply_routes
 from haru_server._clock import (
@@ -57,7 +59,7 @@ from haru_server._keys import (
 from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
 from haru_server._metrics import ServerMetrics, metrics_key, proxy_access_middleware
 from haru_server._middleware import store_error_middleware
-from haru_server._pki import FleetPki
+from haru_server._pki import FleetPki, pki_key
 from haru_server._provisioning import Provisioner, ProvisionerOptions
 from haru_server._proxy import install_proxy, observe_promotion, observe_route_move
 from haru_server._proxy_routes import PROXIED_PATHS
@@ -229,6 +231,8 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
         pki = FleetPki(
             app[store_key], settings.store_key(), validity_days=settings.domain_cert_days
         )
+        # The proxy verifies a `skypilot` domain's gateway against the same CA.
+        app[pki_key] = pki
         links = dataclasses.replace(app[_links_key], issued=pki.trusts)
         client = SupervisorClient(
             session,
@@ -237,6 +241,7 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             links=links,
         )
         await _warn_plaintext_domains(app[store_key], allowed=links.allow_plaintext)
+        await _warn_plaintext_serving(app[store_key], allowed=links.allow_plaintext)
         options = app[_reconciler_options_key]
         # The control path honours the route lease: the old active is drained only once every
         # process's lease has run out, and a flip made here reaches this process's proxy at once.
@@ -361,6 +366,48 @@ async def _warn_plaintext_domains(store: StateStore, *, allowed: bool) -> None:
                 domain_slug,
                 fleet_slug,
                 url,
+            )
+
+
+async def _warn_plaintext_serving(store: StateStore, *, allowed: bool) -> None:
+    """Name every domain whose serving endpoint is reached over plain HTTP beyond loopback."""
+    try:
+        clear: list[tuple[str, DomainSnapshot, str]] = []
+        for pointer in await store.list_fleets():
+            fleet = await store.get_fleet_snapshot(str(pointer.id))
+            if fleet is None:
+                continue
+            for domain in fleet.domains:
+                urls = [str(b.serving_url) for b in inference_bindings(domain) if b.serving_url]
+                plain = [u for u in urls if u.startswith("http://") and not is_loopback_url(u)]
+                if plain:
+                    clear.append((fleet.slug, domain, str(URL(plain[0]).origin())))
+    except HaruDbError as exc:
+        logger.warning("could not check domains for plain-HTTP serving endpoints at boot: %s", exc)
+        return
+    for fleet_slug, domain, origin in clear:
+        if allowed or domain.provider is Provider.SKYSERVE:
+            why = (
+                "a skyserve endpoint has no certificate"
+                if domain.provider is Provider.SKYSERVE and not allowed
+                else "HARU_ALLOW_PLAINTEXT is set"
+            )
+            logger.warning(
+                "domain %s of fleet %s: serving endpoint %s is reached in CLEAR TEXT (every "
+                "prompt, completion and its serving credential readable on the network; %s)",
+                domain.slug,
+                fleet_slug,
+                origin,
+                why,
+            )
+        else:
+            logger.error(
+                "domain %s of fleet %s: serving endpoint %s is plain HTTP on another host: every "
+                "request routed to it is refused (502) until it serves https:// or "
+                "HARU_ALLOW_PLAINTEXT=1 allows clear text on a private network",
+                domain.slug,
+                fleet_slug,
+                origin,
             )
 
 

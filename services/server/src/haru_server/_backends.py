@@ -83,7 +83,7 @@ _TASK_SECRETS = frozenset({TOKEN_SECRET, SERVING_TOKEN_SECRET, TLS_CERT_SECRET, 
 
 
 def _https(endpoint: str) -> str:
-    """The supervisor's endpoint over TLS (SkyPilot prints ``HOST:PORT`` or an http URL)."""
+    """An endpoint over TLS (SkyPilot prints ``HOST:PORT`` or an http URL)."""
     rest = endpoint.split("://", 1)[1] if "://" in endpoint else endpoint
     return f"https://{rest}"
 
@@ -197,11 +197,13 @@ class ClusterBackend:
         base = await self.driver.get_endpoint(name, settings.gateway_port)
         if base is None:
             return None
+        # Both over TLS with the certificate issued before the launch (see haru_server._pki):
+        # the supervisor and the gateway serve it; the server trusts the fleet's CA.
+        serving = _https(base)
         return Address(
-            # Over TLS with the certificate issued before the launch (see haru_server._pki).
             supervisor_url=_https(supervisor),
-            serving_base_url=base,
-            model_urls=_model_urls(base, _specs(domain), settings),
+            serving_base_url=serving,
+            model_urls=_model_urls(serving, _specs(domain), settings),
         )
 
     async def teardown(self, name: str) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Final
 from uuid import UUID
 
+from aiohttp import web
 from cryptography import x509
 from cryptography.fernet import Fernet, InvalidToken
 from cryptography.hazmat.primitives import hashes, serialization
@@ -279,6 +280,7 @@ class FleetPki:
         self._key = key
         self._days = validity_days
         self._contexts: dict[str, ssl.SSLContext] = {}
+        self._by_fleet: dict[UUID, ssl.SSLContext] = {}
         self.trusts = IssuedTrusts()
 
     async def issue(
@@ -347,6 +349,20 @@ class FleetPki:
                 return
             self.trusts.put(domain_id, url, IssuedTrust(context, domain_server_name(fleet, domain)))
 
+    async def domain_trust(self, fleet_id: UUID, fleet: str, domain: str) -> IssuedTrust | None:
+        """How the proxy verifies ``domain``'s gateway: the fleet's CA and the domain's name.
+
+        The store is read once per fleet (a fleet's CA never changes); None: the fleet has no
+        CA (it never launched a domain).
+        """
+        context = self._by_fleet.get(fleet_id)
+        if context is None:
+            context = await self._context(fleet_id)
+            if context is None:
+                return None
+            self._by_fleet[fleet_id] = context
+        return IssuedTrust(context, domain_server_name(fleet, domain))
+
     async def _context(self, fleet_id: UUID) -> ssl.SSLContext | None:
         stored = await self._store.get_fleet_ca(fleet_id)
         if stored is None:
@@ -355,3 +371,7 @@ class FleetPki:
         if context is None:
             context = self._contexts[stored.cert_pem] = trust_context(stored.cert_pem)
         return context
+
+
+pki_key: Final = web.AppKey("haru_fleet_pki", FleetPki)
+"""The server's :class:`FleetPki` (set while the reconciler runs; the proxy reads it)."""

@@ -8,8 +8,13 @@ path). The client's headers are not forwarded (its ``Authorization`` above all):
 gets ``content-type``, ``accept``, the request id and, when the upstream has one, its own
 serving credential as ``Authorization: Bearer`` (a static binding's ``apiKeyEnv`` /
 ``apiKeyFile``, read on the server; ``HARU_SERVING_TOKEN`` for a provisioned domain's
-gateway). The answer streams back chunk by chunk with its status; only ``content-type`` is copied
-(and ``location`` on a 3xx: redirects are never followed, the client gets them as sent).
+gateway). An ``https://`` upstream is verified first (a ``skypilot`` domain's gateway against
+its fleet's CA under the domain's name, any other against ``HARU_SERVING_CA_FILE`` or the
+system store; a failure is a 502 saying why, never a retry in clear text), and ``http://`` to
+another host is refused unless ``HARU_ALLOW_PLAINTEXT`` (``skyserve`` endpoints excepted: they
+have no certificate). The answer streams back chunk by chunk with its status; only
+``content-type`` is copied (and ``location`` on a 3xx: redirects are never followed, the
+client gets them as sent).
 The upstream gets ``HARU_CHAT_HEADER_TIMEOUT_MS`` to send its headers; afterwards only
 silence is bounded: an upstream that sends nothing for ``HARU_UPSTREAM_IDLE_TIMEOUT_MS``
 mid-answer is cut. A client that goes away aborts the upstream request; an upstream that dies
@@ -38,6 +43,7 @@ import asyncio
 import functools
 import logging
 import os
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -48,13 +54,14 @@ from uuid import UUID
 import aiohttp
 from aiohttp import hdrs, web
 from haru_db import RouteListener
-from haru_protocol import REQUEST_ID_HEADER, ErrorCode, FleetRoutePointer, Policy
-from haru_supervisor.client import connect_failure
+from haru_protocol import REQUEST_ID_HEADER, ErrorCode, FleetRoutePointer, Policy, Provider
+from haru_supervisor.client import connect_failure, is_loopback_url
 from haru_web import ApiError, connection_cap, current_request_id
 from yarl import URL
 
 from haru_server._keys import FleetKicker, clock_key, kick_fleet_key, settings_key, store_key
 from haru_server._metrics import metrics_key, note_first_chunk, note_route, note_upstream
+from haru_server._pki import pki_key
 from haru_server._proxy_routes import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -256,7 +263,10 @@ class _Proxy:
         tuning: ProxyTuning,
     ) -> None:
         settings = app[settings_key]
+        self._app = app
         self._session = session
+        self._allow_plaintext = settings.allow_plaintext
+        self._serving_ssl = settings.serving_ssl()
         self._clock = app[clock_key]
         self._default_fleet = settings.default_fleet
         self.max_body = settings.chat_max_body_bytes
@@ -437,8 +447,9 @@ class _Proxy:
         if auth is not None:
             # The upstream's own credential; the client's Authorization is never forwarded.
             headers = {**headers, hdrs.AUTHORIZATION: auth}
+        tls = await self._tls_for(url, lookup)
         sent = time.monotonic()
-        upstream = await self._open(url, body, headers, lookup)
+        upstream = await self._open(url, body, headers, lookup, tls)
         note_upstream(request, routes.origin(model) or _origin(url), time.monotonic() - sent)
         return lookup, upstream
 
@@ -627,21 +638,81 @@ class _Proxy:
     def _may_hold(self, lookup: RouteLookup[RouteTable]) -> bool:
         return self._hold > 0 and self.hold_max > 0 and self._holds_for(lookup)
 
+    async def _tls_for(
+        self, url: URL, lookup: RouteLookup[RouteTable]
+    ) -> tuple[ssl.SSLContext | bool, str | None]:
+        """The ``ssl`` and ``server_hostname`` of a request to the active domain at ``url``.
+
+        ``http://`` beyond loopback is refused unless ``HARU_ALLOW_PLAINTEXT`` (a ``skyserve``
+        endpoint has no certificate to serve: warned about at boot instead). A ``skypilot``
+        domain's gateway is trusted by its fleet's CA under the domain's name only; any other
+        ``https://`` endpoint by ``HARU_SERVING_CA_FILE`` (else the system store).
+        """
+        active = lookup.snapshot.active_domain
+        slug = lookup.routes.fleet_slug
+        if url.scheme == "http":
+            if (
+                self._allow_plaintext
+                or is_loopback_url(str(url))
+                or (active is not None and active.provider is Provider.SKYSERVE)
+            ):
+                return True, None
+            raise ApiError(
+                ErrorCode.UPSTREAM_UNREACHABLE,
+                f"the model server of fleet {slug!r} is plain HTTP on another host: refused "
+                "(prompts, completions and its credential would cross the network in clear "
+                "text); serve it over https:// or allow plain HTTP on a private network (the "
+                "server's HARU_ALLOW_PLAINTEXT=1)",
+                headers=_routing_headers(lookup),
+            )
+        pki = self._app.get(pki_key)
+        if active is not None and active.provider is Provider.SKYPILOT and pki is not None:
+            trust = await pki.domain_trust(lookup.fleet_id, slug, active.slug)
+            if trust is None:
+                raise ApiError(
+                    ErrorCode.UPSTREAM_UNREACHABLE,
+                    f"fleet {slug!r} has no CA in the store to verify its domain "
+                    f"{active.slug!r} with",
+                    headers=_routing_headers(lookup),
+                )
+            return trust.ssl, trust.server_name
+        return (self._serving_ssl if self._serving_ssl is not None else True), None
+
     async def _open(
         self,
         url: URL,
         body: bytes,
         headers: dict[str, str],
         lookup: RouteLookup[RouteTable],
+        tls: tuple[ssl.SSLContext | bool, str | None],
     ) -> aiohttp.ClientResponse:
         routing = _routing_headers(lookup)
+        context, server_name = tls
         try:
             async with asyncio.timeout(self._header_timeout):
                 # Never follow a redirect: following re-sends the client's body and headers
                 # to wherever the upstream points (another host, an admin route).
                 return await self._session.post(
-                    url, data=body, headers=headers, allow_redirects=False
+                    url,
+                    data=body,
+                    headers=headers,
+                    allow_redirects=False,
+                    ssl=context,
+                    server_hostname=server_name,
                 )
+        except aiohttp.ClientSSLError as exc:
+            # A failed verification (foreign CA, wrong name, expired) or handshake: refused,
+            # never retried elsewhere nor in clear text. Nothing was sent.
+            reason = _tls_reason(exc)
+            logger.warning(
+                "fleet %s: upstream %s refused: %s", lookup.routes.fleet_slug, _origin(url), reason
+            )
+            raise ApiError(
+                ErrorCode.UPSTREAM_UNREACHABLE,
+                f"the model server of fleet {lookup.routes.fleet_slug!r} failed TLS "
+                f"verification: {reason}",
+                headers=routing,
+            ) from None
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
             # Connect failures (refused, unroutable, connect timeout) mean the active domain's
             # server is not there: ask the reconciler to look now instead of at its next tick.
@@ -853,6 +924,14 @@ def _routing_headers(lookup: RouteLookup[RouteTable]) -> dict[str, str] | None:
 
 def _retry_headers(lookup: RouteLookup[RouteTable]) -> dict[str, str]:
     return {**(_routing_headers(lookup) or {}), hdrs.RETRY_AFTER: str(RETRY_AFTER_S)}
+
+
+def _tls_reason(exc: aiohttp.ClientSSLError) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        cert_error = exc.certificate_error
+        reason = getattr(cert_error, "verify_message", None) or str(cert_error)
+        return f"certificate verification failed: {reason}"
+    return f"TLS handshake failed: {exc.os_error}"
 
 
 def _origin(url: URL) -> str:

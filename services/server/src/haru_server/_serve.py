@@ -71,6 +71,7 @@ def check_tls(settings: Settings) -> None:
         except TlsConfigError as exc:
             raise SettingsError(str(exc)) from None
     settings.supervisor_links()
+    settings.serving_ssl()
     settings.store_key()
 
 

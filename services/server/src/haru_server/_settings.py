@@ -272,6 +272,12 @@ class Settings(BaseSettings):
     )
     """``HARU_SUPERVISOR_CA_FILE``: PEM CA bundle that ``https://`` supervisors' certificates
     must chain to; None = the system trust store."""
+    serving_ca_file: Path | None = Field(
+        None, validation_alias=_env("HARU_SERVING_CA_FILE", "serving_ca_file")
+    )
+    """``HARU_SERVING_CA_FILE``: PEM CA bundle that ``https://`` serving endpoints of static
+    domains must chain to; None = the system trust store. (A ``skypilot`` domain's gateway is
+    verified against its fleet's CA and the domain's name.)"""
     supervisor_client_cert_file: Path | None = Field(
         None,
         validation_alias=_env("HARU_SUPERVISOR_CLIENT_CERT_FILE", "supervisor_client_cert_file"),
@@ -294,9 +300,10 @@ class Settings(BaseSettings):
     allow_plaintext: bool = Field(
         False, validation_alias=_env("HARU_ALLOW_PLAINTEXT", "allow_plaintext")
     )
-    """``HARU_ALLOW_PLAINTEXT``: ``1`` lets the server call ``http://`` supervisors on other
-    hosts (a private network); a warning names each such domain at boot. Otherwise those
-    calls are refused (loopback is always allowed)."""
+    """``HARU_ALLOW_PLAINTEXT``: ``1`` lets the server call ``http://`` supervisors and
+    serving endpoints on other hosts (a private network); a warning names each such domain at
+    boot. Otherwise those calls are refused (loopback is always allowed; a ``skyserve``
+    domain's endpoint, which has no certificate, is only warned about)."""
 
     store_key_file: Path | None = Field(
         None, validation_alias=_env("HARU_STORE_KEY_FILE", "store_key_file"), repr=False
@@ -356,6 +363,19 @@ class Settings(BaseSettings):
         return SupervisorLinks(
             ssl=context, pins=dict(self.supervisor_pins), allow_plaintext=self.allow_plaintext
         )
+
+    def serving_ssl(self) -> ssl.SSLContext | None:
+        """The verifying context of ``https://`` serving endpoints; None = the system store.
+
+        Raises:
+            SettingsError: ``HARU_SERVING_CA_FILE`` cannot be loaded (named).
+        """
+        if self.serving_ca_file is None:
+            return None
+        try:
+            return client_ssl_context(self.serving_ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise SettingsError(f"cannot load HARU_SERVING_CA_FILE: {exc}") from None
 
     def store_key(self) -> StoreKey | None:
         """The store key from ``HARU_STORE_KEY_FILE``; None when it is not set.
