@@ -53,8 +53,9 @@ from haru_supervisor.client import connect_failure
 from haru_web import ApiError, connection_cap, current_request_id
 from yarl import URL
 
+from haru_server._client_keys import Grant, KeyGate
 from haru_server._keys import FleetKicker, clock_key, kick_fleet_key, settings_key, store_key
-from haru_server._metrics import metrics_key, note_route, note_upstream
+from haru_server._metrics import metrics_key, note_key, note_route, note_upstream
 from haru_server._proxy_routes import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -305,6 +306,13 @@ class _Proxy:
             idle_ms=tuning.lease_idle_ms,
             clock=tuning.monotonic,
         )
+        self.gate = KeyGate(
+            app[store_key],
+            admin_token=settings.api_token_value(),
+            accept_admin=settings.proxy_accept_admin_token,
+            lease_ms=settings.route_lease_ms,
+            monotonic=tuning.monotonic,
+        )
         self.stamps = ConnectStamps(
             app[store_key], self._clock, metrics=app.get(metrics_key), monotonic=tuning.monotonic
         )
@@ -368,13 +376,25 @@ class _Proxy:
 
     # -- handlers ----------------------------------------------------------------------------
 
+    async def admit(self, request: web.Request, ref: str) -> Grant:
+        """The request's client key (401/403/429 when refused), checked against the fleet."""
+        grant = await self.gate.admit(request)
+        note_key(request, grant.label)
+        self.gate.spend(grant)
+        if grant.key is not None and grant.key.fleets is not None:
+            lookup = await self.cache.resolve(ref)
+            grant.check_fleet(lookup.fleet_id, lookup.snapshot.slug)
+        return grant
+
     async def forward(self, request: web.Request, path: str) -> web.StreamResponse:
         ref = self.fleet_ref(request)
+        grant = await self.admit(request, ref)
         try:
             body = await self.read_body(request)
         except ConnectionResetError:
             return web.Response(status=499)  # gone while sending its body; logged as 499
         model = model_of(body)
+        grant.check_model(model)
         headers: dict[str, str] = {
             hdrs.CONTENT_TYPE: request.headers.get(hdrs.CONTENT_TYPE, "application/json"),
             # The answer is relayed byte for byte with only content-type copied back, so it
@@ -779,12 +799,15 @@ class _Proxy:
             transport.close()
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        lookup = await self.route(self.fleet_ref(request))
+        ref = self.fleet_ref(request)
+        grant = await self.admit(request, ref)
+        lookup = await self.route(ref)
         note_route(request, lookup.routes.snapshot, model=None, stale=lookup.stale)
         created = int(self._clock().timestamp())
         data = [
             {"id": name, "object": "model", "created": created, "owned_by": "haru"}
             for name in lookup.routes.models
+            if grant.allows_model(name)
         ]
         return web.json_response({"object": "list", "data": data}, headers=_routing_headers(lookup))
 
