@@ -376,19 +376,21 @@ class _Proxy:
 
     # -- handlers ----------------------------------------------------------------------------
 
-    async def admit(self, request: web.Request, ref: str) -> Grant:
-        """The request's client key (401/403/429 when refused), checked against the fleet."""
+    async def admit(self, request: web.Request) -> tuple[Grant, str]:
+        """The request's client key (401/403/429 when refused) and its fleet, checked against
+        the key's fleets (the credential first: nothing is said about fleets before it).
+        """
         grant = await self.gate.admit(request)
         note_key(request, grant.label)
         self.gate.spend(grant)
+        ref = self.fleet_ref(request)
         if grant.key is not None and grant.key.fleets is not None:
             lookup = await self.cache.resolve(ref)
             grant.check_fleet(lookup.fleet_id, lookup.snapshot.slug)
-        return grant
+        return grant, ref
 
     async def forward(self, request: web.Request, path: str) -> web.StreamResponse:
-        ref = self.fleet_ref(request)
-        grant = await self.admit(request, ref)
+        grant, ref = await self.admit(request)
         try:
             body = await self.read_body(request)
         except ConnectionResetError:
@@ -799,8 +801,7 @@ class _Proxy:
             transport.close()
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        ref = self.fleet_ref(request)
-        grant = await self.admit(request, ref)
+        grant, ref = await self.admit(request)
         lookup = await self.route(ref)
         note_route(request, lookup.routes.snapshot, model=None, stale=lookup.stale)
         created = int(self._clock().timestamp())
