@@ -377,8 +377,9 @@ class _Proxy:
     # -- handlers ----------------------------------------------------------------------------
 
     async def admit(self, request: web.Request) -> tuple[Grant, str]:
-        """The request's client key (401/403/429 when refused) and its fleet, checked against
-        the key's fleets (the credential first: nothing is said about fleets before it).
+        """The request's client key (401/403/429 when refused) and its checked fleet.
+
+        The credential comes first: nothing is said about fleets to a caller without a key.
         """
         grant = await self.gate.admit(request)
         note_key(request, grant.label)
