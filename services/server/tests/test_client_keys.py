@@ -134,9 +134,10 @@ async def test_keys_open_the_proxy_within_their_limits_and_revocation_reaches_ev
     async with admin.post(f"{first}/v1/keys", json={"name": "x", "fleets": ["nope"]}) as r:
         assert r.status == 404
         assert (await r.json())["error"]["code"] == "fleet_not_found"
-    async with admin.post(f"{first}/v1/keys", json={"name": "x", "rpm": 0}) as r:
-        assert r.status == 400
-        assert (await r.json())["error"]["code"] == "invalid_request"
+    for bad in ({"name": "x", "rpm": 0}, {"name": "x", "fleets": []}, {"name": "a b"}):
+        async with admin.post(f"{first}/v1/keys", json=bad) as r:
+            assert r.status == 400, bad
+            assert (await r.json())["error"]["code"] == "invalid_request"
     async with admin.get(f"{second}/v1/keys") as response:
         listing = await response.text()
     assert limited_id in listing

@@ -21,17 +21,23 @@ class ClientKeyCreate(WireModel):
     """Body of ``POST /v1/keys``."""
 
     name: KeyName
-    fleets: Annotated[tuple[Annotated[str, Field(min_length=1)], ...], Field(max_length=100)] | (
-        None
-    ) = None
-    """Fleets (slugs or ids) the key may use; each must exist. Omitted or null: any fleet."""
-    models: (
+    fleets: (
         Annotated[
-            tuple[Annotated[str, Field(min_length=1, max_length=200)], ...], Field(max_length=100)
+            tuple[Annotated[str, Field(min_length=1, max_length=100)], ...],
+            Field(min_length=1, max_length=100),
         ]
         | None
     ) = None
-    """Model names the key may ask for. Omitted or null: any model."""
+    """Fleets (slugs or ids) the key may use (at least one); each must exist. Omitted or null:
+    any fleet."""
+    models: (
+        Annotated[
+            tuple[Annotated[str, Field(min_length=1, max_length=200)], ...],
+            Field(min_length=1, max_length=100),
+        ]
+        | None
+    ) = None
+    """Model names the key may ask for (at least one). Omitted or null: any model."""
     rpm: Annotated[StrictInt, Field(ge=1, le=1_000_000)] | None = None
     """Requests per minute, counted by each server process apart. Omitted or null: no limit."""
 
