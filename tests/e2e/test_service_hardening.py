@@ -221,6 +221,8 @@ async def test_hostile_requests_never_leak_a_token_on_either_service(tmp_path: P
     server_env = _env(
         DATABASE_URL=f"sqlite:///{tmp_path / 'haru.db'}",
         HARU_API_TOKEN=TOKEN,
+        # The admin token reaches the proxy's body parser (the chat request below).
+        HARU_PROXY_ACCEPT_ADMIN_TOKEN="1",
         HARU_SUPERVISOR_TOKEN=SUPERVISOR_TOKEN,
         HARU_DEFAULT_FLEET="example",
     )

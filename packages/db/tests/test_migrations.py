@@ -34,7 +34,16 @@ from haru_protocol import FleetLayout, OperationKind
 from packaging.version import Version
 from sqlalchemy.engine import Connection
 
-TABLES = {"fleets", "domains", "slots", "operations", "events", "fleet_cas", "domain_certs"}
+TABLES = {
+    "fleets",
+    "domains",
+    "slots",
+    "operations",
+    "events",
+    "fleet_cas",
+    "domain_certs",
+    "client_keys",
+}
 SQLITE_TRIGGERS = {
     "trg_operations_promote_failed_cleanup",
     "trg_fleets_switch_commits_routing",
@@ -224,6 +233,7 @@ def test_the_wheel_ships_the_migrations_and_the_pytest_plugin(tmp_path: Path) ->
         "haru_db/migrations/versions/v0007_operation_fence.py",
         "haru_db/migrations/versions/v0009_config_revision.py",
         "haru_db/migrations/versions/v0010_fleet_ca.py",
+        "haru_db/migrations/versions/v0011_client_keys.py",
         "haru_db/migrations/versions/v0008_domain_connect_failed.py",
         "haru_db/py.typed",
     } <= names

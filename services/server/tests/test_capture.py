@@ -259,6 +259,7 @@ async def test_a_capture_of_a_promotion_and_chats_holds_no_token_and_no_prompt(
         bind_host=gw,
         port=0,
         api_token=SecretStr(API_TOKEN),
+        proxy_accept_admin_token=True,
         supervisor_token=SecretStr(SUPERVISOR_TOKEN),
         tls_cert_file=server_cert,
         tls_key_file=server_key,

@@ -141,7 +141,11 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     snapshot = await helpers.seed(store, fleet, clock)
     api = await aiohttp_client(
         create_app(
-            Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None),
+            Settings(
+                api_token=SecretStr(TOKEN),
+                proxy_accept_admin_token=True,
+                reconcile_interval_ms=None,
+            ),
             store=store,
             clock=clock,
         ),
@@ -368,7 +372,12 @@ async def test_a_known_model_that_cannot_be_served_keeps_its_label(
     snapshot = await helpers.seed(store, fleet, clock)
     api = await aiohttp_client(
         create_app(
-            Settings(api_token=SecretStr(TOKEN), reconcile_interval_ms=None, failover_hold_ms=0),
+            Settings(
+                api_token=SecretStr(TOKEN),
+                proxy_accept_admin_token=True,
+                reconcile_interval_ms=None,
+                failover_hold_ms=0,
+            ),
             store=store,
             clock=clock,
         ),

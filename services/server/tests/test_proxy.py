@@ -1079,6 +1079,7 @@ async def test_proxy_inside_the_server_app_behind_the_bearer_check(
     env = await make_setup(sqlite_store, stack)
     settings = Settings(
         api_token=SecretStr("server-token-0123456789"),
+        proxy_accept_admin_token=True,
         default_fleet="prod",
         chat_max_body_bytes=2048,
         reconcile_interval_ms=None,

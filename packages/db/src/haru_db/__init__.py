@@ -8,6 +8,7 @@ packages a freshly migrated database per test on both engines.
 
 from haru_db._backup import BackupResult, backup_sqlite, sqlite_file
 from haru_db._certs import DomainCert, StoredFleetCa
+from haru_db._client_keys import ClientKey
 from haru_db._errors import (
     BackupError,
     ConstraintViolationError,
@@ -57,6 +58,7 @@ __all__ = (
     # Errors
     "BackupError",
     "BackupResult",
+    "ClientKey",
     "ConstraintViolationError",
     "DomainCert",
     "HaruDbError",

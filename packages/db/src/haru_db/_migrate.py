@@ -66,7 +66,7 @@ def alembic_config() -> Config:
 SCHEMA_RELEASES: Final[Mapping[str, str]] = MappingProxyType(
     {
         "0.1.0": "0007",
-        "0.2.0": "0010",
+        "0.2.0": "0011",
     }
 )
 """Each haru-db release that changed the schema (oldest first) and the revision it migrates to.

@@ -50,6 +50,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from haru_db import (
     _certs,
+    _client_keys,
     _config,
     _events,
     _layout,
@@ -60,6 +61,7 @@ from haru_db import (
     _transitions,
 )
 from haru_db._certs import DomainCert, StoredFleetCa
+from haru_db._client_keys import ClientKey
 from haru_db._engine import create_engine, translate_errors, writer
 from haru_db._errors import StateStoreReadOnlyError
 from haru_db._events import OperationEvent
@@ -369,6 +371,47 @@ class StateStore:
     async def list_domain_certs(self, fleet_id: UUID) -> list[DomainCert]:
         """The certificates last issued to the fleet's domains."""
         return await _certs.list_domain_certs(self._ex, fleet_id)
+
+    # ---- inference client keys -----------------------------------------------------------
+
+    @_bounded
+    async def create_client_key(
+        self,
+        key_id: UUID,
+        *,
+        name: str,
+        key_hash: str,
+        fleets: Sequence[UUID] | None,
+        models: Sequence[str] | None,
+        rpm: int | None,
+        at: datetime,
+    ) -> ClientKey:
+        """Store a new client key by its SHA-256 (``key_hash``, 64 lower-case hex digits)."""
+        return await _client_keys.create_client_key(
+            self._ex,
+            key_id,
+            name=name,
+            key_hash=key_hash,
+            fleets=fleets,
+            models=models,
+            rpm=rpm,
+            at=at,
+        )
+
+    @_bounded
+    async def list_client_keys(self) -> list[ClientKey]:
+        """Every client key, revoked ones included, oldest first."""
+        return await _client_keys.list_client_keys(self._ex)
+
+    @_bounded
+    async def revoke_client_key(self, key_id: UUID, *, at: datetime) -> ClientKey | None:
+        """Revoke a key (a second revocation keeps the first time); None: no such key."""
+        return await _client_keys.revoke_client_key(self._ex, key_id, at=at)
+
+    @_bounded
+    async def client_key_by_hash(self, key_hash: str) -> ClientKey | None:
+        """The key whose SHA-256 is ``key_hash`` (revoked or not), or None."""
+        return await _client_keys.client_key_by_hash(self._ex, key_hash)
 
     @_bounded
     async def escalate_domain_if_fleet_idle(

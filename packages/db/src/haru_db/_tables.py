@@ -324,3 +324,23 @@ domain_certs = sa.Table(
     sa.Column("issued_at", UtcDateTime(), nullable=False),
     sa.Index(None, "fleet_id"),
 )
+
+# ---- inference client keys (migration 0011) ----
+client_keys = sa.Table(
+    "client_keys",
+    metadata,
+    # The key's id: what access logs and metric labels name (never the key, never its name).
+    sa.Column("id", _uuid(), primary_key=True),
+    sa.Column("name", sa.Text(), nullable=False),
+    # SHA-256 of the key, lower-case hex; the key itself is shown once and never stored.
+    sa.Column("key_hash", sa.String(64), nullable=False),
+    # Fleet ids (strings) the key may use; NULL: any fleet.
+    sa.Column("fleets", sa.JSON(), nullable=True),
+    # Model names the key may ask for; NULL: any model.
+    sa.Column("models", sa.JSON(), nullable=True),
+    # Requests per minute per server process; NULL: no limit.
+    sa.Column("rpm", sa.Integer(), nullable=True),
+    sa.Column("created_at", UtcDateTime(), nullable=False),
+    sa.Column("revoked_at", UtcDateTime(), nullable=True),
+    sa.UniqueConstraint("key_hash"),
+)

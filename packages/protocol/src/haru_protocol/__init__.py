@@ -31,6 +31,12 @@ from haru_protocol._base import (
     WireModel,
     is_slug,
 )
+from haru_protocol._client_keys import (
+    ClientKeyCreate,
+    ClientKeyCreated,
+    ClientKeyList,
+    ClientKeyView,
+)
 from haru_protocol._enums import (
     IN_FLIGHT_OPERATION_STATES,
     Cloud,
@@ -211,6 +217,10 @@ __all__ = (
     "AnyEventPayload",
     "ApplyRequest",
     "ApplyResponse",
+    "ClientKeyCreate",
+    "ClientKeyCreated",
+    "ClientKeyList",
+    "ClientKeyView",
     "Cloud",
     "ConfigRevision",
     "DeadEvidence",

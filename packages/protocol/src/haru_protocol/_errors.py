@@ -49,6 +49,7 @@ class ErrorCode(StrEnum):
     POLICY_CONFLICT = "policy_conflict"
     PLAN_STALE = "plan_stale"
     CHANGE_REFUSED = "change_refused"
+    RATE_LIMITED = "rate_limited"
 
 
 ERROR_STATUS: dict[ErrorCode, int] = {
@@ -79,6 +80,7 @@ ERROR_STATUS: dict[ErrorCode, int] = {
     ErrorCode.POLICY_CONFLICT: 409,
     ErrorCode.PLAN_STALE: 409,
     ErrorCode.CHANGE_REFUSED: 409,
+    ErrorCode.RATE_LIMITED: 429,
 }
 """The usual HTTP status of each code (a route may document a different one)."""
 

@@ -42,6 +42,7 @@ from haru_server._clock import (
     StoreClock,
     utc_now,
 )
+from haru_server._key_routes import key_routes
 from haru_server._keys import (
     FleetKicker,
     clock_key,
@@ -61,7 +62,7 @@ from haru_server._metrics import ServerMetrics, metrics_key, proxy_access_middle
 from haru_server._middleware import store_error_middleware
 from haru_server._pki import FleetPki, pki_key
 from haru_server._provisioning import Provisioner, ProvisionerOptions
-from haru_server._proxy import install_proxy, observe_promotion, observe_route_move
+from haru_server._proxy import ProxyTuning, install_proxy, observe_promotion, observe_route_move
 from haru_server._proxy_routes import PROXIED_PATHS
 from haru_server._ready import ready_routes
 from haru_server._reconciler import Reconciler, ReconcilerOptions
@@ -90,6 +91,7 @@ def create_app(
     clock: Clock | None = None,
     reconciler_options: ReconcilerOptions | None = None,
     busy_interval_s: float = 0.15,
+    proxy_tuning: ProxyTuning | None = None,
 ) -> web.Application:
     """Build the control server: control API, reconciler, background loop and the proxy.
 
@@ -104,6 +106,7 @@ def create_app(
             ``settings.max_clock_skew_ms``.
         reconciler_options: Tuning of the reconcile tick.
         busy_interval_s: Loop pause between ticks of a fleet with an operation in flight.
+        proxy_tuning: The proxy's non-environment knobs (tests inject its monotonic clock).
     """
     app = web.Application(
         middlewares=[
@@ -113,8 +116,10 @@ def create_app(
             browser_guard_middleware(
                 open_api=settings.api_token is None, check_host=not settings.open_to_network
             ),
+            # The proxied routes check their own credential: a client key (_client_keys).
             bearer_middleware(
-                settings.api_token_value(), guarded=metrics_guarded(public=settings.metrics_public)
+                settings.api_token_value(),
+                guarded=_admin_guarded(metrics_guarded(public=settings.metrics_public)),
             ),
             store_error_middleware,
         ]
@@ -156,12 +161,20 @@ def create_app(
     app.cleanup_ctx.extend([_store_ctx, _clock_ctx, _retention_ctx, _reconciler_ctx, _loop_ctx])
     app.add_routes(routes)
     app.add_routes(apply_routes)
+    app.add_routes(key_routes)
     app.add_routes(ready_routes)
-    install_proxy(app)
+    install_proxy(app, tuning=proxy_tuning)
     noted: Callable[[UUID], None] = functools.partial(observe_promotion, app)
     app[promotion_accepted_key] = noted
     app.router.add_get(OPENAPI_PATH, openapi_handler(api_table()))
     return app
+
+
+def _admin_guarded(guarded: Callable[[str], bool]) -> Callable[[str], bool]:
+    def check(path: str) -> bool:
+        return path not in PROXIED_PATHS and guarded(path)
+
+    return check
 
 
 async def _store_ctx(app: web.Application) -> AsyncIterator[None]:

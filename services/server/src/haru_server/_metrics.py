@@ -59,6 +59,10 @@ MAX_STANDBY_GAP_S: Final = 60.0
 """A heartbeat gap longer than this is not attributed to the standby duty cycle."""
 
 UNKNOWN: Final = "unknown"
+
+NO_KEY: Final = "none"
+"""The ``key`` of a proxied request no client key was checked for (an open server, or a
+request refused before its key was read)."""
 """Label value of a fleet or model the request named but the server does not route."""
 
 access_logger = logging.getLogger("haru_server.access")
@@ -277,6 +281,13 @@ class ServerMetrics:
             "haru_proxy_requests",
             "Inference requests answered, by fleet, model, route and HTTP status.",
             ["fleet", "model", "route", "status"],
+            registry=r,
+        )
+        self.proxy_key_requests = Counter(
+            "haru_proxy_key_requests",
+            "Inference requests answered, by client key id (admin: the admin token; none: no "
+            "key checked) and HTTP status.",
+            ["key", "status"],
             registry=r,
         )
         self.upstream_headers_seconds = Histogram(
@@ -558,6 +569,8 @@ class ProxyNote:
     headers_s: float | None = None
     started: float = 0.0
     """``time.monotonic()`` when the request arrived (time to first token counts from here)."""
+    key: str = NO_KEY
+    """The client key's id, ``admin`` (the admin token) or ``none`` (no key checked)."""
 
 
 proxy_note_key: Final = web.RequestKey("haru_proxy_note", ProxyNote)
@@ -575,6 +588,13 @@ def note_route(
     note.stale = stale
     if model is not None:
         note.model = model
+
+
+def note_key(request: web.Request, label: str) -> None:
+    """The request's client key id (or ``admin``/``none``) was checked."""
+    note = request.get(proxy_note_key)
+    if note is not None:
+        note.key = label
 
 
 def note_upstream(request: web.Request, origin: str, headers_s: float) -> None:
@@ -629,13 +649,14 @@ def proxy_access_middleware(paths: frozenset[str]) -> Middleware:
 def _record(request: web.Request, note: ProxyNote, status: int, total_s: float) -> None:
     metrics = request.app[metrics_key]
     metrics.proxy_answered(note.fleet, note.model, request.path, status, note.headers_s)
+    metrics.proxy_key_requests.labels(note.key, str(status)).inc()
     if note.stale:
         metrics.proxy_stale.labels(note.fleet).inc()
     if note.snapshot is not None:
         metrics.fleet_seen(note.snapshot)
     peer = client_address(request)
     access_logger.info(
-        "proxy %s fleet=%s model=%s status=%d upstream=%s headers=%s total=%.3fs peer=%s",
+        "proxy %s fleet=%s model=%s status=%d upstream=%s headers=%s total=%.3fs peer=%s key=%s",
         request.path,
         note.fleet,
         note.model,
@@ -644,6 +665,7 @@ def _record(request: web.Request, note: ProxyNote, status: int, total_s: float) 
         "-" if note.headers_s is None else f"{note.headers_s:.3f}s",
         total_s,
         peer,
+        note.key,
         extra={
             "route": request.path,
             "fleet": note.fleet,
@@ -654,5 +676,6 @@ def _record(request: web.Request, note: ProxyNote, status: int, total_s: float) 
             "total_s": round(total_s, 6),
             "stale": note.stale,
             "peer": peer,
+            "key": note.key,
         },
     )

@@ -59,8 +59,9 @@ from haru_supervisor.client import connect_failure, is_loopback_url
 from haru_web import ApiError, connection_cap, current_request_id
 from yarl import URL
 
+from haru_server._client_keys import Grant, KeyGate
 from haru_server._keys import FleetKicker, clock_key, kick_fleet_key, settings_key, store_key
-from haru_server._metrics import metrics_key, note_first_chunk, note_route, note_upstream
+from haru_server._metrics import metrics_key, note_first_chunk, note_key, note_route, note_upstream
 from haru_server._pki import pki_key
 from haru_server._proxy_routes import (
     CHAT_PATH,
@@ -315,6 +316,13 @@ class _Proxy:
             idle_ms=tuning.lease_idle_ms,
             clock=tuning.monotonic,
         )
+        self.gate = KeyGate(
+            app[store_key],
+            admin_token=settings.api_token_value(),
+            accept_admin=settings.proxy_accept_admin_token,
+            lease_ms=settings.route_lease_ms,
+            monotonic=tuning.monotonic,
+        )
         self.stamps = ConnectStamps(
             app[store_key], self._clock, metrics=app.get(metrics_key), monotonic=tuning.monotonic
         )
@@ -378,13 +386,28 @@ class _Proxy:
 
     # -- handlers ----------------------------------------------------------------------------
 
-    async def forward(self, request: web.Request, path: str) -> web.StreamResponse:
+    async def admit(self, request: web.Request) -> tuple[Grant, str]:
+        """The request's client key (401/403/429 when refused) and its checked fleet.
+
+        The credential comes first: nothing is said about fleets to a caller without a key.
+        """
+        grant = await self.gate.admit(request)
+        note_key(request, grant.label)
+        self.gate.spend(grant)
         ref = self.fleet_ref(request)
+        if grant.key is not None and grant.key.fleets is not None:
+            lookup = await self.cache.resolve(ref)
+            grant.check_fleet(lookup.fleet_id, lookup.snapshot.slug)
+        return grant, ref
+
+    async def forward(self, request: web.Request, path: str) -> web.StreamResponse:
+        grant, ref = await self.admit(request)
         try:
             body = await self.read_body(request)
         except ConnectionResetError:
             return web.Response(status=499)  # gone while sending its body; logged as 499
         model = model_of(body)
+        grant.check_model(model)
         headers: dict[str, str] = {
             hdrs.CONTENT_TYPE: request.headers.get(hdrs.CONTENT_TYPE, "application/json"),
             # The answer is relayed byte for byte with only content-type copied back, so it
@@ -860,12 +883,14 @@ class _Proxy:
             transport.close()
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        lookup = await self.route(self.fleet_ref(request))
+        grant, ref = await self.admit(request)
+        lookup = await self.route(ref)
         note_route(request, lookup.routes.snapshot, model=None, stale=lookup.stale)
         created = int(self._clock().timestamp())
         data = [
             {"id": name, "object": "model", "created": created, "owned_by": "haru"}
             for name in lookup.routes.models
+            if grant.allows_model(name)
         ]
         return web.json_response({"object": "list", "data": data}, headers=_routing_headers(lookup))
 

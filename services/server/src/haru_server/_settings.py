@@ -241,6 +241,12 @@ class Settings(BaseSettings):
         1, validation_alias=_env("HARU_WORKERS", "workers")
     )
     """``HARU_WORKERS``: server processes sharing the port (SO_REUSEPORT); see the README."""
+    proxy_accept_admin_token: bool = Field(
+        False,
+        validation_alias=_env("HARU_PROXY_ACCEPT_ADMIN_TOKEN", "proxy_accept_admin_token"),
+    )
+    """``HARU_PROXY_ACCEPT_ADMIN_TOKEN``: ``1`` lets the admin token (``HARU_API_TOKEN``) send
+    inference requests too; otherwise the proxy takes client keys only (``haru keys``)."""
     metrics_public: bool = Field(
         False, validation_alias=_env("HARU_METRICS_PUBLIC", "metrics_public")
     )

@@ -1398,6 +1398,9 @@ def _register(app: typer.Typer) -> None:
     from haru_server._cli_apply import apply
 
     app.command("apply")(apply)
+    from haru_server._cli_keys import keys_app
+
+    app.add_typer(keys_app, name="keys", no_args_is_help=True)
     app.command("fleets")(fleets)
     app.add_typer(fleet_app, name="fleet")
     fleet_app.command("show")(fleet_show)

@@ -13,6 +13,9 @@ from haru_protocol import (
     AcceptedResponse,
     AlreadyActiveResponse,
     ApplyResponse,
+    ClientKeyCreated,
+    ClientKeyList,
+    ClientKeyView,
     DomainActionResponse,
     DomainStatusResponse,
     EventList,
@@ -148,6 +151,28 @@ class ControlClient:
             body["revisions"] = revisions
         raw = await self._call("POST", f"{_fleet_path(ref)}/apply", body=body)
         return parse_or_raise(ApplyResponse, raw)
+
+    async def create_key(
+        self,
+        name: str,
+        *,
+        fleets: list[str] | None = None,
+        models: list[str] | None = None,
+        rpm: int | None = None,
+    ) -> ClientKeyCreated:
+        """``POST /v1/keys``: a new inference client key (its ``secret`` shown this once)."""
+        body: dict[str, object] = {"name": name, "fleets": fleets, "models": models, "rpm": rpm}
+        raw = await self._call("POST", "/v1/keys", body=body)
+        return parse_or_raise(ClientKeyCreated, raw)
+
+    async def keys(self) -> ClientKeyList:
+        """``GET /v1/keys``."""
+        return parse_or_raise(ClientKeyList, await self._call("GET", "/v1/keys"))
+
+    async def revoke_key(self, key_id: UUID) -> ClientKeyView:
+        """``DELETE /v1/keys/{id}``."""
+        raw = await self._call("DELETE", f"/v1/keys/{key_id}")
+        return parse_or_raise(ClientKeyView, raw)
 
     async def domain_status(self, ref: str, domain: str) -> DomainStatusResponse:
         """``GET /v1/fleets/{ref}/domains/{domain}``."""

@@ -18,6 +18,10 @@ from haru_protocol import (
     AlreadyActiveResponse,
     ApplyRequest,
     ApplyResponse,
+    ClientKeyCreate,
+    ClientKeyCreated,
+    ClientKeyList,
+    ClientKeyView,
     DemoteRequest,
     DomainActionRequest,
     DomainActionResponse,
@@ -74,7 +78,7 @@ _FLEET: Final = Param(
     description="Fleet slug or id (else HARU_DEFAULT_FLEET).",
 )
 _STORE: Final = 503  # state_store_unavailable
-_PROXY_ERRORS: Final = (404, 502, 503, 504)
+_PROXY_ERRORS: Final = (403, 404, 429, 502, 503, 504)
 _STREAMED: Final = ("application/json", "text/event-stream")
 _EVENT_QUERY: Final = (
     Param(
@@ -245,6 +249,35 @@ ROUTES: Final[tuple[ApiRoute, ...]] = (
         errors=(404, 409, 422, _STORE),
         tag="control",
     ),
+    route(
+        "POST",
+        "/v1/keys",
+        "Create an inference client key (the key is in this answer only)",
+        ClientKeyCreated,
+        status=201,
+        body=ClientKeyCreate,
+        errors=(400, 404, _STORE),
+        tag="control",
+        description="The key (`secret`) is shown once; only its SHA-256 is stored. `fleets` "
+        "(slugs or ids, each must exist), `models` and `rpm` (per server process) limit it; "
+        "omitted: no limit.",
+    ),
+    route(
+        "GET",
+        "/v1/keys",
+        "List client keys (never the keys)",
+        ClientKeyList,
+        errors=(_STORE,),
+        tag="control",
+    ),
+    route(
+        "DELETE",
+        "/v1/keys/{id}",
+        "Revoke a client key (every server refuses it within one route lease)",
+        ClientKeyView,
+        errors=(404, _STORE),
+        tag="control",
+    ),
     _inference(CHAT_PATH, "Chat completion (OpenAI-compatible)"),
     _inference(COMPLETIONS_PATH, "Completion (OpenAI-compatible)"),
     _inference(EMBEDDINGS_PATH, "Embeddings (OpenAI-compatible)"),
@@ -253,7 +286,7 @@ ROUTES: Final[tuple[ApiRoute, ...]] = (
         MODELS_PATH,
         "Models of the active domain",
         ModelList,
-        errors=(404, 503),
+        errors=(403, 404, 429, 503),
         params=(_FLEET,),
         tag="inference",
     ),
