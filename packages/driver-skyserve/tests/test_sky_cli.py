@@ -61,7 +61,7 @@ async def built_commands() -> list[tuple[str, ...]]:
     runner = SkyRunner(execute=fake, sleep=no_sleep)
     cluster = SkyPilotDriver(runner)
     task = example_domain_task(start_asleep=True)
-    await cluster.launch_domain(task, secrets={TOKEN_SECRET: "tok"})
+    await cluster.launch_domain(task, secrets=dict.fromkeys(task.secrets, "value"))
     names = [task.name, "haru-demo--gamma"]
     await cluster.get_domain_statuses(names)
     await cluster.get_domain_statuses(names, refresh=True)
