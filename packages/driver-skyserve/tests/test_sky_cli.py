@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import click
 import pytest
 from haru_driver_skypilot import (
-    TOKEN_SECRET,
     Reply,
     ScriptedExec,
     SkyPilotDriver,
@@ -107,7 +106,8 @@ async def test_every_command_haru_builds_parses_with_skypilots_cli(
     sky: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # `--secret NAME` takes its value from the environment, as when Haru launches.
-    monkeypatch.setenv(TOKEN_SECRET, "tok")
+    for name in example_domain_task(start_asleep=True).secrets:
+        monkeypatch.setenv(name, "value")
     commands = await built_commands()
     leaves = [tuple(parse(sky, argv)) for argv in commands]
     assert sorted(set(leaves)) == sorted(
