@@ -30,7 +30,7 @@ import aiohttp
 from haru_db import StateStore, upgrade
 from haru_demo.localfleet import LocalFleetOptions
 from haru_server._reconciler import Reconciler
-from haru_supervisor.client import SupervisorClient
+from haru_supervisor_client import SupervisorClient
 from promotion_overhead import _fresh_postgres_database, _trainers_warm, local_fleet, serve_fleet
 
 

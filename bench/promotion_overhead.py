@@ -58,7 +58,7 @@ from haru_protocol import (
 from haru_server._loop import LoopOptions, ReconcileLoop
 from haru_server._reconciler import Accepted, Reconciler, ReconcilerOptions
 from haru_sim import read_trainer_checkpoint
-from haru_supervisor.client import SupervisorClient
+from haru_supervisor_client import SupervisorClient
 from sqlalchemy.engine import make_url
 
 INTERVALS_S = (0.25, 1.0, 5.0)

@@ -38,7 +38,7 @@ import aiohttp
 from haru_db import StateStore, upgrade
 from haru_protocol import FleetLayout
 from haru_server._reconciler import Reconciler
-from haru_supervisor.client import SupervisorClient
+from haru_supervisor_client import SupervisorClient
 from promotion_overhead import _fresh_postgres_database
 
 ROOT = Path(__file__).resolve().parent.parent

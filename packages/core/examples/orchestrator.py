@@ -1,6 +1,6 @@
 """A custom orchestrator in one page: haru-core decides, the supervisors act.
 
-Needs only ``pip install haru-core haru-supervisor``. Run it with a fleet layout and the
+Needs only ``pip install haru-core haru-supervisor-client``. Run it with a fleet layout and the
 domain to make active::
 
     python orchestrator.py layout.json beta [--token-file PATH]
@@ -33,7 +33,7 @@ from haru_core import (
     training_not_running,
 )
 from haru_protocol import DomainSnapshot, DomainState, FleetLayout, OperationStep
-from haru_supervisor.client import SupervisorCallError, SupervisorClient
+from haru_supervisor_client import SupervisorCallError, SupervisorClient
 
 
 async def observe(client: SupervisorClient, layout: FleetLayout) -> dict[str, DomainState]:

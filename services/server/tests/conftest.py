@@ -21,7 +21,7 @@ from haru_server._clock import ManualClock
 from haru_server._metrics import ServerMetrics
 from haru_server._reconciler import Reconciler, ReconcilerOptions, TickResult
 from haru_server._steps import StepTuning
-from haru_supervisor.client import SupervisorClient
+from haru_supervisor_client import SupervisorClient
 
 START = datetime(2030, 1, 1, tzinfo=UTC)
 

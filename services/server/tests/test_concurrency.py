@@ -14,7 +14,7 @@ from haru_protocol import EventType, OperationKind, OperationState, OperationSte
 from haru_server._clock import ManualClock
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._steps import StepTuning
-from haru_supervisor.client import SupervisorClient
+from haru_supervisor_client import SupervisorClient
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 UrlFactory = Callable[[], Awaitable[str]]

@@ -30,7 +30,7 @@ from haru_server._proxy import ProxyTuning, install_proxy
 from haru_server._reconciler import Reconciler
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
-from haru_supervisor.client import SupervisorClient
+from haru_supervisor_client import SupervisorClient
 from haru_web import ApiError, render_api_error
 from prometheus_client import CollectorRegistry
 

@@ -24,7 +24,7 @@ from haru_protocol import (
 from haru_server._clock import ManualClock
 from haru_server._reconciler import Reconciler
 from haru_sim import read_trainer_checkpoint
-from haru_supervisor.client import SupervisorClient
+from haru_supervisor_client import SupervisorClient
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 MakeReconciler = Callable[..., Reconciler]

@@ -91,7 +91,7 @@ def recording(
     store: StateStore, clock: ManualClock, http: aiohttp.ClientSession, **options: Any
 ) -> Recording:
     from haru_server._reconciler import ReconcilerOptions
-    from haru_supervisor.client import SupervisorClient
+    from haru_supervisor_client import SupervisorClient
 
     return Recording(
         store, SupervisorClient(http, token=None), clock=clock, options=ReconcilerOptions(**options)
@@ -360,7 +360,7 @@ async def test_a_persisting_store_failure_is_warned_again_then_its_recovery_time
     store = sqlite_store
     await store.apply_fleet_layout(stuck_layout(hanging_supervisor), at=clock())
     from haru_server._reconciler import ReconcilerOptions
-    from haru_supervisor.client import SupervisorClient
+    from haru_supervisor_client import SupervisorClient
 
     reconciler = Unavailable(
         store,

@@ -82,7 +82,7 @@ from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._settings import Settings
 from haru_server._steps import StepTuning
 from haru_server.cli import app as cli_app
-from haru_supervisor.client import SupervisorClient, SupervisorLinks
+from haru_supervisor_client import SupervisorClient, SupervisorLinks
 from pytest_aiohttp import AiohttpClient
 from typer.testing import CliRunner
 

@@ -39,7 +39,7 @@ from haru_server._reconciler import Accepted, Reconciler, ReconcilerOptions
 from haru_server._steps import StepTuning
 from haru_sim import read_trainer_checkpoint
 from haru_supervisor import process_name
-from haru_supervisor.client import SupervisorClient
+from haru_supervisor_client import SupervisorClient
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 MakeReconciler = Callable[..., Reconciler]

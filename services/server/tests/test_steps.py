@@ -23,7 +23,7 @@ from haru_protocol import (
 )
 from haru_server._clock import ManualClock
 from haru_server._steps import Done, StepContext, StepTuning, run_step
-from haru_supervisor.client import SupervisorClient
+from haru_supervisor_client import SupervisorClient
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from haru_protocol import FENCE_HEADER, FenceParseError, SupervisorFence, Traini
 from haru_sim import VllmSim
 from haru_supervisor._fence import FenceBook
 from haru_supervisor._keys import fences_key, runs_key
-from haru_supervisor.client import (
+from haru_supervisor_client import (
     SupervisorClient,
     SupervisorRejectedError,
     SupervisorStaleFenceError,

@@ -4,7 +4,7 @@
 proxy of 7.5, the reconcile loop of 7.3); :func:`run_server` boots it the way ``haru serve``
 does (announce, migrate, listen, stop on a signal). :class:`Reconciler` runs reconcile ticks
 against a :class:`haru_db.StateStore` and the domains' supervisors (through
-:class:`haru_supervisor.client.SupervisorClient`, the only code that calls them);
+:class:`haru_supervisor_client.SupervisorClient`, the only code that calls them);
 :class:`ReconcileLoop` runs them in the background. :mod:`haru_server.control_client` is the
 control API's HTTP client.
 

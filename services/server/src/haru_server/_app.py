@@ -18,7 +18,7 @@ from haru_db import HaruDbError, StateStore
 from haru_driver_skypilot import SkyPilotDriver
 from haru_driver_skyserve import SkyServeDriver
 from haru_protocol import DomainSnapshot, Provider
-from haru_supervisor.client import SupervisorClient, SupervisorLinks, is_loopback_url
+from haru_supervisor_client import SupervisorClient, SupervisorLinks, is_loopback_url
 from haru_web import (
     OPENAPI_PATH,
     add_metrics_route,

@@ -8,7 +8,7 @@ Hierarchy::
     ├── ClockSkewedError                 (this host's clock is off the database's: no tick)
     └── SchemaNewerError                 (a newer release migrated the store: no tick)
 
-A failed call to a supervisor raises ``haru_supervisor.client.SupervisorCallError``; it is never
+A failed call to a supervisor raises ``haru_supervisor_client.SupervisorCallError``; it is never
 fatal to a reconcile tick: the step that made the call turns it into a pending, failed or
 best-effort result.
 """

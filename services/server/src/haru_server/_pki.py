@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from haru_db import DomainCert, StateStore
 from haru_driver_skypilot import TLS_CERT_SECRET, TLS_KEY_SECRET
-from haru_supervisor.client import IssuedTrust, pin_key
+from haru_supervisor_client import IssuedTrust, pin_key
 
 STORE_KEY_FILE_VAR: Final = "HARU_STORE_KEY_FILE"
 """The setting naming the file that holds the store key (a Fernet key, 44 characters)."""

@@ -55,7 +55,7 @@ import aiohttp
 from aiohttp import hdrs, web
 from haru_db import RouteListener
 from haru_protocol import REQUEST_ID_HEADER, ErrorCode, FleetRoutePointer, Policy, Provider
-from haru_supervisor.client import connect_failure, is_loopback_url
+from haru_supervisor_client import connect_failure, is_loopback_url
 from haru_web import ApiError, connection_cap, current_request_id
 from yarl import URL
 

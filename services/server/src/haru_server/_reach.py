@@ -12,7 +12,7 @@ import socket
 from contextlib import suppress
 
 from haru_core import Reach
-from haru_supervisor.client import connect_failure
+from haru_supervisor_client import connect_failure
 
 ENDPOINT_CONNECT_TIMEOUT_S = 1.0
 """Bound of one serving-endpoint connect (all its addresses together)."""

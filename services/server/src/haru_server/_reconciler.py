@@ -88,7 +88,7 @@ from haru_protocol import (
     SlotStateChanged,
     SupervisorStatus,
 )
-from haru_supervisor.client import (
+from haru_supervisor_client import (
     HEARTBEAT_TIMEOUT_S,
     SupervisorCallError,
     SupervisorClient,

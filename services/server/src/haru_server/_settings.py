@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Final
 
 from haru_protocol import MAX_DURATION_MS
-from haru_supervisor.client import SupervisorLinks, client_ssl_context, pin_key
+from haru_supervisor_client import SupervisorLinks, client_ssl_context, pin_key
 from haru_web import (
     DEFAULT_MAX_CONNECTIONS_PER_PEER,
     HOST_VAR,

@@ -63,7 +63,7 @@ from haru_protocol import (
     TrainingSlotState,
     TrainingStopFact,
 )
-from haru_supervisor.client import (
+from haru_supervisor_client import (
     HEARTBEAT_TIMEOUT_S,
     SupervisorCallError,
     SupervisorClient,

@@ -638,7 +638,7 @@ def _client(url: str, token: str | None) -> ControlClient:
     import ssl
     from pathlib import Path
 
-    from haru_supervisor.client import client_ssl_context
+    from haru_supervisor_client import client_ssl_context
 
     from haru_server.control_client import ControlClient
 

@@ -30,7 +30,7 @@ from haru_protocol import (
     bearer_header,
     join_url,
 )
-from haru_supervisor.client import is_loopback_url
+from haru_supervisor_client import is_loopback_url
 from pydantic import TypeAdapter, ValidationError
 
 from haru_server._errors import HaruServerError

@@ -12,11 +12,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 from aiohttp import web
-from haru_supervisor.client import (
+from haru_supervisor_client import (
     MAX_RESPONSE_BYTES,
     PROBE_REPLY_MARGIN_S,
     SupervisorBadResponseError,
-    SupervisorCallError,
     SupervisorClient,
     SupervisorConnectError,
     SupervisorRejectedError,
@@ -286,42 +285,16 @@ async def test_unusable_base_url_is_unreachable(session: aiohttp.ClientSession) 
         await SupervisorClient(session, token=None).status("ftp://host/", timeout_s=1)
 
 
-def test_importing_the_client_leaves_the_supervisor_server_side_alone() -> None:
+def test_importing_the_client_loads_neither_the_supervisor_nor_the_server() -> None:
     # A fresh interpreter: this test process has long imported everything.
     script = (
-        "import sys, haru_supervisor.client as c\n"
+        "import sys, haru_supervisor_client as c\n"
         "assert c.SupervisorClient and c.SupervisorCallError\n"
-        "server_side = ('aiohttp.web', 'haru_supervisor._app', 'haru_supervisor._settings',\n"
-        "               'haru_supervisor._training', 'haru_supervisor._routes', 'haru_exec',\n"
-        "               'sqlalchemy', 'haru_db', 'haru_server')\n"
-        "print(sorted(m for m in server_side if m in sys.modules))\n"
+        "elsewhere = ('aiohttp.web', 'haru_supervisor', 'haru_exec', 'haru_web', 'haru_core',\n"
+        "             'sqlalchemy', 'haru_db', 'haru_server')\n"
+        "print(sorted(m for m in elsewhere if m in sys.modules))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
-
-
-def test_the_package_still_exports_the_server_side_lazily() -> None:
-    import haru_supervisor
-
-    assert haru_supervisor.create_app.__module__ == "haru_supervisor._app"
-    assert set(haru_supervisor.__all__) <= set(dir(haru_supervisor))
-    for name in haru_supervisor.__all__:
-        assert getattr(haru_supervisor, name) is not None
-    with pytest.raises(AttributeError, match="no_such_name"):
-        _ = haru_supervisor.no_such_name
-
-
-def test_call_errors_are_distinct_from_the_supervisor_service_errors() -> None:
-    from haru_supervisor import HaruSupervisorError
-
-    assert not issubclass(SupervisorCallError, HaruSupervisorError)
-    for error in (
-        SupervisorBadResponseError,
-        SupervisorRejectedError,
-        SupervisorTimeoutError,
-        SupervisorUnauthorizedError,
-        SupervisorUnreachableError,
-    ):
-        assert issubclass(error, SupervisorCallError)

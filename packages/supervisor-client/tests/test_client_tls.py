@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from haru_supervisor.client import (
+from haru_supervisor_client import (
     SupervisorClient,
     SupervisorLinks,
     SupervisorPlaintextError,
