@@ -54,11 +54,19 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 from uuid import UUID
 
+from haru_core import (
+    RELAUNCH_STREAK_EVENTS,
+    RelaunchesSpent,
+    RelaunchPlan,
+    RelaunchStreak,
+    fold_relaunch_streak,
+    plan_relaunch,
+)
 from haru_db import StateStore
 from haru_driver_skypilot import (
     SERVING_TOKEN_SECRET,
@@ -83,7 +91,6 @@ from haru_protocol import (
     DomainState,
     DomainStateChanged,
     DomainTeardown,
-    DomainUpRequested,
     EventPayload,
     EventType,
     FleetSnapshot,
@@ -114,10 +121,6 @@ MESSAGE_LIMIT = 1024
 
 _D = DomainState
 _I = InferenceSlotState
-_STREAK_EVENTS = frozenset(
-    {EventType.DOMAIN_RELAUNCH, EventType.DOMAIN_STATE_CHANGED, EventType.DOMAIN_UP_REQUESTED}
-)
-"""The events a relaunch streak is read from: relaunches, back to a ``ready`` or an ``up``."""
 _STREAK_PAGE = 100
 CLEANUP_TRIES = 3
 """How many times one cleanup ``sky down`` runs before it is given up (each failure an event)."""
@@ -199,8 +202,7 @@ class _Streak:
     """
 
     since: datetime
-    relaunches: int
-    exhausted: bool
+    streak: RelaunchStreak
 
 
 @dataclass(slots=True)
@@ -956,25 +958,22 @@ class Provisioner:
         # past clusterUpTimeoutMs is unhealthy, not launching.
         watching = domain.provider is Provider.SKYPILOT and since <= 2 * up_budget
         relaunching = self._settings(domain).relaunch and in_flight is None
-        backoff_ms = 0
-        streak: _Streak | None = None
+        plan: RelaunchPlan | None = None
         if relaunching:
             streak = await self._streak(fleet, domain, memory)
-            # A first launch that failed is the operator's call; a relaunch that failed
-            # (a capacity error right after a preemption) is part of the streak.
-            relaunching = domain.launched_at is not None or streak.relaunches > 0
-        if streak is not None and relaunching:
-            if streak.relaunches >= policy.relaunch_max_attempts:
-                relaunching = False
-                if not streak.exhausted:
-                    streak.exhausted = True
-                    await self._give_up(fleet, domain, memory, name, streak.relaunches, now)
+            decided = plan_relaunch(
+                policy,
+                streak.streak,
+                launched=domain.launched_at is not None,
+                failed_at=domain.state_updated_at,
+            )
+            if isinstance(decided, RelaunchesSpent):
+                if decided.announce:
+                    streak.streak = replace(streak.streak, exhausted=True)
+                    await self._give_up(fleet, domain, memory, name, decided.relaunches, now)
             else:
-                backoff_ms = min(
-                    policy.relaunch_backoff_base_ms * 2**streak.relaunches,
-                    policy.relaunch_backoff_max_ms,
-                )
-        due = relaunching and now >= domain.state_updated_at + _ms(backoff_ms)
+                plan = decided
+        due = plan is not None and plan.due(now)
         if not (due or watching):
             return False
         seen = await self._status(domain, name, memory)
@@ -987,7 +986,7 @@ class Provisioner:
             if seen.shown == "INIT" and since > up_budget:
                 self._start_cleanup(domain, memory, name, "it stayed INIT past clusterUpTimeoutMs")
                 return False
-        if not due or streak is None or not seen.lost:
+        if plan is None or not due or not seen.lost:
             # Still there (UP/INIT): not lost; what failed is for the heartbeat or the operator.
             return False
         if not await self._store.transition_domain(
@@ -995,12 +994,11 @@ class Provisioner:
         ):
             return True
         memory.streak = None
-        relaunch = streak.relaunches + 1
         logger.warning(
             "domain %s: relaunching %s (%d of %d)",
             domain.slug,
             name,
-            relaunch,
+            plan.relaunch,
             policy.relaunch_max_attempts,
         )
         await self._event(
@@ -1008,9 +1006,9 @@ class Provisioner:
             domain,
             DomainRelaunch(
                 cluster=name,
-                relaunch=relaunch,
+                relaunch=plan.relaunch,
                 max_attempts=policy.relaunch_max_attempts,
-                backoff_ms=backoff_ms,
+                backoff_ms=plan.backoff_ms,
             ),
             now,
         )
@@ -1055,28 +1053,17 @@ class Provisioner:
         cached = memory.streak
         if cached is not None and cached.since == domain.state_updated_at:
             return cached
-        relaunches = 0
-        exhausted = False
+        streak = RelaunchStreak()
         before: int | None = None
-        reset = False
-        while not reset:
+        while True:
             page = await self._store.list_domain_events(
-                fleet.id, domain.id, types=_STREAK_EVENTS, before=before, limit=_STREAK_PAGE
+                fleet.id, domain.id, types=RELAUNCH_STREAK_EVENTS, before=before, limit=_STREAK_PAGE
             )
-            for event in page:
-                data = event.data
-                if isinstance(data, DomainUpRequested) or (
-                    isinstance(data, DomainStateChanged) and data.to_state is _D.READY
-                ):
-                    reset = True
-                    break
-                if isinstance(data, DomainRelaunch):
-                    exhausted |= data.exhausted
-                    relaunches += not data.exhausted
-            if len(page) < _STREAK_PAGE:
+            streak = fold_relaunch_streak((event.data for event in page), streak)
+            if streak.complete or len(page) < _STREAK_PAGE:
                 break
             before = page[-1].id
-        memory.streak = _Streak(domain.state_updated_at, relaunches, exhausted)
+        memory.streak = _Streak(domain.state_updated_at, streak)
         return memory.streak
 
     # ---- step 7: teardown ----------------------------------------------------------------
