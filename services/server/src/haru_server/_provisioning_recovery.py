@@ -161,16 +161,16 @@ class RecoverySteps(LaunchSteps):
         relaunching = settings_of(domain).relaunch and in_flight is None
         plan: RelaunchPlan | None = None
         if relaunching:
-            streak = await self._streak(fleet, domain, memory)
+            cached = await self._streak(fleet, domain, memory)
             decided = plan_relaunch(
                 policy,
-                streak.streak,
+                cached.streak,
                 launched=domain.launched_at is not None,
                 failed_at=domain.state_updated_at,
             )
             if isinstance(decided, RelaunchesSpent):
                 if decided.announce:
-                    streak.streak = replace(streak.streak, exhausted=True)
+                    cached.streak = replace(cached.streak, exhausted=True)
                     await self._give_up(fleet, domain, memory, name, decided.relaunches, now)
             else:
                 plan = decided
