@@ -210,12 +210,12 @@ async def _last_event_id(url: str, fleet: FleetSnapshot) -> int:
 
 def test_pruning_keeps_what_the_server_reads_back() -> None:
     """The rule in haru-db keeps what the server's decisions read (a drift guard)."""
+    import haru_core
     from haru_db import KEEP_RECENT_OPERATIONS, RELAUNCH_STREAK_EVENTS
-    from haru_server._provisioning import _STREAK_EVENTS
     from haru_server._reconciler import RECENT_OPERATIONS
 
     assert RECENT_OPERATIONS <= KEEP_RECENT_OPERATIONS
-    assert {str(t) for t in _STREAK_EVENTS} == RELAUNCH_STREAK_EVENTS
+    assert {str(t) for t in haru_core.RELAUNCH_STREAK_EVENTS} == RELAUNCH_STREAK_EVENTS
 
 
 async def test_the_pruner_cuts_at_the_app_clock_and_counts(store: StateStore) -> None:

@@ -87,6 +87,15 @@ from haru_core._proofs import (
     training_not_idle,
     training_not_running,
 )
+from haru_core._relaunch import (
+    RELAUNCH_STREAK_EVENTS,
+    RelaunchesSpent,
+    RelaunchPlan,
+    RelaunchStreak,
+    fold_relaunch_streak,
+    plan_relaunch,
+    relaunch_backoff_ms,
+)
 from haru_core._restore import (
     RESTORE_REASON_TRAINING_IDLE,
     RESTORE_REASON_VLLM_AWAKE,
@@ -192,6 +201,14 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "backoff_delay_ms",
     "promotion_backoff",
     "in_backoff",
+    # Relaunch of a lost provisioned domain
+    "RELAUNCH_STREAK_EVENTS",
+    "RelaunchStreak",
+    "RelaunchPlan",
+    "RelaunchesSpent",
+    "fold_relaunch_streak",
+    "relaunch_backoff_ms",
+    "plan_relaunch",
     # Time: a stored time from the future counts as now
     "FUTURE_TOLERANCE",
     "clamp_to_now",

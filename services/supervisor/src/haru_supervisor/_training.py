@@ -21,29 +21,29 @@ its descendants:
 A cgroup per run would contain descendants without polling, but the supervisor usually runs
 where it may not create one (a container, a systemd unit without delegation); the subreaper
 and ``/proc`` need no privilege. Off Linux, only the process group is tracked.
+
+The tracking itself is :mod:`haru_supervisor._process_tree`; the relay of what a trainer
+writes, :mod:`haru_supervisor._trainer_output`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import functools
 import logging
 import os
 import signal
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Final
 
-import psutil
 from haru_protocol import SupervisorTrainingSlot, TrainingRunState, TrainingSlotStatus, TrainingStop
 
 from haru_supervisor._errors import ShuttingDownError, TrainingStartError
+from haru_supervisor._process_tree import ProcessTracker, become_subreaper
 from haru_supervisor._settings import CHECKPOINT_DIR_VAR, GPU_INDEX_VAR
+from haru_supervisor._trainer_output import LINE_LIMIT, RELAY_DRAIN_S, relay_output
 from haru_supervisor._users import RunAs, resolve_run_as
 
 logger = logging.getLogger(__name__)
@@ -59,223 +59,6 @@ DEFAULT_TRACK_S: Final = 0.5
 
 KILL_WAIT_S: Final = 10.0
 """After SIGKILL, how long a process may linger (uninterruptible I/O) before it is logged."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Proc:
-    """What tracking needs of one process (read through psutil)."""
-
-    process: psutil.Process
-    """Equal only to the same process: psutil compares pid AND start time since boot, so a
-    recycled pid never matches (and no clock step moves the start time)."""
-    ppid: int
-    pgid: int
-    zombie: bool
-
-
-def _read(process: psutil.Process) -> _Proc | None:
-    try:
-        with process.oneshot():
-            ppid = process.ppid()
-            zombie = process.status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-    except psutil.Error:
-        return None  # exited while we looked
-    try:
-        pgid = os.getpgid(process.pid)
-    except OSError:
-        pgid = -1  # a zombie may already have left its group
-    return _Proc(process=process, ppid=ppid, pgid=pgid, zombie=zombie)
-
-
-def _read_pid(pid: int) -> _Proc | None:
-    try:
-        return _read(psutil.Process(pid))
-    except psutil.Error:
-        return None
-
-
-def _scan() -> dict[int, _Proc]:
-    """Every process of the host (of this pid namespace)."""
-    procs: dict[int, _Proc] = {}
-    for process in psutil.process_iter():
-        proc = _read(process)
-        if proc is not None:
-            procs[process.pid] = proc
-    return procs
-
-
-def _environ_has(pid: int, marks: Mapping[str, str]) -> bool:
-    """Whether ``pid``'s initial environment holds every ``NAME=value`` of ``marks``."""
-    try:
-        environ = psutil.Process(pid).environ()
-    except psutil.Error:
-        return False
-    return all(environ.get(name) == value for name, value in marks.items())
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # the group exists (a member changed its credentials)
-    return True
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
-def _signal_process(process: psutil.Process, sig: signal.Signals) -> None:
-    """Signal ``process`` only if its pid still names it (not a process that reused it).
-
-    Through a pidfd where the platform has one: once it is open, the pid cannot be recycled
-    under it, so a signal never reaches an unrelated process that reused the number.
-    """
-    pidfd_open = getattr(os, "pidfd_open", None)
-    send = getattr(signal, "pidfd_send_signal", None)
-    if pidfd_open is None or send is None:
-        if process.is_running():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, sig)
-        return
-    try:
-        fd = pidfd_open(process.pid)
-    except OSError:
-        return  # gone
-    try:
-        if process.is_running():
-            with contextlib.suppress(ProcessLookupError):
-                send(fd, sig)
-    finally:
-        os.close(fd)
-
-
-def _reap(pid: int) -> None:
-    """Collect an adopted orphan's exit status so it does not linger as a zombie."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
-
-
-TRAINER_LOGGER: Final = "haru_supervisor.trainer"
-"""The logger of what trainers write: one record per line, with ``slot`` and ``stream``."""
-
-_trainer_logger = logging.getLogger(TRAINER_LOGGER)
-_LINE_LIMIT: Final = 16 * 1024
-"""Longest trainer line logged as one record; a longer one is logged in pieces."""
-_RELAY_DRAIN_S: Final = 1.0
-"""After the run ends, how long its output may still be read (a lost descendant may hold the
-pipe open: it is then abandoned)."""
-
-
-async def _relay(stream: asyncio.StreamReader, *, gpu_index: int, name: str) -> None:
-    """Log each line the trainer writes on ``name`` (``stdout``/``stderr``) until EOF.
-
-    In the supervisor's own log stream (JSON lines in JSON mode): the line as ``message``, with
-    ``slot`` (the GPU index) and ``stream`` as fields; control characters are escaped by the
-    formatter like any message.
-    """
-    while True:
-        try:
-            raw = await stream.readuntil(b"\n")
-        except asyncio.IncompleteReadError as exc:
-            raw = exc.partial  # the last line, without a newline
-            if not raw:
-                return
-        except asyncio.LimitOverrunError as exc:
-            raw = await stream.read(min(max(exc.consumed, 1), _LINE_LIMIT))  # a piece of it
-        text = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-        _trainer_logger.info(
-            "GPU %d %s: %s", gpu_index, name, text, extra={"slot": gpu_index, "stream": name}
-        )
-
-
-_PR_SET_CHILD_SUBREAPER: Final = 36
-_subreaper: bool | None = None
-
-
-def become_subreaper() -> bool:
-    """Make this process the child subreaper of its descendants (Linux ``prctl``; once).
-
-    Through ``ctypes``: neither psutil nor the standard library wraps ``prctl``.
-
-    A trainer's child whose parent exits is then reparented to the supervisor instead of
-    init, so a process that left the trainer's session (``setsid``) before the supervisor saw
-    it is still found among the supervisor's own children and can be stopped.
-
-    Returns:
-        Whether the supervisor is a subreaper (False off Linux or when prctl failed).
-    """
-    global _subreaper  # one process-wide attribute, set once
-    if _subreaper is not None:
-        return _subreaper
-    _subreaper = False
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0:
-                _subreaper = True
-            else:
-                logger.warning(
-                    "prctl(PR_SET_CHILD_SUBREAPER) failed: %s", os.strerror(ctypes.get_errno())
-                )
-        except (OSError, AttributeError) as exc:
-            logger.warning("prctl(PR_SET_CHILD_SUBREAPER) unavailable: %s", exc)
-    return _subreaper
-
-
-class _Tracker:
-    """The processes of one run: the trainer and every descendant seen so far."""
-
-    def __init__(self, leader: int, *, marks: Mapping[str, str]) -> None:
-        self._leader = leader
-        self._marks = marks
-        self._self_pid = os.getpid()
-        self._lock = threading.Lock()
-        self._linux = psutil.LINUX
-        proc = _read_pid(leader) if self._linux else None
-        self._members: dict[int, psutil.Process] = {} if proc is None else {leader: proc.process}
-
-    def refresh(self) -> tuple[int, ...]:
-        """List the processes (blocking: run it in a thread); the run's live processes, sorted."""
-        if not self._linux:
-            return (self._leader,) if _group_alive(self._leader) else ()
-        procs = _scan()
-        with self._lock:
-            members = self._members
-            for pid, member in list(members.items()):
-                proc = procs.get(pid)
-                if proc is None or proc.process != member:
-                    del members[pid]
-                elif proc.zombie:
-                    del members[pid]
-                    # The trainer is reaped by asyncio; an adopted orphan only by us.
-                    if pid != self._leader and proc.ppid == self._self_pid:
-                        _reap(pid)
-            grew = True
-            while grew:
-                grew = False
-                for pid, proc in procs.items():
-                    if pid in members or proc.zombie:
-                        continue
-                    if (
-                        proc.ppid in members
-                        or proc.pgid == self._leader
-                        or (proc.ppid == self._self_pid and _environ_has(pid, self._marks))
-                    ):
-                        members[pid] = proc.process
-                        grew = True
-            return tuple(sorted(members))
-
-    def signal(self, sig: signal.Signals) -> None:
-        """Send ``sig`` to the trainer's group and to every tracked process."""
-        _signal_group(self._leader, sig)
-        with self._lock:
-            members = list(self._members.items())
-        for _pid, member in members:
-            _signal_process(member, sig)
 
 
 class TrainingRun:
@@ -331,7 +114,7 @@ class TrainingRun:
         self._lock = asyncio.Lock()
         self._state = TrainingRunState.IDLE
         self._pgid: int | None = None
-        self._tracker: _Tracker | None = None
+        self._tracker: ProcessTracker | None = None
         become_subreaper()
         self._kill_deadline: float | None = None
         self._stop_started: float | None = None
@@ -422,7 +205,7 @@ class TrainingRun:
                     os.close(write_end)  # the trainer holds its own copies
             self._state = TrainingRunState.RUNNING
             self._pgid = process.pid
-            self._tracker = _Tracker(process.pid, marks=self._marks)
+            self._tracker = ProcessTracker(process.pid, marks=self._marks)
             self._kill_deadline = None
             self._stop_started = None
             self._last_stop = None
@@ -430,7 +213,7 @@ class TrainingRun:
             self._changed.clear()
             loop = asyncio.get_running_loop()
             for name, (read_end, _) in zip(("stdout", "stderr"), pipes, strict=True):
-                reader = asyncio.StreamReader(limit=_LINE_LIMIT)
+                reader = asyncio.StreamReader(limit=LINE_LIMIT)
                 transport, _ = await loop.connect_read_pipe(
                     functools.partial(asyncio.StreamReaderProtocol, reader),
                     os.fdopen(read_end, "rb", buffering=0),
@@ -438,7 +221,7 @@ class TrainingRun:
                 self._pipes.append(transport)
                 self._relays.append(
                     asyncio.create_task(
-                        _relay(reader, gpu_index=self.gpu_index, name=name),
+                        relay_output(reader, gpu_index=self.gpu_index, name=name),
                         name=f"training-gpu{self.gpu_index}-{name}",
                     )
                 )
@@ -582,7 +365,7 @@ class TrainingRun:
         relays, self._relays = self._relays, []
         pipes, self._pipes = self._pipes, []
         if relays:
-            _, pending = await asyncio.wait(relays, timeout=_RELAY_DRAIN_S)
+            _, pending = await asyncio.wait(relays, timeout=RELAY_DRAIN_S)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*relays, return_exceptions=True)

@@ -10,345 +10,63 @@ The client also keeps what it knows of each server (README "Fidelity to vLLM"): 
 the server is refused), the sleep or wake it has sent and not seen finish (vLLM does not
 answer ``/is_sleeping`` meanwhile: the server is busy, not down), and a sleep whose outcome
 is unknown (it timed out), which must be confirmed before any wake.
+
+The wire format (routes, versions, bounded reads) is in :mod:`haru_supervisor._vllm_wire`, the
+connection and what it remembers in :mod:`haru_supervisor._vllm_connection`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import errno
-import json
 import logging
-import math
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Final
 
 import aiohttp
-from haru_protocol import ModelAction, ModelStatus, ProbeResult, SupervisorModel, join_url
-from packaging.version import InvalidVersion, Version
-from prometheus_client.parser import text_string_to_metric_families
-from pydantic import SecretStr
+from haru_protocol import ModelAction, ModelStatus, ProbeResult, SupervisorModel
 
 from haru_supervisor._errors import VllmAdminError
+from haru_supervisor._vllm_connection import Clock, VllmConnection, VllmTimeouts
+from haru_supervisor._vllm_wire import (
+    BODY_LIMIT,
+    CHAT_PATH,
+    IS_SLEEPING_PATH,
+    MIN_VLLM_VERSION,
+    SLEEP_LEVEL,
+    SLEEP_MODE,
+    SLEEP_PATH,
+    WAKE_PATH,
+    BodyTooLargeError,
+    describe,
+    excerpt,
+    has_answer,
+    is_refused,
+    json_object,
+    parse_vllm_version,
+    read_capped,
+    sum_metrics,
+    version_refusal,
+)
 
 logger = logging.getLogger(__name__)
 
-VLLM_HOST: Final = "127.0.0.1"
-"""vLLM's admin routes are unauthenticated: they are reached on the loopback interface only."""
-
-SLEEP_PATH: Final = "/sleep"
-WAKE_PATH: Final = "/wake_up"
-IS_SLEEPING_PATH: Final = "/is_sleeping"
-METRICS_PATH: Final = "/metrics"
-CHAT_PATH: Final = "/v1/chat/completions"
-VERSION_PATH: Final = "/version"
-
-MIN_VLLM_VERSION: Final = (0, 17)
-"""Oldest vLLM the supervisor drives: ``/sleep`` pauses the scheduler first (and takes
-``mode``) from 0.17.0 (vllm#34528); before, a sleep does not pause and requests keep running
-on, or reach, a sleeping engine."""
-
-SLEEP_MODE: Final = "abort"
-"""``/sleep?mode=``: always ``abort`` (README "Sleep after a drain: abort, not wait")."""
-
-DISABLE_LOG_STATS_FLAG: Final = "--disable-log-stats"
-
-RUNNING_METRIC: Final = "vllm:num_requests_running"
-WAITING_METRIC: Final = "vllm:num_requests_waiting"
-
-SLEEP_LEVEL: Final = 1
-"""Level-1 sleep: weights offloaded to CPU RAM, KV cache dropped, process alive."""
-
-_BODY_LIMIT: Final = 1024 * 1024
-_METRICS_LIMIT: Final = 8 * 1024 * 1024
-_EXCERPT: Final = 200
-
-Clock = Callable[[], float]
-"""Monotonic seconds; injected so tests control budgets."""
+__all__ = (
+    "MIN_VLLM_VERSION",
+    "SLEEP_LEVEL",
+    "SLEEP_MODE",
+    "Clock",
+    "VllmAdminClient",
+    "VllmTimeouts",
+    "parse_vllm_version",
+    "sum_metrics",
+    "version_refusal",
+)
 
 
-@dataclass(frozen=True, kw_only=True)
-class VllmTimeouts:
-    """Bounds on calls to a local vLLM server.
-
-    Attributes:
-        admin_s: ``/sleep`` and ``/wake_up``: they return only once the engine finished, which
-            takes tens of seconds for a large model (level-1 sleep of an 8B model: about 10 s).
-        read_s: ``/is_sleeping`` and ``/metrics``: heartbeats poll them, so they are tight.
-        drain_poll_s: Interval between ``/metrics`` reads while draining before a sleep.
-        drain_quiet_s: A drain ends only after two zero readings at least this far apart: a
-            request that read the routing pointer just before the switch may still be on its
-            way to this server when the first zero is read.
-    """
-
-    admin_s: float = 120.0
-    read_s: float = 5.0
-    drain_poll_s: float = 0.1
-    drain_quiet_s: float = 0.2
-
-
-class _BodyTooLargeError(Exception):
-    pass
-
-
-def parse_vllm_version(text: str) -> tuple[int, int] | None:
-    """``(major, minor)`` of a vLLM version string (``0.33.0``, ``0.17.0rc1``, ``0.9.2.dev3``).
-
-    Read as a PEP 440 version (vLLM's own scheme, ``packaging.version``); None for anything
-    else (a source build may report any string).
-    """
-    try:
-        release = Version(text.strip()).release
-    except InvalidVersion:
-        return None
-    return (release[0], release[1] if len(release) > 1 else 0)
-
-
-def version_refusal(version: str) -> str | None:
-    """Why the supervisor refuses a server of this vLLM version, or None when it accepts it.
-
-    An unparseable version is accepted (a source build may report anything): only a version
-    proved older than :data:`MIN_VLLM_VERSION` is refused.
-    """
-    parsed = parse_vllm_version(version)
-    if parsed is None or parsed >= MIN_VLLM_VERSION:
-        return None
-    minimum = ".".join(str(part) for part in MIN_VLLM_VERSION)
-    shown = _excerpt(version.encode())
-    return (
-        f"vLLM {shown} is not supported: the supervisor needs vLLM >= {minimum}.0, whose "
-        "/sleep pauses the scheduler before sleeping (older releases keep serving requests "
-        "on a sleeping engine); upgrade vLLM"
-    )
-
-
-@dataclass
-class _Server:
-    """What the supervisor knows of one vLLM server."""
-
-    action: ModelAction | None = None
-    """The sleep or wake sent and not finished yet."""
-    sleep_unfinished: bool = False
-    """A sleep timed out or lost its connection: it may still run in vLLM."""
-    version: str | None = None
-    """``GET /version``; None until read, and again once the connection was lost."""
-    answered: bool = False
-    """``GET /version`` was answered since the last connection loss (maybe without one)."""
-    refusal: str | None = None
-    sleeping: bool | None = None
-    """What the last status said (None: unknown, an action in flight, or no answer)."""
-    gauges_reported: bool = False
-    version_unparsed_reported: bool = False
-
-
-async def _read_capped(response: aiohttp.ClientResponse, limit: int) -> bytes:
-    """Read a response body, refusing more than ``limit`` bytes."""
-    if response.content_length is not None and response.content_length > limit:
-        raise _BodyTooLargeError
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.content.iter_chunked(64 * 1024):
-        size += len(chunk)
-        if size > limit:
-            raise _BodyTooLargeError
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _excerpt(body: bytes) -> str:
-    text = " ".join(body.decode("utf-8", errors="replace").split())
-    return text if len(text) <= _EXCERPT else text[:_EXCERPT] + "..."
-
-
-def _describe(exc: BaseException, *, port: int, timeout_s: float) -> str:
-    """One short line for a transport failure (never a stack trace, never a body dump)."""
-    if isinstance(exc, TimeoutError):
-        return f"no answer within {timeout_s:g} s"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return f"cannot connect to {VLLM_HOST}:{port} ({exc.strerror or 'connection failed'})"
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "the server closed the connection without answering"
-    if isinstance(exc, _BodyTooLargeError):
-        return "the response body is too large"
-    text = str(exc) or type(exc).__name__
-    return _excerpt(text.encode())
-
-
-def _json_object(body: bytes) -> Mapping[str, object] | None:
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def sum_metrics(text: str, names: frozenset[str]) -> dict[str, float]:
-    """Sum every sample of each metric in ``names`` in a Prometheus text exposition.
-
-    Several engines (data parallel) or label sets each contribute a sample; the sum is what
-    the server as a whole holds. A metric with no parseable sample is absent from the result.
-
-    Each sample line of a wanted metric is read by prometheus-client's parser on its own, so
-    one malformed line (or one of an unrelated metric) costs only that sample, not the whole
-    exposition; the histograms vLLM also exports are never parsed.
-    """
-    totals: dict[str, float] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line.startswith(tuple(names)):
-            continue
-        try:
-            samples = [
-                sample
-                for family in text_string_to_metric_families(line + "\n")
-                for sample in family.samples
-            ]
-        except ValueError:
-            continue
-        for sample in samples:
-            if sample.name in names and not math.isnan(sample.value):
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-    return totals
-
-
-def _is_connection_lost(exc: BaseException) -> bool:
-    """Whether ``exc`` means the server's process may have gone (refused, or dropped)."""
-    return isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError))
-
-
-def _is_refused(exc: BaseException) -> bool:
-    """Whether ``exc`` proves nothing listens on the port (the server is gone, not slow)."""
-    return (
-        isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error.errno == errno.ECONNREFUSED
-    )
-
-
-class VllmAdminClient:
+class VllmAdminClient(VllmConnection):
     """Calls the local vLLM servers (admin routes, metrics, version, the probe's completion).
 
     One instance per supervisor, sharing one :class:`aiohttp.ClientSession`. It remembers,
     per served model name, what it learnt of each server (see the module docstring).
     """
-
-    def __init__(
-        self,
-        session: aiohttp.ClientSession,
-        *,
-        timeouts: VllmTimeouts | None = None,
-        clock: Clock = time.monotonic,
-        api_keys: Mapping[str, SecretStr] | None = None,
-        on_drain: Callable[[float], None] | None = None,
-    ) -> None:
-        """Create a client.
-
-        Args:
-            session: The supervisor's HTTP session (it must not use proxies: the targets
-                are on the loopback interface).
-            timeouts: Bounds on each call; defaults to :class:`VllmTimeouts`.
-            clock: Monotonic seconds, for the drain budget and probe latency.
-            api_keys: A server's ``--api-key`` by model name, sent by the probe only.
-            on_drain: Told how long each drain before a sleep took (metrics).
-        """
-        self._on_drain = on_drain
-        self._session = session
-        self._timeouts = timeouts if timeouts is not None else VllmTimeouts()
-        self._clock = clock
-        self._api_keys = dict(api_keys or {})
-        self._servers: dict[str, _Server] = {}
-
-    @property
-    def timeouts(self) -> VllmTimeouts:
-        """The bounds in effect."""
-        return self._timeouts
-
-    @staticmethod
-    def url(model: SupervisorModel, path: str) -> str:
-        """The URL of ``path`` on ``model``'s server (always on the loopback interface)."""
-        return join_url(f"http://{VLLM_HOST}:{model.port}", path)
-
-    def last_sleeping(self) -> dict[str, bool | None]:
-        """Per model name, whether its server slept at its last status (None: unknown)."""
-        return {name: server.sleeping for name, server in self._servers.items()}
-
-    def _server(self, model: SupervisorModel) -> _Server:
-        return self._servers.setdefault(model.name, _Server())
-
-    def _lost(self, model: SupervisorModel, exc: BaseException) -> None:
-        if _is_connection_lost(exc):
-            # It may come back as another process (another version): read it again then.
-            server = self._server(model)
-            server.version = None
-            server.refusal = None
-            server.answered = False
-
-    # -- version -----------------------------------------------------------------------------
-
-    async def connect(self, model: SupervisorModel) -> str | None:
-        """Read ``GET /version`` (and check the gauges) unless already read since connected.
-
-        Called at start-up for every model, and before each status, sleep, wake and probe
-        while the version is unknown (never read, or the connection was lost since). Never
-        raises: an unreachable server keeps an unknown version and is read again later.
-
-        Returns:
-            Why the server is refused (too old), or None.
-        """
-        server = self._server(model)
-        if server.answered:
-            return server.refusal
-        timeout_s = self._timeouts.read_s
-        try:
-            async with self._session.get(
-                self.url(model, VERSION_PATH), timeout=aiohttp.ClientTimeout(total=timeout_s)
-            ) as response:
-                body = await _read_capped(response, _BODY_LIMIT)
-                status = response.status
-        except (aiohttp.ClientError, TimeoutError, _BodyTooLargeError) as exc:
-            logger.debug(
-                "%s: %s failed: %s",
-                model.name,
-                VERSION_PATH,
-                _describe(exc, port=model.port, timeout_s=timeout_s),
-            )
-            return server.refusal
-        server.answered = True
-        data = _json_object(body) if status == 200 else None
-        version = None if data is None else data.get("version")
-        if not isinstance(version, str) or not version.strip():
-            logger.warning(
-                "%s: %s answered HTTP %d without a version: %s",
-                model.name,
-                VERSION_PATH,
-                status,
-                _excerpt(body),
-            )
-            return server.refusal
-        version = version.strip()[:_EXCERPT]
-        changed = server.version != version
-        server.version = version
-        server.refusal = version_refusal(version)
-        if server.refusal is not None:
-            logger.error("%s: %s", model.name, server.refusal)
-        elif parse_vllm_version(version) is None and not server.version_unparsed_reported:
-            server.version_unparsed_reported = True
-            logger.warning(
-                "%s: cannot parse the vLLM version %r; assuming >= 0.17", model.name, version
-            )
-        elif changed:
-            logger.info("%s: vLLM %s on port %d", model.name, version, model.port)
-        if not server.gauges_reported:
-            await self.requests_in_flight(model, timeout_s=timeout_s)
-        return server.refusal
-
-    def version(self, model: SupervisorModel) -> str | None:
-        """The server's version as last read (None: not read yet, or connection lost since)."""
-        return self._server(model).version
-
-    async def _check_supported(self, model: SupervisorModel) -> None:
-        refusal = await self.connect(model)
-        if refusal is not None:
-            raise VllmAdminError(model.name, refusal)
 
     # -- status ------------------------------------------------------------------------------
 
@@ -396,38 +114,6 @@ class VllmAdminClient:
             elif timed_out:
                 return build(None, "sleep")
         return build(sleeping, down=refused)
-
-    # -- admin -------------------------------------------------------------------------------
-
-    async def _admin_post(
-        self, model: SupervisorModel, path: str, params: Mapping[str, str]
-    ) -> Mapping[str, object] | None:
-        """POST an admin route; returns its JSON object body, or None for an empty/other body."""
-        timeout_s = self._timeouts.admin_s
-        try:
-            async with self._session.post(
-                self.url(model, path),
-                params=params,
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as response:
-                body = await _read_capped(response, _BODY_LIMIT)
-                status = response.status
-        except (aiohttp.ClientError, TimeoutError, _BodyTooLargeError) as exc:
-            self._lost(model, exc)
-            # A refused connection never reached vLLM; anything else may have.
-            unfinished = not isinstance(exc, aiohttp.ClientConnectorError)
-            raise VllmAdminError(
-                model.name,
-                f"{path}: {_describe(exc, port=model.port, timeout_s=timeout_s)}",
-                unfinished=unfinished,
-            ) from exc
-        if not 200 <= status < 300:
-            detail = _excerpt(body)
-            raise VllmAdminError(
-                model.name, f"{path}: HTTP {status}" + (f": {detail}" if detail else "")
-            )
-        # Releases up to 0.31 answer an empty 200; newer ones a JSON object.
-        return _json_object(body) if body.strip() else None
 
     async def sleep(
         self,
@@ -479,7 +165,7 @@ class VllmAdminClient:
         status = None if body is None else body.get("status")
         if status is not None and status != "sleeping":
             raise VllmAdminError(
-                model.name, f"{SLEEP_PATH}: unexpected status {_excerpt(str(status).encode())!r}"
+                model.name, f"{SLEEP_PATH}: unexpected status {excerpt(str(status).encode())!r}"
             )
 
     async def _confirm_sleep_finished(self, model: SupervisorModel) -> None:
@@ -534,7 +220,7 @@ class VllmAdminClient:
             raise VllmAdminError(model.name, f"{WAKE_PATH}: partial wake, the server still sleeps")
         if status is not None and status != "awake":
             raise VllmAdminError(
-                model.name, f"{WAKE_PATH}: unexpected status {_excerpt(str(status).encode())!r}"
+                model.name, f"{WAKE_PATH}: unexpected status {excerpt(str(status).encode())!r}"
             )
 
     async def _read_sleeping(self, model: SupervisorModel) -> tuple[bool | None, bool, bool]:
@@ -564,23 +250,23 @@ class VllmAdminClient:
                         "%s: %s answered HTTP %d", model.name, IS_SLEEPING_PATH, response.status
                     )
                     return None, False, False, False
-                body = await _read_capped(response, _BODY_LIMIT)
-        except (aiohttp.ClientError, TimeoutError, _BodyTooLargeError) as exc:
+                body = await read_capped(response, BODY_LIMIT)
+        except (aiohttp.ClientError, TimeoutError, BodyTooLargeError) as exc:
             self._lost(model, exc)
             logger.debug(
                 "%s: %s failed: %s",
                 model.name,
                 IS_SLEEPING_PATH,
-                _describe(exc, port=model.port, timeout_s=timeout_s),
+                describe(exc, port=model.port, timeout_s=timeout_s),
             )
             dropped = isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))
             dropped = dropped and not isinstance(exc, aiohttp.ClientConnectorError)
-            return None, isinstance(exc, TimeoutError), _is_refused(exc), dropped
-        data = _json_object(body)
+            return None, isinstance(exc, TimeoutError), is_refused(exc), dropped
+        data = json_object(body)
         value = None if data is None else data.get("is_sleeping")
         if not isinstance(value, bool):
             logger.debug(
-                "%s: %s body proves nothing: %s", model.name, IS_SLEEPING_PATH, _excerpt(body)
+                "%s: %s body proves nothing: %s", model.name, IS_SLEEPING_PATH, excerpt(body)
             )
             return None, False, False, False
         return value, False, False, False
@@ -603,57 +289,6 @@ class VllmAdminClient:
         finally:
             if self._on_drain is not None:
                 self._on_drain(self._clock() - started)
-
-    async def requests_in_flight(self, model: SupervisorModel, *, timeout_s: float) -> int | None:
-        """Requests running plus waiting on ``model``'s server, from ``/metrics``.
-
-        Returns:
-            The sum, or None when ``/metrics`` failed or lacks either gauge (a server started
-            with ``--disable-log-stats``: reported once, as an error naming the flag).
-        """
-        try:
-            async with self._session.get(
-                self.url(model, METRICS_PATH),
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as response:
-                if response.status != 200:
-                    logger.warning(
-                        "%s: %s answered HTTP %d", model.name, METRICS_PATH, response.status
-                    )
-                    return None
-                body = await _read_capped(response, _METRICS_LIMIT)
-        except (aiohttp.ClientError, TimeoutError, _BodyTooLargeError) as exc:
-            self._lost(model, exc)
-            logger.warning(
-                "%s: %s failed: %s",
-                model.name,
-                METRICS_PATH,
-                _describe(exc, port=model.port, timeout_s=timeout_s),
-            )
-            return None
-        totals = sum_metrics(
-            body.decode("utf-8", errors="replace"), frozenset((RUNNING_METRIC, WAITING_METRIC))
-        )
-        server = self._server(model)
-        if RUNNING_METRIC not in totals or WAITING_METRIC not in totals:
-            if not server.gauges_reported:
-                server.gauges_reported = True
-                logger.error(
-                    "%s: %s has no %s / %s gauges, so the supervisor cannot tell whether "
-                    "requests are in flight: a sleep cannot drain them first (they are "
-                    "aborted). vLLM serves no gauges when started with %s: restart it without "
-                    "that flag. (Reported once.)",
-                    model.name,
-                    METRICS_PATH,
-                    RUNNING_METRIC,
-                    WAITING_METRIC,
-                    DISABLE_LOG_STATS_FLAG,
-                )
-            else:
-                logger.debug("%s: %s still lacks the gauges", model.name, METRICS_PATH)
-            return None
-        server.gauges_reported = True
-        return max(0, math.ceil(totals[RUNNING_METRIC] + totals[WAITING_METRIC]))
 
     async def drain(self, model: SupervisorModel, *, timeout_s: float) -> bool:
         """Wait, up to ``timeout_s``, until ``model``'s server has no request in flight.
@@ -733,7 +368,7 @@ class VllmAdminClient:
                 async with self._session.post(
                     self.url(model, CHAT_PATH), json=payload, headers=headers
                 ) as response:
-                    body = await _read_capped(response, _BODY_LIMIT)
+                    body = await read_capped(response, BODY_LIMIT)
                     status = response.status
             if status == 401:
                 error = "HTTP 401: the server wants an API key" + (
@@ -742,35 +377,12 @@ class VllmAdminClient:
                     else " (set apiKeyEnv or apiKeyFile for this model)"
                 )
             elif not 200 <= status < 300:
-                detail = _excerpt(body)
+                detail = excerpt(body)
                 error = f"HTTP {status}" + (f": {detail}" if detail else "")
-            elif not _has_answer(body):
+            elif not has_answer(body):
                 error = "the completion has no content, no reasoning, and did not stop at length"
-        except (aiohttp.ClientError, TimeoutError, _BodyTooLargeError) as exc:
+        except (aiohttp.ClientError, TimeoutError, BodyTooLargeError) as exc:
             self._lost(model, exc)
-            error = _describe(exc, port=model.port, timeout_s=timeout_s)
+            error = describe(exc, port=model.port, timeout_s=timeout_s)
         latency_ms = round((self._clock() - started) * 1000, 3)
         return ProbeResult(model=model.name, ok=error is None, latency_ms=latency_ms, error=error)
-
-
-_ANSWER_FIELDS: Final = ("content", "reasoning", "reasoning_content")
-
-
-def _has_answer(body: bytes) -> bool:
-    data = _json_object(body)
-    choices = None if data is None else data.get("choices")
-    if not isinstance(choices, list):
-        return False
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        if choice.get("finish_reason") == "length":
-            return True
-        message = choice.get("message")
-        if not isinstance(message, dict):
-            continue
-        for name in _ANSWER_FIELDS:
-            value = message.get(name)
-            if isinstance(value, str) and value:
-                return True
-    return False
