@@ -53,7 +53,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -265,7 +265,8 @@ class Provisioner:
             tests run it against a fake ``sky``).
         clock: The application clock (budgets are measured on it).
         supervisor_token: The token the launched supervisors require; passed to ``sky`` as
-            the secret ``HARU_SUPERVISOR_TOKEN``, never written anywhere.
+            the secret ``HARU_SUPERVISOR_TOKEN``, never written anywhere. A callable is asked
+            at each launch (the token of a rotated file).
         serving_token: The serving credential the launched gateways require; passed to
             ``sky`` as the secret ``HARU_SERVING_TOKEN`` the same way (a launch without it
             fails: the task asks for that secret).
@@ -284,7 +285,7 @@ class Provisioner:
         driver: DomainDriver,
         *,
         clock: Clock,
-        supervisor_token: str | None,
+        supervisor_token: str | Callable[[], str | None] | None,
         serving_token: str | None = None,
         options: ProvisionerOptions | None = None,
         service_driver: ServiceDriver | None = None,
@@ -303,8 +304,8 @@ class Provisioner:
                 no_replica_grace_s=self._options.no_replica_grace_s,
             )
         self._clock = clock
-        secrets = {TOKEN_SECRET: supervisor_token, SERVING_TOKEN_SECRET: serving_token}
-        self._secrets: Mapping[str, str] = {k: v for k, v in secrets.items() if v is not None}
+        self._supervisor_token = supervisor_token
+        self._serving_token = serving_token
         self._memory: dict[UUID, _Memory] = {}
         self._reads = _Reads(wanted=set(), results={})
         self._launch_slots = asyncio.Semaphore(self._options.max_concurrent_launches)
@@ -568,8 +569,14 @@ class Provisioner:
         Raises:
             PkiError: The certificate cannot be issued (no store key, or the wrong one).
         """
+        token = self._supervisor_token
+        secrets = {
+            TOKEN_SECRET: token() if callable(token) else token,
+            SERVING_TOKEN_SECRET: self._serving_token,
+        }
+        base = {k: v for k, v in secrets.items() if v is not None}
         if domain.provider is not Provider.SKYPILOT:
-            return self._secrets
+            return base
         if self._pki is None:
             raise PkiError(
                 "this server issues no certificates for skypilot domains (no PKI configured)"
@@ -584,7 +591,7 @@ class Provisioner:
             issued.fingerprint,
             issued.not_after.isoformat(),
         )
-        return {**self._secrets, **issued.secrets()}
+        return {**base, **issued.secrets()}
 
     async def _fresh_launch(
         self,
