@@ -4,6 +4,8 @@
 pydantic-settings; building :class:`Settings` directly (tests, embedding) reads nothing from
 the environment. Blank values count as unset, numbers are ASCII digits only, tokens are
 secrets (``SecretStr``: never in a repr, a log line or an error) of at least 16 characters.
+A token read from a file is followed afterwards (:meth:`Settings.api_token_source`,
+:meth:`Settings.supervisor_token_source`): the file is re-read when it changes.
 """
 
 from __future__ import annotations
