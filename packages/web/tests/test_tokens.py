@@ -188,6 +188,16 @@ def test_a_source_built_from_an_old_token_reads_its_file_at_the_first_look(
     assert source.current() == NEW
 
 
+def test_a_source_whose_file_is_gone_at_the_first_look_warns(
+    token_file: Path, clock: FakeMonotonic, caplog: pytest.LogCaptureFixture
+) -> None:
+    token_file.unlink()
+    source = TokenSource(OLD, path=token_file, name=NAME, monotonic=clock)
+    clock.advance(1)
+    assert source.current() == OLD
+    assert "cannot read" in caplog.text
+
+
 def test_constant_sources_and_sources_from_the_environment(
     token_file: Path, clock: FakeMonotonic
 ) -> None:

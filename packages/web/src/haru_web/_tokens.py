@@ -76,6 +76,9 @@ _Signature = tuple[int, int, int, int, int]
 the latter moves on ``chmod`` too, so a file made readable again is looked at)."""
 
 
+_UNKNOWN: Final[_Signature] = (-1, -1, -1, -1, -1)
+
+
 def _signature(path: Path) -> _Signature | None:
     try:
         st = path.stat()
@@ -87,9 +90,9 @@ def _signature(path: Path) -> _Signature | None:
 class TokenSource:
     """A bearer token that follows its file: rotated without a restart.
 
-    A source made from a file re-reads it when its device, inode, size or modification time
-    changes, looked at (one ``stat``) at most once per ``recheck_s`` of ``monotonic``, so
-    asking it on every request is cheap. A new content that cannot be read, is blank or is
+    A source made from a file re-reads it when its device, inode, size, modification or
+    status-change time changes, looked at (one ``stat``) at most once per ``recheck_s`` of
+    ``monotonic``, so asking it on every request is cheap. A new content that cannot be read, is blank or is
     too short is not used: the previous token stays and one WARNING names the file (never a
     token); the file is read again once it changes again. A source made from a literal token
     (:meth:`constant`) never changes.
@@ -126,7 +129,7 @@ class TokenSource:
         self._lock = threading.Lock()
         self._checked = monotonic()
         # Unknown until read here: the first look re-reads the file (``token`` may be older).
-        self._signature: _Signature | None = None
+        self._signature: _Signature | None = _UNKNOWN
         self._previous: str | None = None
         self._changed_at = 0.0
 
