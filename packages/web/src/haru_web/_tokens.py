@@ -92,10 +92,10 @@ class TokenSource:
 
     A source made from a file re-reads it when its device, inode, size, modification or
     status-change time changes, looked at (one ``stat``) at most once per ``recheck_s`` of
-    ``monotonic``, so asking it on every request is cheap. A new content that cannot be read, is blank or is
-    too short is not used: the previous token stays and one WARNING names the file (never a
-    token); the file is read again once it changes again. A source made from a literal token
-    (:meth:`constant`) never changes.
+    ``monotonic``, so asking it on every request is cheap. A new content that cannot be read,
+    is blank or is too short is not used: the previous token stays and one WARNING names the
+    file (never a token); the file is read again once it changes again. A source made from a
+    literal token (:meth:`constant`) never changes.
 
     With ``overlap_s``, :meth:`matches` also accepts the token the file held before its last
     change, for ``overlap_s`` after the change was seen: the side that checks tokens can take
