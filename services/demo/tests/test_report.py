@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 from uuid import uuid4
 
 import pytest
@@ -149,8 +150,17 @@ def test_budgets_come_from_the_policy() -> None:
 
 
 def test_snippets_use_the_real_url_and_fleet() -> None:
-    text = snippets("http://127.0.0.1:8765", "example", "example-chat-small")
+    text = snippets(
+        "http://127.0.0.1:8765",
+        "example",
+        "example-chat-small",
+        key_file=Path("/w/secrets/client.key"),
+        token_file=Path("/w/secrets/api.token"),
+    )
     assert "curl -s http://127.0.0.1:8765/v1/chat/completions" in text
+    assert 'OPENAI_API_KEY="$(cat /w/secrets/client.key)"' in text
+    assert "HARU_API_TOKEN_FILE=/w/secrets/api.token" in text
+    assert '-H "Authorization: Bearer $OPENAI_API_KEY"' in text
     assert 'base_url="http://127.0.0.1:8765/v1"' in text
     assert '"model": "example-chat-small"' in text
     assert "haru fleet show example --url http://127.0.0.1:8765" in text

@@ -143,6 +143,32 @@ def test_tokens_can_come_from_files(name: str, tmp_path: Path) -> None:
     assert values[name] == "from-a-file-0123456789"
 
 
+@pytest.mark.parametrize("name", ["HARU_API_TOKEN", "HARU_SUPERVISOR_TOKEN"])
+def test_token_files_are_followed_and_literal_tokens_are_not(name: str, tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("from-a-file-0123456789\n")
+    now = [0.0]
+    settings = Settings.from_env({f"{name}_FILE": str(path)})
+    sources = {
+        "HARU_API_TOKEN": settings.api_token_source,
+        "HARU_SUPERVISOR_TOKEN": settings.supervisor_token_source,
+    }
+    source = sources[name](monotonic=lambda: now[0])
+    assert source is not None
+    assert source.current() == "from-a-file-0123456789"
+    path.write_text("rotated-token-0123456789\n")
+    now[0] += 1
+    assert source.current() == "rotated-token-0123456789"
+    literal = Settings.from_env({name: "literal-token-0123456789"})
+    assert literal.api_token_file is None
+    assert literal.supervisor_token_file is None
+    # Built directly with only the file: the token is read from it.
+    direct = Settings(api_token_file=path, supervisor_token_file=path)
+    assert direct.api_token_value() == "rotated-token-0123456789"
+    assert direct.supervisor_token_value() == "rotated-token-0123456789"
+    assert Settings().api_token_source() is None
+
+
 def test_token_file_errors_are_clear_and_never_quote_the_content(tmp_path: Path) -> None:
     path = tmp_path / "token"
     path.write_text("tiny")

@@ -197,6 +197,33 @@ def test_the_token_can_come_from_a_file_kept_out_of_the_trainers(tmp_path: Path)
     }
 
 
+def test_the_token_file_is_followed_with_an_overlap(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("from-a-file-0123456789\n")
+    env = {
+        "HARU_SUPERVISOR_CONFIG": json.dumps(CONFIG),
+        "HARU_SUPERVISOR_TOKEN_FILE": str(path),
+        "HARU_SUPERVISOR_TOKEN_OVERLAP_MS": "2000",
+    }
+    settings = load_settings(env)
+    assert settings.token_overlap_ms == 2000
+    assert load_settings({**env, "HARU_SUPERVISOR_TOKEN_OVERLAP_MS": ""}).token_overlap_ms == (
+        300_000
+    )
+    now = [0.0]
+    source = settings.token_source(monotonic=lambda: now[0])
+    assert source is not None
+    path.write_text("rotated-token-0123456789\n")
+    now[0] += 1
+    assert source.current() == "rotated-token-0123456789"
+    assert source.matches("Bearer from-a-file-0123456789")  # within the overlap
+    now[0] += 2
+    assert not source.matches("Bearer from-a-file-0123456789")
+    assert source.matches("Bearer rotated-token-0123456789")
+    with pytest.raises(SettingsError, match="HARU_SUPERVISOR_TOKEN_OVERLAP_MS"):
+        load_settings({**env, "HARU_SUPERVISOR_TOKEN_OVERLAP_MS": "soon"})
+
+
 @pytest.mark.parametrize(
     ("extra", "match"),
     [

@@ -351,7 +351,8 @@ class SupervisorClient:
     Args:
         session: The application's client session (the client never closes it).
         token: Bearer token presented to every supervisor (the server's
-            ``HARU_SUPERVISOR_TOKEN``); ``None`` presents none.
+            ``HARU_SUPERVISOR_TOKEN``); ``None`` presents none. A callable is asked at every
+            call (a token file that is rotated: ``haru_web.TokenSource.current``).
         request_id: Returns the id of the work a call is made for (sent as ``X-Request-Id``,
             so the supervisor's log lines carry it too); None sends none.
         links: TLS trust, pins and the plain-HTTP policy; the default trusts the system store
@@ -362,12 +363,12 @@ class SupervisorClient:
         self,
         session: aiohttp.ClientSession,
         *,
-        token: str | None,
+        token: str | Callable[[], str | None] | None,
         request_id: Callable[[], str | None] | None = None,
         links: SupervisorLinks | None = None,
     ) -> None:
         self._session = session
-        self._headers = bearer_header(token)
+        self._token = token
         self._request_id = request_id
         self._links = links if links is not None else SupervisorLinks()
 
@@ -484,7 +485,8 @@ class SupervisorClient:
             ) from exc
         tls, server_name = self._tls_for(method, url)
         data = None if body is None else body.model_dump_json(exclude_none=True).encode()
-        headers = dict(self._headers)
+        token = self._token
+        headers = bearer_header(token() if callable(token) else token)
         request_id = None if self._request_id is None else self._request_id()
         if request_id is not None:
             headers[REQUEST_ID_HEADER] = request_id

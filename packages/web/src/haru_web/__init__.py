@@ -107,7 +107,14 @@ from haru_web._tls import (
     server_context,
     tls_files,
 )
-from haru_web._tokens import MIN_TOKEN_LENGTH, TokenConfigError, check_token, resolve_token
+from haru_web._tokens import (
+    MIN_TOKEN_LENGTH,
+    TokenConfigError,
+    TokenSource,
+    check_token,
+    resolve_token,
+    token_source,
+)
 
 __all__ = (
     "BEARER_CHALLENGE",
@@ -154,6 +161,7 @@ __all__ = (
     "TlsConfigError",
     "TlsFiles",
     "TokenConfigError",
+    "TokenSource",
     "TrustedProxies",
     "accept_request_id",
     "access_logged_key",
@@ -206,5 +214,6 @@ __all__ = (
     "service_registry",
     "serving",
     "tls_files",
+    "token_source",
     "undeclared_routes",
 )

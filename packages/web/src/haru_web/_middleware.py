@@ -11,10 +11,11 @@ from typing import Final
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from haru_protocol import ErrorCode, bearer_matches
+from haru_protocol import ErrorCode
 
 from haru_web._envelope import json_error, render_api_error
 from haru_web._errors import ApiError
+from haru_web._tokens import TokenSource
 
 logger = logging.getLogger("haru_web")
 
@@ -109,21 +110,23 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def bearer_middleware(
-    token: str | None, *, guarded: Callable[[str], bool] = is_api_path
+    token: str | TokenSource | None, *, guarded: Callable[[str], bool] = is_api_path
 ) -> Middleware:
     """Require ``Authorization: Bearer <token>`` on every guarded path (``/v1`` and below).
 
-    The comparison runs in constant time; a 401 carries ``WWW-Authenticate: Bearer
-    realm="haru"``. With no token the API is open (and the service listens on loopback only,
-    behind :func:`browser_guard_middleware`).
+    A :class:`TokenSource` is asked on every request (a rotated token file takes effect
+    without a restart). The comparison runs in constant time; a 401 carries
+    ``WWW-Authenticate: Bearer realm="haru"``. With no token the API is open (and the service
+    listens on loopback only, behind :func:`browser_guard_middleware`).
     """
+    source = TokenSource.constant(token) if isinstance(token, str) else token
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if (
-            token is not None
+            source is not None
             and guarded(request.path)
-            and not bearer_matches(request.headers.get("Authorization"), token)
+            and not source.matches(request.headers.get("Authorization"))
         ):
             return json_error(
                 ErrorCode.UNAUTHORIZED,

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import secrets
 import signal
 import sys
 import time
@@ -39,6 +41,7 @@ from haru_protocol import (
     OperationState,
     Policy,
     RoutingSwitched,
+    bearer_header,
 )
 from haru_server.control_client import ControlApiError, ControlClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -181,12 +184,17 @@ def parse_duty_cycles(text: str, *, fleet: str) -> dict[str, float]:
     }
 
 
-async def read_duty_cycles(server_url: str, *, fleet: str) -> dict[str, float] | None:
-    """Scrape the server's ``/metrics`` for the duty cycles (None when it cannot be read)."""
+async def read_duty_cycles(
+    server_url: str, *, fleet: str, token: str | None = None
+) -> dict[str, float] | None:
+    """Scrape the server's ``/metrics`` for the duty cycles (None when it cannot be read).
+
+    ``token`` is the server's admin token (``/metrics`` is behind it).
+    """
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
-            session.get(f"{server_url}/metrics") as response,
+            session.get(f"{server_url}/metrics", headers=bearer_header(token)) as response,
         ):
             if response.status != 200:
                 return None
@@ -498,7 +506,9 @@ async def run_scenario(
     await asyncio.sleep(BETWEEN_S)
     report.unplanned = await unplanned_failover(topology, traffic, phase=phase)
     report.recovered = await recover(topology, report.unplanned, phase=phase)
-    report.duty_cycles = await read_duty_cycles(topology.server_url, fleet=topology.fleet_slug)
+    report.duty_cycles = await read_duty_cycles(
+        topology.server_url, fleet=topology.fleet_slug, token=topology.api_token()
+    )
     return report
 
 
@@ -518,23 +528,28 @@ class DemoRun:
     clients: int = 4
 
 
-def snippets(server_url: str, fleet: str, model: str) -> str:
-    """What to try against the running demo."""
+def snippets(server_url: str, fleet: str, model: str, *, key_file: Path, token_file: Path) -> str:
+    """What to try against the running demo: the client key's and admin token's files."""
     return f"""\
-Try it (HARU_DEFAULT_FLEET={fleet}, so no X-Haru-Fleet header is needed):
+Try it (HARU_DEFAULT_FLEET={fleet}, so no X-Haru-Fleet header is needed). Inference takes
+the demo's client key, the control API its admin token (each in a file, mode 0600):
+
+  export OPENAI_API_KEY="$(cat {key_file})" HARU_API_TOKEN_FILE={token_file}
 
   curl -s {server_url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -H "Authorization: Bearer $OPENAI_API_KEY" \\
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hello haru"}}]}}'
 
   python - <<'EOF'
   from openai import OpenAI
-  client = OpenAI(base_url="{server_url}/v1", api_key="unused")
+  client = OpenAI(base_url="{server_url}/v1")  # the key from OPENAI_API_KEY
   reply = client.chat.completions.create(
       model="{model}", messages=[{{"role": "user", "content": "hello haru"}}])
   print(reply.choices[0].message.content)
   EOF
 
   uv run haru fleet show {fleet} --url {server_url}
+  uv run haru keys list --url {server_url}
   uv run haru promote {fleet} alpha --wait --url {server_url}
   uv run haru events {fleet} --follow --url {server_url}
 """
@@ -593,8 +608,14 @@ async def _demo(run: DemoRun) -> int:
     if port and not port_is_free(port):
         err.print(f"port {port} is taken: the server will listen on a free port instead")
         port = 0
+    # The server has an admin token; the traffic uses a client key created through the API.
     topology = DemoTopology(
-        TopologyOptions(workdir=run.workdir, server_port=port, timings=run.timings)
+        TopologyOptions(
+            workdir=run.workdir,
+            server_port=port,
+            timings=run.timings,
+            api_token=secrets.token_urlsafe(32),
+        )
     )
     err.print(f"[bold]haru demo[/]: workdir {topology.workdir} (logs in {topology.workdir}/logs)")
     try:
@@ -614,7 +635,14 @@ async def _run_with_view(
     fleet = await topology.fleet()
     models = list(dict.fromkeys(m for d in topology.domains.values() for m in d.models))
     state = ViewState(server_url=topology.server_url)
-    traffic = ChatTraffic(topology.server_url, fleet=fleet.slug, models=models, clients=run.clients)
+    key = await topology.create_client_key("haru-demo-traffic")
+    key_file = topology.secrets_dir / "client.key"
+    descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write(key + "\n")
+    traffic = ChatTraffic(
+        topology.server_url, fleet=fleet.slug, models=models, clients=run.clients, api_key=key
+    )
     vllm_urls = {
         slug: [server.url for server in domain.vllm.values()]
         for slug, domain in topology.domains.items()
@@ -668,7 +696,15 @@ async def _run_with_view(
                 phase("scenario finished")
                 return status
             phase(f"serving on {topology.server_url} (Ctrl-C to stop)")
-            say(snippets(topology.server_url, fleet.slug, models[0]))
+            say(
+                snippets(
+                    topology.server_url,
+                    fleet.slug,
+                    models[0],
+                    key_file=key_file,
+                    token_file=topology.api_token_file(),
+                )
+            )
             if run.duration_s is not None:
                 await asyncio.sleep(run.duration_s)
             else:

@@ -173,8 +173,14 @@ class TopologyOptions:
         database_url: ``DATABASE_URL`` of the server; None: the embedded SQLite default
             (``haru.db`` in the workdir).
         timings: Engine speeds and budgets.
-        supervisor_token: ``HARU_SUPERVISOR_TOKEN`` shared by the server and the supervisors
-            (None: open supervisors, listening on 127.0.0.1 only).
+        supervisor_token: The supervisor token of the server and the supervisors (None: open
+            supervisors, listening on 127.0.0.1 only). Each side reads it from its own file
+            (``HARU_SUPERVISOR_TOKEN_FILE``, :meth:`DemoTopology.supervisor_token_file`), so
+            it can be rotated under the running processes.
+        api_token: The server's admin token (``HARU_API_TOKEN_FILE``,
+            :meth:`DemoTopology.api_token_file`; None: an open API on 127.0.0.1). With one,
+            the proxy needs a client key (:meth:`DemoTopology.create_client_key`).
+        supervisor_env: Further variables of every supervisor.
         layout: The layout whose shape is reproduced (default: the bundled example).
         standby_posture: Demote every standby once the fleet is up (vLLM asleep, training
             running), as an operator would after seeding.
@@ -187,6 +193,8 @@ class TopologyOptions:
     database_url: str | None = None
     timings: DemoTimings = field(default_factory=DemoTimings)
     supervisor_token: str | None = None
+    api_token: str | None = None
+    supervisor_env: Mapping[str, str] = field(default_factory=dict)
     layout: FleetLayout | None = None
     standby_posture: bool = True
     hosts: Mapping[str, HostPlacement] = field(default_factory=dict)
@@ -338,12 +346,71 @@ class DemoTopology:
         return self.options.hosts.get(host, HostPlacement())
 
     def control(self, *, timeout_s: float = 10.0) -> ControlClient:
-        """A control API client of the server (use as ``async with``)."""
+        """A control API client of the server (use as ``async with``).
+
+        It presents the admin token the server's file holds now.
+        """
         # A placed server is on a private lab network: plain HTTP to it is deliberate.
         placed = self.placement("server").address != LOOPBACK
         return ControlClient(
-            self.server_url, token=None, timeout_s=timeout_s, allow_plaintext=placed
+            self.server_url, token=self.api_token(), timeout_s=timeout_s, allow_plaintext=placed
         )
+
+    # ---- secrets -----------------------------------------------------------------------------
+
+    @property
+    def secrets_dir(self) -> Path:
+        """Folder of the token files (mode 0700; each file 0600)."""
+        return self.workdir / "secrets"
+
+    def api_token_file(self) -> Path:
+        """The server's ``HARU_API_TOKEN_FILE`` (written at start when there is a token)."""
+        return self.secrets_dir / "api.token"
+
+    def supervisor_token_file(self, side: str) -> Path:
+        """The ``HARU_SUPERVISOR_TOKEN_FILE`` of ``side``: ``"server"`` or a domain's slug.
+
+        Every side has its own file, as every host has in production: rewriting one rotates
+        the token of that process only.
+        """
+        return self.secrets_dir / f"supervisor-{side}.token"
+
+    def api_token(self) -> str | None:
+        """The admin token the server's file holds now (None: an open API)."""
+        if self.options.api_token is None:
+            return None
+        return self.api_token_file().read_text(encoding="utf-8").strip()
+
+    def _supervisor_token_of(self, side: str) -> str | None:
+        if self.options.supervisor_token is None:
+            return None
+        return self.supervisor_token_file(side).read_text(encoding="utf-8").strip()
+
+    def _write_secrets(self) -> None:
+        self.secrets_dir.mkdir(mode=0o700, exist_ok=True)
+        files: dict[Path, str] = {}
+        if self.options.api_token is not None:
+            files[self.api_token_file()] = self.options.api_token
+        if self.options.supervisor_token is not None:
+            for side in ("server", *self.domains):
+                files[self.supervisor_token_file(side)] = self.options.supervisor_token
+        for path, token in files.items():
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+                handle.write(token + "\n")
+
+    async def create_client_key(self, name: str) -> str:
+        """Create an inference client key (``POST /v1/keys``) and return its secret.
+
+        Raises:
+            DemoError: The server refused or did not answer.
+        """
+        try:
+            async with self.control() as client:
+                created = await client.create_key(name, fleets=[self.fleet_slug])
+        except ControlApiError as exc:
+            raise DemoError(f"creating the client key {name!r}: {exc}") from exc
+        return created.secret
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -379,6 +446,7 @@ class DemoTopology:
                 "use an empty --workdir"
             )
         await self._migrate()
+        self._write_secrets()
         # The server imports the most and starts the slowest: it boots while the rest starts,
         # and its reconcile loop finds the fleet once it is seeded.
         progress("starting the server")
@@ -612,7 +680,8 @@ class DemoTopology:
             PATH=os.pathsep.join([str(bin_dir), env.get("PATH", os.defpath)]),
         )
         if self.options.supervisor_token is not None:
-            env["HARU_SUPERVISOR_TOKEN"] = self.options.supervisor_token
+            env["HARU_SUPERVISOR_TOKEN_FILE"] = str(self.supervisor_token_file(domain.slug))
+        env.update(self.options.supervisor_env)
         placement = self.placement(domain.slug)
         if placement.address != LOOPBACK:
             # Alone in its namespace: every interface there, the token (if any) guarding it.
@@ -710,7 +779,9 @@ class DemoTopology:
         if self.options.database_url is not None:
             env["DATABASE_URL"] = self.options.database_url
         if self.options.supervisor_token is not None:
-            env["HARU_SUPERVISOR_TOKEN"] = self.options.supervisor_token
+            env["HARU_SUPERVISOR_TOKEN_FILE"] = str(self.supervisor_token_file("server"))
+        if self.options.api_token is not None:
+            env["HARU_API_TOKEN_FILE"] = str(self.api_token_file())
         placement = self.placement("server")
         if placement.address != LOOPBACK:
             env["HARU_HOST"] = placement.address
@@ -862,7 +933,7 @@ class DemoTopology:
             DemoError: The supervisor did not answer with a status.
         """
         url = f"{self.domains[slug].supervisor_url}/v1/training/status"
-        headers = bearer_header(self.options.supervisor_token)
+        headers = bearer_header(self._supervisor_token_of(slug))
         try:
             async with (
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0)) as session,

@@ -45,6 +45,7 @@ from haru_server._clock import (
 from haru_server._key_routes import key_routes
 from haru_server._keys import (
     FleetKicker,
+    api_token_key,
     clock_key,
     draining_key,
     kick_fleet_key,
@@ -108,6 +109,8 @@ def create_app(
         busy_interval_s: Loop pause between ticks of a fleet with an operation in flight.
         proxy_tuning: The proxy's non-environment knobs (tests inject its monotonic clock).
     """
+    # Asked per request: a rotated HARU_API_TOKEN_FILE takes effect without a restart.
+    api_token = settings.api_token_source()
     app = web.Application(
         middlewares=[
             request_id_middleware,
@@ -118,7 +121,7 @@ def create_app(
             ),
             # The proxied routes check their own credential: a client key (_client_keys).
             bearer_middleware(
-                settings.api_token_value(),
+                api_token,
                 guarded=_admin_guarded(metrics_guarded(public=settings.metrics_public)),
             ),
             store_error_middleware,
@@ -129,6 +132,7 @@ def create_app(
     app[metrics_key] = metrics
     add_metrics_route(app, metrics.registry)
     app[settings_key] = settings
+    app[api_token_key] = api_token
     app[_links_key] = settings.supervisor_links()
     app[draining_key] = asyncio.Event()
     app[_owns_store_key] = store is None
@@ -247,9 +251,12 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
         # The proxy verifies a `skypilot` domain's gateway against the same CA.
         app[pki_key] = pki
         links = dataclasses.replace(app[_links_key], issued=pki.trusts)
+        # Asked per call: a rotated HARU_SUPERVISOR_TOKEN_FILE takes effect without a restart.
+        supervisor_token = settings.supervisor_token_source()
+        token = None if supervisor_token is None else supervisor_token.current
         client = SupervisorClient(
             session,
-            token=settings.supervisor_token_value(),
+            token=token,
             request_id=current_request_id,
             links=links,
         )
@@ -271,7 +278,7 @@ async def _reconciler_ctx(app: web.Application) -> AsyncIterator[None]:
             app[store_key],
             SkyPilotDriver(),
             clock=app[clock_key],
-            supervisor_token=settings.supervisor_token_value(),
+            supervisor_token=token,
             serving_token=settings.serving_token_value(),
             service_driver=SkyServeDriver(),
             pki=pki,

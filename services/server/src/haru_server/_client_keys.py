@@ -25,8 +25,8 @@ from uuid import UUID
 
 from aiohttp import web
 from haru_db import ClientKey, StateStore
-from haru_protocol import ErrorCode, bearer_matches
-from haru_web import BEARER_CHALLENGE, ApiError
+from haru_protocol import ErrorCode
+from haru_web import BEARER_CHALLENGE, ApiError, TokenSource
 
 MAX_CACHED_KEYS: Final = 4096
 """Lookups (found or not) a process remembers; the oldest is forgotten past it, so random
@@ -87,7 +87,7 @@ class KeyGate:
         self,
         store: StateStore,
         *,
-        admin_token: str | None,
+        admin_token: TokenSource | None,
         accept_admin: bool,
         lease_ms: int,
         monotonic: Callable[[], float],
@@ -107,7 +107,7 @@ class KeyGate:
         header = request.headers.get("Authorization")
         if header is None:
             raise _unauthorized("missing bearer token: send a client key (haru keys create)")
-        if bearer_matches(header, self._admin):
+        if self._admin.matches(header):
             if not self._accept_admin:
                 raise ApiError(
                     ErrorCode.FORBIDDEN,

@@ -9,6 +9,7 @@ from uuid import UUID
 
 from aiohttp import web
 from haru_db import StateStore
+from haru_web import TokenSource
 
 from haru_server._clock import Clock as Clock
 from haru_server._clock import StoreClock
@@ -30,6 +31,8 @@ settings_key = web.AppKey("settings", Settings)
 store_key = web.AppKey("store", StateStore)
 clock_key: web.AppKey[Clock] = web.AppKey("clock")
 store_clock_key: web.AppKey[StoreClock | None] = web.AppKey("store_clock")
+api_token_key: web.AppKey[TokenSource | None] = web.AppKey("api_token")
+"""``HARU_API_TOKEN`` as each request asks it (follows ``HARU_API_TOKEN_FILE``)."""
 """The database-clock sampler behind ``clock_key``; None when a clock was injected."""
 kick_fleet_key: web.AppKey[FleetKicker] = web.AppKey("kick_fleet")
 reconciler_key = web.AppKey("reconciler", Reconciler)

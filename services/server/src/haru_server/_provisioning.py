@@ -88,7 +88,8 @@ class Provisioner(RecoverySteps):
             tests run it against a fake ``sky``).
         clock: The application clock (budgets are measured on it).
         supervisor_token: The token the launched supervisors require; passed to ``sky`` as
-            the secret ``HARU_SUPERVISOR_TOKEN``, never written anywhere.
+            the secret ``HARU_SUPERVISOR_TOKEN``, never written anywhere. A callable is asked
+            at each launch (the token of a rotated file).
         serving_token: The serving credential the launched gateways require; passed to
             ``sky`` as the secret ``HARU_SERVING_TOKEN`` the same way (a launch without it
             fails: the task asks for that secret).

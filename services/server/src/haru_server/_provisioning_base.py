@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from uuid import UUID
 
@@ -63,7 +63,7 @@ class ProvisionerBase:
         driver: DomainDriver,
         *,
         clock: Clock,
-        supervisor_token: str | None,
+        supervisor_token: str | Callable[[], str | None] | None,
         serving_token: str | None = None,
         options: ProvisionerOptions | None = None,
         service_driver: ServiceDriver | None = None,
@@ -82,11 +82,20 @@ class ProvisionerBase:
                 no_replica_grace_s=self._options.no_replica_grace_s,
             )
         self._clock = clock
-        secrets = {TOKEN_SECRET: supervisor_token, SERVING_TOKEN_SECRET: serving_token}
-        self._secrets: Mapping[str, str] = {k: v for k, v in secrets.items() if v is not None}
+        self._supervisor_token = supervisor_token
+        self._serving_token = serving_token
         self._memory: dict[UUID, DomainMemory] = {}
         self._reads = StatusReads(driver, self._clusters, self._backends, self._options)
         self._launch_slots = asyncio.Semaphore(self._options.max_concurrent_launches)
+
+    def _base_secrets(self) -> Mapping[str, str]:
+        """The tokens every launch gets; a callable token is asked now (a rotated file)."""
+        token = self._supervisor_token
+        secrets = {
+            TOKEN_SECRET: token() if callable(token) else token,
+            SERVING_TOKEN_SECRET: self._serving_token,
+        }
+        return {k: v for k, v in secrets.items() if v is not None}
 
     async def _name(
         self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: DomainMemory

@@ -111,8 +111,9 @@ class LaunchSteps(ProvisionerBase):
         Raises:
             PkiError: The certificate cannot be issued (no store key, or the wrong one).
         """
+        base = self._base_secrets()
         if domain.provider is not Provider.SKYPILOT:
-            return self._secrets
+            return base
         if self._pki is None:
             raise PkiError(
                 "this server issues no certificates for skypilot domains (no PKI configured)"
@@ -127,7 +128,7 @@ class LaunchSteps(ProvisionerBase):
             issued.fingerprint,
             issued.not_after.isoformat(),
         )
-        return {**self._secrets, **issued.secrets()}
+        return {**base, **issued.secrets()}
 
     async def _fresh_launch(
         self,

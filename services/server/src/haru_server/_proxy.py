@@ -60,7 +60,14 @@ from haru_web import ApiError, connection_cap, current_request_id
 from yarl import URL
 
 from haru_server._client_keys import Grant, KeyGate
-from haru_server._keys import FleetKicker, clock_key, kick_fleet_key, settings_key, store_key
+from haru_server._keys import (
+    FleetKicker,
+    api_token_key,
+    clock_key,
+    kick_fleet_key,
+    settings_key,
+    store_key,
+)
 from haru_server._metrics import metrics_key, note_first_chunk, note_key, note_route, note_upstream
 from haru_server._pki import pki_key
 from haru_server._proxy_routes import (
@@ -318,7 +325,10 @@ class _Proxy:
         )
         self.gate = KeyGate(
             app[store_key],
-            admin_token=settings.api_token_value(),
+            # The app's own source (one per process); an app built without create_app gets one.
+            admin_token=app[api_token_key]
+            if api_token_key in app
+            else settings.api_token_source(monotonic=tuning.monotonic),
             accept_admin=settings.proxy_accept_admin_token,
             lease_ms=settings.route_lease_ms,
             monotonic=tuning.monotonic,

@@ -4,13 +4,16 @@
 pydantic-settings; building :class:`Settings` directly (tests, embedding) reads nothing from
 the environment. Blank values count as unset, numbers are ASCII digits only, tokens are
 secrets (``SecretStr``: never in a repr, a log line or an error) of at least 16 characters.
+A token read from a file is followed afterwards (:meth:`Settings.api_token_source`,
+:meth:`Settings.supervisor_token_source`): the file is re-read when it changes.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final
 
@@ -30,6 +33,7 @@ from haru_web import (
     ServerLimits,
     TlsFiles,
     TokenConfigError,
+    TokenSource,
     TrustedProxies,
     check_token,
     choose_bind_host,
@@ -117,6 +121,16 @@ class Settings(BaseSettings):
         None, validation_alias=_env(SUPERVISOR_TOKEN_VAR, "supervisor_token")
     )
     """``HARU_SUPERVISOR_TOKEN`` (or ``HARU_SUPERVISOR_TOKEN_FILE``): presented to supervisors."""
+    api_token_file: Path | None = Field(
+        None, validation_alias=_env(API_TOKEN_VAR + "_FILE", "api_token_file")
+    )
+    """``HARU_API_TOKEN_FILE``: the file :attr:`api_token` was read from; re-read when it
+    changes (a rotation without a restart)."""
+    supervisor_token_file: Path | None = Field(
+        None, validation_alias=_env(SUPERVISOR_TOKEN_VAR + "_FILE", "supervisor_token_file")
+    )
+    """``HARU_SUPERVISOR_TOKEN_FILE``: the file :attr:`supervisor_token` was read from; re-read
+    when it changes."""
     serving_token: SecretStr | None = Field(
         None, validation_alias=_env(SERVING_TOKEN_VAR, "serving_token")
     )
@@ -418,6 +432,18 @@ class Settings(BaseSettings):
         return normalize_bind_host(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
+    def _read_token_files(self) -> Settings:
+        # A file named without its token (built directly, not from_env): read it now.
+        for field, path, var in (
+            ("api_token", self.api_token_file, API_TOKEN_VAR),
+            ("supervisor_token", self.supervisor_token_file, SUPERVISOR_TOKEN_VAR),
+        ):
+            if path is not None and getattr(self, field) is None:
+                token = resolve_token({var + "_FILE": str(path)}, var)
+                object.__setattr__(self, field, None if token is None else SecretStr(token))
+        return self
+
+    @model_validator(mode="after")
     def _no_accidental_open_bind(self) -> Settings:
         choose_bind_host(
             self.bind_host,
@@ -476,12 +502,33 @@ class Settings(BaseSettings):
         )
 
     def api_token_value(self) -> str | None:
-        """The API token in clear (for the bearer check only)."""
+        """The API token in clear, as read at start-up (see :meth:`api_token_source`)."""
         return None if self.api_token is None else self.api_token.get_secret_value()
 
     def supervisor_token_value(self) -> str | None:
-        """The supervisor token in clear (for the supervisor client only)."""
+        """The supervisor token in clear, as read at start-up (:meth:`supervisor_token_source`)."""
         return None if self.supervisor_token is None else self.supervisor_token.get_secret_value()
+
+    def api_token_source(
+        self, *, monotonic: Callable[[], float] = time.monotonic
+    ) -> TokenSource | None:
+        """The API token as the bearer check asks it.
+
+        It follows ``HARU_API_TOKEN_FILE`` when that is set. A new source per call: build it
+        once per process.
+        """
+        return _source(self.api_token, self.api_token_file, API_TOKEN_VAR, monotonic)
+
+    def supervisor_token_source(
+        self, *, monotonic: Callable[[], float] = time.monotonic
+    ) -> TokenSource | None:
+        """The supervisor token as the supervisor client asks it.
+
+        It follows ``HARU_SUPERVISOR_TOKEN_FILE`` when that is set.
+        """
+        return _source(
+            self.supervisor_token, self.supervisor_token_file, SUPERVISOR_TOKEN_VAR, monotonic
+        )
 
     def serving_token_value(self) -> str | None:
         """The serving credential in clear (for the proxy and the launch secrets only)."""
@@ -498,7 +545,8 @@ class Settings(BaseSettings):
         try:
             for name in (API_TOKEN_VAR, SUPERVISOR_TOKEN_VAR, SERVING_TOKEN_VAR):
                 token = resolve_token(environ, name)
-                environ.pop(name + "_FILE", None)
+                if name == SERVING_TOKEN_VAR:
+                    environ.pop(name + "_FILE", None)  # read once (the others are followed)
                 environ[name] = token or ""
         except TokenConfigError as exc:
             raise SettingsError(str(exc)) from None
@@ -513,6 +561,16 @@ class Settings(BaseSettings):
             return cls(**values)
         except ValidationError as exc:
             raise SettingsError(describe_settings_error(exc, names)) from None
+
+
+def _source(
+    token: SecretStr | None, path: Path | None, var: str, monotonic: Callable[[], float]
+) -> TokenSource | None:
+    if token is None:
+        return None
+    if path is None:
+        return TokenSource.constant(token.get_secret_value())
+    return TokenSource(token.get_secret_value(), path=path, name=var + "_FILE", monotonic=monotonic)
 
 
 def parse_pins(text: str) -> dict[str, bytes]:

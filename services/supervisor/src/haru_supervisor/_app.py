@@ -76,8 +76,9 @@ def create_app(
             browser_guard_middleware(
                 open_api=settings.token is None, check_host=not settings.open_to_network
             ),
+            # Asked per request: a rotated HARU_SUPERVISOR_TOKEN_FILE needs no restart.
             bearer_middleware(
-                settings.token_value(), guarded=metrics_guarded(public=settings.metrics_public)
+                settings.token_source(), guarded=metrics_guarded(public=settings.metrics_public)
             ),
         ],
         client_max_size=MAX_BODY_BYTES,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated, Any, Final, Literal, get_args
@@ -28,6 +29,7 @@ from haru_web import (
     ServerLimits,
     TlsFiles,
     TokenConfigError,
+    TokenSource,
     TrustedProxies,
     check_token,
     choose_bind_host,
@@ -62,6 +64,8 @@ DEFAULT_STOP_GRACE_S: Final = 30.0
 
 TOKEN_VAR: Final = "HARU_SUPERVISOR_TOKEN"  # noqa: S105  (a variable name, not a secret)
 TOKEN_FILE_VAR: Final = "HARU_SUPERVISOR_TOKEN_FILE"  # noqa: S105
+TOKEN_OVERLAP_VAR: Final = "HARU_SUPERVISOR_TOKEN_OVERLAP_MS"  # noqa: S105
+DEFAULT_TOKEN_OVERLAP_MS: Final = 300_000
 HEADER_TIMEOUT_VAR: Final = "HARU_HTTP_HEADER_TIMEOUT_MS"
 BODY_IDLE_VAR: Final = "HARU_HTTP_BODY_IDLE_TIMEOUT_MS"
 KEEPALIVE_VAR: Final = "HARU_HTTP_KEEPALIVE_TIMEOUT_MS"
@@ -146,6 +150,17 @@ class Settings(BaseSettings):
     token: SecretStr | None = Field(None, validation_alias=AliasChoices("token", TOKEN_VAR))
     """``HARU_SUPERVISOR_TOKEN`` (or ``HARU_SUPERVISOR_TOKEN_FILE``): the bearer token of every
     ``/v1/*`` route; None = open API on 127.0.0.1 only, browsers kept out."""
+    token_file: Path | None = Field(
+        None, validation_alias=AliasChoices("token_file", TOKEN_FILE_VAR)
+    )
+    """``HARU_SUPERVISOR_TOKEN_FILE``: the file :attr:`token` was read from; re-read when it
+    changes (a rotation without a restart)."""
+    token_overlap_ms: Annotated[EnvInt, Field(ge=0, le=2_147_483_647)] = Field(
+        DEFAULT_TOKEN_OVERLAP_MS,
+        validation_alias=AliasChoices("token_overlap_ms", TOKEN_OVERLAP_VAR),
+    )
+    """``HARU_SUPERVISOR_TOKEN_OVERLAP_MS``: after the token file changes, the previous token is
+    still accepted this long (the servers' files are changed second); 0: at once refused."""
     gpu_source: Annotated[GpuSource, BeforeValidator(_gpu_source)] = Field(
         "auto", validation_alias=AliasChoices("gpu_source", GPU_SOURCE_VAR)
     )
@@ -253,6 +268,17 @@ class Settings(BaseSettings):
         return normalize_bind_host(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
+    def _read_token_file(self) -> Settings:
+        # A file named without its token (built directly, not load_settings): read it now.
+        if self.token_file is not None and self.token is None:
+            try:
+                token = resolve_token({TOKEN_FILE_VAR: str(self.token_file)}, TOKEN_VAR)
+            except TokenConfigError as exc:
+                raise ValueError(str(exc)) from None
+            object.__setattr__(self, "token", None if token is None else SecretStr(token))
+        return self
+
+    @model_validator(mode="after")
     def _no_accidental_open_bind(self) -> Settings:
         choose_bind_host(
             self.bind_host,
@@ -284,8 +310,30 @@ class Settings(BaseSettings):
         return self
 
     def token_value(self) -> str | None:
-        """The token in clear (for the bearer check only)."""
+        """The token in clear, as read at start-up (see :meth:`token_source`)."""
         return None if self.token is None else self.token.get_secret_value()
+
+    def token_source(
+        self, *, monotonic: Callable[[], float] = time.monotonic
+    ) -> TokenSource | None:
+        """The token as the bearer check asks it on every request.
+
+        It follows ``HARU_SUPERVISOR_TOKEN_FILE`` when that is set (the previous token
+        accepted for :attr:`token_overlap_ms` after a change). A new source per call: build it
+        once per process.
+        """
+        if self.token is None:
+            return None
+        token = self.token.get_secret_value()
+        if self.token_file is None:
+            return TokenSource.constant(token)
+        return TokenSource(
+            token,
+            path=self.token_file,
+            name=TOKEN_FILE_VAR,
+            monotonic=monotonic,
+            overlap_s=self.token_overlap_ms / 1000,
+        )
 
     @property
     def host(self) -> str:
@@ -428,12 +476,16 @@ _ENV_VARS: Final = {
     TLS_CLIENT_CA_FILE_VAR: TLS_CLIENT_CA_FILE_VAR,
     GPU_SOURCE_VAR: GPU_SOURCE_VAR,
     SHUTDOWN_GRACE_VAR: SHUTDOWN_GRACE_VAR,
+    TOKEN_FILE_VAR: TOKEN_FILE_VAR,
+    TOKEN_OVERLAP_VAR: TOKEN_OVERLAP_VAR,
 }
 _FIELD_VARS: Final = {
     "port": "PORT",
     "bind_host": HOST_VAR,
     "allow_open_bind": OPEN_BIND_VAR,
     "token": TOKEN_VAR,
+    "token_file": TOKEN_FILE_VAR,
+    "token_overlap_ms": TOKEN_OVERLAP_VAR,
     "http_header_timeout_ms": HEADER_TIMEOUT_VAR,
     "http_body_idle_timeout_ms": BODY_IDLE_VAR,
     "http_keepalive_timeout_ms": KEEPALIVE_VAR,
