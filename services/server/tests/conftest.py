@@ -1,4 +1,5 @@
-"""Fixtures: an injectable clock, a local fleet (emulated vLLM + real supervisors), reconcilers.
+"""Fixtures: an injectable clock, a local fleet (emulated vLLM + real supervisors), reconcilers,
+and the ``haru`` command line against a real ``haru serve``.
 
 The ``store`` / ``sqlite_store`` / ``postgres_store`` / ``database_url_factory`` fixtures come
 from the haru_db pytest plugin (a freshly migrated database per test, on both engines).
@@ -7,7 +8,12 @@ from the haru_db pytest plugin (a freshly migrated database per test, on both en
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -125,3 +131,86 @@ def helpers() -> Any:
         finished = staticmethod(finished)
 
     return Helpers
+
+
+# -- the haru command line ----------------------------------------------------------------------
+
+CLI_TOKEN = "cli-token-0123456789abcdef"
+_LISTENING = re.compile(r"listening on \S+ \((http://\S+)\)")
+
+
+def _cli_env(**extra: str) -> dict[str, str]:
+    """This process's environment without Haru's settings, wide enough for unwrapped tables."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HARU_") and k not in ("DATABASE_URL", "PORT")
+    }
+    env.update(COLUMNS="200", **extra)
+    return env
+
+
+def _run_haru(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "haru_server", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture
+def haru() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``haru(*args, env=...)``: the ``haru`` command line (``python -m haru_server``), run."""
+    return _run_haru
+
+
+@pytest.fixture
+def serve_example(tmp_path: Path) -> Iterator[Callable[..., dict[str, str]]]:
+    """``env = serve_example(**server_env)``: the example fleet seeded and served; the CLI's env.
+
+    ``haru seed`` seeds the bundled example fleet into a fresh SQLite database, then ``haru
+    serve`` runs on it as a process: API token :data:`CLI_TOKEN`, no reconcile loop (the
+    example's supervisors do not exist, and no CLI test needs a tick), ``server_env`` on top.
+    The returned environment points the CLI at it (``HARU_URL``, ``HARU_API_TOKEN``,
+    ``DATABASE_URL``). The server is stopped with SIGTERM after the test.
+    """
+    processes: list[subprocess.Popen[str]] = []
+
+    def serve(**server_env: str) -> dict[str, str]:
+        url = f"sqlite:///{tmp_path / f'cli-{len(processes)}.db'}"
+        seeded = _run_haru("seed", env=_cli_env(DATABASE_URL=url))
+        assert seeded.returncode == 0, seeded.stderr
+        process = subprocess.Popen(
+            [sys.executable, "-m", "haru_server", "serve"],
+            env=_cli_env(
+                DATABASE_URL=url,
+                PORT="0",
+                HARU_API_TOKEN=CLI_TOKEN,
+                HARU_RECONCILE_INTERVAL_MS="off",
+                **server_env,
+            ),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        processes.append(process)
+        assert process.stderr is not None
+        base = ""
+        lines: list[str] = []
+        for line in process.stderr:  # the server logs its bound URL once it listens
+            lines.append(line)
+            match = _LISTENING.search(line)
+            if match:
+                base = match.group(1)
+                break
+        assert base, "".join(lines)
+        return _cli_env(HARU_URL=base, HARU_API_TOKEN=CLI_TOKEN, DATABASE_URL=url)
+
+    yield serve
+    for process in reversed(processes):
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=20)
