@@ -22,11 +22,19 @@ import aiohttp
 import pytest
 from haru_db import StateStore
 from haru_demo.localfleet import LocalFleet, LocalFleetOptions
-from haru_protocol import FleetSnapshot, Operation, OperationState, PolicyPatch
+from haru_protocol import (
+    FleetSnapshot,
+    Operation,
+    OperationState,
+    PolicyPatch,
+    SlotKind,
+    TrainingRunState,
+)
 from haru_server._clock import ManualClock
 from haru_server._metrics import ServerMetrics
 from haru_server._reconciler import Reconciler, ReconcilerOptions, TickResult
 from haru_server._steps import StepTuning
+from haru_sim import read_trainer_checkpoint
 from haru_supervisor.client import SupervisorClient
 
 START = datetime(2030, 1, 1, tzinfo=UTC)
@@ -114,6 +122,72 @@ async def tick_until_settled(
     raise AssertionError(f"still in flight after {max_ticks} ticks: {results[-1]}")
 
 
+async def wait_training(
+    client: SupervisorClient, url: str, state: TrainingRunState, *, timeout_s: float = 10
+) -> None:
+    """Poll the supervisor at ``url`` until every training run is in ``state``."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            status = await client.status(url, timeout_s=2)
+            runs = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
+            if runs and all(r is not None and r.state is state for r in runs):
+                return
+            await asyncio.sleep(0.02)
+
+
+async def start_standby_training(
+    fleet: LocalFleet, http: aiohttp.ClientSession, reconciler: Reconciler, slug: str = "beta"
+) -> None:
+    """Bring the standby to its steady posture: asleep, trainers running (proven), and ticked."""
+    client = SupervisorClient(http, token=fleet.options.supervisor_token)
+    url = fleet.domain(slug).supervisor_url
+    await client.start_training(url, timeout_s=5)
+    await wait_training(client, url, TrainingRunState.RUNNING)
+    # Wait until every trainer really trains (its first checkpoint), so a SIGTERM later
+    # reaches its handler rather than a half-started interpreter.
+    async with asyncio.timeout(10):
+        for directory in fleet.domain(slug).checkpoint_dirs.values():
+            while read_trainer_checkpoint(directory) is None:
+                await asyncio.sleep(0.02)
+    await reconciler.tick(fleet.options.slug)
+
+
+_RECONCILER_OPTIONS = ("token", "chaining", "tuning", "heartbeat_timeout_s", "metrics")
+
+
+@pytest.fixture
+def seeded_fleet(
+    make_fleet: Callable[..., Awaitable[LocalFleet]],
+    make_reconciler: Callable[..., Reconciler],
+    clock: ManualClock,
+    http: aiohttp.ClientSession,
+) -> Callable[..., Awaitable[tuple[LocalFleet, FleetSnapshot, Reconciler]]]:
+    """``fleet, seeded, reconciler = await seeded_fleet(store, **options)``: the reconcile set-up.
+
+    A local fleet started (``LocalFleetOptions`` fields among ``options``), its layout applied
+    to ``store`` (``policy=``), and a reconciler on it (``make_reconciler``'s keywords among
+    ``options``). ``standby_training=True`` also brings the standby ``beta`` to its steady
+    posture (asleep, trainers proven running, one tick recorded it).
+    """
+
+    async def make(
+        store: StateStore,
+        *,
+        policy: PolicyPatch | None = None,
+        standby_training: bool = False,
+        **options: Any,
+    ) -> tuple[LocalFleet, FleetSnapshot, Reconciler]:
+        reconciler_options = {k: options.pop(k) for k in _RECONCILER_OPTIONS if k in options}
+        fleet = await make_fleet(**options)
+        seeded = await seed(store, fleet, clock, policy=policy)
+        reconciler = make_reconciler(store, **reconciler_options)
+        if standby_training:
+            await start_standby_training(fleet, http, reconciler)
+        return fleet, seeded, reconciler
+
+    return make
+
+
 def finished(operation: Operation | None) -> bool:
     return operation is not None and operation.state not in (
         OperationState.PENDING,
@@ -129,6 +203,7 @@ def helpers() -> Any:
         seed = staticmethod(seed)
         tick_until_settled = staticmethod(tick_until_settled)
         finished = staticmethod(finished)
+        wait_training = staticmethod(wait_training)
 
     return Helpers
 
