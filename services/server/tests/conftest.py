@@ -145,7 +145,7 @@ async def start_standby_training(
     await wait_training(client, url, TrainingRunState.RUNNING)
     # Wait until every trainer really trains (its first checkpoint), so a SIGTERM later
     # reaches its handler rather than a half-started interpreter.
-    async with asyncio.timeout(10):
+    async with asyncio.timeout(30):
         for directory in fleet.domain(slug).checkpoint_dirs.values():
             while read_trainer_checkpoint(directory) is None:
                 await asyncio.sleep(0.02)
