@@ -3,16 +3,57 @@
 haru-db's pytest plugin (fresh migrated SQLite and PostgreSQL databases per test) is opt-in:
 pytest only honours ``pytest_plugins`` in the root conftest, so it is requested here for
 every member's tests. A lane that installs only some members (the SkyPilot lane installs the
-drivers alone) runs without it.
+drivers alone) runs without it, and without the fixtures below that need what it lacks.
+
+The ``sky`` fixture serves both driver packages' tests: one session-scoped definition, so
+SkyPilot's process-wide state (HOME, API server port) is set up once per session.
 """
 
 import importlib.util
 import os
+import socket
+import types
+import warnings
 from collections.abc import Iterator
 
 import pytest
 
 pytest_plugins = ["haru_db.testing"] if importlib.util.find_spec("haru_db") is not None else []
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="session")
+def sky(tmp_path_factory: pytest.TempPathFactory) -> Iterator[types.ModuleType]:
+    """SkyPilot itself, imported in an isolated environment; skips without the ``sky`` extra.
+
+    Before the import (SkyPilot caches paths and its server URL process-wide): HOME is a temp
+    folder (``import sky`` writes ``~/.sky``), usage collection is off, and any API server is
+    a private one on a free port (SKYPILOT_API_SERVER_LOCAL_PORT, honoured by client and
+    server), so an operator's server is neither used nor stopped. The environment stays until
+    the session ends. The sky lane (.ci/sky-lane.sh) installs the extra and fails if the tests
+    using this fixture were skipped.
+    """
+    home = tmp_path_factory.mktemp("sky-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HOME", str(home))
+        mp.setenv("SKYPILOT_DISABLE_USAGE_COLLECTION", "1")
+        mp.setenv("SKYPILOT_API_SERVER_LOCAL_PORT", str(_free_port()))
+        mp.delenv("SKYPILOT_API_SERVER_ENDPOINT", raising=False)
+        # SkyPilot's own imports emit deprecation warnings (SQLAlchemy declarative_base, ...)
+        # that the suite's filterwarnings=error would turn into failures; they are not ours.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = pytest.importorskip("sky")
+            pytest.importorskip("sky.serve")
+            pytest.importorskip("sky.utils.schemas")
+            pytest.importorskip("sky.utils.common_utils")
+        yield module
 
 
 if importlib.util.find_spec("trustme") is not None:

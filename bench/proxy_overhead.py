@@ -56,7 +56,6 @@ import platform
 import secrets
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -67,6 +66,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from procs import START_TIMEOUT_S, Processes, free_port, processes
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "BENCHMARKS.md"
@@ -87,13 +88,6 @@ STREAM = json.dumps(
         "stream": True,
     }
 ).encode()
-START_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- child process: the Haru server ------------------------------------------------------------
@@ -401,48 +395,6 @@ def statements(target: Target) -> int | None:
                 return int(count)
         time.sleep(0.01)  # noqa: TID251 - synchronous parent process, no event loop
     raise RuntimeError(f"{target.name} did not report its statement count")
-
-
-class Processes:
-    """Children started by the benchmark; all are terminated on exit."""
-
-    def __init__(self) -> None:
-        self.children: list[subprocess.Popen[Any]] = []
-
-    def start(
-        self, argv: list[str], *, ready: str, env: dict[str, str] | None = None
-    ) -> tuple[str, int]:
-        """Start ``argv``; return the first stdout line containing ``ready``, and its pid."""
-        child = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.children.append(child)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        assert child.stdout is not None
-        while time.monotonic() < deadline:
-            line = child.stdout.readline()
-            if not line:
-                break
-            if ready in line:
-                return line.strip(), child.pid
-        raise RuntimeError(f"{argv[0]} did not become ready (exit code {child.poll()})")
-
-    def stop(self) -> None:
-        for child in reversed(self.children):
-            if child.poll() is None:
-                child.terminate()
-        for child in reversed(self.children):
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-            if child.stdout is not None:
-                child.stdout.close()
 
 
 def wait_http(url: str, *, timeout: float = START_TIMEOUT_S) -> None:
@@ -939,15 +891,6 @@ def throwaway_postgres(admin_url: str) -> Iterator[str]:
     finally:
         with psycopg.connect(libpq, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@contextlib.contextmanager
-def processes() -> Iterator[Processes]:
-    procs = Processes()
-    try:
-        yield procs
-    finally:
-        procs.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import array
 import asyncio
-import contextlib
 import json
 import os
 import resource
@@ -52,10 +51,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from procs import Processes, free_port, processes
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "BENCHMARKS.md"
@@ -66,7 +66,6 @@ FLEET = "bench"
 BODY = json.dumps(
     {"model": MODEL, "messages": [{"role": "user", "content": "count"}], "stream": True}
 ).encode()
-START_TIMEOUT_S = 60.0
 
 
 def raise_nofile() -> int:
@@ -193,69 +192,6 @@ async def run_clients(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- the parent --------------------------------------------------------------------------------
-
-
-class Processes:
-    def __init__(self) -> None:
-        self.children: list[subprocess.Popen[Any]] = []
-
-    def start(
-        self,
-        argv: list[str],
-        *,
-        ready: str,
-        env: dict[str, str] | None = None,
-        log: Path | None = None,
-    ) -> str:
-        """Start ``argv``; return its first stdout line containing ``ready``."""
-        stderr = subprocess.DEVNULL if log is None else log.open("ab")
-        child = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.children.append(child)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        assert child.stdout is not None
-        while time.monotonic() < deadline:
-            line = child.stdout.readline()
-            if not line:
-                break
-            if ready in line:
-                return line.strip()
-        raise RuntimeError(f"{argv[1:3]} did not become ready (exit code {child.poll()})")
-
-    def stop(self) -> None:
-        for child in reversed(self.children):
-            if child.poll() is None:
-                child.terminate()
-        for child in reversed(self.children):
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-            if child.stdout is not None:
-                child.stdout.close()
-
-
-@contextlib.contextmanager
-def processes() -> Iterator[Processes]:
-    procs = Processes()
-    try:
-        yield procs
-    finally:
-        procs.stop()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Target:

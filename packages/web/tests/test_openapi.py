@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from aiohttp import web
 from haru_protocol import Health, SleepRequest
-from haru_web import ApiTable, Param, openapi_document, render_openapi, route, undeclared_routes
+from haru_web import (
+    ApiTable,
+    Param,
+    health_routes,
+    openapi_document,
+    render_openapi,
+    route,
+    undeclared_routes,
+)
 
 
 async def handler(_request: web.Request) -> web.Response:
@@ -59,3 +67,15 @@ def test_undeclared_routes_are_found_both_ways() -> None:
     missing, extra = undeclared_routes(app, TABLE)
     assert missing == {("GET", "/v1/extra")}
     assert extra == {("POST", "/v1/things/{ref}")}
+
+
+def test_health_routes_document_the_probes_every_service_serves() -> None:
+    routes = health_routes(liveness="Liveness (touches nothing)")
+    table = ApiTable(title="t", version="1", description="d", routes=routes)
+    paths = openapi_document(table)["paths"]
+    assert list(paths) == ["/healthz", "/openapi.json", "/readyz", "/metrics"]
+    assert paths["/healthz"]["get"]["summary"] == "Liveness (touches nothing)"
+    assert {"200", "503"} <= set(paths["/readyz"]["get"]["responses"])
+    assert "text/plain" in paths["/metrics"]["get"]["responses"]["200"]["content"]
+    assert "401" in paths["/metrics"]["get"]["responses"]
+    assert {r.tag for r in routes} == {"health"}

@@ -4,75 +4,20 @@
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
 import subprocess
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from haru_protocol import ApplyResponse, example_layout_json
 
-TOKEN = "cli-apply-token-0123456789"
-_LISTENING = re.compile(r"listening on \S+ \((http://\S+)\)")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("HARU_") and k not in ("DATABASE_URL", "PORT")
-    }
-    env.update(COLUMNS="200", **extra)
-    return env
-
-
-def haru(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "haru_server", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+Haru = Callable[..., subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[dict[str, str]]:
-    """The bundled example fleet seeded by ``haru seed``, a ``haru serve`` on it; the CLI's env."""
-    url = f"sqlite:///{tmp_path / 'cli.db'}"
-    seeded = haru("seed", env=_env(DATABASE_URL=url))
-    assert seeded.returncode == 0, seeded.stderr
-    # No loop: the example's supervisors do not exist, and nothing here needs a tick.
-    server_env = _env(
-        DATABASE_URL=url, PORT="0", HARU_API_TOKEN=TOKEN, HARU_RECONCILE_INTERVAL_MS="off"
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "haru_server", "serve"],
-        env=server_env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stderr is not None
-    base = ""
-    lines: list[str] = []
-    for line in process.stderr:  # the server logs its bound URL once it listens
-        lines.append(line)
-        match = _LISTENING.search(line)
-        if match:
-            base = match.group(1)
-            break
-    assert base, "".join(lines)
-    try:
-        yield _env(HARU_URL=base, HARU_API_TOKEN=TOKEN, DATABASE_URL=url)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=20)
+def served(serve_example: Callable[..., dict[str, str]]) -> dict[str, str]:
+    """The bundled example fleet seeded, a ``haru serve`` on it; the CLI's env."""
+    return serve_example()
 
 
 def _layout(tmp_path: Path, name: str, change: str) -> Path:
@@ -90,7 +35,7 @@ def _layout(tmp_path: Path, name: str, change: str) -> Path:
 
 
 def test_apply_plans_asks_and_applies_and_seed_lists_what_it_does_not_add(
-    served: dict[str, str], tmp_path: Path
+    haru: Haru, served: dict[str, str], tmp_path: Path
 ) -> None:
     path = _layout(tmp_path, "standby.json", "standby")
     seeded = haru("seed", str(path), env=served)
@@ -142,7 +87,7 @@ def test_apply_plans_asks_and_applies_and_seed_lists_what_it_does_not_add(
 
 
 def test_apply_exits_1_on_a_refused_change_and_changes_nothing(
-    served: dict[str, str], tmp_path: Path
+    haru: Haru, served: dict[str, str], tmp_path: Path
 ) -> None:
     path = _layout(tmp_path, "active.json", "active")
     refused = haru("apply", str(path), "--yes", env=served)

@@ -4,79 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
-import signal
 import subprocess
-import sys
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import pytest
 
-TOKEN = "cli-keys-token-0123456789"
-_LISTENING = re.compile(r"listening on \S+ \((http://\S+)\)")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("HARU_") and k not in ("DATABASE_URL", "PORT")
-    }
-    env.update(COLUMNS="200", **extra)
-    return env
-
-
-def haru(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "haru_server", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+Haru = Callable[..., subprocess.CompletedProcess[str]]
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[dict[str, str]]:
-    """The bundled example fleet seeded, a ``haru serve`` on it; the CLI's env."""
-    url = f"sqlite:///{tmp_path / 'keys.db'}"
-    seeded = haru("seed", env=_env(DATABASE_URL=url))
-    assert seeded.returncode == 0, seeded.stderr
-    server_env = _env(
-        DATABASE_URL=url,
-        PORT="0",
-        HARU_API_TOKEN=TOKEN,
-        HARU_RECONCILE_INTERVAL_MS="off",
-        HARU_DEFAULT_FLEET="example",
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "haru_server", "serve"],
-        env=server_env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stderr is not None
-    base = ""
-    lines: list[str] = []
-    for line in process.stderr:
-        lines.append(line)
-        match = _LISTENING.search(line)
-        if match:
-            base = match.group(1)
-            break
-    assert base, "".join(lines)
-    try:
-        yield _env(HARU_URL=base, HARU_API_TOKEN=TOKEN)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=20)
+def served(serve_example: Callable[..., dict[str, str]]) -> dict[str, str]:
+    """The bundled example fleet seeded, a ``haru serve`` on it; the CLI's env.
+
+    No ``DATABASE_URL``: the keys commands must work over the API alone.
+    """
+    env = serve_example(HARU_DEFAULT_FLEET="example")
+    del env["DATABASE_URL"]
+    return env
 
 
 async def chat(base: str, key: str, model: str) -> tuple[int, Any]:
@@ -92,6 +38,7 @@ async def chat(base: str, key: str, model: str) -> tuple[int, Any]:
 
 
 async def test_keys_are_created_listed_and_revoked_from_the_command_line(
+    haru: Haru,
     served: dict[str, str],
 ) -> None:
     made = haru("keys", "create", "billing", "--models", "m1,m2", "--rpm", "5", env=served)

@@ -4,29 +4,20 @@ policy, as real processes against a real ``haru serve``."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
 import subprocess
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from haru_protocol import FleetPolicyResponse, example_layout_json
 
-TOKEN = "cli-policy-token-0123456789"
-_LISTENING = re.compile(r"listening on \S+ \((http://\S+)\)")
+Haru = Callable[..., subprocess.CompletedProcess[str]]
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("HARU_") and k not in ("DATABASE_URL", "PORT")
-    }
-    env.update(COLUMNS="200", **extra)
-    return env
+@pytest.fixture
+def served(serve_example: Callable[..., dict[str, str]]) -> dict[str, str]:
+    """The bundled example fleet seeded, a ``haru serve`` on it; the CLI's env."""
+    return serve_example()
 
 
 def _row(table: str, key: str) -> list[str]:
@@ -37,53 +28,9 @@ def _row(table: str, key: str) -> list[str]:
     return cells[1:]
 
 
-def haru(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "haru_server", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[dict[str, str]]:
-    """The bundled example fleet seeded by ``haru seed``, a ``haru serve`` on it; the CLI's env."""
-    url = f"sqlite:///{tmp_path / 'cli.db'}"
-    seeded = haru("seed", env=_env(DATABASE_URL=url))
-    assert seeded.returncode == 0, seeded.stderr
-    # No loop: the example's supervisors do not exist, and nothing here needs a tick.
-    server_env = _env(
-        DATABASE_URL=url, PORT="0", HARU_API_TOKEN=TOKEN, HARU_RECONCILE_INTERVAL_MS="off"
-    )
-    process = subprocess.Popen(
-        [sys.executable, "-m", "haru_server", "serve"],
-        env=server_env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stderr is not None
-    base = ""
-    lines: list[str] = []
-    for line in process.stderr:  # the server logs its bound URL once it listens
-        lines.append(line)
-        match = _LISTENING.search(line)
-        if match:
-            base = match.group(1)
-            break
-    assert base, "".join(lines)
-    try:
-        yield _env(HARU_URL=base, HARU_API_TOKEN=TOKEN, DATABASE_URL=url)
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=20)
-
-
-def test_policy_set_changes_the_policy_and_fleet_show_shows_it(served: dict[str, str]) -> None:
+def test_policy_set_changes_the_policy_and_fleet_show_shows_it(
+    haru: Haru, served: dict[str, str]
+) -> None:
     changed = haru(
         "fleet", "policy", "set", "example", "degradedGraceMs=1500", "autoFailover=false",
         "probe.prompt=hello there", env=served,
@@ -124,7 +71,7 @@ def test_policy_set_changes_the_policy_and_fleet_show_shows_it(served: dict[str,
     ]
 
 
-def test_policy_set_refuses_bad_input(served: dict[str, str]) -> None:
+def test_policy_set_refuses_bad_input(haru: Haru, served: dict[str, str]) -> None:
     unknown = haru("fleet", "policy", "set", "example", "degradedGraceMS=5", env=served)
     assert unknown.returncode == 1
     assert "400 invalid_request" in unknown.stderr
@@ -143,7 +90,7 @@ def test_policy_set_refuses_bad_input(served: dict[str, str]) -> None:
 
 
 def test_seed_says_when_the_stored_policy_differs_from_the_layout(
-    served: dict[str, str], tmp_path: Path
+    haru: Haru, served: dict[str, str], tmp_path: Path
 ) -> None:
     same = haru("seed", env=served)
     assert same.returncode == 0, same.stderr

@@ -26,8 +26,7 @@ from haru_server._metrics import ServerMetrics
 from haru_server._reconciler import Reconciler
 from prometheus_client import CollectorRegistry
 
-MakeFleet = Callable[..., Awaitable[LocalFleet]]
-MakeReconciler = Callable[..., Reconciler]
+SeededFleet = Callable[..., Awaitable[tuple[LocalFleet, FleetSnapshot, Reconciler]]]
 
 DEFAULT_AUTO = PolicyPatch(auto_failover=True)
 """The default policy, with only automatic failover turned on."""
@@ -61,17 +60,11 @@ async def escalations(store: StateStore, fleet_id: Any) -> list[dict[str, Any]]:
 
 
 async def started(
-    store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
-    helpers: Any,
-    clock: ManualClock,
-    *,
-    metrics: ServerMetrics | None = None,
+    seeded_fleet: SeededFleet, store: StateStore, *, metrics: ServerMetrics | None = None
 ) -> tuple[LocalFleet, FleetSnapshot, Reconciler]:
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock, policy=DEFAULT_AUTO)
-    reconciler = make_reconciler(store, metrics=metrics)
+    fleet, seeded, reconciler = await seeded_fleet(
+        store, training_gpus=(), policy=DEFAULT_AUTO, metrics=metrics
+    )
     first = await reconciler.tick("local")
     assert first.operation is None
     assert state_of(await snapshot(store), "alpha") is DomainState.READY
@@ -80,12 +73,10 @@ async def started(
 
 async def test_a_killed_vllm_fails_over_after_the_confirmation_not_the_grace(
     store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
-    fleet, seeded, reconciler = await started(store, make_fleet, make_reconciler, helpers, clock)
+    fleet, seeded, reconciler = await started(seeded_fleet, store)
     confirm_ms = seeded.policy.dead_confirm_ms
     assert confirm_ms < seeded.policy.degraded_grace_ms
     for sim in fleet.domain("alpha").sims.values():
@@ -119,13 +110,11 @@ async def test_a_killed_vllm_fails_over_after_the_confirmation_not_the_grace(
 
 async def test_a_vllm_back_within_the_confirmation_does_not_fail_over(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet, seeded, reconciler = await started(store, make_fleet, make_reconciler, helpers, clock)
+    fleet, seeded, reconciler = await started(seeded_fleet, store)
     sims = list(fleet.domain("alpha").sims.values())
     confirm_ms = seeded.policy.dead_confirm_ms
     for sim in sims:
@@ -150,13 +139,11 @@ async def test_a_vllm_back_within_the_confirmation_does_not_fail_over(
 
 async def test_the_confirmation_needs_a_fresh_answer_from_the_supervisor(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet, seeded, reconciler = await started(store, make_fleet, make_reconciler, helpers, clock)
+    fleet, seeded, reconciler = await started(seeded_fleet, store)
     for sim in fleet.domain("alpha").sims.values():
         await sim.set_faults(refuse=True)
     assert (await reconciler.tick("local")).confirming
@@ -174,16 +161,14 @@ async def test_the_confirmation_needs_a_fresh_answer_from_the_supervisor(
 
 async def test_a_slow_vllm_degrades_without_a_fast_failover(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock, policy=DEFAULT_AUTO)
     # The supervisor waits on the hung servers longer than the heartbeat waits for it.
-    reconciler = make_reconciler(store, heartbeat_timeout_s=0.3)
+    fleet, seeded, reconciler = await seeded_fleet(
+        store, training_gpus=(), policy=DEFAULT_AUTO, heartbeat_timeout_s=0.3
+    )
     await reconciler.tick("local")
     sims = list(fleet.domain("alpha").sims.values())
     for sim in sims:
@@ -203,13 +188,11 @@ async def test_a_slow_vllm_degrades_without_a_fast_failover(
 
 async def test_one_dead_model_of_several_keeps_the_grace(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet, seeded, reconciler = await started(store, make_fleet, make_reconciler, helpers, clock)
+    fleet, seeded, reconciler = await started(seeded_fleet, store)
     await fleet.domain("alpha").sims["example-chat-large"].stop()
     policy = seeded.policy
     result = await reconciler.tick("local")
@@ -229,15 +212,11 @@ async def test_one_dead_model_of_several_keeps_the_grace(
 
 async def test_a_server_that_reaches_no_domain_judges_nothing_and_never_fails_over(
     store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     metrics = ServerMetrics(CollectorRegistry())
-    fleet, seeded, reconciler = await started(
-        store, make_fleet, make_reconciler, helpers, clock, metrics=metrics
-    )
+    fleet, seeded, reconciler = await started(seeded_fleet, store, metrics=metrics)
     # Everything of the active is gone (supervisor and servers refuse), but so is every
     # other domain: from here that is this server's own network.
     for sim in fleet.domain("alpha").sims.values():
@@ -276,13 +255,11 @@ async def test_a_server_that_reaches_no_domain_judges_nothing_and_never_fails_ov
 
 async def test_a_dead_active_without_a_viable_standby_is_not_failed_nor_polled_at_the_busy_pace(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet, seeded, reconciler = await started(store, make_fleet, make_reconciler, helpers, clock)
+    fleet, seeded, reconciler = await started(seeded_fleet, store)
     await fleet.stop_supervisor("beta")
     for sim in fleet.domain("alpha").sims.values():
         await sim.stop()
@@ -304,15 +281,11 @@ async def test_a_dead_active_without_a_viable_standby_is_not_failed_nor_polled_a
 
 async def test_a_lost_host_fails_over_after_the_confirmation_not_the_staleness(
     store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     metrics = ServerMetrics(CollectorRegistry())
-    fleet, seeded, reconciler = await started(
-        store, make_fleet, make_reconciler, helpers, clock, metrics=metrics
-    )
+    fleet, seeded, reconciler = await started(seeded_fleet, store, metrics=metrics)
     confirm_ms = seeded.policy.dead_confirm_ms
     assert confirm_ms < seeded.policy.heartbeat_stale_ms
     # The host is gone: its supervisor and every server refuse connections; beta answers.
@@ -355,16 +328,12 @@ async def test_a_lost_host_fails_over_after_the_confirmation_not_the_staleness(
 
 async def test_a_lost_supervisor_whose_servers_still_listen_keeps_the_staleness(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
     metrics = ServerMetrics(CollectorRegistry())
-    fleet, seeded, reconciler = await started(
-        store, make_fleet, make_reconciler, helpers, clock, metrics=metrics
-    )
+    fleet, seeded, reconciler = await started(seeded_fleet, store, metrics=metrics)
     await fleet.stop_supervisor("alpha")  # the servers still listen: they may still serve
     result = await reconciler.tick("local")
     assert result.operation is None
@@ -384,13 +353,11 @@ async def test_a_lost_supervisor_whose_servers_still_listen_keeps_the_staleness(
 
 async def test_a_host_back_within_the_confirmation_is_cleared_not_failed(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet, seeded, reconciler = await started(store, make_fleet, make_reconciler, helpers, clock)
+    fleet, seeded, reconciler = await started(seeded_fleet, store)
     sims = list(fleet.domain("alpha").sims.values())
     await fleet.stop_supervisor("alpha")
     for sim in sims:

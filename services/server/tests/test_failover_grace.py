@@ -7,15 +7,14 @@ grace ends them; the reconcile clock is a :class:`ManualClock` (no budget runs o
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import aiohttp
 from haru_db import StateStore
 from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
     EventType,
+    FleetSnapshot,
     OperationKind,
     OperationStep,
     OperationStepDone,
@@ -23,28 +22,12 @@ from haru_protocol import (
 )
 from haru_server._clock import ManualClock
 from haru_server._reconciler import Reconciler
-from haru_sim import read_trainer_checkpoint
-from haru_supervisor_client import SupervisorClient
 
-MakeFleet = Callable[..., Awaitable[LocalFleet]]
-MakeReconciler = Callable[..., Reconciler]
+SeededFleet = Callable[..., Awaitable[tuple[LocalFleet, FleetSnapshot, Reconciler]]]
 
 STUBBORN = ("--step-ms", "20", "--checkpoint-every", "5", "--ignore-sigterm")
 FAILOVER_GRACE_MS = 300
 PLANNED_GRACE_MS = 1_500
-
-
-async def _standby_training(fleet: LocalFleet, http: aiohttp.ClientSession) -> None:
-    """Start beta's trainers (its standby posture) and wait until both checkpointed.
-
-    A checkpoint proves the trainer is past its start-up, so it ignores SIGTERM by now.
-    """
-    client = SupervisorClient(http, token=None)
-    domain = fleet.domain("beta")
-    await client.start_training(domain.supervisor_url, timeout_s=5)
-    async with asyncio.timeout(30):
-        while not all(read_trainer_checkpoint(d) for d in domain.checkpoint_dirs.values()):
-            await asyncio.sleep(0.05)
 
 
 async def _stop_training_done(
@@ -62,14 +45,10 @@ async def _stop_training_done(
 
 async def test_an_automatic_failover_kills_the_trainers_at_its_short_grace(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
-    http: aiohttp.ClientSession,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(trainer_args=STUBBORN)
     # The planned grace is ten minutes: the failover only finishes because it does not use it.
     policy = PolicyPatch(
         auto_failover=True,
@@ -77,10 +56,9 @@ async def test_an_automatic_failover_kills_the_trainers_at_its_short_grace(
         training_stop_grace_ms=600_000,
         failover_training_stop_grace_ms=FAILOVER_GRACE_MS,
     )
-    seeded = await helpers.seed(store, fleet, clock, policy=policy)
-    await _standby_training(fleet, http)
-    reconciler = make_reconciler(store)
-    await reconciler.tick("local")
+    fleet, seeded, reconciler = await seeded_fleet(
+        store, trainer_args=STUBBORN, policy=policy, standby_training=True
+    )
     await fleet.stop_supervisor("alpha")
     clock.advance(ms=16_000)
     done = await _stop_training_done(store, reconciler, seeded.id)
@@ -97,23 +75,18 @@ async def test_an_automatic_failover_kills_the_trainers_at_its_short_grace(
 
 async def test_a_planned_promotion_gives_the_trainers_the_long_grace(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
-    http: aiohttp.ClientSession,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(trainer_args=STUBBORN)
     policy = PolicyPatch(
         auto_failover=True,
         training_stop_grace_ms=PLANNED_GRACE_MS,
         failover_training_stop_grace_ms=FAILOVER_GRACE_MS,
     )
-    seeded = await helpers.seed(store, fleet, clock, policy=policy)
-    await _standby_training(fleet, http)
-    reconciler = make_reconciler(store)
-    await reconciler.tick("local")
+    _, seeded, reconciler = await seeded_fleet(
+        store, trainer_args=STUBBORN, policy=policy, standby_training=True
+    )
     beta = next(d.id for d in seeded.domains if d.slug == "beta")
     _operation, created = await store.create_operation(
         fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()

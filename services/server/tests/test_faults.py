@@ -33,8 +33,8 @@ from haru_server._clock import ManualClock
 from haru_server._reconciler import Reconciler
 from haru_supervisor_client import SupervisorClient
 
-MakeFleet = Callable[..., Awaitable[LocalFleet]]
 MakeReconciler = Callable[..., Reconciler]
+SeededFleet = Callable[..., Awaitable[tuple[LocalFleet, FleetSnapshot, Reconciler]]]
 
 TOKEN = "right-token-0123456789abcdef"
 ROTATED = "rotated-token-0123456789abcdef"
@@ -62,14 +62,12 @@ async def events_of(store: StateStore, fleet_id: UUID, type_: EventType) -> list
 
 async def test_refused_token_is_never_evidence_of_failure(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
+    seeded_fleet: SeededFleet,
     make_reconciler: MakeReconciler,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(supervisor_token=TOKEN)
-    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
+    _, seeded, _ = await seeded_fleet(store, supervisor_token=TOKEN, policy=AUTO)
     await make_reconciler(store, token=TOKEN).tick("local")  # seen, healthy
     # The supervisors were restarted with a rotated token; the server still has the old one.
     reconciler = make_reconciler(store, token=ROTATED)
@@ -100,16 +98,11 @@ async def test_refused_token_is_never_evidence_of_failure(
 
 async def test_refused_token_recovery_is_reported_once(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
-    clock: ManualClock,
-    helpers: Any,
+    seeded_fleet: SeededFleet,
     http: aiohttp.ClientSession,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(supervisor_token=TOKEN)
-    seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store, token=ROTATED)
+    _, seeded, reconciler = await seeded_fleet(store, supervisor_token=TOKEN, token=ROTATED)
     await reconciler.tick("local")
     await reconciler.tick("local")
     # Same process, token fixed (e.g. the supervisors were rolled back).
@@ -124,15 +117,12 @@ async def test_refused_token_recovery_is_reported_once(
 
 async def test_failed_promotion_of_a_target_backs_off(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
-    reconciler = make_reconciler(store)
+    fleet, seeded, reconciler = await seeded_fleet(store, training_gpus=(), policy=AUTO)
     await reconciler.tick("local")
     # The active dies; the only standby's probe keeps failing.
     await fleet.stop_supervisor("alpha")
@@ -174,15 +164,11 @@ async def test_failed_promotion_of_a_target_backs_off(
 
 async def test_heartbeat_reconciles_a_standby_recorded_serving(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store)
+    _, seeded, reconciler = await seeded_fleet(store)
     await reconciler.tick("local")
     beta = domain_id(seeded, "beta")
     # A crash left the standby recorded serving; its supervisor says every model sleeps.
@@ -207,16 +193,14 @@ async def test_heartbeat_reconciles_a_standby_recorded_serving(
 
 async def test_demote_old_sleep_timed_out_across_a_restart_restores_standby_posture(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
+    seeded_fleet: SeededFleet,
     make_reconciler: MakeReconciler,
     clock: ManualClock,
     helpers: Any,
     http: aiohttp.ClientSession,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store, chaining=False)
+    fleet, seeded, reconciler = await seeded_fleet(store, chaining=False)
     promote, _ = await store.create_operation(
         fleet_id=seeded.id,
         kind=OperationKind.PROMOTE,
@@ -256,8 +240,7 @@ async def test_demote_old_sleep_timed_out_across_a_restart_restores_standby_post
 
 async def test_standby_whose_training_stopped_gets_it_back_with_backoff(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     helpers: Any,
     http: aiohttp.ClientSession,
@@ -265,12 +248,10 @@ async def test_standby_whose_training_stopped_gets_it_back_with_backoff(
     # Fault schedule sqlite-single:1: a supervisor restart on a standby stopped its trainers;
     # the heartbeat recorded the training slots idle and nothing ever restarted them.
     store = sqlite_store
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
+    fleet, seeded, reconciler = await seeded_fleet(store)
     beta = domain_id(seeded, "beta")
     beta_url = fleet.domain("beta").supervisor_url
     client = SupervisorClient(http, token=None)
-    reconciler = make_reconciler(store)
     await reconciler.tick("local")
     # A fresh standby never trained: its first demote stays the operator's call.
     assert await store.list_recent_operations(seeded.id) == []
@@ -339,8 +320,7 @@ async def test_standby_whose_training_stopped_gets_it_back_with_backoff(
 
 async def test_failover_whose_old_active_was_failed_puts_it_to_sleep_once_it_is_back(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     helpers: Any,
     http: aiohttp.ClientSession,
@@ -350,11 +330,9 @@ async def test_failover_whose_old_active_was_failed_puts_it_to_sleep_once_it_is_
     # demote was refused (a failed domain is not demotable). Once its supervisor was back the
     # domain was a ready standby with its vLLM awake, and nothing ever put it to sleep.
     store = sqlite_store
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
+    fleet, seeded, reconciler = await seeded_fleet(store, policy=AUTO, chaining=False)
     alpha, beta = domain_id(seeded, "alpha"), domain_id(seeded, "beta")
     client = SupervisorClient(http, token=None)
-    reconciler = make_reconciler(store, chaining=False)
     await reconciler.tick("local")
     await fleet.stop_supervisor("alpha")
     clock.advance(ms=31_000)
@@ -406,18 +384,15 @@ async def test_failover_whose_old_active_was_failed_puts_it_to_sleep_once_it_is_
 
 async def test_a_standby_whose_vllm_crashed_gets_no_restore_demote(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     helpers: Any,
 ) -> None:
     # A crashed vLLM on a standby records its inference slot failed, like an awake one; a
     # demote could not sleep it and would hold the fleet's in-flight slot for its budget.
     store = sqlite_store
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
+    fleet, seeded, reconciler = await seeded_fleet(store)
     beta = domain_id(seeded, "beta")
-    reconciler = make_reconciler(store)
     await store.create_operation(
         fleet_id=seeded.id, kind=OperationKind.DEMOTE, target_domain_id=beta, at=clock()
     )
@@ -439,8 +414,7 @@ async def test_a_standby_whose_vllm_crashed_gets_no_restore_demote(
 
 async def test_a_store_write_lock_held_past_heartbeat_stale_ms_fails_nothing_over(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     helpers: Any,
     monkeypatch: pytest.MonkeyPatch,
@@ -451,9 +425,7 @@ async def test_a_store_write_lock_held_past_heartbeat_stale_ms_fails_nothing_ove
     # the answer it had just recorded was older than heartbeatStaleMs, and a healthy active
     # was failed over with reason active_stale.
     store = sqlite_store
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
-    reconciler = make_reconciler(store)
+    fleet, seeded, reconciler = await seeded_fleet(store, policy=AUTO)
     await helpers.tick_until_settled(reconciler, "local")
     before = await store.list_recent_operations(seeded.id)
     database = store.url.removeprefix("sqlite+aiosqlite:///")
@@ -469,8 +441,8 @@ async def test_a_store_write_lock_held_past_heartbeat_stale_ms_fails_nothing_ove
     try:
         tick = asyncio.create_task(reconciler.tick("local"))
         await asyncio.wait_for(waiting.wait(), timeout=10)
-        await asyncio.sleep(0.2)  # the write is queued on the lock (busy timeout 5 s)
-        assert not tick.done()
+        # The write has begun (its time is taken) and cannot finish while the lock is held
+        # (busy timeout 5 s): the clock moves on meanwhile.
         clock.advance(ms=AUTO.heartbeat_stale_ms + 5_000)  # type: ignore[operator]
     finally:
         await asyncio.to_thread(_release, lock)

@@ -753,6 +753,7 @@ async def test_client_gone_while_sending_its_body(
     http: aiohttp.ClientSession,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="aiohttp.access")
     proxy = await make_proxy()
     host, port = proxy.url.removeprefix("http://").split(":")
     _, writer = await asyncio.open_connection(host, int(port))
@@ -763,7 +764,14 @@ async def test_client_gone_while_sending_its_body(
     await writer.drain()
     writer.close()
     await writer.wait_closed()
-    await asyncio.sleep(0.1)
+    # The proxy is done with the cut request once the access log has its 499.
+    await eventually(
+        lambda: any(
+            r.name == "aiohttp.access"
+            and '"POST /v1/chat/completions HTTP/1.1" 499' in r.getMessage()
+            for r in caplog.records
+        )
+    )
     assert (await post(http, proxy, chat_body()))[0] == 200  # the proxy carries on
     assert served(setup.alpha) == 1
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

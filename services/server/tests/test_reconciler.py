@@ -11,13 +11,14 @@ import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from datetime import datetime
 from typing import Any
 from uuid import UUID
 
 import aiohttp
 import pytest
 from haru_core import lease_guard_ms
-from haru_db import StateStore
+from haru_db import StateStore, StateStoreUnavailableError
 from haru_db.testing import confirm_domains
 from haru_demo.localfleet import LocalFleet
 from haru_protocol import (
@@ -26,6 +27,7 @@ from haru_protocol import (
     FleetRef,
     FleetSnapshot,
     InferenceSlotSpec,
+    Operation,
     OperationErrorCode,
     OperationKind,
     OperationState,
@@ -43,6 +45,7 @@ from haru_supervisor_client import SupervisorClient
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 MakeReconciler = Callable[..., Reconciler]
+SeededFleet = Callable[..., Awaitable[tuple[LocalFleet, FleetSnapshot, Reconciler]]]
 
 
 def states(snapshot: FleetSnapshot, slug: str) -> tuple[DomainState, list[str], list[str]]:
@@ -66,68 +69,28 @@ async def event_types(store: StateStore, fleet_id: UUID) -> list[str]:
     return [e.type for e in await store.list_events(fleet_id, limit=1000)]
 
 
-async def wait_training(
-    client: SupervisorClient, url: str, state: TrainingRunState, *, timeout_s: float = 10
-) -> None:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            status = await client.status(url, timeout_s=2)
-            runs = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
-            if runs and all(r is not None and r.state is state for r in runs):
-                return
-            await asyncio.sleep(0.02)
-
-
-async def start_standby_training(
-    fleet: LocalFleet,
-    http: aiohttp.ClientSession,
-    store: StateStore,
-    reconciler: Reconciler,
-    slug: str = "beta",
-) -> None:
-    """Bring the standby to its steady posture: asleep, trainers running (proven)."""
-    client = SupervisorClient(http, token=fleet.options.supervisor_token)
-    url = fleet.domain(slug).supervisor_url
-    await client.start_training(url, timeout_s=5)
-    await wait_training(client, url, TrainingRunState.RUNNING)
-    # Wait until every trainer really trains (its first checkpoint), so a SIGTERM later
-    # reaches its handler rather than a half-started interpreter.
-    async with asyncio.timeout(10):
-        for directory in fleet.domain(slug).checkpoint_dirs.values():
-            while read_trainer_checkpoint(directory) is None:
-                await asyncio.sleep(0.02)
-    await reconciler.tick("local")
+def last_heard(snapshot: FleetSnapshot) -> set[datetime | None]:
+    """When the heartbeat rounds last heard each domain (one value: all heard together)."""
+    return {d.last_seen_at for d in snapshot.domains}
 
 
 async def test_a_kicked_tick_drives_a_just_accepted_operation_before_any_heartbeat(
     store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    http: aiohttp.ClientSession,
     helpers: Any,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store, chaining=False)
-    await start_standby_training(fleet, http, store, reconciler)
-    rounds: list[int] = []
-    record = store.mark_domains_seen
-
-    async def counting(domain_ids: Any, *, at: Any) -> frozenset[UUID]:
-        rounds.append(len(domain_ids))
-        return await record(domain_ids, at=at)
-
-    monkeypatch.setattr(store, "mark_domains_seen", counting)
+    _, seeded, reconciler = await seeded_fleet(store, chaining=False, standby_training=True)
+    heard_at = clock()  # the set-up's tick heard every domain
     beta = domain_id(seeded, "beta")
     pending, created = await store.create_operation(
         fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
     )
     assert created
+    clock.advance(ms=1)
     # The kick of an accepted promote: its first step runs with no heartbeat round first.
     first = await reconciler.tick("local", kicked=True)
-    assert rounds == []
+    assert last_heard(await snapshot_of(store)) == {heard_at}
     assert first.operation is not None
     assert first.operation.id == pending.id
     assert first.operation.state is OperationState.RUNNING
@@ -135,61 +98,78 @@ async def test_a_kicked_tick_drives_a_just_accepted_operation_before_any_heartbe
     assert first.operation.current_step in (OperationStep.STOP_TRAINING, OperationStep.VERIFY_GPU)
     # A kick while it runs (a passive failure seen by the proxy) is a whole tick: kicks
     # never starve the heartbeats.
+    clock.advance(ms=1)
     await reconciler.tick("local", kicked=True)
-    assert rounds == [2]
+    assert last_heard(await snapshot_of(store)) == {clock()}
     await helpers.tick_until_settled(reconciler, "local")
     done = await store.get_operation(pending.id)
     assert done is not None
     assert done.state is OperationState.SUCCEEDED
     assert (await snapshot_of(store)).active_domain_id == beta
+
+
+class FleetReadsFailStore(StateStore):
+    """A store whose fleet and in-flight-operation reads fail while ``failing`` is set."""
+
+    failing = False
+
+    def _check(self) -> None:
+        if self.failing:
+            raise StateStoreUnavailableError("fleet reads fail (a test fault)")
+
+    async def get_fleet_snapshot(self, ref: str | FleetRef) -> FleetSnapshot | None:
+        self._check()
+        return await super().get_fleet_snapshot(ref)
+
+    async def get_in_flight_operation(self, fleet_id: UUID) -> Operation | None:
+        self._check()
+        return await super().get_in_flight_operation(fleet_id)
 
 
 async def test_a_kick_that_brings_the_accepted_operation_starts_it_without_reading_the_fleet(
     store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    http: aiohttp.ClientSession,
     helpers: Any,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store, chaining=False)
-    await start_standby_training(fleet, http, store, reconciler)
-    validated = await snapshot_of(store)  # what the API read to validate the request
-    beta = domain_id(seeded, "beta")
-    pending, created = await store.create_operation(
-        fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
-    )
-    assert created
-    reads: list[str] = []
-    for name in ("get_fleet_snapshot", "get_in_flight_operation", "mark_domains_seen"):
-        original = getattr(store, name)
-
-        def counting(*args: Any, _name: str = name, _original: Any = original, **kw: Any) -> Any:
-            reads.append(_name)
-            return _original(*args, **kw)
-
-        monkeypatch.setattr(store, name, counting)
-    first = await reconciler.tick(
-        "local", kicked=True, accepted=Accepted(fleet=validated, operation=pending)
-    )
-    assert reads == []
-    assert first.operation is not None
-    assert first.operation.id == pending.id
-    assert first.operation.state is OperationState.RUNNING
-    monkeypatch.undo()  # the real store for the rest of the promotion
-    await helpers.tick_until_settled(reconciler, "local")
-    done = await store.get_operation(pending.id)
-    assert done is not None
-    assert done.state is OperationState.SUCCEEDED
-    assert (await snapshot_of(store)).active_domain_id == beta
+    # The kick carries the request's snapshot and operation: the promotion starts even while
+    # the fleet cannot be read, and no supervisor is polled for a heartbeat first.
+    faulty = FleetReadsFailStore.open(store.url)
+    try:
+        assert isinstance(faulty, FleetReadsFailStore)
+        _, seeded, reconciler = await seeded_fleet(faulty, chaining=False, standby_training=True)
+        heard_at = clock()
+        validated = await snapshot_of(faulty)  # what the API read to validate the request
+        beta = domain_id(seeded, "beta")
+        pending, created = await faulty.create_operation(
+            fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
+        )
+        assert created
+        clock.advance(ms=1)
+        faulty.failing = True
+        first = await reconciler.tick(
+            "local", kicked=True, accepted=Accepted(fleet=validated, operation=pending)
+        )
+        assert first.operation is not None
+        assert first.operation.id == pending.id
+        assert first.operation.state is OperationState.RUNNING
+        # A kick without the request's snapshot has to read the fleet: the fault stops it.
+        with pytest.raises(StateStoreUnavailableError):
+            await reconciler.tick("local", kicked=True)
+        faulty.failing = False
+        assert last_heard(await snapshot_of(faulty)) == {heard_at}
+        await helpers.tick_until_settled(reconciler, "local")
+        done = await faulty.get_operation(pending.id)
+        assert done is not None
+        assert done.state is OperationState.SUCCEEDED
+        assert (await snapshot_of(faulty)).active_domain_id == beta
+    finally:
+        await faulty.close()
 
 
 async def test_an_accepted_operation_already_started_elsewhere_is_left_to_its_tick(
     store: StateStore,
-    make_fleet: MakeFleet,
+    seeded_fleet: SeededFleet,
     make_reconciler: MakeReconciler,
     clock: ManualClock,
     http: aiohttp.ClientSession,
@@ -197,11 +177,8 @@ async def test_an_accepted_operation_already_started_elsewhere_is_left_to_its_ti
 ) -> None:
     # Another replica claimed the operation first: the kick's copy says pending, the claim
     # CAS loses, and the tick reports the operation as it is now.
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store, chaining=False)
+    _, seeded, reconciler = await seeded_fleet(store, chaining=False, standby_training=True)
     other = make_reconciler(store, chaining=False)
-    await start_standby_training(fleet, http, store, reconciler)
     validated = await snapshot_of(store)
     beta = domain_id(seeded, "beta")
     pending, _ = await store.create_operation(
@@ -228,15 +205,11 @@ async def test_an_accepted_operation_already_started_elsewhere_is_left_to_its_ti
 
 async def test_first_tick_mirrors_the_layout_posture(
     store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
+    _, seeded, reconciler = await seeded_fleet(store)
     assert seeded.active_domain_id == domain_id(seeded, "alpha")
-    reconciler = make_reconciler(store)
     result = await reconciler.tick("local")
     assert result.operation is None
     assert not result.in_flight
@@ -256,16 +229,12 @@ async def test_first_tick_mirrors_the_layout_posture(
 
 async def test_full_promotion(
     store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     http: aiohttp.ClientSession,
     helpers: Any,
 ) -> None:
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store)
-    await start_standby_training(fleet, http, store, reconciler)
+    fleet, seeded, reconciler = await seeded_fleet(store, standby_training=True)
     before = await snapshot_of(store)
     assert states(before, "beta") == (
         DomainState.READY,
@@ -303,7 +272,9 @@ async def test_full_promotion(
     assert all(not sim.sleeping for sim in beta_sims)
     assert all(sim.sleeping for sim in alpha_sims)
     client = SupervisorClient(http, token=None)
-    await wait_training(client, fleet.domain("alpha").supervisor_url, TrainingRunState.RUNNING)
+    await helpers.wait_training(
+        client, fleet.domain("alpha").supervisor_url, TrainingRunState.RUNNING
+    )
     # The standby's trainers were stopped with SIGTERM and flushed a final checkpoint.
     for directory, step in trained.items():
         final_checkpoint = read_trainer_checkpoint(directory)
@@ -325,13 +296,12 @@ async def test_full_promotion(
 
 async def test_step_chaining_finishes_a_promotion_in_few_ticks(
     store: StateStore,
-    make_fleet: MakeFleet,
+    seeded_fleet: SeededFleet,
     make_reconciler: MakeReconciler,
     clock: ManualClock,
     helpers: Any,
 ) -> None:
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock)
+    _, seeded, _ = await seeded_fleet(store, training_gpus=())
     chained = make_reconciler(store)
     await store.create_operation(
         fleet_id=seeded.id,
@@ -347,15 +317,12 @@ async def test_step_chaining_finishes_a_promotion_in_few_ticks(
 
 async def test_without_chaining_each_tick_runs_one_step(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store, chaining=False)
+    _, seeded, reconciler = await seeded_fleet(store, training_gpus=(), chaining=False)
     await store.create_operation(
         fleet_id=seeded.id,
         kind=OperationKind.PROMOTE,
@@ -370,15 +337,12 @@ async def test_without_chaining_each_tick_runs_one_step(
 
 async def test_full_demotion(
     store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     http: aiohttp.ClientSession,
     helpers: Any,
 ) -> None:
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store)
+    fleet, seeded, reconciler = await seeded_fleet(store)
     beta = domain_id(seeded, "beta")
     await store.create_operation(
         fleet_id=seeded.id, kind=OperationKind.DEMOTE, target_domain_id=beta, at=clock()
@@ -396,23 +360,24 @@ async def test_full_demotion(
     )
     assert states(after, "alpha") == (DomainState.READY, ["serving", "serving"], ["idle", "idle"])
     client = SupervisorClient(http, token=None)
-    await wait_training(client, fleet.domain("beta").supervisor_url, TrainingRunState.RUNNING)
+    await helpers.wait_training(
+        client, fleet.domain("beta").supervisor_url, TrainingRunState.RUNNING
+    )
     assert all(sim.sleeping for sim in fleet.domain("beta").sims.values())
 
 
 async def test_a_slow_model_fails_the_probe_by_name_not_by_step_timeout(
     store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     helpers: Any,
 ) -> None:
     # Issue 12 item 3: when the supervisor got the whole remaining budget as its per-model
     # bound, the server's HTTP call (bounded by the same budget) gave up first, so the step
     # only ever saw a call timeout and the operation ended as step_timeout naming no model.
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock, policy=PolicyPatch(probe_timeout_ms=3000))
-    reconciler = make_reconciler(store)
+    fleet, seeded, reconciler = await seeded_fleet(
+        store, training_gpus=(), policy=PolicyPatch(probe_timeout_ms=3000)
+    )
     slow = "example-chat-medium"
     await fleet.domain("beta").sims[slow].set_faults(slow_first_token_ms=600_000)
     promote, _ = await store.create_operation(
@@ -449,16 +414,11 @@ async def test_a_slow_model_fails_the_probe_by_name_not_by_step_timeout(
 
 async def test_probe_failure_leaves_routing_and_restores_the_standby(
     store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    http: aiohttp.ClientSession,
     helpers: Any,
 ) -> None:
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store)
-    await start_standby_training(fleet, http, store, reconciler)
+    fleet, seeded, reconciler = await seeded_fleet(store, standby_training=True)
     await fleet.domain("beta").sims["example-chat-medium"].set_faults(error_500=True)
     beta = domain_id(seeded, "beta")
     promote, _ = await store.create_operation(
@@ -510,17 +470,13 @@ async def test_probe_failure_leaves_routing_and_restores_the_standby(
 
 async def test_step_timeout_on_injected_clock_fails_and_cleans_up(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock)
+    fleet, seeded, reconciler = await seeded_fleet(store, training_gpus=())
     for sim in fleet.domain("beta").sims.values():
         await sim.set_faults(wake_fails=True)
-    reconciler = make_reconciler(store)
     promote, _ = await store.create_operation(
         fleet_id=seeded.id,
         kind=OperationKind.PROMOTE,
@@ -553,15 +509,13 @@ async def test_step_timeout_on_injected_clock_fails_and_cleans_up(
 
 async def test_unauthorized_supervisor_fails_the_step(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(supervisor_token="right-token-0123456789")
-    seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store, token="wrong-token-0123456789")
+    _, seeded, reconciler = await seeded_fleet(
+        store, supervisor_token="right-token-0123456789", token="wrong-token-0123456789"
+    )
     promote, _ = await store.create_operation(
         fleet_id=seeded.id,
         kind=OperationKind.PROMOTE,
@@ -585,15 +539,11 @@ async def test_unauthorized_supervisor_fails_the_step(
 
 async def test_supervisor_unreachable_mid_step_is_pending_until_the_budget_ends(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store, chaining=False)
+    fleet, seeded, reconciler = await seeded_fleet(store, training_gpus=(), chaining=False)
     promote, _ = await store.create_operation(
         fleet_id=seeded.id,
         kind=OperationKind.PROMOTE,
@@ -689,15 +639,11 @@ AUTO = PolicyPatch(auto_failover=True, heartbeat_stale_ms=15_000, degraded_grace
 
 async def test_auto_failover_from_a_stale_heartbeat(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
-    reconciler = make_reconciler(store)
+    fleet, seeded, reconciler = await seeded_fleet(store, training_gpus=(), policy=AUTO)
     await reconciler.tick("local")
     await fleet.stop_supervisor("alpha")
     clock.advance(ms=10_000)
@@ -727,17 +673,13 @@ async def test_auto_failover_from_a_stale_heartbeat(
 
 async def test_auto_failover_from_a_partly_dead_active_after_the_grace(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     # One model of several down is weak evidence (the others serve): the grace decides. A
     # wholly dead active fails after deadConfirmMs instead (test_detection.py).
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
-    reconciler = make_reconciler(store)
+    fleet, seeded, reconciler = await seeded_fleet(store, training_gpus=(), policy=AUTO)
     await reconciler.tick("local")
     await fleet.domain("alpha").sims["example-chat-large"].set_faults(refuse=True)
     result = await reconciler.tick("local")
@@ -762,15 +704,11 @@ async def test_auto_failover_from_a_partly_dead_active_after_the_grace(
 
 async def test_degraded_active_is_not_escalated_without_a_viable_standby(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock, policy=AUTO)
-    reconciler = make_reconciler(store)
+    fleet, seeded, reconciler = await seeded_fleet(store, training_gpus=(), policy=AUTO)
     await reconciler.tick("local")
     await fleet.stop_supervisor("beta")
     for sim in fleet.domain("alpha").sims.values():
@@ -788,18 +726,14 @@ async def test_degraded_active_is_not_escalated_without_a_viable_standby(
 
 async def test_best_effort_sleep_timeout_completes_without_training_next_to_awake_vllm(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     http: aiohttp.ClientSession,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
+    fleet, seeded, reconciler = await seeded_fleet(store)
     for sim in fleet.domain("alpha").sims.values():
         await sim.set_faults(sleep_fails=True)
-    reconciler = make_reconciler(store)
     promote, _ = await store.create_operation(
         fleet_id=seeded.id,
         kind=OperationKind.PROMOTE,
@@ -840,15 +774,13 @@ async def test_best_effort_sleep_timeout_completes_without_training_next_to_awak
 
 async def test_best_effort_calls_are_bounded_by_the_remaining_budget(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
+    seeded_fleet: SeededFleet,
     make_reconciler: MakeReconciler,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     """A hung old active never holds a tick longer than what remains of the step's budget."""
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock)
+    fleet, seeded, _ = await seeded_fleet(store, training_gpus=())
     stepper = make_reconciler(store, chaining=False, heartbeat_timeout_s=0.2)
     promote, _ = await store.create_operation(
         fleet_id=seeded.id,
@@ -893,17 +825,14 @@ async def run_to_step(
 
 async def test_verify_gpu_waits_for_released_memory_then_times_out(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
+    fleet, seeded, reconciler = await seeded_fleet(store)
     # GPU 1 keeps 40 % of its memory after training stopped (a leaked context).
     fleet.domain("beta").gpu_used_mib[1] = 0.4 * 81_920
-    reconciler = make_reconciler(store)
     promote, _ = await store.create_operation(
         fleet_id=seeded.id,
         kind=OperationKind.PROMOTE,
@@ -940,20 +869,16 @@ async def test_verify_gpu_waits_for_released_memory_then_times_out(
 
 async def test_verify_gpu_names_the_processes_holding_the_gpu_when_it_fails(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet()
-    seeded = await helpers.seed(store, fleet, clock)
+    fleet, seeded, reconciler = await seeded_fleet(store)
     # Training stopped, but a process it left (or anything else) still holds GPU 1; this test
     # process stands for it, so the supervisor can read its name.
     beta = fleet.domain("beta")
     beta.gpu_used_mib[1] = 0.4 * 81_920
     beta.gpu_processes[1] = [(os.getpid(), 32_000.0)]
-    reconciler = make_reconciler(store)
     promote, _ = await store.create_operation(
         fleet_id=seeded.id,
         kind=OperationKind.PROMOTE,
@@ -987,14 +912,12 @@ async def test_verify_gpu_names_the_processes_holding_the_gpu_when_it_fails(
 
 async def test_switch_active_over_budget_counts_as_done_when_routing_committed(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
+    seeded_fleet: SeededFleet,
     make_reconciler: MakeReconciler,
     clock: ManualClock,
-    helpers: Any,
 ) -> None:
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock)
+    _, seeded, _ = await seeded_fleet(store, training_gpus=())
     stepper = make_reconciler(store, chaining=False)
     beta = domain_id(seeded, "beta")
     promote, _ = await store.create_operation(
@@ -1021,7 +944,7 @@ async def test_switch_active_over_budget_counts_as_done_when_routing_committed(
 
 async def test_switch_active_fails_cas_lost_when_the_pointer_moved_elsewhere(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
+    seeded_fleet: SeededFleet,
     make_reconciler: MakeReconciler,
     clock: ManualClock,
     helpers: Any,
@@ -1030,8 +953,7 @@ async def test_switch_active_fails_cas_lost_when_the_pointer_moved_elsewhere(
     from sqlalchemy.ext.asyncio import create_async_engine
 
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock)
+    _, seeded, _ = await seeded_fleet(store, training_gpus=())
     stepper = make_reconciler(store, chaining=False)
     promote, _ = await store.create_operation(
         fleet_id=seeded.id,
@@ -1088,8 +1010,7 @@ async def sleeps_only_after(
 
 async def test_old_active_sleeps_only_after_the_route_guard_on_the_reconcile_clock(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     helpers: Any,
 ) -> None:
@@ -1099,13 +1020,11 @@ async def test_old_active_sleeps_only_after_the_route_guard_on_the_reconcile_clo
     many ticks run, and advancing the clock past the guard releases it.
     """
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock)
     guard_ms = 1_050
     tuning = StepTuning(
         settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05, route_guard_s=guard_ms / 1000
     )
-    reconciler = make_reconciler(store, tuning=tuning)
+    fleet, seeded, reconciler = await seeded_fleet(store, training_gpus=(), tuning=tuning)
     beta = domain_id(seeded, "beta")
     promote, _ = await store.create_operation(
         fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
@@ -1149,8 +1068,7 @@ LONG_LEASE_MS = 10_000
 
 async def test_a_route_guard_longer_than_the_sleep_budget_still_holds_the_old_active(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     helpers: Any,
 ) -> None:
@@ -1161,13 +1079,13 @@ async def test_a_route_guard_longer_than_the_sleep_budget_still_holds_the_old_ac
     process with the long lease may still route to it.
     """
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock, policy=PolicyPatch(sleep_timeout_ms=3_000))
     guard_ms = lease_guard_ms(LONG_LEASE_MS)
     tuning = StepTuning(
         settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05, route_guard_s=guard_ms / 1000
     )
-    reconciler = make_reconciler(store, tuning=tuning)
+    fleet, seeded, reconciler = await seeded_fleet(
+        store, training_gpus=(), policy=PolicyPatch(sleep_timeout_ms=3_000), tuning=tuning
+    )
     await store.create_operation(
         fleet_id=seeded.id,
         kind=OperationKind.PROMOTE,
@@ -1194,8 +1112,7 @@ async def test_a_route_guard_longer_than_the_sleep_budget_still_holds_the_old_ac
 
 async def test_a_restore_demote_of_the_old_active_waits_out_the_stored_route_guard(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     helpers: Any,
 ) -> None:
@@ -1206,11 +1123,11 @@ async def test_a_restore_demote_of_the_old_active_waits_out_the_stored_route_gua
     ``sleep_vllm`` waits until the flip plus the longest lease any process recorded.
     """
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock, policy=PolicyPatch(sleep_timeout_ms=3_000))
-    assert await store.record_route_lease(seeded.id, LONG_LEASE_MS)  # a proxy process's lease
     tuning = StepTuning(settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05, route_guard_s=0.01)
-    reconciler = make_reconciler(store, tuning=tuning)
+    fleet, seeded, reconciler = await seeded_fleet(
+        store, training_gpus=(), policy=PolicyPatch(sleep_timeout_ms=3_000), tuning=tuning
+    )
+    assert await store.record_route_lease(seeded.id, LONG_LEASE_MS)  # a proxy process's lease
     alpha, beta = domain_id(seeded, "alpha"), domain_id(seeded, "beta")
     promote, _ = await store.create_operation(
         fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
@@ -1258,8 +1175,7 @@ class LeaseBlindStore(StateStore):
 @pytest.mark.parametrize("snapshot_knows", [True, False])
 async def test_the_old_active_waits_out_the_longest_lease_any_process_recorded(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     helpers: Any,
     snapshot_knows: bool,
@@ -1274,11 +1190,9 @@ async def test_the_old_active_waits_out_the_longest_lease_any_process_recorded(
     try:
         if not snapshot_knows:
             assert isinstance(store, LeaseBlindStore)
-        fleet = await make_fleet(training_gpus=())
-        seeded = await helpers.seed(store, fleet, clock)
-        assert await store.record_route_lease(seeded.id, 2_000)  # another process's lease
         tuning = StepTuning(settle_s=0.5, first_poll_s=0.01, max_poll_s=0.05, route_guard_s=0.01)
-        reconciler = make_reconciler(store, tuning=tuning)
+        fleet, seeded, reconciler = await seeded_fleet(store, training_gpus=(), tuning=tuning)
+        assert await store.record_route_lease(seeded.id, 2_000)  # another process's lease
         beta = domain_id(seeded, "beta")
         await store.create_operation(
             fleet_id=seeded.id, kind=OperationKind.PROMOTE, target_domain_id=beta, at=clock()
@@ -1355,8 +1269,7 @@ async def test_a_hung_supervisor_delays_no_other_domains_heartbeat_nor_the_failo
 
 async def test_a_probe_right_after_a_supervisor_restart_waits_for_not_ready_models(
     sqlite_store: StateStore,
-    make_fleet: MakeFleet,
-    make_reconciler: MakeReconciler,
+    seeded_fleet: SeededFleet,
     clock: ManualClock,
     helpers: Any,
 ) -> None:
@@ -1367,9 +1280,7 @@ async def test_a_probe_right_after_a_supervisor_restart_waits_for_not_ready_mode
     succeeds once the server answers.
     """
     store = sqlite_store
-    fleet = await make_fleet(training_gpus=())
-    seeded = await helpers.seed(store, fleet, clock)
-    reconciler = make_reconciler(store, chaining=False)
+    fleet, seeded, reconciler = await seeded_fleet(store, training_gpus=(), chaining=False)
     promote, _ = await store.create_operation(
         fleet_id=seeded.id,
         kind=OperationKind.PROMOTE,

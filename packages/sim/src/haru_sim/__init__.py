@@ -26,8 +26,9 @@ from haru_sim._engine import RecordedRequest
 from haru_sim._errors import SimConfigError, SimError, SimStateError, SimUnsupportedError
 from haru_sim._sim import VllmSim
 from haru_sim._trainer import CHECKPOINT_FILE, TrainerCheckpoint, read_trainer_checkpoint
-from haru_sim._vllm import create_vllm_app, embedding_vector
+from haru_sim._vllm import create_vllm_app
 from haru_sim._vllm_cli import parse_listen_line
+from haru_sim._vllm_inference import embedding_vector
 
 __all__ = (  # noqa: RUF022 - grouped by topic, sorted within each group
     # Emulated vLLM server

@@ -19,7 +19,7 @@ from typing import Any, Final, Literal
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
-from haru_protocol import ErrorBody
+from haru_protocol import ErrorBody, Health, Readiness
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
@@ -127,6 +127,39 @@ def route(
 ) -> ApiRoute:
     """One-line declaration of a route with a single success answer (see :class:`ApiRoute`)."""
     return ApiRoute(method=method, path=path, summary=summary, responses={status: ok}, **extra)
+
+
+def health_routes(*, liveness: str = "Liveness") -> tuple[ApiRoute, ...]:
+    """The probe routes every service serves: liveness, this document, readiness, metrics.
+
+    Args:
+        liveness: The summary of ``GET /healthz`` (say what liveness never touches).
+
+    Returns:
+        ``GET /healthz``, ``GET`` :data:`OPENAPI_PATH`, ``GET /readyz`` and ``GET /metrics``,
+        tagged ``health``.
+    """
+    return (
+        route("GET", "/healthz", liveness, Health, tag="health"),
+        route("GET", OPENAPI_PATH, "This document", None, tag="health"),
+        route(
+            "GET",
+            "/readyz",
+            "Readiness (503 not_ready with the reason otherwise)",
+            Readiness,
+            errors=(503,),
+            tag="health",
+        ),
+        route(
+            "GET",
+            "/metrics",
+            "Prometheus metrics, text format (behind the token unless HARU_METRICS_PUBLIC=1)",
+            None,
+            errors=(401,),
+            tag="health",
+            media_types=("text/plain",),
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -30,15 +30,13 @@ from haru_protocol import (
     FleetList,
     FleetPolicyResponse,
     FleetSnapshot,
-    Health,
     Operation,
     PolicyPatch,
     PromoteRequest,
-    Readiness,
     ReconcileResponse,
     RouteIntent,
 )
-from haru_web import OPENAPI_PATH, ApiRoute, ApiTable, Param, openapi_command, route
+from haru_web import ApiRoute, ApiTable, Param, health_routes, openapi_command, route
 from pydantic import BaseModel, ConfigDict, Field
 
 from haru_server._proxy import FLEET_HEADER
@@ -119,25 +117,7 @@ def _inference(path: str, summary: str) -> ApiRoute:
 
 
 ROUTES: Final[tuple[ApiRoute, ...]] = (
-    route("GET", "/healthz", "Liveness (never touches the state store)", Health, tag="health"),
-    route("GET", OPENAPI_PATH, "This document", None, tag="health"),
-    route(
-        "GET",
-        "/readyz",
-        "Readiness (503 not_ready with the reason otherwise)",
-        Readiness,
-        errors=(503,),
-        tag="health",
-    ),
-    route(
-        "GET",
-        "/metrics",
-        "Prometheus metrics, text format (behind the token unless HARU_METRICS_PUBLIC=1)",
-        None,
-        errors=(401,),
-        tag="health",
-        media_types=("text/plain",),
-    ),
+    *health_routes(liveness="Liveness (never touches the state store)"),
     route("GET", "/v1/fleets", "List fleets", FleetList, errors=(_STORE,), tag="control"),
     route("GET", _FLEETS, "A fleet's snapshot", FleetSnapshot, errors=(404, _STORE), tag="control"),
     route(

@@ -16,11 +16,9 @@ from typing import Final
 from haru_protocol import (
     FENCE_HEADER,
     GpuMemoryResponse,
-    Health,
     OkResponse,
     ProbeRequest,
     ProbeResponse,
-    Readiness,
     ReadyResponse,
     SleepRequest,
     SupervisorStatus,
@@ -28,7 +26,7 @@ from haru_protocol import (
     TrainingStopRequest,
     WakeRequest,
 )
-from haru_web import OPENAPI_PATH, ApiRoute, ApiTable, Param, openapi_command, route
+from haru_web import ApiRoute, ApiTable, Param, health_routes, openapi_command, route
 
 from haru_supervisor._routes import NoParameters
 
@@ -48,25 +46,7 @@ _FENCE: Final = (
 """The fencing header of every state-changing route."""
 
 ROUTES: Final[tuple[ApiRoute, ...]] = (
-    route("GET", "/healthz", "Liveness", Health, tag="health"),
-    route("GET", OPENAPI_PATH, "This document", None, tag="health"),
-    route(
-        "GET",
-        "/readyz",
-        "Readiness (503 not_ready with the reason otherwise)",
-        Readiness,
-        errors=(503,),
-        tag="health",
-    ),
-    route(
-        "GET",
-        "/metrics",
-        "Prometheus metrics, text format (behind the token unless HARU_METRICS_PUBLIC=1)",
-        None,
-        errors=(401,),
-        tag="health",
-        media_types=("text/plain",),
-    ),
+    *health_routes(),
     route("GET", "/v1/status", "Every slot: models' sleep state, training", SupervisorStatus),
     route("GET", "/v1/ready", "Every model awake", ReadyResponse),
     route(
