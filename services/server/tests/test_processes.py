@@ -11,7 +11,7 @@ import signal
 import socket
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,13 +68,18 @@ def server_env(extra: Mapping[str, str]) -> dict[str, str]:
 
 @asynccontextmanager
 async def haru_serve(
-    env: Mapping[str, str], *, expect_listening: bool = True, cwd: Path | None = None
+    env: Mapping[str, str],
+    *,
+    expect_listening: bool = True,
+    cwd: Path | None = None,
+    args: Sequence[str] = (),
 ) -> AsyncIterator[ServerProcess]:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "haru_server",
         "serve",
+        *args,
         env=server_env(env),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.DEVNULL,
@@ -145,7 +150,12 @@ async def test_a_port_in_use_is_one_json_line_in_json_mode(tmp_path: Path) -> No
 
 
 async def test_alembic_logs_only_migrations_that_change_the_schema(tmp_path: Path) -> None:
-    env = {"PORT": "0", "HARU_LOG_FORMAT": "json", "DATABASE_URL": str(tmp_path / "haru.db")}
+    env = {
+        "PORT": "0",
+        "HARU_LOG_FORMAT": "json",
+        "DATABASE_URL": str(tmp_path / "haru.db"),
+        "HARU_CREATE_DATABASE": "1",
+    }
 
     def alembic_lines(server: ServerProcess) -> list[dict[str, Any]]:
         records = [json.loads(line) for line in server.lines]
@@ -209,6 +219,100 @@ async def test_embedded_default_is_announced_and_sigterm_stops_cleanly(tmp_path:
     assert "HARU_API_TOKEN is unset" in server.log
     assert "127.0.0.1" in server.url
     assert (tmp_path / "haru.db").exists()
+
+
+def store_files(directory: Path) -> list[str]:
+    """Every file SQLite could have made there (the database, its WAL, journal, shm)."""
+    return sorted(p.name for p in directory.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("form", "extra"),
+    [
+        ("path", {}),
+        ("url", {}),
+        ("url", {"HARU_WORKERS": "2"}),  # the parent migrates before any worker starts
+    ],
+)
+async def test_a_missing_sqlite_file_named_by_database_url_is_refused_and_not_created(
+    tmp_path: Path, form: str, extra: dict[str, str]
+) -> None:
+    """A typo in DATABASE_URL must not start a new, empty store beside the real one."""
+    state = tmp_path / "state"
+    state.mkdir()
+    missing = state / "hrau.db"
+    url = str(missing) if form == "path" else f"sqlite:///{missing}"
+    env = {"DATABASE_URL": url, "PORT": "0", "HARU_LOG_FORMAT": "json", **extra}
+    async with haru_serve(env, expect_listening=False, cwd=state) as server:
+        async with asyncio.timeout(60):
+            code = await server.process.wait()
+    assert code == 2, server.log
+    assert store_files(state) == []  # not even an empty file (nor ./haru.db in the cwd)
+    fatal = [json.loads(line) for line in server.lines]
+    assert [r["level"] for r in fatal] == ["CRITICAL"], server.log
+    message = fatal[0]["message"]
+    assert str(missing) in message
+    assert "does not exist" in message
+    assert "haru db upgrade" in message
+    assert "HARU_CREATE_DATABASE=1" in message
+    assert "--create-db" in message
+
+
+@pytest.mark.parametrize(
+    ("extra", "args"), [({"HARU_CREATE_DATABASE": "1"}, ()), ({}, ("--create-db",))]
+)
+async def test_the_create_database_opt_in_creates_the_missing_store(
+    tmp_path: Path, extra: dict[str, str], args: tuple[str, ...]
+) -> None:
+    database = tmp_path / "new.db"
+    env = {"DATABASE_URL": f"sqlite:///{database}", "PORT": "0", **extra}
+    async with haru_serve(env, args=args) as server:
+        assert await ready(server)
+    assert database.is_file()
+    # The store it created is a migrated one, and from now on a plain boot opens it.
+    async with haru_serve({"DATABASE_URL": f"sqlite:///{database}", "PORT": "0"}) as server:
+        assert await ready(server)
+
+
+async def ready(server: ServerProcess) -> bool:
+    async with aiohttp.ClientSession() as http, http.get(f"{server.url}/readyz") as response:
+        return response.status == 200
+
+
+async def test_an_in_memory_database_url_is_refused_clearly(tmp_path: Path) -> None:
+    async with haru_serve(
+        {"DATABASE_URL": ":memory:", "PORT": "0"}, expect_listening=False, cwd=tmp_path
+    ) as server:
+        async with asyncio.timeout(60):
+            code = await server.process.wait()
+    assert code == 2, server.log
+    assert "in-memory" in server.log
+    assert "Traceback" not in server.log
+    assert store_files(tmp_path) == []
+
+
+async def test_db_current_never_creates_the_missing_file_database_url_names(
+    tmp_path: Path,
+) -> None:
+    missing = tmp_path / "missing.db"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "haru_server",
+        "db",
+        "current",
+        "--json",
+        env=server_env({"DATABASE_URL": f"sqlite:///{missing}", "NO_COLOR": "1"}),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=tmp_path,
+    )
+    async with asyncio.timeout(60):
+        out, err = await process.communicate()
+    assert process.returncode == 1, err.decode()  # behind head: never migrated
+    assert json.loads(out)["revision"] is None
+    assert store_files(tmp_path) == []
 
 
 async def test_the_reconcile_loop_runs_by_default_and_off_turns_it_off(

@@ -272,6 +272,7 @@ async def test_haru_serve_refuses_a_serving_ca_file_that_does_not_load(tmp_path:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
     env.update(
         DATABASE_URL=f"sqlite:///{tmp_path / 'boot.db'}",
+        HARU_CREATE_DATABASE="1",  # only the CA file is wrong
         PORT="0",
         HARU_SERVING_CA_FILE=str(tmp_path / "missing.pem"),
     )

@@ -220,6 +220,7 @@ async def test_haru_serve_refuses_tls_files_that_do_not_load(pki: Any, tmp_path:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
     env.update(
         DATABASE_URL=f"sqlite:///{tmp_path / 'boot.db'}",
+        HARU_CREATE_DATABASE="1",  # only the TLS files are wrong
         PORT="0",
         HARU_TLS_CERT_FILE=str(cert),
         HARU_TLS_KEY_FILE=str(other_key),

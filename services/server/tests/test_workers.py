@@ -57,6 +57,7 @@ async def haru_workers(count: int, tmp_path: Path) -> AsyncIterator[Workers]:
         HARU_WORKERS=str(count),
         PORT="0",
         DATABASE_URL=f"sqlite:///{tmp_path / 'haru.db'}",
+        HARU_CREATE_DATABASE="1",  # a new store, created by the parent's migration
         HARU_RECONCILE_INTERVAL_MS="1000",
     )
     process = await asyncio.create_subprocess_exec(
@@ -168,7 +169,12 @@ async def test_a_dead_worker_stops_the_others_and_fails_the_parent(tmp_path: Pat
 
 async def test_workers_must_be_a_positive_number(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
-    env.update(HARU_WORKERS="0", PORT="0", DATABASE_URL=f"sqlite:///{tmp_path / 'haru.db'}")
+    env.update(
+        HARU_WORKERS="0",
+        PORT="0",
+        DATABASE_URL=f"sqlite:///{tmp_path / 'haru.db'}",
+        HARU_CREATE_DATABASE="1",  # only HARU_WORKERS is wrong
+    )
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",

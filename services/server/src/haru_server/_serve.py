@@ -9,7 +9,13 @@ import logging
 from collections.abc import Callable
 
 from aiohttp import web
-from haru_db import check_writable, redact_database_url, resolve_database_url, upgrade
+from haru_db import (
+    check_writable,
+    redact_database_url,
+    resolve_database_url,
+    sqlite_file,
+    upgrade,
+)
 from haru_web import StopSignals, TlsConfigError, is_loopback_bind, server_context, serving
 
 from haru_server._app import create_app
@@ -75,13 +81,39 @@ def check_tls(settings: Settings) -> None:
     settings.store_key()
 
 
+def check_database(settings: Settings) -> None:
+    """Refuse a ``DATABASE_URL`` that cannot hold the store, or that names a missing SQLite file.
+
+    A missing file is created (by the migration) only for the embedded default (no
+    ``DATABASE_URL``) or with ``HARU_CREATE_DATABASE``: a typo in the path would otherwise start
+    a new, empty store beside the real one. Nothing is created here.
+
+    Raises:
+        SettingsError: The URL is unusable, or the SQLite file it names does not exist.
+    """
+    try:
+        database = sqlite_file(settings.database_url)
+    except ValueError as exc:  # an in-memory database, another scheme, a malformed URL
+        raise SettingsError(f"DATABASE_URL: {exc}") from None
+    if settings.database_url is None or settings.create_database or database is None:
+        return
+    if not database.exists():
+        raise SettingsError(
+            f"DATABASE_URL names the SQLite file {database}, which does not exist: create the "
+            "store with `haru db upgrade`, or let the server create it with "
+            "HARU_CREATE_DATABASE=1 (`haru serve --create-db`)"
+        )
+
+
 async def migrate(settings: Settings) -> None:
     """Apply the state store's migrations (refused when the schema is newer than this code).
 
     Raises:
+        SettingsError: See :func:`check_database` (checked first; nothing is created).
         haru_db.SchemaTooNewError: The database was migrated by a newer Haru.
         haru_db.StateStoreReadOnlyError: The database would refuse writes (refuse to start).
     """
+    check_database(settings)
     await upgrade(settings.database_url)
     await check_writable(settings.database_url)
 
@@ -130,9 +162,11 @@ async def run_server(
 
     Raises:
         haru_web.ListenError: The port could not be bound.
-        SettingsError: A TLS file does not load.
+        SettingsError: A TLS file does not load, or ``DATABASE_URL`` names a missing SQLite
+            file without ``HARU_CREATE_DATABASE`` (see :func:`check_database`).
     """
     check_tls(settings)
+    check_database(settings)
     announce(settings)
     await migrate(settings)
     app = create_app(settings)

@@ -104,6 +104,12 @@ class Settings(BaseSettings):
         None, validation_alias=_env("DATABASE_URL", "database_url"), repr=False, exclude=True
     )
     """``DATABASE_URL``: PostgreSQL or SQLite URL/path; None = the embedded SQLite default."""
+    create_database: bool = Field(
+        False, validation_alias=_env("HARU_CREATE_DATABASE", "create_database")
+    )
+    """``HARU_CREATE_DATABASE`` (``haru serve --create-db``): create the SQLite file that
+    ``DATABASE_URL`` names when it does not exist; without it that is refused at boot (a typo
+    in the path would otherwise start an empty store). The embedded default is always created."""
     port: Annotated[EnvInt, Field(ge=0, le=65535)] = Field(
         8700, validation_alias=_env("PORT", "port")
     )

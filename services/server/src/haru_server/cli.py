@@ -283,7 +283,16 @@ def _guard(func: Callable[[], None]) -> None:
 # ---- serve -----------------------------------------------------------------------------------
 
 
-def serve() -> None:
+def serve(
+    create_db: Annotated[
+        bool,
+        typer.Option(
+            "--create-db",
+            help="Create the SQLite file DATABASE_URL names when it does not exist "
+            "(HARU_CREATE_DATABASE=1); without it a missing file is refused.",
+        ),
+    ] = False,
+) -> None:
     """Run the control server (configured by the environment, see the README)."""
     import os
 
@@ -296,7 +305,9 @@ def serve() -> None:
     from haru_server._workers import serve_workers
 
     try:
-        settings = Settings.from_env(os.environ)
+        settings = Settings.from_env(
+            {**os.environ, "HARU_CREATE_DATABASE": "1"} if create_db else os.environ
+        )
     except SettingsError as exc:
         configure_startup_logging(os.environ)
         raise _fatal(f"invalid environment: {exc}", code=2) from None
