@@ -127,7 +127,7 @@ def create_app(
     install_request_ids(app)
     metrics = ServerMetrics()
     app[metrics_key] = metrics
-    add_metrics_route(app, metrics.registry)
+    add_metrics_route(app, metrics.exposition, before_scrape=metrics.before_scrape)
     app[settings_key] = settings
     app[_links_key] = settings.supervisor_links()
     app[draining_key] = asyncio.Event()
