@@ -5,12 +5,17 @@ from what the server already has in hand (a tick's snapshot, a proxied request's
 ``/metrics`` route never touches the state store. Names follow Prometheus' conventions
 (``haru_`` prefix, ``_total`` counters, ``_seconds``, base units); the server README lists them.
 
-Standby duty cycle: at each heartbeat answered by a domain that is not its fleet's active one
-and has training slots, the time since that domain's previous answer is added to
-``haru_standby_seconds_total``, and also to ``haru_standby_training_seconds_total`` when every
-training slot was running (with a pid) at the previous answer. Their ratio is the share of
+Standby duty cycle: when this process's heartbeat write for a domain that is not its fleet's
+active one and has training slots replaced the stored heartbeat it had read (a compare-and-swap,
+so one process per interval however many replicas reconcile), the time between the two is added
+to ``haru_standby_seconds_total``, and also to ``haru_standby_training_seconds_total`` when every
+training slot was running (with a pid) at the earlier heartbeat. Their ratio is the share of
 standby time whose GPUs trained: 1.0 means no idle standby GPU. Gaps longer than
 :data:`MAX_STANDBY_GAP_S` (heartbeats stopped) are not counted either way.
+
+Several workers (``HARU_WORKERS``): with ``PROMETHEUS_MULTIPROC_DIR`` set (by the parent),
+every value lives in the worker's files and :attr:`ServerMetrics.exposition` merges all the
+workers' files; each gauge declares how (``multiprocess_mode``).
 """
 
 from __future__ import annotations
