@@ -224,6 +224,10 @@ async def seed_example(tmp_path: Path) -> None:
 Samples = list[tuple[str, dict[str, str], float]]
 
 
+def metrics_folders(tmp_path: Path) -> list[Path]:
+    return list(tmp_path.glob("haru-metrics-*"))
+
+
 async def scrape(http: aiohttp.ClientSession, url: str) -> Samples:
     # A new connection: whichever worker the kernel picks answers for all of them.
     async with http.get(f"{url}/metrics", headers={"Connection": "close"}) as resp:
@@ -258,7 +262,7 @@ async def test_one_scrape_counts_the_requests_of_every_worker(tmp_path: Path) ->
     options = {"TMPDIR": str(tmp_path)}
     async with haru_workers(2, tmp_path, **options) as workers, aiohttp.ClientSession() as http:
         (url,) = set(workers.listening.values())
-        (folder,) = tmp_path.glob("haru-metrics-*")
+        (folder,) = metrics_folders(tmp_path)
         await list_models(http, url, 40)
         # Each worker's reconcile loop ticks the fleet (its supervisors never answer).
         async with asyncio.timeout(60):
@@ -268,7 +272,9 @@ async def test_one_scrape_counts_the_requests_of_every_worker(tmp_path: Path) ->
         own = {
             pid: sum(
                 s.value
-                for m in MultiProcessCollector.merge([str(folder / f"counter_{pid}.db")])
+                for m in MultiProcessCollector.merge(  # type: ignore[no-untyped-call]
+                    [str(folder / f"counter_{pid}.db")]
+                )
                 if m.name == "haru_proxy_requests"
                 for s in m.samples
             )
@@ -277,9 +283,9 @@ async def test_one_scrape_counts_the_requests_of_every_worker(tmp_path: Path) ->
         assert sum(own.values()) == 40, own
         assert all(own.values()), own
         # ... and every scrape, whichever worker answers it, reports them all.
-        for _ in range(6):
-            samples = await scrape(http, url)
-            assert answered(samples) == 40
+        scrapes = [await scrape(http, url) for _ in range(6)]
+        assert [answered(samples) for samples in scrapes] == [40] * 6
+        samples = scrapes[-1]
         # The gauges merge as documented: one series each, whatever the worker count.
         assert [v for *_, v in picked(samples, "haru_build_info")] == [1]
         assert [v for *_, v in picked(samples, "haru_proxy_held_requests_in_flight")] == [0]
@@ -298,7 +304,7 @@ async def test_one_scrape_counts_the_requests_of_every_worker(tmp_path: Path) ->
         workers.process.send_signal(signal.SIGTERM)
         async with asyncio.timeout(30):
             assert await workers.process.wait() == 0, workers.log
-    assert not list(tmp_path.glob("haru-metrics-*"))  # removed with the set
+    assert not metrics_folders(tmp_path)  # removed with the set
     # A new start counts from zero: nothing of the previous set is merged in.
     async with haru_workers(2, tmp_path, **options) as workers, aiohttp.ClientSession() as http:
         (url,) = set(workers.listening.values())
