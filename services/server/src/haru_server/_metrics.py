@@ -652,7 +652,7 @@ class ServerMetrics:
         ``replaced`` is the stored heartbeat time this process's write at ``at`` replaced (its
         compare-and-swap landed on it); None when it did not (another process's write came
         between, or nothing was stored). Only an interval this process replaced is counted,
-        so replicas never count one twice (DESIGN 7.3). It is attributed to what the
+        so replicas never count one twice. It is attributed to what the
         heartbeat at its start showed when this process made that one, else to what this one
         shows.
         """
