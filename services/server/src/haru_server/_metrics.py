@@ -188,9 +188,14 @@ class _SharedCollector(Collector):
 class ServerMetrics:
     """The server's metrics and the hooks that move them (one instance per app).
 
+    ``exposition`` is what ``/metrics`` serves: ``registry`` itself in a single process; with
+    ``PROMETHEUS_MULTIPROC_DIR`` set (``HARU_WORKERS``), every worker's files merged (and the
+    build info), without prometheus_client's process metrics.
+
     Args:
         registry: Where the metrics live; a new private registry when None (which also gets
-            the process, platform and garbage-collector metrics of prometheus_client).
+            the process, platform and garbage-collector metrics of prometheus_client in a
+            single process).
         version: The ``haru_build_info`` version label (the installed haru-server's).
         monotonic: Monotonic seconds (injected by tests).
     """
