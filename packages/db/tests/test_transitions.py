@@ -209,3 +209,27 @@ async def test_mark_domain_seen_never_moves_backwards(
     assert after is not None
     assert after.domains[0].last_seen_at == now + timedelta(seconds=5)
     assert after.domains[0].state_updated_at == now
+
+
+async def test_record_heartbeats_tells_which_writes_replaced_the_time_read(
+    store: StateStore, fleet: FleetSnapshot, now: datetime
+) -> None:
+    first, second = (d.id for d in fleet.domains[:2])
+    later = now + timedelta(seconds=1)
+    # Nothing stored yet: recorded, but nothing replaced (no interval to count).
+    assert await store.record_heartbeats({first: None, second: None}, at=now) == (
+        frozenset({first, second}),
+        frozenset(),
+    )
+    # Both read ``now``; another process then recorded ``second`` at ``later``.
+    assert await store.mark_domain_seen(second, at=later)
+    at = now + timedelta(seconds=2)
+    recorded, replaced = await store.record_heartbeats({first: now, second: now}, at=at)
+    assert recorded == {first, second}  # a heartbeat is recorded either way
+    assert replaced == {first}  # only the write that replaced what it read
+    # A stored heartbeat newer than the write is kept, and nothing is replaced.
+    recorded, replaced = await store.record_heartbeats({first: at}, at=later)
+    assert (recorded, replaced) == (frozenset(), frozenset())
+    after = await store.get_fleet_snapshot(fleet.slug)
+    assert after is not None
+    assert {d.id: d.last_seen_at for d in after.domains[:2]} == {first: at, second: at}

@@ -430,13 +430,13 @@ async def test_a_store_write_lock_held_past_heartbeat_stale_ms_fails_nothing_ove
     before = await store.list_recent_operations(seeded.id)
     database = store.url.removeprefix("sqlite+aiosqlite:///")
     waiting = asyncio.Event()
-    record = store.mark_domains_seen
+    record = store.record_heartbeats
 
-    async def record_after_the_lock(domain_ids: Any, *, at: Any) -> frozenset[UUID]:
+    async def record_after_the_lock(domain_ids: Any, *, at: Any) -> Any:
         waiting.set()
         return await record(domain_ids, at=at)
 
-    monkeypatch.setattr(store, "mark_domains_seen", record_after_the_lock)
+    monkeypatch.setattr(store, "record_heartbeats", record_after_the_lock)
     lock = await asyncio.to_thread(_hold_write_lock, database)
     try:
         tick = asyncio.create_task(reconciler.tick("local"))
@@ -452,7 +452,7 @@ async def test_a_store_write_lock_held_past_heartbeat_stale_ms_fails_nothing_ove
     assert await store.list_recent_operations(seeded.id) == before
     # The rule is about this tick's own answers: an active that stops answering is still
     # failed over once its recorded heartbeat is older than heartbeatStaleMs.
-    monkeypatch.setattr(store, "mark_domains_seen", record)
+    monkeypatch.setattr(store, "record_heartbeats", record)
     await fleet.stop_supervisor("alpha")
     clock.advance(ms=AUTO.heartbeat_stale_ms + 1_000)  # type: ignore[operator]
     await reconciler.tick("local")

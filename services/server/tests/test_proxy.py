@@ -42,6 +42,7 @@ from haru_protocol import (
 )
 from haru_server._app import create_app
 from haru_server._keys import clock_key, kick_fleet_key, settings_key, store_key
+from haru_server._metrics import ServerMetrics, metrics_key
 from haru_server._proxy import (
     ProxyTuning,
     _KickDebouncer,
@@ -54,7 +55,8 @@ from haru_server._proxy import (
 from haru_server._route_cache import RouteCache
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
-from haru_web import ApiError, connection_cap, render_api_error
+from haru_web import ApiError, add_metrics_route, connection_cap, render_api_error
+from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 from pytest_aiohttp import AiohttpServer
 
@@ -109,6 +111,7 @@ async def make_proxy(sqlite_store: StateStore) -> AsyncIterator[ProxyFactory]:
         tuning: ProxyTuning = FAST_TUNING,
         store: StateStore | None = None,
         handler_cancellation: bool = False,
+        metrics: ServerMetrics | None = None,
         **overrides: Any,
     ) -> Proxy:
         # route_lease_ms=0: these tests pin the read-per-request mode (leases: test_route_lease).
@@ -120,6 +123,9 @@ async def make_proxy(sqlite_store: StateStore) -> AsyncIterator[ProxyFactory]:
         app[store_key] = store if store is not None else sqlite_store
         app[clock_key] = now
         app[kick_fleet_key] = proxy.kick
+        if metrics is not None:
+            app[metrics_key] = metrics
+            add_metrics_route(app, metrics.exposition, before_scrape=metrics.before_scrape)
         install_proxy(app, tuning=tuning)
         # Served like production (web.run_app's default: handlers are NOT cancelled when a
         # client disconnects), unless a test asks for aiohttp's handler cancellation.
@@ -1352,6 +1358,19 @@ def holding_is(proxy: _Proxy, count: int) -> bool:
     return proxy.holding == count
 
 
+async def held_now(http: aiohttp.ClientSession, proxy: Proxy) -> float:
+    async with http.get(f"{proxy.url}/metrics") as resp:
+        assert resp.status == 200
+        text = await resp.text()
+    (family,) = (
+        f
+        for f in text_string_to_metric_families(text)
+        if f.name == "haru_proxy_held_requests_in_flight"
+    )
+    (sample,) = family.samples
+    return sample.value
+
+
 HOLD_TUNING = ProxyTuning(disconnect_poll_ms=20, outage_memo_ms=50, hold_poll_ms=10)
 
 
@@ -1362,15 +1381,19 @@ async def test_held_requests_are_released_in_arrival_order_at_the_flip(
     http: aiohttp.ClientSession,
 ) -> None:
     setup = await auto_failover_setup(sqlite_store, stack)
-    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000)
+    metrics = ServerMetrics(version="test")
+    proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000, metrics=metrics)
     await setup.alpha.set_faults(refuse=True)  # the active crashed: connections are refused
     running = proxy_of(proxy)
     tasks = []
     for i in range(3):
         tasks.append(asyncio.create_task(post(http, proxy, chat_body(text=f"request {i}"))))
         await eventually(functools.partial(holding_is, running, i + 1), within=30)
+    # The held-now gauge, scraped while they wait.
+    assert await held_now(http, proxy) == 3
     await promote(sqlite_store, setup.fleet)
     answers = await asyncio.gather(*tasks)
+    assert await held_now(http, proxy) == 0
     assert [status for status, _, _ in answers] == [200, 200, 200]
     assert all(int(headers["X-Haru-Held-Ms"]) >= 0 for _, headers, _ in answers)
     arrived = [json.loads(r.body)["messages"][0]["content"] for r in setup.beta.recorded_requests]

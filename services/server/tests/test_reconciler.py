@@ -37,6 +37,7 @@ from haru_protocol import (
     TrainingRunState,
 )
 from haru_server._clock import ManualClock
+from haru_server._metrics import ServerMetrics
 from haru_server._reconciler import Accepted, Reconciler, ReconcilerOptions
 from haru_server._steps import StepTuning
 from haru_sim import read_trainer_checkpoint
@@ -1308,3 +1309,69 @@ async def test_a_probe_right_after_a_supervisor_restart_waits_for_not_ready_mode
     assert final.id == promote.id
     assert final.state is OperationState.SUCCEEDED, final.error
     assert (await snapshot_of(store)).active_domain_id == domain_id(seeded, "beta")
+
+
+# ---- the standby duty cycle with several replicas ----------------------------------------
+
+BETA = {"fleet": "local", "domain": "beta"}
+
+
+def standby(metrics: ServerMetrics) -> tuple[float, float]:
+    get = metrics.registry.get_sample_value
+    return (
+        get("haru_standby_seconds_total", BETA) or 0.0,
+        get("haru_standby_training_seconds_total", BETA) or 0.0,
+    )
+
+
+async def beta_seen(store: StateStore) -> Any:
+    snapshot = await snapshot_of(store)
+    return next(d.last_seen_at for d in snapshot.domains if d.slug == "beta")
+
+
+async def test_two_replicas_count_each_standby_second_once(
+    store: StateStore,
+    seeded_fleet: SeededFleet,
+    make_reconciler: MakeReconciler,
+    monkeypatch: pytest.MonkeyPatch,
+    clock: ManualClock,
+) -> None:
+    first, second = ServerMetrics(version="test"), ServerMetrics(version="test")
+    # beta trains; its first heartbeat is counted by replica a
+    _, _, a = await seeded_fleet(store, metrics=first, standby_training=True)
+    b = make_reconciler(store, metrics=second)
+    start = await beta_seen(store)
+    assert start is not None
+    # The replicas take turns, one second apart: each write replaces the other's heartbeat.
+    for replica in (b, a, b, a, b, a):
+        clock.advance(seconds=1)
+        await replica.tick("local")
+    # A race: b records its heartbeat between a's read of the fleet and a's own write. a's
+    # write no longer replaces what it read, so a counts nothing (b counted up to its write).
+    record = store.record_heartbeats
+    raced: list[bool] = []
+
+    async def b_first(read: Any, *, at: Any) -> Any:
+        if not raced:
+            raced.append(True)
+            await b.tick("local")
+        return await record(read, at=at)
+
+    clock.advance(seconds=1)
+    monkeypatch.setattr(store, "record_heartbeats", b_first)
+    await a.tick("local")
+    monkeypatch.setattr(store, "record_heartbeats", record)
+    assert raced
+    end = await beta_seen(store)
+    elapsed = (end - start).total_seconds()
+    assert elapsed == 7
+    (a_standby, a_training), (b_standby, b_training) = standby(first), standby(second)
+    # Each replica counted its own turns (a: 3 s, b: 4 s with the race), none twice.
+    assert a_standby == 3, (a_standby, b_standby)
+    assert b_standby == 4, (a_standby, b_standby)
+    assert a_standby + b_standby == elapsed
+    # Beta trained throughout: every counted second was a training one.
+    assert (a_training, b_training) == (a_standby, b_standby)
+    for metrics in (first, second):
+        ratio = metrics.registry.get_sample_value("haru_standby_duty_cycle_ratio", BETA)
+        assert ratio == 1.0

@@ -253,6 +253,29 @@ class StateStore:
         return await _transitions.mark_domains_seen(self._ex, domain_ids, at=at)
 
     @_bounded
+    async def record_heartbeats(
+        self, read: Mapping[UUID, datetime | None], *, at: datetime
+    ) -> tuple[frozenset[UUID], frozenset[UUID]]:
+        """Record a heartbeat at ``at`` for each domain of ``read`` (id: the stored time read).
+
+        As :meth:`mark_domains_seen` (a domain whose stored heartbeat is newer than ``at``
+        keeps it), and tells which writes replaced exactly the heartbeat the caller read: one
+        compare-and-swap statement for those, then one plain statement for the others (a
+        domain never seen, or whose stored heartbeat another process moved since the read).
+        What a caller counts per replaced interval (the standby duty cycle) is then counted
+        by one process only, however many replicas record the same domains.
+
+        Returns:
+            The domains whose heartbeat was recorded, and the part of them whose recorded
+            write replaced the time read.
+        """
+        known = {domain_id: seen for domain_id, seen in read.items() if seen is not None}
+        replaced = await _transitions.replace_domains_seen(self._ex, known, at=at)
+        rest = [domain_id for domain_id in read if domain_id not in replaced]
+        marked = await _transitions.mark_domains_seen(self._ex, rest, at=at)
+        return replaced | marked, replaced
+
+    @_bounded
     async def record_connect_failed(self, domain_id: UUID, *, at: datetime) -> bool:
         """Record that a proxy could not connect to ``domain_id``'s serving endpoint at ``at``.
 

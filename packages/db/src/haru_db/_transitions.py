@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -86,6 +86,29 @@ async def transition_domain_slots(
 
 async def mark_domain_seen(ex: Executor, domain_id: UUID, *, at: datetime) -> bool:
     return domain_id in await mark_domains_seen(ex, (domain_id,), at=at)
+
+
+async def replace_domains_seen(
+    ex: Executor, replaced: Mapping[UUID, datetime], *, at: datetime
+) -> frozenset[UUID]:
+    at = aware(at)
+    if not replaced:
+        return frozenset()
+    stmt = (
+        sa.update(domains)
+        .where(
+            sa.or_(
+                *(
+                    sa.and_(domains.c.id == domain_id, domains.c.last_seen_at == aware(seen))
+                    for domain_id, seen in replaced.items()
+                )
+            ),
+            domains.c.last_seen_at <= at,
+        )
+        .values(last_seen_at=at, updated_at=at)
+        .returning(domains.c.id)
+    )
+    return frozenset(row["id"] for row in await ex.write(stmt))
 
 
 async def mark_domains_seen(

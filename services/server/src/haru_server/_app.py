@@ -130,7 +130,7 @@ def create_app(
     install_request_ids(app)
     metrics = ServerMetrics()
     app[metrics_key] = metrics
-    add_metrics_route(app, metrics.registry)
+    add_metrics_route(app, metrics.exposition, before_scrape=metrics.before_scrape)
     app[settings_key] = settings
     app[api_token_key] = api_token
     app[_links_key] = settings.supervisor_links()

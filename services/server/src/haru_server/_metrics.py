@@ -5,12 +5,17 @@ from what the server already has in hand (a tick's snapshot, a proxied request's
 ``/metrics`` route never touches the state store. Names follow Prometheus' conventions
 (``haru_`` prefix, ``_total`` counters, ``_seconds``, base units); the server README lists them.
 
-Standby duty cycle: at each heartbeat answered by a domain that is not its fleet's active one
-and has training slots, the time since that domain's previous answer is added to
-``haru_standby_seconds_total``, and also to ``haru_standby_training_seconds_total`` when every
-training slot was running (with a pid) at the previous answer. Their ratio is the share of
+Standby duty cycle: when this process's heartbeat write for a domain that is not its fleet's
+active one and has training slots replaced the stored heartbeat it had read (a compare-and-swap,
+so one process per interval however many replicas reconcile), the time between the two is added
+to ``haru_standby_seconds_total``, and also to ``haru_standby_training_seconds_total`` when every
+training slot was running (with a pid) at the earlier heartbeat. Their ratio is the share of
 standby time whose GPUs trained: 1.0 means no idle standby GPU. Gaps longer than
 :data:`MAX_STANDBY_GAP_S` (heartbeats stopped) are not counted either way.
+
+Several workers (``HARU_WORKERS``): with ``PROMETHEUS_MULTIPROC_DIR`` set (by the parent),
+every value lives in the worker's files and :attr:`ServerMetrics.exposition` merges all the
+workers' files; each gauge declares how (``multiprocess_mode``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import contextlib
 import gc
 import importlib.metadata
 import logging
+import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,10 +60,23 @@ from prometheus_client import (
     Info,
 )
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 MAX_STANDBY_GAP_S: Final = 60.0
 """A heartbeat gap longer than this is not attributed to the standby duty cycle."""
+
+MULTIPROC_DIR_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+"""Set (by the ``HARU_WORKERS`` parent) before prometheus_client is imported: every metric
+value of the process then lives in a file of that folder, and ``/metrics`` merges them all."""
+
+REFRESH_INTERVAL_S: Final = 1.0
+"""With several workers, how often each writes the values read from its memory (ages, held
+requests, clock skew) for the others' scrapes."""
+
+_ABSENT: Final = -math.inf
+"""A shared lease age a worker no longer has (``max`` over workers ignores it; never exported)."""
 
 UNKNOWN: Final = "unknown"
 
@@ -128,12 +148,54 @@ class _LeaseAge(Collector):
         yield family
 
 
+class _SharedCollector(Collector):
+    """Every worker's files merged (prometheus_client's multiprocess mode), made exportable.
+
+    Counters and histograms are summed; each gauge is merged by its ``multiprocess_mode``.
+    The series no worker has any more are left out (a former active domain's 0, a lease age
+    a worker dropped), and the duty-cycle ratio is computed from the merged counters.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._merged = MultiProcessCollector(None, path)  # type: ignore[no-untyped-call]
+
+    def collect(self) -> Iterator[Metric]:
+        seconds: dict[tuple[str, str], list[float]] = {}
+        for metric in self._merged.collect():  # type: ignore[no-untyped-call]
+            if metric.name == "haru_fleet_active_domain":
+                metric.samples = [s for s in metric.samples if s.value != 0]
+            elif metric.name == "haru_route_lease_age_seconds":
+                metric.samples = [s for s in metric.samples if s.value != _ABSENT]
+            elif metric.name == "haru_standby_duty_cycle_ratio":
+                continue
+            elif metric.name in ("haru_standby_seconds", "haru_standby_training_seconds"):
+                index = 0 if metric.name == "haru_standby_seconds" else 1
+                for sample in (s for s in metric.samples if s.name.endswith("_total")):
+                    key = (sample.labels["fleet"], sample.labels["domain"])
+                    seconds.setdefault(key, [0.0, 0.0])[index] += sample.value
+            yield metric
+        ratio = GaugeMetricFamily(
+            "haru_standby_duty_cycle_ratio",
+            "standby_training_seconds / standby_seconds per domain (1 = no idle standby GPU).",
+            labels=["fleet", "domain"],
+        )
+        for (fleet, domain), (standby, trained) in sorted(seconds.items()):
+            if standby > 0:
+                ratio.add_metric([fleet, domain], trained / standby)
+        yield ratio
+
+
 class ServerMetrics:
     """The server's metrics and the hooks that move them (one instance per app).
 
+    ``exposition`` is what ``/metrics`` serves: ``registry`` itself in a single process; with
+    ``PROMETHEUS_MULTIPROC_DIR`` set (``HARU_WORKERS``), every worker's files merged (and the
+    build info), without prometheus_client's process metrics.
+
     Args:
         registry: Where the metrics live; a new private registry when None (which also gets
-            the process, platform and garbage-collector metrics of prometheus_client).
+            the process, platform and garbage-collector metrics of prometheus_client in a
+            single process).
         version: The ``haru_build_info`` version label (the installed haru-server's).
         monotonic: Monotonic seconds (injected by tests).
     """
@@ -145,10 +207,22 @@ class ServerMetrics:
         version: str | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.registry = registry if registry is not None else service_registry()
+        self.shared_dir = os.environ.get(MULTIPROC_DIR_ENV) or None
+        if self.shared_dir is None:
+            self.registry = registry if registry is not None else service_registry()
+            self.exposition = self.registry
+        else:
+            # Every value is written to this process's files; the scrape merges every worker's.
+            self.registry = registry if registry is not None else CollectorRegistry()
+            self.exposition = CollectorRegistry()
+            self.exposition.register(_SharedCollector(self.shared_dir))
         r = self.registry
         self._monotonic = monotonic
-        Info("haru_build", "The running haru-server's version.", registry=r).info(
+        # Read at scrape time from this process's memory (single process), or written by each
+        # worker every REFRESH_INTERVAL_S and before its own scrapes (several workers).
+        self._watched: list[tuple[Gauge, Callable[[], float]]] = []
+        self._lease_fleets: set[str] = set()
+        Info("haru_build", "The running haru-server's version.", registry=self.exposition).info(
             {"version": version if version is not None else _installed_version()}
         )
         self.domain_state = Gauge(
@@ -156,6 +230,7 @@ class ServerMetrics:
             "1 for the domain's current state as this process last saw it (0 for the others).",
             ["fleet", "domain", "state"],
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.standby_ready = Gauge(
             "haru_fleet_standby_ready",
@@ -163,11 +238,30 @@ class ServerMetrics:
             "slot), as this process's last tick judged them.",
             ["fleet"],
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self._heartbeat_age = _HeartbeatAge(monotonic)
-        r.register(self._heartbeat_age)
         self._lease_age = _LeaseAge()
-        r.register(self._lease_age)
+        if self.shared_dir is None:
+            r.register(self._heartbeat_age)
+            r.register(self._lease_age)
+        else:
+            self._shared_heartbeat_age = Gauge(
+                "haru_domain_heartbeat_age_seconds",
+                "Seconds since a worker last got an answered heartbeat from the domain (the "
+                "freshest worker's).",
+                ["fleet", "domain"],
+                registry=r,
+                multiprocess_mode="livemin",
+            )
+            self._shared_lease_age = Gauge(
+                "haru_route_lease_age_seconds",
+                "Seconds since the route pointer a worker routes the fleet on was confirmed by "
+                "a read (the oldest worker's; fleets with a kept route lease only).",
+                ["fleet"],
+                registry=r,
+                multiprocess_mode="livemax",
+            )
         self.gc_pause = Histogram(
             "haru_gc_pause_seconds",
             "Pauses of the cyclic garbage collector (the event loop stops for each), by "
@@ -176,11 +270,16 @@ class ServerMetrics:
             buckets=_GC_BUCKETS,
             registry=r,
         )
-        Gauge(
-            "haru_gc_frozen_objects",
-            "Objects moved to the permanent generation at start-up (gc.freeze): never scanned.",
-            registry=r,
-        ).set_function(gc.get_freeze_count)
+        self._watch(
+            Gauge(
+                "haru_gc_frozen_objects",
+                "Objects moved to the permanent generation at start-up (gc.freeze): never "
+                "scanned (the largest worker's count with several workers).",
+                registry=r,
+                multiprocess_mode="livemax",
+            ),
+            gc.get_freeze_count,
+        )
         self.reconcile_ticks = Counter(
             "haru_reconcile_ticks", "Reconcile ticks run, by result.", ["result"], registry=r
         )
@@ -201,6 +300,7 @@ class ServerMetrics:
             "1 while this process's latest heartbeat round reached no supervisor of the fleet.",
             ["fleet"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.dead_suspected = Counter(
             "haru_reconcile_dead_suspected",
@@ -257,6 +357,7 @@ class ServerMetrics:
             "haru_proxy_held_requests_in_flight",
             "Inference requests this process holds now, waiting for a failover.",
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.step_seconds = Histogram(
             "haru_operation_step_duration_seconds",
@@ -270,12 +371,14 @@ class ServerMetrics:
             "Last route revision this process saw.",
             ["fleet"],
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.active_domain = Gauge(
             "haru_fleet_active_domain",
             "1 for the fleet's active domain as this process last saw it.",
             ["fleet", "domain"],
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.proxy_requests = Counter(
             "haru_proxy_requests",
@@ -346,12 +449,15 @@ class ServerMetrics:
             "standby_training_seconds / standby_seconds per domain (1 = no idle standby GPU).",
             ["fleet", "domain"],
             registry=r,
+            # Several workers: computed at scrape time from the merged counters instead.
+            multiprocess_mode="livemax",
         )
         self.clock_skew = Gauge(
             "haru_clock_skew_seconds",
             "This host's wall clock minus the database's (0 before the first reading); "
             "beyond HARU_MAX_CLOCK_SKEW_MS the process stops reconciling.",
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self._active: dict[str, str] = {}
         self._seen: dict[str, FleetSnapshot] = {}
@@ -363,6 +469,62 @@ class ServerMetrics:
         self._standby_totals: dict[tuple[str, str], list[float]] = {}
         # Per (fleet, domain) slug, the state ``haru_domain_state`` was last set to.
         self._domain_states: dict[tuple[str, str], DomainState] = {}
+
+    def _watch(self, gauge: Gauge, read: Callable[[], float]) -> None:
+        if self.shared_dir is None:
+            gauge.set_function(read)
+        else:
+            self._watched.append((gauge, read))
+
+    def refresh(self) -> None:
+        """With several workers: write this worker's values read from memory to its files.
+
+        Ages, held requests, clock skew and frozen objects are read at scrape time in a single
+        process; a worker cannot read another's memory, so each writes them every
+        :data:`REFRESH_INTERVAL_S` and just before it answers a scrape. No-op otherwise.
+        """
+        if self.shared_dir is None:
+            return
+        for gauge, read in self._watched:
+            gauge.set(read())
+        now = self._monotonic()
+        for (fleet, domain), at in self._heartbeat_age.answered.items():
+            self._shared_heartbeat_age.labels(fleet, domain).set(max(now - at, 0.0))
+        ages = self._lease_age.ages()
+        for fleet in self._lease_fleets - ages.keys():
+            self._shared_lease_age.labels(fleet).set(_ABSENT)
+        for fleet, age in ages.items():
+            self._shared_lease_age.labels(fleet).set(age)
+        self._lease_fleets = set(ages)
+
+    async def before_scrape(self) -> None:
+        """Refresh this worker's scrape-time values (``add_metrics_route``'s hook)."""
+        self.refresh()
+
+    @contextlib.contextmanager
+    def refreshing(self) -> Iterator[None]:
+        """With several workers, :meth:`refresh` every :data:`REFRESH_INTERVAL_S` in the block.
+
+        Runs inside the event loop (timer callbacks); a no-op in a single process.
+        """
+        if self.shared_dir is None:
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        timer: list[asyncio.TimerHandle] = []
+
+        def tick() -> None:
+            try:
+                self.refresh()
+            finally:
+                timer[:] = [loop.call_later(REFRESH_INTERVAL_S, tick)]
+
+        tick()
+        try:
+            yield
+        finally:
+            for handle in timer:
+                handle.cancel()
 
     @contextlib.contextmanager
     def watching_gc(self) -> Iterator[None]:
@@ -419,7 +581,7 @@ class ServerMetrics:
 
     def watch_holding(self, holding: Callable[[], int]) -> None:
         """Read the number of requests held now at each scrape."""
-        self.proxy_holding.set_function(lambda: float(holding()))
+        self._watch(self.proxy_holding, lambda: float(holding()))
 
     def operation_succeeded(self, kind: str) -> None:
         self.operations_succeeded.labels(kind).inc()
@@ -454,7 +616,7 @@ class ServerMetrics:
             value = skew()
             return 0.0 if value is None else value.total_seconds()
 
-        self.clock_skew.set_function(seconds)
+        self._watch(self.clock_skew, seconds)
 
     def pruned(self, *, events: int, operations: int) -> None:
         self.pruned_rows.labels("events").inc(events)
@@ -474,14 +636,31 @@ class ServerMetrics:
         if previous == slug:
             return
         if previous is not None:
-            self.active_domain.remove(fleet.slug, previous)
+            if self.shared_dir is None:
+                self.active_domain.remove(fleet.slug, previous)
+            else:  # a worker's files keep every series: 0 here, left out of the scrape
+                self.active_domain.labels(fleet.slug, previous).set(0)
         self._active[fleet.slug] = slug
         self.active_domain.labels(fleet.slug, slug).set(1)
 
     def heartbeat_answered(
-        self, fleet: FleetSnapshot, domain: DomainSnapshot, status: SupervisorStatus, at: datetime
+        self,
+        fleet: FleetSnapshot,
+        domain: DomainSnapshot,
+        status: SupervisorStatus,
+        at: datetime,
+        *,
+        replaced: datetime | None = None,
     ) -> None:
-        """Account the time since the domain's previous answer to its standby duty cycle."""
+        """Note the heartbeat ``status`` answered at ``at``; count its standby interval.
+
+        ``replaced`` is the stored heartbeat time this process's write at ``at`` replaced (its
+        compare-and-swap landed on it); None when it did not (another process's write came
+        between, or nothing was stored). Only an interval this process replaced is counted,
+        so replicas never count one twice. It is attributed to what the
+        heartbeat at its start showed when this process made that one, else to what this one
+        shows.
+        """
         domain_id = domain.id
         self._heartbeat_age.answered[(fleet.slug, domain.slug)] = self._monotonic()
         training = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
@@ -494,15 +673,21 @@ class ServerMetrics:
         mark = _StandbyMark(at=at, standby=fleet.active_domain_id != domain_id, training=running)
         previous = self._marks.get(domain_id)
         self._marks[domain_id] = mark
-        if previous is None or not previous.standby:
+        if replaced is None:
             return
-        gap = (at - previous.at).total_seconds()
+        if previous is None or previous.at != replaced:
+            previous = mark  # the replaced heartbeat was another process's
+        if not previous.standby:
+            return
+        gap = (at - replaced).total_seconds()
         if not 0 < gap <= MAX_STANDBY_GAP_S:
             return
         labels = (fleet.slug, domain.slug)
         self.standby_seconds.labels(*labels).inc(gap)
         if previous.training:
             self.standby_training_seconds.labels(*labels).inc(gap)
+        if self.shared_dir is not None:
+            return  # the scrape divides the merged counters (_SharedCollector)
         totals = self._standby_totals.setdefault(labels, [0.0, 0.0])
         totals[0] += gap
         totals[1] += gap if previous.training else 0.0

@@ -570,15 +570,30 @@ class Reconciler:
                 reason = "unauthorized" if refused is not None else "unreachable"
                 self._metrics.heartbeat_failed(fleet.slug, domain.slug, reason=reason)
             else:
-                self._metrics.heartbeat_answered(fleet, domain, status, now)
                 landed |= await self._mirror_slots(
                     fleet, domain, status, now, busy=domain.id in busy
                 )
             verdicts.append((domain, status, refused is not None))
         # Slot health first, then the heartbeats (DESIGN 7.3), every answering domain's in one
         # statement.
-        answered = frozenset(domain.id for domain, status, _ in verdicts if status is not None)
-        seen = await self._store.mark_domains_seen(answered, at=now) if answered else frozenset()
+        read = {d.id: d.last_seen_at for d, status, _ in verdicts if status is not None}
+        answered = frozenset(read)
+        seen, replaced = (
+            await self._store.record_heartbeats(read, at=now)
+            if read
+            else (frozenset[UUID](), frozenset[UUID]())
+        )
+        for domain, status, _ in verdicts:
+            if status is not None:
+                # The duty cycle counts the interval this write replaced, if it did (one
+                # replica per interval).
+                self._metrics.heartbeat_answered(
+                    fleet,
+                    domain,
+                    status,
+                    now,
+                    replaced=domain.last_seen_at if domain.id in replaced else None,
+                )
         if len(seen) < len(answered):
             # A newer heartbeat (another process, a clock ahead) is stored: judging staleness
             # from this snapshot's older value would be wrong. Re-read.

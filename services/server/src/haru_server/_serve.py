@@ -170,7 +170,8 @@ async def run_server(
     announce(settings)
     await migrate(settings)
     app = create_app(settings)
-    with StopSignals(stop) as signals, app[metrics_key].watching_gc():
+    metrics = app[metrics_key]
+    with StopSignals(stop) as signals, metrics.watching_gc(), metrics.refreshing():
         async with serving(
             app,
             host=settings.host,

@@ -9,6 +9,12 @@ relying on compare-and-swap; see the README). The parent only supervises: SIGTER
 stops every worker (SIGTERM, then SIGKILL after the shutdown grace), and a worker that exits
 on its own stops the others and the parent exits 1, for the service manager to restart the
 whole set. A worker whose parent disappeared stops itself.
+
+Metrics: the parent creates a fresh, empty folder per start and names it in
+``PROMETHEUS_MULTIPROC_DIR`` for the workers (prometheus_client's multiprocess mode, chosen
+when a worker imports it): each worker writes its metric values to its own files there and any
+worker's ``/metrics`` merges every worker's. A worker that exits has its live gauges' files
+removed; the parent removes the folder when the set stops.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from multiprocessing.connection import wait
@@ -28,8 +36,10 @@ from multiprocessing.process import BaseProcess
 from typing import Final
 
 from haru_web import configure_logging
+from prometheus_client.multiprocess import mark_process_dead
 
 from haru_server._eventloop import run
+from haru_server._metrics import MULTIPROC_DIR_ENV
 from haru_server._serve import SHUTDOWN_TIMEOUT_S, check_tls, migrate, run_server
 from haru_server._settings import Settings
 
@@ -49,7 +59,7 @@ def serve_workers(settings: Settings) -> int:
     """
     check_tls(settings)
     run(migrate(settings))
-    with _reserve(settings.host, settings.port) as port:
+    with _reserve(settings.host, settings.port) as port, _metrics_dir() as metrics_dir:
         worker_settings = settings.model_copy(update={"port": port, "workers": 1})
         context = multiprocessing.get_context("spawn")
         workers = [
@@ -63,7 +73,7 @@ def serve_workers(settings: Settings) -> int:
         }
         try:
             for worker in workers:
-                worker.start()
+                worker.start()  # spawn: the worker inherits the environment as it is now
             logger.info(
                 "haru-server: %d workers on %s:%d (pids %s)",
                 len(workers),
@@ -71,14 +81,40 @@ def serve_workers(settings: Settings) -> int:
                 port,
                 ", ".join(str(w.pid) for w in workers),
             )
-            return _supervise(workers, stopping)
+            return _supervise(workers, stopping, metrics_dir)
         finally:
-            _stop(workers)
+            _stop(workers, metrics_dir)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
 
 
-def _supervise(workers: Sequence[BaseProcess], stopping: threading.Event) -> int:
+@contextlib.contextmanager
+def _metrics_dir() -> Iterator[str]:
+    """A new empty folder named by ``PROMETHEUS_MULTIPROC_DIR`` while the block runs.
+
+    Fresh per start: files left by a previous set would be merged into this one's counters.
+    An inherited value is replaced for the workers and restored after.
+    """
+    inherited = os.environ.get(MULTIPROC_DIR_ENV)
+    path = tempfile.mkdtemp(prefix="haru-metrics-")
+    os.environ[MULTIPROC_DIR_ENV] = path
+    try:
+        yield path
+    finally:
+        if inherited is None:
+            os.environ.pop(MULTIPROC_DIR_ENV, None)
+        else:
+            os.environ[MULTIPROC_DIR_ENV] = inherited
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _exited(worker: BaseProcess, metrics_dir: str) -> None:
+    if worker.pid is not None:
+        # Its live gauges stop counting.
+        mark_process_dead(worker.pid, metrics_dir)  # type: ignore[no-untyped-call]
+
+
+def _supervise(workers: Sequence[BaseProcess], stopping: threading.Event, metrics_dir: str) -> int:
     sentinels = [w.sentinel for w in workers]
     while not stopping.is_set():
         ready = wait(sentinels, timeout=0.2)
@@ -87,6 +123,7 @@ def _supervise(workers: Sequence[BaseProcess], stopping: threading.Event) -> int
                 break
             for worker in (w for w in workers if w.sentinel in ready):
                 worker.join(1.0)  # the sentinel fires at exit, a moment before it is reaped
+                _exited(worker, metrics_dir)
                 logger.error(
                     "worker %s (pid %s) exited with code %s; stopping the others",
                     worker.name,
@@ -98,7 +135,7 @@ def _supervise(workers: Sequence[BaseProcess], stopping: threading.Event) -> int
     return 0
 
 
-def _stop(workers: Sequence[BaseProcess]) -> None:
+def _stop(workers: Sequence[BaseProcess], metrics_dir: str) -> None:
     for worker in workers:
         if worker.is_alive():
             worker.terminate()  # SIGTERM: the worker's own graceful stop
@@ -108,6 +145,7 @@ def _stop(workers: Sequence[BaseProcess]) -> None:
             logger.warning("worker %s did not stop in time; killing it", worker.name)
             worker.kill()
             worker.join()
+        _exited(worker, metrics_dir)
 
 
 @contextlib.contextmanager
