@@ -41,14 +41,13 @@ from haru_protocol import (
     SlotKind,
 )
 from haru_server._app import create_app
-from haru_server._keys import clock_key, kick_fleet_key, settings_key, store_key
+from haru_server._keys import clock_key, settings_key, store_key
 from haru_server._proxy import (
     ProxyTuning,
     _KickDebouncer,
     _Proxy,
     held_cap,
     install_proxy,
-    observe_route_move,
     proxy_key,
 )
 from haru_server._route_cache import RouteCache
@@ -89,7 +88,7 @@ class Proxy:
     app: web.Application
     kicks: list[UUID] = field(default_factory=list)
 
-    def kick(self, fleet_id: UUID, *, accepted: object = None) -> None:
+    def kick(self, fleet_id: UUID) -> None:
         self.kicks.append(fleet_id)
 
     @property
@@ -119,8 +118,7 @@ async def make_proxy(sqlite_store: StateStore) -> AsyncIterator[ProxyFactory]:
         app[settings_key] = settings
         app[store_key] = store if store is not None else sqlite_store
         app[clock_key] = now
-        app[kick_fleet_key] = proxy.kick
-        install_proxy(app, tuning=tuning)
+        install_proxy(app, tuning=tuning, kicker=proxy)
         # Served like production (web.run_app's default: handlers are NOT cancelled when a
         # client disconnects), unless a test asks for aiohttp's handler cancellation.
         runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
@@ -510,12 +508,9 @@ async def test_connect_failure_is_502_and_kicks_the_fleet_once(
 
 def test_kicks_are_debounced_per_fleet() -> None:
     now = [100.0]
-    kicked: list[UUID] = []
+    kicker = Proxy(url="", app=web.Application())
 
-    def kick(fleet_id: UUID, *, accepted: object = None) -> None:
-        kicked.append(fleet_id)
-
-    debounce = _KickDebouncer(kick, interval_s=1.0, clock=lambda: now[0])
+    debounce = _KickDebouncer(kicker, interval_s=1.0, clock=lambda: now[0])
     a, b = UUID(int=1), UUID(int=2)
     assert debounce(a)
     assert not debounce(a)
@@ -524,7 +519,7 @@ def test_kicks_are_debounced_per_fleet() -> None:
     assert not debounce(a)
     now[0] += 0.02
     assert debounce(a)
-    assert kicked == [a, b, a]
+    assert kicker.kicks == [a, b, a]
     assert not _KickDebouncer(None, interval_s=1.0, clock=lambda: now[0])(a)
 
 
@@ -1123,7 +1118,7 @@ class CountingStore(StateStore):
 
 
 def proxy_of(proxy: Proxy) -> _Proxy:
-    running = proxy.app[proxy_key].proxy
+    running = proxy.app[proxy_key].running
     assert running is not None
     return running
 
@@ -1157,7 +1152,7 @@ async def test_leased_requests_never_read_the_pointer_and_own_flips_apply_at_onc
         # ... a flip made by this process (the switch_active step reports it) is seen at once.
         pointer = await sqlite_store.get_fleet_route_pointer("prod")
         assert pointer is not None
-        observe_route_move(proxy.app, pointer)
+        proxy.app[proxy_key].note_route_move(pointer)
         status, headers, _ = await post(http, proxy, chat_body())
         assert status == 200
         assert "X-Haru-Routing" not in headers
@@ -1651,7 +1646,7 @@ async def test_a_promotion_accepted_by_this_process_holds_at_once(
     base = f"http://{host}:{port}"
     async with http.post(f"{base}/v1/chat/completions", data=chat_body()) as resp:
         assert resp.status == 200
-    running = app[proxy_key].proxy
+    running = app[proxy_key].running
     assert running is not None
     cache = running.cache
     assert not cache.promotion_in_flight(env.fleet.id)

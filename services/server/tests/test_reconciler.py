@@ -126,7 +126,7 @@ async def test_a_kicked_tick_drives_a_just_accepted_operation_before_any_heartbe
     )
     assert created
     # The kick of an accepted promote: its first step runs with no heartbeat round first.
-    first = await reconciler.tick("local", kicked=True)
+    first = await reconciler.tick("local", pending_first=True)
     assert rounds == []
     assert first.operation is not None
     assert first.operation.id == pending.id
@@ -135,7 +135,7 @@ async def test_a_kicked_tick_drives_a_just_accepted_operation_before_any_heartbe
     assert first.operation.current_step in (OperationStep.STOP_TRAINING, OperationStep.VERIFY_GPU)
     # A kick while it runs (a passive failure seen by the proxy) is a whole tick: kicks
     # never starve the heartbeats.
-    await reconciler.tick("local", kicked=True)
+    await reconciler.tick("local", pending_first=True)
     assert rounds == [2]
     await helpers.tick_until_settled(reconciler, "local")
     done = await store.get_operation(pending.id)
@@ -173,7 +173,7 @@ async def test_a_kick_that_brings_the_accepted_operation_starts_it_without_readi
 
         monkeypatch.setattr(store, name, counting)
     first = await reconciler.tick(
-        "local", kicked=True, accepted=Accepted(fleet=validated, operation=pending)
+        "local", pending_first=True, start=Accepted(fleet=validated, operation=pending)
     )
     assert reads == []
     assert first.operation is not None
@@ -211,7 +211,7 @@ async def test_an_accepted_operation_already_started_elsewhere_is_left_to_its_ti
     assert claimed.operation is not None
     assert claimed.operation.state is OperationState.RUNNING
     late = await reconciler.tick(
-        "local", kicked=True, accepted=Accepted(fleet=validated, operation=pending)
+        "local", pending_first=True, start=Accepted(fleet=validated, operation=pending)
     )
     assert late.operation is not None
     assert late.operation.id == pending.id

@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from uuid import UUID
 
 from haru_core import (
@@ -72,6 +72,9 @@ from haru_supervisor.client import (
 )
 
 from haru_server._logfields import log_fields
+
+if TYPE_CHECKING:
+    from haru_server._proxy import InferenceProxy
 
 logger = logging.getLogger(__name__)
 
@@ -158,14 +161,12 @@ class StepTuning:
             out by then (``haru_core.lease_guard_ms``; see the README). The
             fleet's stored ``route_lease_ms`` (the longest lease any process records, read
             after the flip) lengthens it. See :func:`route_guard_until`.
-        route_moved: Told the new pointer after a flip, so this process routes with it at once.
     """
 
     settle_s: float = 1.0
     first_poll_s: float = 0.005
     max_poll_s: float = 0.015
     route_guard_s: float = 0.0
-    route_moved: Callable[[FleetRoutePointer], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +188,8 @@ class StepContext:
     """The CAS that started this step already applied its :func:`entry_mirror`."""
     guard_until: datetime | None = None
     """:func:`route_guard_until` of this step: it sleeps nothing before then."""
+    proxy: InferenceProxy | None = None
+    """This process's inference proxy, told of a flip made here so it routes with it at once."""
 
     def bound(self, cap_s: float | None = None) -> float:
         """Seconds a supervisor call may take: what remains of the budget, capped."""
@@ -554,8 +557,8 @@ async def _switch_active(ctx: StepContext) -> StepResult:
     )
     pointer = await ctx.store.get_fleet_route_pointer(str(fleet.id))
     revision = None if pointer is None else pointer.route_revision
-    if pointer is not None and ctx.tuning.route_moved is not None:
-        ctx.tuning.route_moved(pointer)
+    if pointer is not None and ctx.proxy is not None:
+        ctx.proxy.note_route_move(pointer)
     if switched:
         await ctx.store.append_event(
             fleet_id=fleet.id,
