@@ -1,4 +1,4 @@
-"""The control server's runtime: one object that owns every long-lived part (DESIGN 10).
+"""The control server's runtime: one object that owns every long-lived part (DESIGN 7.6).
 
 :class:`ControlPlane` is built by :func:`haru_server.create_app` and started by one
 ``cleanup_ctx`` (:meth:`ControlPlane.run`), which opens, in this order, the state store, the

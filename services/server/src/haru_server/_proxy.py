@@ -61,7 +61,14 @@ from yarl import URL
 
 from haru_server._client_keys import Grant, KeyGate
 from haru_server._keys import clock_key, settings_key, store_key
-from haru_server._metrics import metrics_key, note_first_chunk, note_key, note_route, note_upstream
+from haru_server._metrics import (
+    ServerMetrics,
+    metrics_key,
+    note_first_chunk,
+    note_key,
+    note_route,
+    note_upstream,
+)
 from haru_server._pki import pki_key
 from haru_server._proxy_routes import (
     CHAT_PATH,
@@ -299,13 +306,10 @@ class _Proxy:
         self._hold_poll = tuning.hold_poll_ms / 1000
         self.holding = 0
         """Requests held right now."""
-        self.held_total = 0
-        """Requests that were held and then dispatched."""
         self.retried_total = 0
         """Requests sent to a second upstream after the first went away without answering."""
         self.over_cap = 0
         """Requests failed at once because ``hold_max`` requests were held already."""
-        self.longest_hold_ms = 0
         self.idle_cuts = 0
         """Answers cut because their upstream went silent mid-answer."""
         self.listener: RouteListener | None = None
@@ -334,7 +338,7 @@ class _Proxy:
             monotonic=tuning.monotonic,
         )
         self.stamps = ConnectStamps(
-            app[store_key], self._clock, metrics=app.get(metrics_key), monotonic=tuning.monotonic
+            app[store_key], self._clock, metrics=app[metrics_key], monotonic=tuning.monotonic
         )
         self._kick = _KickDebouncer(
             kicker,
@@ -529,13 +533,9 @@ class _Proxy:
                     failed = exc
                     continue
                 held_ms = int((self._mono() - started) * 1000)
-                self.held_total += 1
                 if reached:
                     self.retried_total += 1
-                metrics = request.app.get(metrics_key)
-                if metrics is not None:  # a bare proxy app (tests) has no metrics
-                    metrics.request_held(lookup.routes.fleet_slug)
-                self.longest_hold_ms = max(self.longest_hold_ms, held_ms)
+                request.app[metrics_key].request_held(lookup.routes.fleet_slug)
                 return lookup, upstream, held_ms
         finally:
             self.holding -= 1
@@ -1096,17 +1096,17 @@ async def _models(request: web.Request) -> web.StreamResponse:
 def add_proxy_routes(app: web.Application, proxy: InferenceProxy) -> None:
     """Register the inference routes on ``app``, served by ``proxy``.
 
-    ``app[settings_key]``, ``app[store_key]`` and ``app[clock_key]`` must be set, and
+    ``app[settings_key]``, ``app[store_key]``, ``app[clock_key]`` and ``app[metrics_key]``
+    must be set, and
     ``proxy.lifecycle`` must run for the app's life (the control plane runs it). The bearer
     check and the rendering of :class:`haru_web.ApiError` are the app's middlewares' job.
     """
     app[proxy_key] = proxy
-    metrics = app.get(metrics_key)
-    if metrics is not None:
-        metrics.watch_holding(lambda: 0 if proxy.running is None else proxy.running.holding)
-        metrics.watch_lease_ages(
-            lambda: {} if proxy.running is None else proxy.running.cache.lease_ages()
-        )
+    metrics = app[metrics_key]
+    metrics.watch_holding(lambda: 0 if proxy.running is None else proxy.running.holding)
+    metrics.watch_lease_ages(
+        lambda: {} if proxy.running is None else proxy.running.cache.lease_ages()
+    )
     app.router.add_post(CHAT_PATH, _chat_completions, expect_handler=_expect_continue)
     app.router.add_post(COMPLETIONS_PATH, _completions, expect_handler=_expect_continue)
     app.router.add_post(EMBEDDINGS_PATH, _embeddings, expect_handler=_expect_continue)
@@ -1118,6 +1118,8 @@ def install_proxy(
 ) -> InferenceProxy:
     """The proxy alone on ``app``: its routes and its lifecycle, without a control plane.
 
+    ``app[metrics_key]`` is set to a fresh :class:`ServerMetrics` when the app has none.
+
     Args:
         app: The application, not yet started, with ``app[settings_key]``, ``app[store_key]``
             and ``app[clock_key]`` set.
@@ -1125,6 +1127,8 @@ def install_proxy(
         kicker: Asked to reconcile a fleet on a passive failure; None sends no kick.
     """
     proxy = InferenceProxy(tuning if tuning is not None else ProxyTuning(), kicker=kicker)
+    if metrics_key not in app:
+        app[metrics_key] = ServerMetrics()
     add_proxy_routes(app, proxy)
     app.cleanup_ctx.append(proxy.lifecycle)
     return proxy
