@@ -24,10 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, assert_never
 from uuid import UUID
 
 from haru_core import (
@@ -824,28 +824,39 @@ async def _start_training(ctx: StepContext) -> StepResult:
     return await _train_domain(ctx, ctx.target)
 
 
-_EXECUTORS: Mapping[OperationStep, Callable[[StepContext], Awaitable[StepResult]]] = {
-    _S.STOP_TRAINING: _stop_training,
-    _S.VERIFY_GPU: _verify_gpu,
-    _S.WAKE_VLLM: _wake_vllm,
-    _S.PROBE: _probe,
-    _S.SWITCH_ACTIVE: _switch_active,
-    _S.DEMOTE_OLD_SLEEP: _demote_old_sleep,
-    _S.DEMOTE_OLD_TRAIN: _demote_old_train,
-    _S.SLEEP_VLLM: _sleep_vllm,
-    _S.START_TRAINING: _start_training,
-}
-
-
 async def run_step(ctx: StepContext) -> StepResult:
     """Run the executor of ``ctx.step`` once and return its result.
 
     A supervisor failure never raises (it is a result); state-store failures propagate.
     """
     try:
-        return await _EXECUTORS[ctx.step](ctx)
+        return await _execute(ctx)
     except _Outcome as outcome:
         return outcome.result
+
+
+async def _execute(ctx: StepContext) -> StepResult:
+    match ctx.step:
+        case _S.STOP_TRAINING:
+            return await _stop_training(ctx)
+        case _S.VERIFY_GPU:
+            return await _verify_gpu(ctx)
+        case _S.WAKE_VLLM:
+            return await _wake_vllm(ctx)
+        case _S.PROBE:
+            return await _probe(ctx)
+        case _S.SWITCH_ACTIVE:
+            return await _switch_active(ctx)
+        case _S.DEMOTE_OLD_SLEEP:
+            return await _demote_old_sleep(ctx)
+        case _S.DEMOTE_OLD_TRAIN:
+            return await _demote_old_train(ctx)
+        case _S.SLEEP_VLLM:
+            return await _sleep_vllm(ctx)
+        case _S.START_TRAINING:
+            return await _start_training(ctx)
+        case _:
+            assert_never(ctx.step)
 
 
 def _str(value: UUID | None) -> str | None:
