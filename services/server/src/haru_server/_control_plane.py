@@ -34,7 +34,7 @@ from haru_web import current_request_id
 from haru_server._clock import SAMPLE_INTERVAL_S, Clock, SkewGate, StoreClock
 from haru_server._loop import LoopOptions, ReconcileLoop
 from haru_server._metrics import ServerMetrics
-from haru_server._pki import FleetPki, pki_key
+from haru_server._pki import FleetPki
 from haru_server._provisioning import Provisioner, ProvisionerOptions
 from haru_server._proxy import InferenceProxy, ProxyTuning
 from haru_server._reconciler import Accepted, Reconciler, ReconcilerOptions
@@ -159,11 +159,9 @@ class ControlPlane:
             await self._open_store(stack)
             await self._start_clock(stack)
             self._start_retention(stack)
-            await self._start_reconciler(stack, app)
+            pki = await self._start_reconciler(stack)
             await self._start_loop(stack)
-            await stack.enter_async_context(
-                contextlib.asynccontextmanager(self.proxy.lifecycle)(app)
-            )
+            await stack.enter_async_context(self.proxy.open(app, pki=pki))
             yield
 
     async def _open_store(self, stack: contextlib.AsyncExitStack) -> None:
@@ -205,17 +203,13 @@ class ControlPlane:
         pruner.start()
         stack.push_async_callback(pruner.stop)
 
-    async def _start_reconciler(
-        self, stack: contextlib.AsyncExitStack, app: web.Application
-    ) -> None:
+    async def _start_reconciler(self, stack: contextlib.AsyncExitStack) -> FleetPki:
         settings = self.settings
         connector = aiohttp.TCPConnector(limit=SUPERVISOR_CONNECTIONS)
         session = await stack.enter_async_context(aiohttp.ClientSession(connector=connector))
         # `skypilot` domains get certificates from their fleet's CA; the client trusts that
         # CA (and each domain's name) at the addresses the provisioner records.
         pki = FleetPki(self.store, settings.store_key(), validity_days=settings.domain_cert_days)
-        # The proxy verifies a `skypilot` domain's gateway against the same CA.
-        app[pki_key] = pki
         links = dataclasses.replace(self._links, issued=pki.trusts)
         client = SupervisorClient(
             session,
@@ -261,6 +255,8 @@ class ControlPlane:
         )
         stack.push_async_callback(reconciler.close)
         self._reconciler = reconciler
+        # The proxy verifies a `skypilot` domain's gateway against the same CA.
+        return pki
 
     async def _start_loop(self, stack: contextlib.AsyncExitStack) -> None:
         settings = self.settings

@@ -40,6 +40,7 @@ domain, a store that cannot serve routing, a full hold cap, or a hold that ran o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -69,7 +70,7 @@ from haru_server._metrics import (
     note_route,
     note_upstream,
 )
-from haru_server._pki import pki_key
+from haru_server._pki import FleetPki
 from haru_server._proxy_routes import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -279,9 +280,10 @@ class _Proxy:
         session: aiohttp.ClientSession,
         tuning: ProxyTuning,
         kicker: FleetKicker | None,
+        pki: FleetPki | None,
     ) -> None:
         settings = app[settings_key]
-        self._app = app
+        self._pki = pki
         self._session = session
         self._allow_plaintext = settings.allow_plaintext
         self._serving_ssl = settings.serving_ssl()
@@ -698,7 +700,7 @@ class _Proxy:
                 "server's HARU_ALLOW_PLAINTEXT=1)",
                 headers=_routing_headers(lookup),
             )
-        pki = self._app.get(pki_key)
+        pki = self._pki
         if active is not None and active.provider is Provider.SKYPILOT and pki is not None:
             trust = await pki.domain_trust(lookup.fleet_id, slug, active.slug)
             if trust is None:
@@ -1009,7 +1011,17 @@ class InferenceProxy:
             self._running.cache.note_promotion(fleet_id)
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
-        """Open the proxy's resources for the life of ``app`` (a ``cleanup_ctx``)."""
+        """The proxy alone as a ``cleanup_ctx`` (no fleet CA: see :meth:`open`)."""
+        async with self.open(app, pki=None):
+            yield
+
+    @contextlib.asynccontextmanager
+    async def open(self, app: web.Application, *, pki: FleetPki | None) -> AsyncIterator[None]:
+        """Open the proxy's resources until the block ends.
+
+        ``pki``: verifies a ``skypilot`` domain's gateway against its fleet's CA (None: such a
+        gateway cannot be verified, so it is not routed to).
+        """
         settings = app[settings_key]
         connect_s = min(settings.chat_header_timeout_ms, self.tuning.connect_timeout_ms) / 1000
         connector = aiohttp.TCPConnector(
@@ -1030,7 +1042,7 @@ class InferenceProxy:
             trust_env=False,
         )
         async with session:
-            proxy = _Proxy(app, session, self.tuning, self._kicker)
+            proxy = _Proxy(app, session, self.tuning, self._kicker, pki)
             self._running = proxy
             store = app[store_key]
             listening: asyncio.Task[None] | None = None
