@@ -214,12 +214,8 @@ class _Cleanup:
 
 
 @dataclass(slots=True)
-class _DomainWork:
-    """This process's provisioning work on one domain, and what it saw (never stored).
-
-    The launch, teardown and cleanup it runs in the background, when it last read the
-    cluster's status, and its relaunch streak.
-    """
+class _Memory:
+    """What this process knows of one domain beyond the store."""
 
     launch: _Launch | None = None
     teardown: asyncio.Task[None] | None = None
@@ -309,7 +305,7 @@ class Provisioner:
         self._clock = clock
         secrets = {TOKEN_SECRET: supervisor_token, SERVING_TOKEN_SECRET: serving_token}
         self._secrets: Mapping[str, str] = {k: v for k, v in secrets.items() if v is not None}
-        self._work: dict[UUID, _DomainWork] = {}
+        self._memory: dict[UUID, _Memory] = {}
         self._reads = _Reads(wanted=set(), results={})
         self._launch_slots = asyncio.Semaphore(self._options.max_concurrent_launches)
         self._preflight_ok = not self._options.preflight
@@ -321,10 +317,10 @@ class Provisioner:
 
         Their claims stay: a later process finds the cluster through ``sky status``.
         """
-        tasks = [m.launch.task for m in self._work.values() if m.launch is not None]
+        tasks = [m.launch.task for m in self._memory.values() if m.launch is not None]
         tasks += [t for t in (self._reads.task, self._preflight_task) if t is not None]
-        tasks += [m.teardown for m in self._work.values() if m.teardown is not None]
-        tasks += [m.cleanup.task for m in self._work.values() if m.cleanup is not None]
+        tasks += [m.teardown for m in self._memory.values() if m.teardown is not None]
+        tasks += [m.cleanup.task for m in self._memory.values() if m.cleanup is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -333,8 +329,8 @@ class Provisioner:
 
     def launching(self, domain_id: UUID) -> bool:
         """Whether this process runs a launch of the domain right now."""
-        work = self._work.get(domain_id)
-        return work is not None and work.launch is not None and not work.launch.task.done()
+        memory = self._memory.get(domain_id)
+        return memory is not None and memory.launch is not None and not memory.launch.task.done()
 
     async def step(self, fleet: FleetSnapshot, in_flight: Operation | None) -> bool:
         """Advance every provisioned domain of ``fleet`` by at most one step.
@@ -373,28 +369,28 @@ class Provisioner:
     async def _domain(
         self, fleet: FleetSnapshot, domain: DomainSnapshot, in_flight: Operation | None
     ) -> bool:
-        work = self._work.setdefault(domain.id, _DomainWork())
+        memory = self._memory.setdefault(domain.id, _Memory())
         match domain.state:
             case _D.PROVISIONING:
                 if self._claim_pending(domain):
-                    return await self._launch(fleet, domain, work)
+                    return await self._launch(fleet, domain, memory)
                 if domain.launched_at is None:
-                    return await self._await_launch(fleet, domain, work)
+                    return await self._await_launch(fleet, domain, memory)
                 if domain.serving_base_url is None:
-                    return await self._await_up(fleet, domain, work)
+                    return await self._await_up(fleet, domain, memory)
                 if not self._backend(domain).has_supervisor:
                     return await self._service_ready(fleet, domain)
-                return await self._await_supervisor(fleet, domain, work)
+                return await self._await_supervisor(fleet, domain, memory)
             case _D.READY | _D.DEGRADED:
-                work.addressed_at = None
-                return await self._watch(fleet, domain, work)
+                memory.addressed_at = None
+                return await self._watch(fleet, domain, memory)
             case _D.FAILED:
-                cleaning = await self._cleaning(fleet, domain, work)
+                cleaning = await self._cleaning(fleet, domain, memory)
                 if cleaning is not None:
                     return cleaning
-                return await self._relaunch(fleet, domain, work, in_flight)
+                return await self._relaunch(fleet, domain, memory, in_flight)
             case _D.STOPPING:
-                return await self._teardown(fleet, domain, work)
+                return await self._teardown(fleet, domain, memory)
             case _:
                 return False
 
@@ -406,7 +402,7 @@ class Provisioner:
             started is not None and started < domain.state_updated_at
         )
 
-    async def _name(self, fleet: FleetSnapshot, domain: DomainSnapshot, work: _DomainWork) -> str:
+    async def _name(self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory) -> str:
         """The cluster name of the domain's current launch attempt.
 
         The name its ``domain.launch.started`` event recorded: a domain launched before names
@@ -414,7 +410,7 @@ class Provisioner:
         name. A new launch always takes :func:`~haru_driver_skypilot.cluster_name`.
         """
         attempt = domain.launch_attempt
-        cached = work.name
+        cached = memory.name
         if cached is not None and cached[0] == attempt:
             return cached[1]
         name = cluster_name(fleet.slug, domain.slug)
@@ -426,7 +422,7 @@ class Provisioner:
             if not isinstance(data, DomainLaunchStarted) or data.attempt != attempt:
                 return name  # claimed, its event not written yet: a new launch's name
             name = data.cluster
-        work.name = (attempt, name)
+        memory.name = (attempt, name)
         return name
 
     def _settings(self, domain: DomainSnapshot) -> Provisioning:
@@ -469,9 +465,7 @@ class Provisioner:
         )
         self._preflight_ok = True
 
-    async def _status(
-        self, domain: DomainSnapshot, name: str, work: _DomainWork
-    ) -> Observed | None:
+    async def _status(self, domain: DomainSnapshot, name: str, memory: _Memory) -> Observed | None:
         """What SkyPilot says of ``name``; None while no read newer than the ask has ended.
 
         A ``skypilot`` cluster is read by the batched background read (:meth:`_read_all`):
@@ -480,16 +474,16 @@ class Provisioner:
         """
         mono = time.monotonic()
         if domain.provider is not Provider.SKYPILOT:
-            last = work.status_read_at
+            last = memory.status_read_at
             if last is not None and mono - last < self._options.status_interval_s:
                 return None
-            work.status_read_at = mono
+            memory.status_read_at = mono
             return await self._backend(domain).observe(name, self._settings(domain))
-        if work.status_asked_at is None:
-            work.status_asked_at = mono
+        if memory.status_asked_at is None:
+            memory.status_asked_at = mono
         got = self._reads.results.get(name)
-        if got is not None and got[0] >= work.status_asked_at:
-            work.status_asked_at = None
+        if got is not None and got[0] >= memory.status_asked_at:
+            memory.status_asked_at = None
             return got[1]
         self._reads.wanted.add(name)
         self._start_read(mono)
@@ -522,18 +516,16 @@ class Provisioner:
 
     # ---- step 1: claim and launch --------------------------------------------------------
 
-    async def _launch(
-        self, fleet: FleetSnapshot, domain: DomainSnapshot, work: _DomainWork
-    ) -> bool:
+    async def _launch(self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory) -> bool:
         now = self._clock()
         attempt = domain.launch_attempt + 1
-        previous = await self._name(fleet, domain, work) if domain.launch_attempt else None
+        previous = await self._name(fleet, domain, memory) if domain.launch_attempt else None
         name = cluster_name(fleet.slug, domain.slug)
         if not await self._store.claim_launch(
             domain.id, expected_attempt=domain.launch_attempt, at=now
         ):
             return True  # another process claimed it (or the row moved): re-read
-        work.name = (attempt, name)
+        memory.name = (attempt, name)
         role = _role(fleet, domain)
         logger.info("domain %s: launching cluster %s (attempt %d)", domain.slug, name, attempt)
         await self._event(
@@ -560,8 +552,8 @@ class Provisioner:
         olds = tuple(dict.fromkeys(n for n in (previous, name) if n is not None))
         launch = self._fresh_launch(fleet, domain, olds, launch)
         task = asyncio.create_task(launch, name=f"haru-launch-{name}-{attempt}")
-        work.launch = _Launch(attempt, task)
-        work.addressed_at = None
+        memory.launch = _Launch(attempt, task)
+        memory.addressed_at = None
         return True
 
     async def _launch_secrets(
@@ -645,17 +637,17 @@ class Provisioner:
     # ---- step 2: the launch's outcome ----------------------------------------------------
 
     async def _await_launch(
-        self, fleet: FleetSnapshot, domain: DomainSnapshot, work: _DomainWork
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
     ) -> bool:
         now = self._clock()
         attempt = domain.launch_attempt
-        name = await self._name(fleet, domain, work)
+        name = await self._name(fleet, domain, memory)
         started = domain.launch_started_at or now
         overdue = now - started > _ms(fleet.policy.launch_timeout_ms)
-        launch = work.launch
+        launch = memory.launch
         if launch is not None and launch.attempt == attempt:
             if launch.task.done():
-                work.launch = None
+                memory.launch = None
                 if launch.task.cancelled():
                     failure = _Failure("launch_failed", "the launch was cancelled")
                     await self._fail(fleet, domain, attempt, failure, now)
@@ -670,7 +662,7 @@ class Provisioner:
                 return True
             if not overdue:
                 return False
-            work.launch = None
+            memory.launch = None
             launch.task.cancel()
             with contextlib.suppress(BaseException):
                 await launch.task
@@ -683,7 +675,7 @@ class Provisioner:
             return True
         # A claim this process does not run: it restarted, or another process launches.
         # Never launch this attempt again; SkyPilot says whether it went through.
-        seen = await self._status(domain, name, work)
+        seen = await self._status(domain, name, memory)
         if seen is not None and seen.launched:
             return await self._launched(fleet, domain, name, now, observed=True)
         if not overdue:
@@ -723,11 +715,11 @@ class Provisioner:
     # ---- step 3: UP, then the head's address ---------------------------------------------
 
     async def _await_up(
-        self, fleet: FleetSnapshot, domain: DomainSnapshot, work: _DomainWork
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
     ) -> bool:
         now = self._clock()
         attempt = domain.launch_attempt
-        name = await self._name(fleet, domain, work)
+        name = await self._name(fleet, domain, memory)
         started = domain.launch_started_at or now
         backend = self._backend(domain)
         settings = self._settings(domain)
@@ -739,7 +731,7 @@ class Provisioner:
             )
             await self._fail(fleet, domain, attempt, failure, now)
             return True
-        seen = await self._status(domain, name, work)
+        seen = await self._status(domain, name, memory)
         if seen is None:
             return False
         if seen.lost:
@@ -764,7 +756,7 @@ class Provisioner:
             at=now,
         )
         if recorded:
-            work.addressed_at = now
+            memory.addressed_at = now
             logger.info(
                 "domain %s: %s %s is %s at %s",
                 domain.slug,
@@ -838,15 +830,15 @@ class Provisioner:
     # ---- step 4: the supervisor's first heartbeat ----------------------------------------
 
     async def _await_supervisor(
-        self, fleet: FleetSnapshot, domain: DomainSnapshot, work: _DomainWork
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
     ) -> bool:
         now = self._clock()
-        name = await self._name(fleet, domain, work)
-        if work.addressed_at is None:
+        name = await self._name(fleet, domain, memory)
+        if memory.addressed_at is None:
             # Recorded by an earlier process: the budget counts from when this one saw it.
-            work.addressed_at = now
+            memory.addressed_at = now
         budget = fleet.policy.supervisor_ready_timeout_ms
-        if now - work.addressed_at > _ms(budget):
+        if now - memory.addressed_at > _ms(budget):
             failure = _Failure(
                 "supervisor_ready_timeout",
                 f"the supervisor of {name} sent no good heartbeat within "
@@ -854,7 +846,7 @@ class Provisioner:
             )
             await self._fail(fleet, domain, domain.launch_attempt, failure, now)
             return True
-        seen = await self._status(domain, name, work)
+        seen = await self._status(domain, name, memory)
         if seen is not None and seen.lost:
             failure = _Failure(
                 "cluster_lost",
@@ -867,11 +859,11 @@ class Provisioner:
 
     # ---- step 5: loss of a launched cluster ----------------------------------------------
 
-    async def _watch(self, fleet: FleetSnapshot, domain: DomainSnapshot, work: _DomainWork) -> bool:
+    async def _watch(self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory) -> bool:
         if domain.launched_at is None:
             return False
-        name = await self._name(fleet, domain, work)
-        seen = await self._status(domain, name, work)
+        name = await self._name(fleet, domain, memory)
+        seen = await self._status(domain, name, memory)
         if seen is None or not seen.lost:
             return False
         now = self._clock()
@@ -904,10 +896,10 @@ class Provisioner:
     # ---- step 6: cleanup of a failed domain's cluster, relaunch --------------------------
 
     async def _cleaning(
-        self, fleet: FleetSnapshot, domain: DomainSnapshot, work: _DomainWork
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
     ) -> bool | None:
         """Drive a cleanup ``sky down`` to its end; ``None`` when none runs."""
-        cleanup = work.cleanup
+        cleanup = memory.cleanup
         if cleanup is None:
             return None
         if not cleanup.task.done():
@@ -916,9 +908,9 @@ class Provisioner:
         exc = RuntimeError("cancelled") if cleanup.task.cancelled() else cleanup.task.exception()
         why = f"torn down because {cleanup.why}"
         if exc is None:
-            work.cleanup = None
-            work.status_read_at = None  # what is left, read at once
-            work.status_asked_at = None
+            memory.cleanup = None
+            memory.status_read_at = None  # what is left, read at once
+            memory.status_asked_at = None
             logger.info("domain %s: cluster %s %s", domain.slug, cleanup.name, why)
             await self._event(
                 fleet, domain, DomainTeardown(cluster=cleanup.name, ok=True, message=why), now
@@ -941,7 +933,7 @@ class Provisioner:
             now,
         )
         if cleanup.tries >= CLEANUP_TRIES:
-            work.cleanup = None  # given up: the failed step may find it again
+            memory.cleanup = None  # given up: the failed step may find it again
         else:
             cleanup.tries += 1
             cleanup.task = self._down(domain, cleanup.name)
@@ -951,11 +943,11 @@ class Provisioner:
         self,
         fleet: FleetSnapshot,
         domain: DomainSnapshot,
-        work: _DomainWork,
+        memory: _Memory,
         in_flight: Operation | None,
     ) -> bool:
         now = self._clock()
-        name = await self._name(fleet, domain, work)
+        name = await self._name(fleet, domain, memory)
         policy = fleet.policy
         up_budget = _ms(policy.cluster_up_timeout_ms)
         since = now - domain.state_updated_at
@@ -967,7 +959,7 @@ class Provisioner:
         backoff_ms = 0
         streak: _Streak | None = None
         if relaunching:
-            streak = await self._streak(fleet, domain, work)
+            streak = await self._streak(fleet, domain, memory)
             # A first launch that failed is the operator's call; a relaunch that failed
             # (a capacity error right after a preemption) is part of the streak.
             relaunching = domain.launched_at is not None or streak.relaunches > 0
@@ -976,7 +968,7 @@ class Provisioner:
                 relaunching = False
                 if not streak.exhausted:
                     streak.exhausted = True
-                    await self._give_up(fleet, domain, work, name, streak.relaunches, now)
+                    await self._give_up(fleet, domain, memory, name, streak.relaunches, now)
             else:
                 backoff_ms = min(
                     policy.relaunch_backoff_base_ms * 2**streak.relaunches,
@@ -985,15 +977,15 @@ class Provisioner:
         due = relaunching and now >= domain.state_updated_at + _ms(backoff_ms)
         if not (due or watching):
             return False
-        seen = await self._status(domain, name, work)
+        seen = await self._status(domain, name, memory)
         if seen is None:
             return False
         if domain.provider is Provider.SKYPILOT and seen.shown != ABSENT:
             if domain.launched_at is None:
-                self._start_cleanup(domain, work, name, f"a failed launch left it {seen.shown}")
+                self._start_cleanup(domain, memory, name, f"a failed launch left it {seen.shown}")
                 return False
             if seen.shown == "INIT" and since > up_budget:
-                self._start_cleanup(domain, work, name, "it stayed INIT past clusterUpTimeoutMs")
+                self._start_cleanup(domain, memory, name, "it stayed INIT past clusterUpTimeoutMs")
                 return False
         if not due or streak is None or not seen.lost:
             # Still there (UP/INIT): not lost; what failed is for the heartbeat or the operator.
@@ -1002,7 +994,7 @@ class Provisioner:
             domain.id, from_states=(_D.FAILED,), to=_D.PROVISIONING, at=now
         ):
             return True
-        work.streak = None
+        memory.streak = None
         relaunch = streak.relaunches + 1
         logger.warning(
             "domain %s: relaunching %s (%d of %d)",
@@ -1023,13 +1015,13 @@ class Provisioner:
             now,
         )
         back = domain.model_copy(update={"state": _D.PROVISIONING, "state_updated_at": now})
-        return await self._launch(fleet, back, work)
+        return await self._launch(fleet, back, memory)
 
     async def _give_up(
         self,
         fleet: FleetSnapshot,
         domain: DomainSnapshot,
-        work: _DomainWork,
+        memory: _Memory,
         name: str,
         relaunches: int,
         now: datetime,
@@ -1050,17 +1042,17 @@ class Provisioner:
             ),
             now,
         )
-        self._start_cleanup(domain, work, name, "the relaunches were spent")
+        self._start_cleanup(domain, memory, name, "the relaunches were spent")
 
     async def _streak(
-        self, fleet: FleetSnapshot, domain: DomainSnapshot, work: _DomainWork
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
     ) -> _Streak:
         """The relaunches (and whether giving up was said) since the domain was last ready.
 
         Counted from the store's events, newest first, back to the last ``ready`` or
         ``haru domain up``, so a server restart continues the streak and its bound.
         """
-        cached = work.streak
+        cached = memory.streak
         if cached is not None and cached.since == domain.state_updated_at:
             return cached
         relaunches = 0
@@ -1084,29 +1076,29 @@ class Provisioner:
             if len(page) < _STREAK_PAGE:
                 break
             before = page[-1].id
-        work.streak = _Streak(domain.state_updated_at, relaunches, exhausted)
-        return work.streak
+        memory.streak = _Streak(domain.state_updated_at, relaunches, exhausted)
+        return memory.streak
 
     # ---- step 7: teardown ----------------------------------------------------------------
 
     async def _teardown(
-        self, fleet: FleetSnapshot, domain: DomainSnapshot, work: _DomainWork
+        self, fleet: FleetSnapshot, domain: DomainSnapshot, memory: _Memory
     ) -> bool:
-        name = await self._name(fleet, domain, work)
-        launch, work.launch = work.launch, None
+        name = await self._name(fleet, domain, memory)
+        launch, memory.launch = memory.launch, None
         if launch is not None:
             launch.task.cancel()
             with contextlib.suppress(BaseException):
                 await launch.task
-        task = work.teardown
+        task = memory.teardown
         if task is None:
-            work.teardown = asyncio.create_task(
+            memory.teardown = asyncio.create_task(
                 self._backend(domain).teardown(name), name=f"haru-down-{name}"
             )
             return False
         if not task.done():
             return False
-        work.teardown = None
+        memory.teardown = None
         now = self._clock()
         exc = None if task.cancelled() else task.exception()
         if task.cancelled() or exc is not None:
@@ -1151,8 +1143,8 @@ class Provisioner:
         Raises:
             haru_driver_skypilot.SkyDriverError: the command failed.
         """
-        work = self._work.setdefault(domain.id, _DomainWork())
-        return await self._driver.get_domain_status(await self._name(fleet, domain, work))
+        memory = self._memory.setdefault(domain.id, _Memory())
+        return await self._driver.get_domain_status(await self._name(fleet, domain, memory))
 
     def drives(self, domain: DomainSnapshot) -> bool:
         """Whether this provisioner drives ``domain`` (its provider has a backend here)."""
@@ -1167,14 +1159,14 @@ class Provisioner:
             KeyError: the domain's provider is not driven here (see :meth:`drives`).
             haru_driver_skypilot.SkyDriverError: the command failed.
         """
-        work = self._work.setdefault(domain.id, _DomainWork())
+        memory = self._memory.setdefault(domain.id, _Memory())
         return await self._backend(domain).observe(
-            await self._name(fleet, domain, work), self._settings(domain)
+            await self._name(fleet, domain, memory), self._settings(domain)
         )
 
     async def cluster_name(self, fleet: FleetSnapshot, domain: DomainSnapshot) -> str:
         """The name of the domain's cluster or service (the one its last launch used)."""
-        return await self._name(fleet, domain, self._work.setdefault(domain.id, _DomainWork()))
+        return await self._name(fleet, domain, self._memory.setdefault(domain.id, _Memory()))
 
     # ---- writes --------------------------------------------------------------------------
 
@@ -1186,8 +1178,8 @@ class Provisioner:
         failure: _Failure,
         now: datetime,
     ) -> None:
-        work = self._work.setdefault(domain.id, _DomainWork())
-        name = await self._name(fleet, domain, work)
+        memory = self._memory.setdefault(domain.id, _Memory())
+        name = await self._name(fleet, domain, memory)
         moved = await self._store.transition_domain(
             domain.id, from_states=(domain.state,), to=_D.FAILED, at=now
         )
@@ -1212,16 +1204,14 @@ class Provisioner:
             now,
         )
         if failure.reason in _CLEANED_AFTER:
-            self._start_cleanup(domain, work, name, failure.reason)
+            self._start_cleanup(domain, memory, name, failure.reason)
 
-    def _start_cleanup(
-        self, domain: DomainSnapshot, work: _DomainWork, name: str, why: str
-    ) -> None:
+    def _start_cleanup(self, domain: DomainSnapshot, memory: _Memory, name: str, why: str) -> None:
         """Run ``sky down NAME`` in the background (the failed step drives it to its end)."""
-        if work.cleanup is not None and not work.cleanup.task.done():
+        if memory.cleanup is not None and not memory.cleanup.task.done():
             return
         logger.warning("domain %s: tearing down cluster %s after %s", domain.slug, name, why)
-        work.cleanup = _Cleanup(name, why, self._down(domain, name))
+        memory.cleanup = _Cleanup(name, why, self._down(domain, name))
 
     def _down(self, domain: DomainSnapshot, name: str) -> asyncio.Task[None]:
         return asyncio.create_task(
