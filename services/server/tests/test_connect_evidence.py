@@ -24,7 +24,7 @@ from haru_db import StateStore
 from haru_db.testing import confirm_domains
 from haru_protocol import FleetLayout, FleetSnapshot
 from haru_server._clock import ManualClock
-from haru_server._keys import clock_key, kick_fleet_key, settings_key, store_key
+from haru_server._keys import clock_key, settings_key, store_key
 from haru_server._metrics import ServerMetrics, metrics_key
 from haru_server._proxy import ProxyTuning, install_proxy
 from haru_server._reconciler import Reconciler
@@ -83,7 +83,6 @@ async def serve_proxy(
     app[settings_key] = Settings(route_lease_ms=0, failover_hold_ms=0)
     app[store_key] = store
     app[clock_key] = lambda: NOW
-    app[kick_fleet_key] = lambda fleet_id, **_: None
     app[metrics_key] = metrics
     install_proxy(app, tuning=ProxyTuning(disconnect_poll_ms=20, outage_memo_ms=50))
     runner = web.AppRunner(app)

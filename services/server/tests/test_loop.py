@@ -26,8 +26,8 @@ from haru_protocol import (
 )
 from haru_server._app import create_app
 from haru_server._clock import ManualClock
-from haru_server._keys import kick_fleet_key, loop_key
-from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
+from haru_server._keys import control_plane_key
+from haru_server._loop import LoopOptions, ReconcileLoop
 from haru_server._reconciler import Accepted, Reconciler, TickResult
 from haru_server._settings import Settings
 from pytest_aiohttp import AiohttpClient, AiohttpServer
@@ -46,13 +46,13 @@ class Recording(Reconciler):
         self.ticked = asyncio.Event()
 
     async def tick(
-        self, fleet_ref: str, *, kicked: bool = False, accepted: Accepted | None = None
+        self, fleet_ref: str, *, pending_first: bool = False, start: Accepted | None = None
     ) -> TickResult:
         if fleet_ref in self.running:
             self.overlaps += 1
         self.running.add(fleet_ref)
         try:
-            return await super().tick(fleet_ref, kicked=kicked, accepted=accepted)
+            return await super().tick(fleet_ref, pending_first=pending_first, start=start)
         finally:
             self.running.discard(fleet_ref)
             self.ticks[fleet_ref] += 1
@@ -232,7 +232,7 @@ async def test_promote_through_the_api_is_driven_by_the_kicked_loop(
     settings = Settings(reconcile_interval_ms=600_000)
     app = create_app(settings, store=store, clock=clock, busy_interval_s=0.02)
     client = await aiohttp_client(app)
-    assert isinstance(app[loop_key], ReconcileLoop)
+    assert isinstance(app[control_plane_key].loop, ReconcileLoop)
     beta = next(d.id for d in snapshot.domains if d.slug == "beta")
     response = await client.post("/v1/fleets/local/promote", json={"targetDomainId": str(beta)})
     assert response.status == 202
@@ -269,11 +269,10 @@ async def test_boot_warns_when_auto_failover_has_no_loop(
     warnings = [r for r in caplog.records if "autoFailover is ON" in r.getMessage()]
     assert len(warnings) == 1
     assert "example" in warnings[0].getMessage()
-    assert app[loop_key] is None
+    plane = app[control_plane_key]
+    assert plane.loop is None
     # Without a loop, kicks are dropped without blocking or failing.
-    kicker = app[kick_fleet_key]
-    assert isinstance(kicker, FleetKickers)
-    kicker(UUID(int=1))
+    plane.kick(UUID(int=1))
     assert (await client.get("/healthz")).status == 200
 
 
@@ -342,12 +341,12 @@ class Unavailable(Recording):
         self.down = True
 
     async def tick(
-        self, fleet_ref: str, *, kicked: bool = False, accepted: Accepted | None = None
+        self, fleet_ref: str, *, pending_first: bool = False, start: Accepted | None = None
     ) -> TickResult:
         if self.down:
             self.ticks[fleet_ref] += 1
             raise StateStoreUnavailableError("state store x unavailable: no answer within 5 s")
-        return await super().tick(fleet_ref, kicked=kicked, accepted=accepted)
+        return await super().tick(fleet_ref, pending_first=pending_first, start=start)
 
 
 async def test_a_persisting_store_failure_is_warned_again_then_its_recovery_timed(

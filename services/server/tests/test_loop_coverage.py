@@ -49,7 +49,7 @@ async def test_operations_of_a_fleet_no_loop_drives_are_refused(
     )
     with caplog.at_level(logging.WARNING, logger="haru_server"):
         client = await aiohttp_client(create_app(settings, store=store, clock=clock), headers=AUTH)
-    boot = [r.getMessage() for r in caplog.records if r.name == "haru_server._app"]
+    boot = [r.getMessage() for r in caplog.records if r.name == "haru_server._startup_checks"]
     assert any("second" in m and "autoFailover" in m for m in boot), boot
     # Accepting it would leave a 202 pending forever and block every other operation.
     response = await client.post(

@@ -41,7 +41,7 @@ from haru_protocol import (
     SlotKind,
 )
 from haru_server._app import create_app
-from haru_server._keys import clock_key, kick_fleet_key, settings_key, store_key
+from haru_server._keys import clock_key, settings_key, store_key
 from haru_server._metrics import ServerMetrics, metrics_key
 from haru_server._proxy import (
     ProxyTuning,
@@ -49,7 +49,6 @@ from haru_server._proxy import (
     _Proxy,
     held_cap,
     install_proxy,
-    observe_route_move,
     proxy_key,
 )
 from haru_server._route_cache import RouteCache
@@ -91,7 +90,7 @@ class Proxy:
     app: web.Application
     kicks: list[UUID] = field(default_factory=list)
 
-    def kick(self, fleet_id: UUID, *, accepted: object = None) -> None:
+    def kick(self, fleet_id: UUID) -> None:
         self.kicks.append(fleet_id)
 
     @property
@@ -122,11 +121,10 @@ async def make_proxy(sqlite_store: StateStore) -> AsyncIterator[ProxyFactory]:
         app[settings_key] = settings
         app[store_key] = store if store is not None else sqlite_store
         app[clock_key] = now
-        app[kick_fleet_key] = proxy.kick
         if metrics is not None:
             app[metrics_key] = metrics
             add_metrics_route(app, metrics.exposition, before_scrape=metrics.before_scrape)
-        install_proxy(app, tuning=tuning)
+        install_proxy(app, tuning=tuning, kicker=proxy)
         # Served like production (web.run_app's default: handlers are NOT cancelled when a
         # client disconnects), unless a test asks for aiohttp's handler cancellation.
         runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
@@ -516,12 +514,9 @@ async def test_connect_failure_is_502_and_kicks_the_fleet_once(
 
 def test_kicks_are_debounced_per_fleet() -> None:
     now = [100.0]
-    kicked: list[UUID] = []
+    kicker = Proxy(url="", app=web.Application())
 
-    def kick(fleet_id: UUID, *, accepted: object = None) -> None:
-        kicked.append(fleet_id)
-
-    debounce = _KickDebouncer(kick, interval_s=1.0, clock=lambda: now[0])
+    debounce = _KickDebouncer(kicker, interval_s=1.0, clock=lambda: now[0])
     a, b = UUID(int=1), UUID(int=2)
     assert debounce(a)
     assert not debounce(a)
@@ -530,7 +525,7 @@ def test_kicks_are_debounced_per_fleet() -> None:
     assert not debounce(a)
     now[0] += 0.02
     assert debounce(a)
-    assert kicked == [a, b, a]
+    assert kicker.kicks == [a, b, a]
     assert not _KickDebouncer(None, interval_s=1.0, clock=lambda: now[0])(a)
 
 
@@ -1137,9 +1132,21 @@ class CountingStore(StateStore):
 
 
 def proxy_of(proxy: Proxy) -> _Proxy:
-    running = proxy.app[proxy_key].proxy
+    running = proxy.app[proxy_key].running
     assert running is not None
     return running
+
+
+def held_total(proxy: Proxy) -> float:
+    """Requests held and then dispatched, as the proxy's metrics count them."""
+    registry = proxy.app[metrics_key].registry
+    return sum(
+        sample.value
+        for metric in registry.collect()
+        if metric.name == "haru_proxy_held_requests"
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    )
 
 
 async def test_leased_requests_never_read_the_pointer_and_own_flips_apply_at_once(
@@ -1171,7 +1178,7 @@ async def test_leased_requests_never_read_the_pointer_and_own_flips_apply_at_onc
         # ... a flip made by this process (the switch_active step reports it) is seen at once.
         pointer = await sqlite_store.get_fleet_route_pointer("prod")
         assert pointer is not None
-        observe_route_move(proxy.app, pointer)
+        proxy.app[proxy_key].note_route_move(pointer)
         status, headers, _ = await post(http, proxy, chat_body())
         assert status == 200
         assert "X-Haru-Routing" not in headers
@@ -1399,7 +1406,7 @@ async def test_held_requests_are_released_in_arrival_order_at_the_flip(
     arrived = [json.loads(r.body)["messages"][0]["content"] for r in setup.beta.recorded_requests]
     assert arrived == ["request 0", "request 1", "request 2"]
     assert served(setup.alpha) == 0
-    assert running.held_total == 3
+    assert held_total(proxy) == 3
     assert running.holding == 0
 
 
@@ -1533,7 +1540,7 @@ async def test_a_fleet_without_auto_failover_fails_at_once(
     status, headers, _ = await post(http, proxy, chat_body())
     assert status == 502
     assert "X-Haru-Held-Ms" not in headers
-    assert proxy_of(proxy).held_total == 0
+    assert held_total(proxy) == 0
 
 
 @pytest.mark.parametrize("route_lease_ms", [0, 20])
@@ -1561,7 +1568,7 @@ async def test_a_promotion_in_flight_holds_requests_without_auto_failover(
     assert status == 200
     assert int(headers["X-Haru-Held-Ms"]) >= 0
     assert served(setup.beta) == 1
-    assert running.held_total == 1
+    assert held_total(proxy) == 1
 
 
 async def test_a_hold_outlasts_its_fixed_bound_while_a_promotion_is_in_flight(
@@ -1651,7 +1658,7 @@ async def test_requests_held_for_a_promotion_fail_at_once_when_it_fails(
     assert error_code(body) == "upstream_unreachable"
     assert 0 <= int(headers["X-Haru-Held-Ms"]) < 60_000
     assert running.holding == 0
-    assert running.held_total == 0
+    assert held_total(proxy) == 0
 
 
 async def test_a_promotion_accepted_by_this_process_holds_at_once(
@@ -1682,7 +1689,7 @@ async def test_a_promotion_accepted_by_this_process_holds_at_once(
     base = f"http://{host}:{port}"
     async with http.post(f"{base}/v1/chat/completions", data=chat_body()) as resp:
         assert resp.status == 200
-    running = app[proxy_key].proxy
+    running = app[proxy_key].running
     assert running is not None
     cache = running.cache
     assert not cache.promotion_in_flight(env.fleet.id)
@@ -1817,7 +1824,7 @@ async def test_a_client_gone_while_held_is_dropped(
     await eventually(lambda: running.holding == 0, within=30)
     await promote(sqlite_store, setup.fleet)
     assert served(setup.beta) == 0
-    assert running.held_total == 0
+    assert held_total(proxy) == 0
 
 
 # -- a silent upstream mid-answer -------------------------------------------------------------

@@ -34,7 +34,7 @@ from haru_protocol import (
     OperationStep,
     SlotKind,
 )
-from haru_server._keys import clock_key, kick_fleet_key, settings_key, store_key
+from haru_server._keys import clock_key, settings_key, store_key
 from haru_server._proxy import ProxyTuning, install_proxy
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
@@ -225,12 +225,6 @@ async def make_proxy() -> AsyncIterator[ProxyFactory]:
         )
         app[store_key] = store
         app[clock_key] = now
-        kicks: list[UUID] = []
-
-        def kick(fleet_id: UUID, *, accepted: object = None) -> None:
-            kicks.append(fleet_id)
-
-        app[kick_fleet_key] = kick
         install_proxy(app, tuning=tuning)
         runner = web.AppRunner(app)
         await runner.setup()

@@ -11,7 +11,7 @@ import aiohttp
 from haru_db import StateStore, downgrade
 from haru_db.testing import DatabaseUrlFactory
 from haru_server._app import create_app
-from haru_server._keys import loop_key
+from haru_server._keys import control_plane_key
 from haru_server._settings import Settings
 from haru_web import serving
 from pydantic import SecretStr
@@ -99,7 +99,7 @@ async def test_ready_follows_the_reconcile_loop(store: StateStore) -> None:
                 assert "first pass" in not_ready(status, body)
                 await asyncio.sleep(0.02)
         assert body["checks"] == ["state store", "schema at head", "clock", "reconcile loop"]
-        loop = app[loop_key]  # type: ignore[index]
+        loop = app[control_plane_key].loop  # type: ignore[index]
         assert loop is not None
         assert loop.stalled(time.monotonic()) is None
         # A loop that stopped passing for longer than its window is reported.

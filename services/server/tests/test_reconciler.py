@@ -90,7 +90,7 @@ async def test_a_kicked_tick_drives_a_just_accepted_operation_before_any_heartbe
     assert created
     clock.advance(ms=1)
     # The kick of an accepted promote: its first step runs with no heartbeat round first.
-    first = await reconciler.tick("local", kicked=True)
+    first = await reconciler.tick("local", pending_first=True)
     assert last_heard(await snapshot_of(store)) == {heard_at}
     assert first.operation is not None
     assert first.operation.id == pending.id
@@ -100,7 +100,7 @@ async def test_a_kicked_tick_drives_a_just_accepted_operation_before_any_heartbe
     # A kick while it runs (a passive failure seen by the proxy) is a whole tick: kicks
     # never starve the heartbeats.
     clock.advance(ms=1)
-    await reconciler.tick("local", kicked=True)
+    await reconciler.tick("local", pending_first=True)
     assert last_heard(await snapshot_of(store)) == {clock()}
     await helpers.tick_until_settled(reconciler, "local")
     done = await store.get_operation(pending.id)
@@ -149,14 +149,14 @@ async def test_a_kick_that_brings_the_accepted_operation_starts_it_without_readi
         clock.advance(ms=1)
         faulty.failing = True
         first = await reconciler.tick(
-            "local", kicked=True, accepted=Accepted(fleet=validated, operation=pending)
+            "local", pending_first=True, start=Accepted(fleet=validated, operation=pending)
         )
         assert first.operation is not None
         assert first.operation.id == pending.id
         assert first.operation.state is OperationState.RUNNING
         # A kick without the request's snapshot has to read the fleet: the fault stops it.
         with pytest.raises(StateStoreUnavailableError):
-            await reconciler.tick("local", kicked=True)
+            await reconciler.tick("local", pending_first=True)
         faulty.failing = False
         assert last_heard(await snapshot_of(faulty)) == {heard_at}
         await helpers.tick_until_settled(reconciler, "local")
@@ -189,7 +189,7 @@ async def test_an_accepted_operation_already_started_elsewhere_is_left_to_its_ti
     assert claimed.operation is not None
     assert claimed.operation.state is OperationState.RUNNING
     late = await reconciler.tick(
-        "local", kicked=True, accepted=Accepted(fleet=validated, operation=pending)
+        "local", pending_first=True, start=Accepted(fleet=validated, operation=pending)
     )
     assert late.operation is not None
     assert late.operation.id == pending.id

@@ -5,7 +5,8 @@ proxy of 7.5, the reconcile loop of 7.3); :func:`run_server` boots it the way ``
 does (announce, migrate, listen, stop on a signal). :class:`Reconciler` runs reconcile ticks
 against a :class:`haru_db.StateStore` and the domains' supervisors (through
 :class:`haru_supervisor_client.SupervisorClient`, the only code that calls them);
-:class:`ReconcileLoop` runs them in the background. :mod:`haru_server.control_client` is the
+:class:`ReconcileLoop` runs them in the background; :class:`ControlPlane` owns and wires
+them (and the proxy) for the life of the app. :mod:`haru_server.control_client` is the
 control API's HTTP client.
 
 The names below are imported on first use (:pep:`562`), so ``haru --help`` and the CLI's HTTP
@@ -20,8 +21,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from haru_server._app import create_app
     from haru_server._clock import Clock, utc_now
+    from haru_server._control_plane import ControlPlane
     from haru_server._errors import FleetNotFoundError, HaruServerError
-    from haru_server._loop import FleetKickers, LoopOptions, ReconcileLoop
+    from haru_server._loop import LoopOptions, ReconcileLoop
     from haru_server._reconciler import Accepted, Reconciler, ReconcilerOptions, TickResult
     from haru_server._serve import run_server
     from haru_server._settings import Settings, SettingsError
@@ -34,6 +36,7 @@ __all__ = (  # noqa: RUF022 -- grouped by topic
     "Settings",
     "Clock",
     "utc_now",
+    "ControlPlane",
     # Reconciler
     "Reconciler",
     "ReconcilerOptions",
@@ -42,7 +45,6 @@ __all__ = (  # noqa: RUF022 -- grouped by topic
     "Accepted",
     "ReconcileLoop",
     "LoopOptions",
-    "FleetKickers",
     # Errors
     "HaruServerError",
     "SettingsError",
@@ -56,7 +58,7 @@ _HOMES = {
     "utc_now": "_clock",
     "FleetNotFoundError": "_errors",
     "HaruServerError": "_errors",
-    "FleetKickers": "_loop",
+    "ControlPlane": "_control_plane",
     "LoopOptions": "_loop",
     "ReconcileLoop": "_loop",
     "Reconciler": "_reconciler",

@@ -35,7 +35,7 @@ from haru_protocol import (
 )
 from haru_web import ApiError, parse_body
 
-from haru_server._keys import clock_key, kick_fleet_key, schema_gate_key, store_key
+from haru_server._keys import clock_key, control_plane_key, schema_gate_key, store_key
 from haru_server._schema_gate import check_writes
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ async def apply_layout(request: web.Request) -> web.Response:
         if not result.fleet_created:
             raise _stale(0, 1, f"fleet {layout.slug!r}")
         logger.info("fleet %s: created by apply", layout.slug)
-        request.app[kick_fleet_key](result.fleet_id)
+        request.app[control_plane_key].kick(result.fleet_id)
         return _answer(ApplyResponse(plan=plan, applied=True, fleet_id=result.fleet_id))
     revisions: dict[tuple[str, UUID], int] = {(r.table, r.id): r.revision for r in plan.revisions}
     for done, change in enumerate(planned.changes):
@@ -116,7 +116,7 @@ async def apply_layout(request: web.Request) -> web.Response:
         )
     logger.info("fleet %s: %d change(s) applied", layout.slug, len(plan.items))
     if planned.changes:
-        request.app[kick_fleet_key](plan.fleet_id)
+        request.app[control_plane_key].kick(plan.fleet_id)
     return _answer(ApplyResponse(plan=plan, applied=True, fleet_id=plan.fleet_id))
 
 

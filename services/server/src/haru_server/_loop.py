@@ -1,4 +1,4 @@
-"""The background reconcile loop (``HARU_RECONCILE_INTERVAL_MS``) and the fleet kicker.
+"""The background reconcile loop (``HARU_RECONCILE_INTERVAL_MS``).
 
 One worker task per fleet: a slow fleet never delays another, and a fleet never overlaps
 itself in one process. A worker ticks its fleet every interval, comes back after
@@ -56,8 +56,8 @@ class _Worker:
     def __init__(self, fleet_id: UUID) -> None:
         self.fleet_id = fleet_id
         self.wake = asyncio.Event()
-        self.accepted: Accepted | None = None
-        """The operation the latest kick brought, for the next kicked tick."""
+        self.start: Accepted | None = None
+        """The operation the latest kick brought, for the next kicked tick to start."""
         self.task: asyncio.Task[None] | None = None
 
 
@@ -155,16 +155,16 @@ class ReconcileLoop:
             with contextlib.suppress(asyncio.CancelledError):
                 await worker
 
-    def kick(self, fleet_id: UUID, *, accepted: Accepted | None = None) -> None:
+    def kick(self, fleet_id: UUID, *, start: Accepted | None = None) -> None:
         """Ask for a tick of ``fleet_id`` now; never blocks, coalesces repeated kicks.
 
-        ``accepted``: the operation a request just created (with the snapshot it was
-        validated on), which the kicked tick starts without reading the fleet again.
+        ``start``: the operation a request just created (with the snapshot it was validated
+        on), which the kicked tick starts without reading the fleet again.
         """
         worker = self._workers.get(fleet_id)
         if worker is not None:
-            if accepted is not None:
-                worker.accepted = accepted
+            if start is not None:
+                worker.start = start
             worker.wake.set()
         else:
             # A fleet seeded since the last discovery: find it now.
@@ -226,11 +226,11 @@ class ReconcileLoop:
         while not self._stopping.is_set():
             kicked = worker.wake.is_set()
             worker.wake.clear()
-            accepted, worker.accepted = worker.accepted, None
+            start, worker.start = worker.start, None
             started = time.monotonic()
             delay = options.interval_s
             try:
-                result = await self._reconciler.tick(ref, kicked=kicked, accepted=accepted)
+                result = await self._reconciler.tick(ref, pending_first=kicked, start=start)
             except FleetNotFoundError:
                 logger.info("reconcile loop: fleet %s is gone; its worker stops", ref)
                 self._workers.pop(worker.fleet_id, None)
@@ -293,25 +293,3 @@ class ReconcileLoop:
         gap = started + self._options.kick_gap_s - time.monotonic()
         if gap > 0 and not self._stopping.is_set():
             await asyncio.sleep(gap)
-
-
-class FleetKickers:
-    """The ``kick_fleet_key`` callable: forwards to the loop once one runs, else does nothing.
-
-    It exists before the loop does (the proxy is installed first), so it is a stable object
-    the loop attaches to at start-up.
-    """
-
-    def __init__(self) -> None:
-        self._loop: ReconcileLoop | None = None
-
-    def attach(self, loop: ReconcileLoop | None) -> None:
-        """Forward kicks to ``loop`` (None: drop them)."""
-        self._loop = loop
-
-    def __call__(self, fleet_id: UUID, *, accepted: Accepted | None = None) -> None:
-        """Kick ``fleet_id`` (non-blocking; without a loop the kick is dropped)."""
-        if self._loop is not None:
-            self._loop.kick(fleet_id, accepted=accepted)
-        else:
-            logger.debug("kick of fleet %s dropped: no reconcile loop runs", fleet_id)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Final
 from uuid import UUID
 
-from aiohttp import web
 from cryptography import x509
 from cryptography.fernet import Fernet, InvalidToken
 from cryptography.hazmat.primitives import hashes, serialization
@@ -371,7 +370,3 @@ class FleetPki:
         if context is None:
             context = self._contexts[stored.cert_pem] = trust_context(stored.cert_pem)
         return context
-
-
-pki_key: Final = web.AppKey("haru_fleet_pki", FleetPki)
-"""The server's :class:`FleetPki` (set while the reconciler runs; the proxy reads it)."""

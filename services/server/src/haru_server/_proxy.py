@@ -40,6 +40,7 @@ domain, a store that cannot serve routing, a full hold cap, or a hold that ran o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -48,7 +49,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Final
+from typing import Final, Protocol
 from uuid import UUID
 
 import aiohttp
@@ -60,16 +61,16 @@ from haru_web import ApiError, connection_cap, current_request_id
 from yarl import URL
 
 from haru_server._client_keys import Grant, KeyGate
-from haru_server._keys import (
-    FleetKicker,
-    api_token_key,
-    clock_key,
-    kick_fleet_key,
-    settings_key,
-    store_key,
+from haru_server._keys import api_token_key, clock_key, settings_key, store_key
+from haru_server._metrics import (
+    ServerMetrics,
+    metrics_key,
+    note_first_chunk,
+    note_key,
+    note_route,
+    note_upstream,
 )
-from haru_server._metrics import metrics_key, note_first_chunk, note_key, note_route, note_upstream
-from haru_server._pki import pki_key
+from haru_server._pki import FleetPki
 from haru_server._proxy_routes import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -235,20 +236,29 @@ class _DisconnectWatch:
             raise _ClientGoneError from exc
 
 
+class FleetKicker(Protocol):
+    """Whom the proxy asks for a reconcile of a fleet now (the control plane, in the server)."""
+
+    def kick(self, fleet_id: UUID) -> None:
+        """Reconcile ``fleet_id`` soon (debounced by the receiver; never blocks)."""
+
+
 class _KickDebouncer:
     """Asks for an out-of-band reconcile at most once per interval per fleet."""
 
-    __slots__ = ("_clock", "_interval", "_kick", "_last")
+    __slots__ = ("_clock", "_interval", "_kicker", "_last")
 
-    def __init__(self, kick: FleetKicker | None, *, interval_s: float, clock: Callable[[], float]):
-        self._kick = kick
+    def __init__(
+        self, kicker: FleetKicker | None, *, interval_s: float, clock: Callable[[], float]
+    ) -> None:
+        self._kicker = kicker
         self._interval = interval_s
         self._clock = clock
         self._last: dict[UUID, float] = {}
 
     def __call__(self, fleet_id: UUID) -> bool:
         """Kick ``fleet_id`` unless it was kicked within the interval; True when it kicked."""
-        if self._kick is None:
+        if self._kicker is None:
             return False
         now = self._clock()
         last = self._last.get(fleet_id)
@@ -257,7 +267,7 @@ class _KickDebouncer:
         self._last[fleet_id] = now
         if len(self._last) > 1024:
             self._last = {k: t for k, t in self._last.items() if now - t < self._interval}
-        self._kick(fleet_id)
+        self._kicker.kick(fleet_id)
         return True
 
 
@@ -269,9 +279,11 @@ class _Proxy:
         app: web.Application,
         session: aiohttp.ClientSession,
         tuning: ProxyTuning,
+        kicker: FleetKicker | None,
+        pki: FleetPki | None,
     ) -> None:
         settings = app[settings_key]
-        self._app = app
+        self._pki = pki
         self._session = session
         self._allow_plaintext = settings.allow_plaintext
         self._serving_ssl = settings.serving_ssl()
@@ -296,13 +308,10 @@ class _Proxy:
         self._hold_poll = tuning.hold_poll_ms / 1000
         self.holding = 0
         """Requests held right now."""
-        self.held_total = 0
-        """Requests that were held and then dispatched."""
         self.retried_total = 0
         """Requests sent to a second upstream after the first went away without answering."""
         self.over_cap = 0
         """Requests failed at once because ``hold_max`` requests were held already."""
-        self.longest_hold_ms = 0
         self.idle_cuts = 0
         """Answers cut because their upstream went silent mid-answer."""
         self.listener: RouteListener | None = None
@@ -334,10 +343,10 @@ class _Proxy:
             monotonic=tuning.monotonic,
         )
         self.stamps = ConnectStamps(
-            app[store_key], self._clock, metrics=app.get(metrics_key), monotonic=tuning.monotonic
+            app[store_key], self._clock, metrics=app[metrics_key], monotonic=tuning.monotonic
         )
         self._kick = _KickDebouncer(
-            app.get(kick_fleet_key),
+            kicker,
             interval_s=tuning.kick_interval_ms / 1000,
             clock=tuning.monotonic,
         )
@@ -529,13 +538,9 @@ class _Proxy:
                     failed = exc
                     continue
                 held_ms = int((self._mono() - started) * 1000)
-                self.held_total += 1
                 if reached:
                     self.retried_total += 1
-                metrics = request.app.get(metrics_key)
-                if metrics is not None:  # a bare proxy app (tests) has no metrics
-                    metrics.request_held(lookup.routes.fleet_slug)
-                self.longest_hold_ms = max(self.longest_hold_ms, held_ms)
+                request.app[metrics_key].request_held(lookup.routes.fleet_slug)
                 return lookup, upstream, held_ms
         finally:
             self.holding -= 1
@@ -698,7 +703,7 @@ class _Proxy:
                 "server's HARU_ALLOW_PLAINTEXT=1)",
                 headers=_routing_headers(lookup),
             )
-        pki = self._app.get(pki_key)
+        pki = self._pki
         if active is not None and active.provider is Provider.SKYPILOT and pki is not None:
             trust = await pki.domain_trust(lookup.fleet_id, slug, active.slug)
             if trust is None:
@@ -977,16 +982,49 @@ def _origin(url: URL) -> str:
 # -- wiring ------------------------------------------------------------------------------------
 
 
-class _ProxyHolder:
-    """App state slot: the running proxy between startup and cleanup."""
+class InferenceProxy:
+    """The inference proxy of one app: its routes' resources from startup to cleanup.
 
-    __slots__ = ("proxy", "tuning")
+    Built before the app starts; :meth:`lifecycle` opens the pooled session, the route cache
+    and the route listener, and closes them again. The control plane tells it what this
+    process did to a fleet's route (:meth:`note_route_move`, :meth:`note_promotion`); other
+    processes learn the same from their next pointer read (at most one lease later).
+    """
 
-    def __init__(self, tuning: ProxyTuning) -> None:
+    __slots__ = ("_kicker", "_running", "tuning")
+
+    def __init__(self, tuning: ProxyTuning, *, kicker: FleetKicker | None) -> None:
         self.tuning = tuning
-        self.proxy: _Proxy | None = None
+        self._kicker = kicker
+        self._running: _Proxy | None = None
+
+    @property
+    def running(self) -> _Proxy | None:
+        """The proxy between startup and cleanup; None outside them."""
+        return self._running
+
+    def note_route_move(self, pointer: FleetRoutePointer) -> None:
+        """A flip made by this process: its own proxy routes with it at once."""
+        if self._running is not None:
+            self._running.cache.observe(pointer)
+
+    def note_promotion(self, fleet_id: UUID) -> None:
+        """A promotion accepted by this process: its own proxy holds for it at once."""
+        if self._running is not None:
+            self._running.cache.note_promotion(fleet_id)
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        """The proxy alone as a ``cleanup_ctx`` (no fleet CA: see :meth:`open`)."""
+        async with self.open(app, pki=None):
+            yield
+
+    @contextlib.asynccontextmanager
+    async def open(self, app: web.Application, *, pki: FleetPki | None) -> AsyncIterator[None]:
+        """Open the proxy's resources until the block ends.
+
+        ``pki``: verifies a ``skypilot`` domain's gateway against its fleet's CA (None: such a
+        gateway cannot be verified, so it is not routed to).
+        """
         settings = app[settings_key]
         connect_s = min(settings.chat_header_timeout_ms, self.tuning.connect_timeout_ms) / 1000
         connector = aiohttp.TCPConnector(
@@ -1007,8 +1045,8 @@ class _ProxyHolder:
             trust_env=False,
         )
         async with session:
-            proxy = _Proxy(app, session, self.tuning)
-            self.proxy = proxy
+            proxy = _Proxy(app, session, self.tuning, self._kicker, pki)
+            self._running = proxy
             store = app[store_key]
             listening: asyncio.Task[None] | None = None
             if self.tuning.listen and settings.route_lease_ms > 0:
@@ -1018,7 +1056,7 @@ class _ProxyHolder:
             try:
                 yield
             finally:
-                self.proxy = None
+                self._running = None
                 tasks = [*proxy.releasers, *([listening] if listening else [])]
                 for task in tasks:
                     task.cancel()
@@ -1027,28 +1065,11 @@ class _ProxyHolder:
                 await proxy.cache.aclose()
 
 
-proxy_key: Final = web.AppKey("haru_proxy", _ProxyHolder)
-
-
-def observe_route_move(app: web.Application, pointer: FleetRoutePointer) -> None:
-    """A flip made by this process: its own proxy routes with it at once."""
-    holder = app.get(proxy_key)
-    if holder is not None and holder.proxy is not None:
-        holder.proxy.cache.observe(pointer)
-
-
-def observe_promotion(app: web.Application, fleet_id: UUID) -> None:
-    """A promotion accepted by this process: its own proxy holds for it at once.
-
-    Other processes learn it from their next pointer read (at most one lease later).
-    """
-    holder = app.get(proxy_key)
-    if holder is not None and holder.proxy is not None:
-        holder.proxy.cache.note_promotion(fleet_id)
+proxy_key: Final = web.AppKey("haru_proxy", InferenceProxy)
 
 
 def _proxy_of(request: web.Request) -> _Proxy:
-    proxy = request.app[proxy_key].proxy
+    proxy = request.app[proxy_key].running
     if proxy is None:
         raise ApiError(ErrorCode.SHUTTING_DOWN, "the inference proxy is not running")
     return proxy
@@ -1058,7 +1079,7 @@ async def _expect_continue(request: web.Request) -> None:
     # aiohttp's default answers "100 Continue" to any Expect before anything else runs, which
     # invites a client to send a body the cap will refuse. Over the cap, stay silent: the
     # handler (after the bearer check) answers 413 without reading the body.
-    proxy = request.app[proxy_key].proxy
+    proxy = request.app[proxy_key].running
     length = request.content_length
     if proxy is not None and length is not None and length > proxy.max_body:
         return
@@ -1087,29 +1108,42 @@ async def _models(request: web.Request) -> web.StreamResponse:
     return await _proxy_of(request).models(request)
 
 
-def install_proxy(app: web.Application, *, tuning: ProxyTuning | None = None) -> None:
-    """Register the inference routes on ``app`` and the lifecycle of their shared resources.
+def add_proxy_routes(app: web.Application, proxy: InferenceProxy) -> None:
+    """Register the inference routes on ``app``, served by ``proxy``.
 
-    Call after ``app[settings_key]``, ``app[store_key]`` and ``app[clock_key]`` are set
-    (``app[kick_fleet_key]`` is optional: without it no passive-failure kick is sent). The
-    bearer check and the rendering of :class:`haru_web.ApiError` are the app's
-    middlewares' job. One pooled ``ClientSession`` and one route cache live from startup to
-    cleanup.
-
-    Args:
-        app: The application, not yet started.
-        tuning: Non-environment knobs; the defaults suit production.
+    ``app[settings_key]``, ``app[store_key]``, ``app[clock_key]`` and ``app[metrics_key]``
+    must be set, and
+    ``proxy.lifecycle`` must run for the app's life (the control plane runs it). The bearer
+    check and the rendering of :class:`haru_web.ApiError` are the app's middlewares' job.
     """
-    holder = _ProxyHolder(tuning if tuning is not None else ProxyTuning())
-    app[proxy_key] = holder
-    metrics = app.get(metrics_key)
-    if metrics is not None:
-        metrics.watch_holding(lambda: 0 if holder.proxy is None else holder.proxy.holding)
-        metrics.watch_lease_ages(
-            lambda: {} if holder.proxy is None else holder.proxy.cache.lease_ages()
-        )
+    app[proxy_key] = proxy
+    metrics = app[metrics_key]
+    metrics.watch_holding(lambda: 0 if proxy.running is None else proxy.running.holding)
+    metrics.watch_lease_ages(
+        lambda: {} if proxy.running is None else proxy.running.cache.lease_ages()
+    )
     app.router.add_post(CHAT_PATH, _chat_completions, expect_handler=_expect_continue)
     app.router.add_post(COMPLETIONS_PATH, _completions, expect_handler=_expect_continue)
     app.router.add_post(EMBEDDINGS_PATH, _embeddings, expect_handler=_expect_continue)
     app.router.add_get(MODELS_PATH, _models, allow_head=False)
-    app.cleanup_ctx.append(holder.lifecycle)
+
+
+def install_proxy(
+    app: web.Application, *, tuning: ProxyTuning | None = None, kicker: FleetKicker | None = None
+) -> InferenceProxy:
+    """The proxy alone on ``app``: its routes and its lifecycle, without a control plane.
+
+    ``app[metrics_key]`` is set to a fresh :class:`ServerMetrics` when the app has none.
+
+    Args:
+        app: The application, not yet started, with ``app[settings_key]``, ``app[store_key]``
+            and ``app[clock_key]`` set.
+        tuning: Non-environment knobs; the defaults suit production.
+        kicker: Asked to reconcile a fleet on a passive failure; None sends no kick.
+    """
+    proxy = InferenceProxy(tuning if tuning is not None else ProxyTuning(), kicker=kicker)
+    if metrics_key not in app:
+        app[metrics_key] = ServerMetrics()
+    add_proxy_routes(app, proxy)
+    app.cleanup_ctx.append(proxy.lifecycle)
+    return proxy

@@ -18,8 +18,8 @@ from haru_protocol import ErrorCode, Readiness
 from haru_web import ApiError
 
 from haru_server._keys import (
+    control_plane_key,
     draining_key,
-    loop_key,
     schema_gate_key,
     store_clock_key,
     store_key,
@@ -69,7 +69,7 @@ async def readyz(request: web.Request) -> web.Response:
         reason = clock.refusal()
         if reason is not None:
             raise _not_ready(reason)
-    loop = request.app[loop_key]
+    loop = request.app[control_plane_key].loop
     if loop is not None:
         checks.append("reconcile loop")
         reason = loop.stalled(time.monotonic())

@@ -15,7 +15,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from uuid import UUID
 
 from haru_core import (
@@ -103,6 +103,7 @@ from haru_server._clock import Clock, SkewGate
 from haru_server._errors import FleetNotFoundError
 from haru_server._logfields import log_fields
 from haru_server._metrics import ServerMetrics
+from haru_server._operation_requests import request_operation
 from haru_server._provisioning import Provisioner
 from haru_server._reach import ENDPOINT_CONNECT_TIMEOUT_S, connect_reach
 from haru_server._schema_gate import SchemaGate
@@ -117,6 +118,9 @@ from haru_server._steps import (
     route_guard_until,
     run_step,
 )
+
+if TYPE_CHECKING:
+    from haru_server._proxy import InferenceProxy
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +239,7 @@ class Reconciler:
         gate: Refuses ticks while this host's clock is off the database's; None never does.
         schema_gate: Refuses ticks while a newer release's schema is in the store; None never
             does.
+        proxy: This process's inference proxy, told of each flip made here (None: none runs).
     """
 
     def __init__(
@@ -248,8 +253,10 @@ class Reconciler:
         provisioner: Provisioner | None = None,
         gate: SkewGate | None = None,
         schema_gate: SchemaGate | None = None,
+        proxy: InferenceProxy | None = None,
     ) -> None:
         self._gate = gate
+        self._proxy = proxy
         self._schema_gate = schema_gate
         self._provisioner = provisioner
         self._metrics = metrics if metrics is not None else ServerMetrics()
@@ -294,20 +301,20 @@ class Reconciler:
         return self._options
 
     async def tick(
-        self, fleet_ref: str, *, kicked: bool = False, accepted: Accepted | None = None
+        self, fleet_ref: str, *, pending_first: bool = False, start: Accepted | None = None
     ) -> TickResult:
         """Run one reconcile tick of the fleet ``fleet_ref`` (id or slug).
 
-        ``kicked``: the tick answers a kick (an accepted promote or demote, a passive failure
-        seen by the proxy). When the fleet's in-flight operation is still ``pending`` (just
-        accepted, not claimed) such a tick only drives it: no heartbeat round and no
+        ``pending_first``: the tick answers a kick (an accepted promote or demote, a passive
+        failure seen by the proxy). When the fleet's in-flight operation is still ``pending``
+        (just accepted, not claimed) such a tick only drives it: no heartbeat round and no
         provisioning pass before its first step. Every step proves its own effect from a
         status poll of the supervisor it drives, so the round would only delay the promotion;
-        the loop's next regular tick polls every supervisor as usual. Any other kicked tick is
-        a whole tick, so kicks can never starve the heartbeats. ``accepted`` (with
-        ``kicked``): the kick's operation, still ``pending`` when accepted; the tick starts it
-        from the request's snapshot without reading the fleet first, unless another tick of
-        the fleet is running (then it is an ordinary kicked tick).
+        the loop's next regular tick polls every supervisor as usual. Any other such tick is
+        a whole tick, so kicks can never starve the heartbeats. ``start`` (with
+        ``pending_first``): the operation a request just accepted, still ``pending``; the tick
+        starts it from the request's snapshot without reading the fleet first, unless another
+        tick of the fleet is running (then it is an ordinary ``pending_first`` tick).
 
         Raises:
             FleetNotFoundError: No such fleet.
@@ -325,10 +332,10 @@ class Reconciler:
             started = time.monotonic()
             ok = False
             try:
-                start = accepted if kicked else None
-                if start is not None and self._idle_pending(start):
-                    async with self._locks[start.fleet.id]:
-                        result = await self._drive(start.fleet, start.operation)
+                accepted = start if pending_first else None
+                if accepted is not None and self._idle_pending(accepted):
+                    async with self._locks[accepted.fleet.id]:
+                        result = await self._drive(accepted.fleet, accepted.operation)
                 else:
                     fleet = await self._load(fleet_ref)
                     lock = self._locks.setdefault(fleet.id, asyncio.Lock())
@@ -336,7 +343,7 @@ class Reconciler:
                     async with lock:
                         if waited:
                             fleet = await self._load(str(fleet.id))
-                        result = await self._tick(fleet, kicked=kicked)
+                        result = await self._tick(fleet, pending_first=pending_first)
             except StateStoreUnavailableError:
                 self._metrics.store_error("reconcile")
                 raise
@@ -353,9 +360,9 @@ class Reconciler:
 
     # ---- the tick ----------------------------------------------------------------------------
 
-    async def _tick(self, fleet: FleetSnapshot, *, kicked: bool) -> TickResult:
+    async def _tick(self, fleet: FleetSnapshot, *, pending_first: bool) -> TickResult:
         driving = await self._store.get_in_flight_operation(fleet.id)
-        if kicked and driving is not None and driving.state is OperationState.PENDING:
+        if pending_first and driving is not None and driving.state is OperationState.PENDING:
             return await self._drive(fleet, driving)
         read_at = time.monotonic()
         fleet, answered = await self._heartbeats(fleet, driving)
@@ -1025,32 +1032,21 @@ class Reconciler:
         decision = detect_failover(fleet, now=now, answered=answered)
         if decision is None:
             return None
-        operation, created = await self._store.create_operation(
-            fleet_id=fleet.id,
+        operation, _ = await request_operation(
+            self._store,
+            self._metrics,
+            fleet,
             kind=OperationKind.PROMOTE,
             target_domain_id=decision.target_domain_id,
             at=now,
+            trigger="automatic",
+            why=f"automatic failover: {decision.reason}",
+            event=lambda _: OperationAutoFailover(
+                reason=decision.reason,
+                active_domain_id=decision.active_domain_id,
+                target_domain_id=decision.target_domain_id,
+            ),
         )
-        if created:
-            self._metrics.operation_requested(OperationKind.PROMOTE.value, "automatic")
-            logger.warning(
-                "fleet %s: automatic failover (%s) to domain %s",
-                fleet.slug,
-                decision.reason,
-                decision.target_domain_id,
-                extra=log_fields(fleet, operation=operation),
-            )
-            await self._store.append_event(
-                fleet_id=fleet.id,
-                payload=OperationAutoFailover(
-                    reason=decision.reason,
-                    active_domain_id=decision.active_domain_id,
-                    target_domain_id=decision.target_domain_id,
-                ),
-                at=now,
-                domain_id=decision.target_domain_id,
-                operation_id=operation.id,
-            )
         return operation
 
     async def _confirmed_now(self, fleet: FleetSnapshot, domain_id: UUID, reason: str) -> bool:
@@ -1097,34 +1093,21 @@ class Reconciler:
                 break
         else:
             return None
-        operation, created = await self._store.create_operation(
-            fleet_id=fleet.id,
+        operation, _ = await request_operation(
+            self._store,
+            self._metrics,
+            fleet,
             kind=OperationKind.DEMOTE,
             target_domain_id=decision.target_domain_id,
             at=now,
+            trigger="restore",
+            why=f"standby out of standby posture: {decision.reason}",
+            event=lambda _: OperationRestoreDemote(
+                cause_operation_id=None,
+                target_domain_id=decision.target_domain_id,
+                reason=decision.reason,
+            ),
         )
-        if created:
-            self._metrics.operation_requested(operation.kind.value, "restore")
-            logger.warning(
-                "fleet %s: standby %s is out of standby posture (%s); demote %s queued to "
-                "restore it",
-                fleet.slug,
-                decision.target_domain_id,
-                decision.reason,
-                operation.id,
-                extra=log_fields(fleet, operation=operation),
-            )
-            await self._store.append_event(
-                fleet_id=fleet.id,
-                payload=OperationRestoreDemote(
-                    cause_operation_id=None,
-                    target_domain_id=decision.target_domain_id,
-                    reason=decision.reason,
-                ),
-                at=now,
-                domain_id=decision.target_domain_id,
-                operation_id=operation.id,
-            )
         return operation
 
     # ---- step 3: the in-flight operation -----------------------------------------------------
@@ -1233,6 +1216,7 @@ class Reconciler:
             deadline=time.monotonic() + remaining / 1000,
             entered=entered,
             guard_until=guard_until,
+            proxy=self._proxy,
         )
         return await run_step(ctx)
 
@@ -1514,30 +1498,21 @@ class Reconciler:
                 extra=log_fields(fleet, domain=domain_id, operation=cause),
             )
             return False
-        operation, created = await self._store.create_operation(
-            fleet_id=fleet.id,
+        operation, created = await request_operation(
+            self._store,
+            self._metrics,
+            fleet,
             kind=OperationKind.DEMOTE,
             target_domain_id=decision.target_domain_id,
             at=now,
+            trigger="restore",
+            why=f"restore standby after operation {cause.id}: {reason}",
+            event=lambda _: OperationRestoreDemote(
+                cause_operation_id=cause.id, target_domain_id=domain_id, reason=reason
+            ),
         )
         if not created:
             return operation.state in (OperationState.PENDING, OperationState.RUNNING)
-        self._metrics.operation_requested(operation.kind.value, "restore")
-        logger.info(
-            "operation %s: demote %s queued to restore standby (%s)",
-            cause.id,
-            operation.id,
-            reason,
-            extra=log_fields(fleet, operation=operation),
-        )
-        await self._event(
-            fleet,
-            operation,
-            OperationRestoreDemote(
-                cause_operation_id=cause.id, target_domain_id=domain_id, reason=reason
-            ),
-            now,
-        )
         return True
 
     async def _event(

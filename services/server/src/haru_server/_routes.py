@@ -57,18 +57,10 @@ from haru_protocol import (
 from haru_web import ApiError, int_query, parse_body
 from pydantic import ValidationError
 
+from haru_server._control_plane import ControlPlane
 from haru_server._errors import ClockSkewedError, FleetNotFoundError, SchemaNewerError
-from haru_server._keys import (
-    clock_key,
-    kick_fleet_key,
-    loop_key,
-    promotion_accepted_key,
-    provisioner_key,
-    reconciler_key,
-    schema_gate_key,
-    store_key,
-)
-from haru_server._metrics import metrics_key
+from haru_server._keys import control_plane_key
+from haru_server._operation_requests import request_operation
 from haru_server._reconciler import RECENT_OPERATIONS, Accepted
 from haru_server._schema_gate import check_writes
 from haru_server._steps import former_active_guard_until
@@ -105,6 +97,10 @@ PROVISIONING_EVENTS = frozenset(
 DOMAIN_EVENTS_SHOWN = 20
 
 
+def _plane(request: web.Request) -> ControlPlane:
+    return request.app[control_plane_key]
+
+
 def _json(model: PeerModel, *, status: int = 200) -> web.Response:
     return web.json_response(text=model.model_dump_json(), status=status)
 
@@ -123,7 +119,7 @@ def _fleet_ref(request: web.Request) -> FleetRef:
 
 async def _snapshot(request: web.Request) -> FleetSnapshot:
     ref = _fleet_ref(request)
-    fleet = await request.app[store_key].get_fleet_snapshot(ref)
+    fleet = await _plane(request).store.get_fleet_snapshot(ref)
     if fleet is None:
         raise _fleet_not_found(ref)
     return fleet
@@ -131,7 +127,7 @@ async def _snapshot(request: web.Request) -> FleetSnapshot:
 
 async def _pointer(request: web.Request) -> FleetRoutePointer:
     ref = _fleet_ref(request)
-    pointer = await request.app[store_key].get_fleet_route_pointer(ref)
+    pointer = await _plane(request).store.get_fleet_route_pointer(ref)
     if pointer is None:
         raise _fleet_not_found(ref)
     return pointer
@@ -146,13 +142,13 @@ async def healthz(request: web.Request) -> web.Response:
 
 @routes.get("/v1/fleets")
 async def list_fleets(request: web.Request) -> web.Response:
-    fleets = await request.app[store_key].list_fleets()
+    fleets = await _plane(request).store.list_fleets()
     return _json(FleetList(fleets=tuple(fleets)))
 
 
 async def loop_coverage(app: web.Application, fleet: FleetSnapshot) -> FleetSnapshot:
     """``fleet`` with ``reconciled`` and the warnings about who drives it."""
-    loop = app[loop_key]
+    loop = app[control_plane_key].loop
     warnings: list[str] = []
     if loop is None:
         reconciled = None
@@ -174,7 +170,7 @@ async def loop_coverage(app: web.Application, fleet: FleetSnapshot) -> FleetSnap
 
 @routes.get("/v1/fleets/{ref}")
 async def get_fleet(request: web.Request) -> web.Response:
-    fleet = await request.app[reconciler_key].annotate(await _snapshot(request))
+    fleet = await _plane(request).reconciler.annotate(await _snapshot(request))
     return _json(await loop_coverage(request.app, fleet))
 
 
@@ -185,9 +181,9 @@ POLICY_SWAP_ATTEMPTS = 5
 @routes.patch("/v1/fleets/{ref}/policy")
 async def patch_policy(request: web.Request) -> web.Response:
     update = await parse_body(request, PolicyPatch, limit=CONTROL_BODY_LIMIT)
-    await check_writes(request.app[schema_gate_key])
+    await check_writes(_plane(request).schema_gate)
     fleet = await _snapshot(request)
-    store = request.app[store_key]
+    store = _plane(request).store
     for _ in range(POLICY_SWAP_ATTEMPTS):
         stored = await store.get_fleet_policy(fleet.id)
         if stored is None:
@@ -211,7 +207,7 @@ async def patch_policy(request: web.Request) -> web.Response:
         )
         if not changed:
             return _json(answer)
-        now = request.app[clock_key]()
+        now = _plane(request).clock()
         if await store.replace_fleet_policy(fleet.id, version=stored.version, patch=patch, at=now):
             # The reconciler reads the policy with the fleet at every tick: nothing to notify.
             await store.append_event(
@@ -230,7 +226,7 @@ async def patch_policy(request: web.Request) -> web.Response:
 @routes.get("/v1/fleets/{ref}/route-intent")
 async def route_intent(request: web.Request) -> web.Response:
     fleet = await _snapshot(request)
-    return _json(build_route_intent(fleet, now=request.app[clock_key]()))
+    return _json(build_route_intent(fleet, now=_plane(request).clock()))
 
 
 @routes.post("/v1/fleets/{ref}/reconcile")
@@ -238,7 +234,7 @@ async def reconcile(request: web.Request) -> web.Response:
     await parse_body(request, ReconcileRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
     ref = _fleet_ref(request)
     try:
-        result = await request.app[reconciler_key].tick(ref.text)
+        result = await _plane(request).reconciler.tick(ref.text)
     except FleetNotFoundError:
         raise _fleet_not_found(ref) from None
     except (ClockSkewedError, SchemaNewerError) as exc:
@@ -246,12 +242,13 @@ async def reconcile(request: web.Request) -> web.Response:
     return _json(ReconcileResponse(fleet_id=result.fleet_id, operation=result.operation))
 
 
-async def _request_operation(
+async def _accept_operation(
     request: web.Request, kind: OperationKind, target_domain_id: UUID
 ) -> web.Response:
-    await check_writes(request.app[schema_gate_key])
+    plane = _plane(request)
+    await check_writes(plane.schema_gate)
     fleet = await _snapshot(request)
-    loop = request.app[loop_key]
+    loop = plane.loop
     if loop is not None and not await loop.covers(fleet.id):
         # Accepting it would leave an operation pending forever, blocking the fleet.
         raise ApiError(
@@ -269,7 +266,6 @@ async def _request_operation(
         return _json(AlreadyActiveResponse(route_revision=decision.route_revision))
     if isinstance(decision, InvalidTarget):
         raise ApiError(ErrorCode.INVALID_TARGET, decision.message)
-    store = request.app[store_key]
     if kind is OperationKind.DEMOTE:
         done = await _demote_in_effect(request, fleet, decision.target_domain_id)
         if done is not None:
@@ -277,9 +273,24 @@ async def _request_operation(
             # operation holds the fleet's one in-flight slot, so a stream of redundant demotes
             # would keep failover detection from running between them.
             return _json(AcceptedResponse(operation=done), status=202)
-    now = request.app[clock_key]()
-    operation, created = await store.create_operation(
-        fleet_id=fleet.id, kind=decision.kind, target_domain_id=decision.target_domain_id, at=now
+    now = plane.clock()
+    requested = (
+        OperationRequestedPromote if kind is OperationKind.PROMOTE else OperationRequestedDemote
+    )
+    operation, created = await request_operation(
+        plane.store,
+        plane.metrics,
+        fleet,
+        kind=decision.kind,
+        target_domain_id=decision.target_domain_id,
+        at=now,
+        trigger="manual",
+        why="requested",
+        event=lambda operation: requested(
+            kind=kind,
+            target_domain_id=decision.target_domain_id,
+            source_domain_id=operation.source_domain_id,
+        ),
     )
     if not created and (
         operation.kind is not decision.kind
@@ -291,39 +302,9 @@ async def _request_operation(
             f"{operation.target_domain_id}) is in flight; retry when it has finished",
         )
     if created:
-        metrics = request.app.get(metrics_key)
-        if metrics is not None:
-            metrics.operation_requested(decision.kind.value, "manual")
-        target = fleet.domain(decision.target_domain_id)
-        logger.info(
-            "fleet %s: %s of domain %s accepted (operation %s)",
-            fleet.slug,
-            kind.value,
-            None if target is None else target.slug,
-            operation.id,
-        )
-        await store.append_event(
-            fleet_id=fleet.id,
-            payload=(
-                OperationRequestedPromote
-                if kind is OperationKind.PROMOTE
-                else OperationRequestedDemote
-            )(
-                kind=kind,
-                target_domain_id=decision.target_domain_id,
-                source_domain_id=operation.source_domain_id,
-            ),
-            at=now,
-            domain_id=decision.target_domain_id,
-            operation_id=operation.id,
-        )
-    if created:
-        noted = request.app.get(promotion_accepted_key)
-        if noted is not None and kind is OperationKind.PROMOTE:
-            noted(fleet.id)
-        request.app[kick_fleet_key](fleet.id, accepted=Accepted(fleet=fleet, operation=operation))
+        plane.operation_accepted(Accepted(fleet=fleet, operation=operation))
     else:
-        request.app[kick_fleet_key](fleet.id)
+        plane.kick(fleet.id)
     return _json(AcceptedResponse(operation=operation), status=202)
 
 
@@ -342,7 +323,7 @@ async def _demote_in_effect(
         return None
     if any(s.state is not TrainingSlotState.TRAINING for s in training_slots(domain)):
         return None
-    recent = await request.app[store_key].list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
+    recent = await _plane(request).store.list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
     newest = max(
         (op for op in recent if target_domain_id in (op.target_domain_id, op.source_domain_id)),
         key=lambda op: op.created_at,
@@ -358,13 +339,13 @@ async def _demote_in_effect(
 @routes.post("/v1/fleets/{ref}/promote")
 async def promote(request: web.Request) -> web.Response:
     body = await parse_body(request, PromoteRequest, limit=CONTROL_BODY_LIMIT)
-    return await _request_operation(request, OperationKind.PROMOTE, body.target_domain_id)
+    return await _accept_operation(request, OperationKind.PROMOTE, body.target_domain_id)
 
 
 @routes.post("/v1/fleets/{ref}/demote")
 async def demote(request: web.Request) -> web.Response:
     body = await parse_body(request, DemoteRequest, limit=CONTROL_BODY_LIMIT)
-    return await _request_operation(request, OperationKind.DEMOTE, body.target_domain_id)
+    return await _accept_operation(request, OperationKind.DEMOTE, body.target_domain_id)
 
 
 @routes.get("/v1/fleets/{ref}/operations/{operation_id}")
@@ -375,7 +356,7 @@ async def get_operation(request: web.Request) -> web.Response:
         operation_id = UUID(raw)
     except ValueError:
         raise ApiError(ErrorCode.NOT_FOUND, f"operation {raw!r} not found") from None
-    operation = await request.app[store_key].get_operation(operation_id, fleet_id=pointer.id)
+    operation = await _plane(request).store.get_operation(operation_id, fleet_id=pointer.id)
     if operation is None:
         raise ApiError(ErrorCode.NOT_FOUND, f"operation {raw!r} not found in this fleet")
     return _json(operation)
@@ -386,7 +367,7 @@ async def list_events(request: web.Request) -> web.Response:
     after = int_query(request, "after", 0, low=0, high=2**63 - 1)
     limit = int_query(request, "limit", EVENTS_DEFAULT_LIMIT, low=1, high=EVENTS_MAX_LIMIT)
     pointer = await _pointer(request)
-    events = await request.app[store_key].list_events(pointer.id, after=after, limit=limit)
+    events = await _plane(request).store.list_events(pointer.id, after=after, limit=limit)
     next_after = events[-1].id if len(events) == limit else None
     return _json(EventList(events=tuple(events), next_after=next_after))
 
@@ -403,7 +384,7 @@ def _domain_of(fleet: FleetSnapshot, request: web.Request) -> DomainSnapshot:
 
 
 def _provisioned(request: web.Request, domain: DomainSnapshot, action: str) -> None:
-    if not request.app[provisioner_key].drives(domain):
+    if not _plane(request).provisioner.drives(domain):
         raise ApiError(
             ErrorCode.INVALID_TARGET,
             f"domain {domain.slug!r} is a {domain.provider.value} domain: `{action}` drives "
@@ -414,7 +395,7 @@ def _provisioned(request: web.Request, domain: DomainSnapshot, action: str) -> N
 async def _domain_events(
     request: web.Request, fleet: FleetSnapshot, domain_id: UUID
 ) -> list[Event]:
-    store = request.app[store_key]
+    store = _plane(request).store
     found: list[Event] = []
     after = 0
     while True:
@@ -431,7 +412,7 @@ async def domain_status(request: web.Request) -> web.Response:
     fleet = await _snapshot(request)
     domain = _domain_of(fleet, request)
     name = status = error = None
-    provisioner = request.app[provisioner_key]
+    provisioner = _plane(request).provisioner
     if provisioner.drives(domain):
         name = await provisioner.cluster_name(fleet, domain)
         try:
@@ -458,8 +439,8 @@ async def domain_status(request: web.Request) -> web.Response:
 async def _domain_action(
     request: web.Request, fleet: FleetSnapshot, domain: DomainSnapshot, to: DomainState
 ) -> web.Response:
-    store = request.app[store_key]
-    now = request.app[clock_key]()
+    store = _plane(request).store
+    now = _plane(request).clock()
     if not await store.transition_domain(domain.id, from_states=(domain.state,), to=to, at=now):
         raise ApiError(
             ErrorCode.OPERATION_CONFLICT,
@@ -472,7 +453,7 @@ async def _domain_action(
     )
     await store.append_event(fleet_id=fleet.id, payload=payload, at=now, domain_id=domain.id)
     logger.info("fleet %s: domain %s %s -> %s", fleet.slug, domain.slug, domain.state, to)
-    request.app[kick_fleet_key](fleet.id)
+    _plane(request).kick(fleet.id)
     after = await _snapshot(request)
     return _json(DomainActionResponse(domain=_domain_of(after, request)), status=202)
 
@@ -480,7 +461,7 @@ async def _domain_action(
 @routes.post("/v1/fleets/{ref}/domains/{domain}/up")
 async def domain_up(request: web.Request) -> web.Response:
     await parse_body(request, DomainActionRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
-    await check_writes(request.app[schema_gate_key])
+    await check_writes(_plane(request).schema_gate)
     fleet = await _snapshot(request)
     domain = _domain_of(fleet, request)
     _provisioned(request, domain, "up")
@@ -496,7 +477,7 @@ async def domain_up(request: web.Request) -> web.Response:
 @routes.post("/v1/fleets/{ref}/domains/{domain}/down")
 async def domain_down(request: web.Request) -> web.Response:
     await parse_body(request, DomainActionRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
-    await check_writes(request.app[schema_gate_key])
+    await check_writes(_plane(request).schema_gate)
     fleet = await _snapshot(request)
     domain = _domain_of(fleet, request)
     _provisioned(request, domain, "down")
@@ -506,7 +487,7 @@ async def domain_down(request: web.Request) -> web.Response:
             f"domain {domain.slug!r} is the active domain of fleet {fleet.slug!r}: promote "
             "another domain first, then take this one down",
         )
-    operation = await request.app[store_key].get_in_flight_operation(fleet.id)
+    operation = await _plane(request).store.get_in_flight_operation(fleet.id)
     if operation is not None and domain.id in (
         operation.target_domain_id,
         operation.source_domain_id,
@@ -518,10 +499,10 @@ async def domain_down(request: web.Request) -> web.Response:
         )
     if domain.state in (DomainState.STOPPING, DomainState.STOPPED):
         return _json(DomainActionResponse(domain=domain), status=200)
-    now = request.app[clock_key]()
+    now = _plane(request).clock()
     until = await former_active_guard_until(
-        request.app[store_key],
-        request.app[reconciler_key].options.tuning,
+        _plane(request).store,
+        _plane(request).reconciler.options.tuning,
         fleet.id,
         domain.id,
         since=now,

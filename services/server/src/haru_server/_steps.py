@@ -24,10 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar, assert_never
 from uuid import UUID
 
 from haru_core import (
@@ -72,6 +72,9 @@ from haru_supervisor_client import (
 )
 
 from haru_server._logfields import log_fields
+
+if TYPE_CHECKING:
+    from haru_server._proxy import InferenceProxy
 
 logger = logging.getLogger(__name__)
 
@@ -158,14 +161,12 @@ class StepTuning:
             out by then (``haru_core.lease_guard_ms``; see the README). The
             fleet's stored ``route_lease_ms`` (the longest lease any process records, read
             after the flip) lengthens it. See :func:`route_guard_until`.
-        route_moved: Told the new pointer after a flip, so this process routes with it at once.
     """
 
     settle_s: float = 1.0
     first_poll_s: float = 0.005
     max_poll_s: float = 0.015
     route_guard_s: float = 0.0
-    route_moved: Callable[[FleetRoutePointer], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +188,8 @@ class StepContext:
     """The CAS that started this step already applied its :func:`entry_mirror`."""
     guard_until: datetime | None = None
     """:func:`route_guard_until` of this step: it sleeps nothing before then."""
+    proxy: InferenceProxy | None = None
+    """This process's inference proxy, told of a flip made here so it routes with it at once."""
 
     def bound(self, cap_s: float | None = None) -> float:
         """Seconds a supervisor call may take: what remains of the budget, capped."""
@@ -554,8 +557,8 @@ async def _switch_active(ctx: StepContext) -> StepResult:
     )
     pointer = await ctx.store.get_fleet_route_pointer(str(fleet.id))
     revision = None if pointer is None else pointer.route_revision
-    if pointer is not None and ctx.tuning.route_moved is not None:
-        ctx.tuning.route_moved(pointer)
+    if pointer is not None and ctx.proxy is not None:
+        ctx.proxy.note_route_move(pointer)
     if switched:
         await ctx.store.append_event(
             fleet_id=fleet.id,
@@ -821,28 +824,39 @@ async def _start_training(ctx: StepContext) -> StepResult:
     return await _train_domain(ctx, ctx.target)
 
 
-_EXECUTORS: Mapping[OperationStep, Callable[[StepContext], Awaitable[StepResult]]] = {
-    _S.STOP_TRAINING: _stop_training,
-    _S.VERIFY_GPU: _verify_gpu,
-    _S.WAKE_VLLM: _wake_vllm,
-    _S.PROBE: _probe,
-    _S.SWITCH_ACTIVE: _switch_active,
-    _S.DEMOTE_OLD_SLEEP: _demote_old_sleep,
-    _S.DEMOTE_OLD_TRAIN: _demote_old_train,
-    _S.SLEEP_VLLM: _sleep_vllm,
-    _S.START_TRAINING: _start_training,
-}
-
-
 async def run_step(ctx: StepContext) -> StepResult:
     """Run the executor of ``ctx.step`` once and return its result.
 
     A supervisor failure never raises (it is a result); state-store failures propagate.
     """
     try:
-        return await _EXECUTORS[ctx.step](ctx)
+        return await _execute(ctx)
     except _Outcome as outcome:
         return outcome.result
+
+
+async def _execute(ctx: StepContext) -> StepResult:
+    match ctx.step:
+        case _S.STOP_TRAINING:
+            return await _stop_training(ctx)
+        case _S.VERIFY_GPU:
+            return await _verify_gpu(ctx)
+        case _S.WAKE_VLLM:
+            return await _wake_vllm(ctx)
+        case _S.PROBE:
+            return await _probe(ctx)
+        case _S.SWITCH_ACTIVE:
+            return await _switch_active(ctx)
+        case _S.DEMOTE_OLD_SLEEP:
+            return await _demote_old_sleep(ctx)
+        case _S.DEMOTE_OLD_TRAIN:
+            return await _demote_old_train(ctx)
+        case _S.SLEEP_VLLM:
+            return await _sleep_vllm(ctx)
+        case _S.START_TRAINING:
+            return await _start_training(ctx)
+        case _:
+            assert_never(ctx.step)
 
 
 def _str(value: UUID | None) -> str | None:

@@ -1,0 +1,72 @@
+"""Queueing an operation: create it (or join the fleet's in-flight one), count, log, record why.
+
+Every operation starts here, whoever asks for it: a promote or demote request (``manual``),
+the reconciler's automatic failover (``automatic``) and its restore demotes (``restore``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import datetime
+from typing import Literal
+from uuid import UUID
+
+from haru_db import StateStore
+from haru_protocol import EventPayload, FleetSnapshot, Operation, OperationKind
+
+from haru_server._logfields import log_fields
+from haru_server._metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+Trigger = Literal["manual", "automatic", "restore"]
+"""Who asked for the operation (the ``trigger`` label of ``haru_operations_requested``)."""
+
+
+async def request_operation(
+    store: StateStore,
+    metrics: ServerMetrics,
+    fleet: FleetSnapshot,
+    *,
+    kind: OperationKind,
+    target_domain_id: UUID,
+    at: datetime,
+    trigger: Trigger,
+    why: str,
+    event: Callable[[Operation], EventPayload],
+) -> tuple[Operation, bool]:
+    """Create a pending operation, or join the fleet's in-flight one.
+
+    Only a created operation is counted, logged (``why``: what asked for it) and recorded by
+    the event ``event`` builds from it.
+
+    Returns:
+        ``(operation, True)`` when created; ``(in_flight_operation, False)`` when another
+        operation was already in flight (whatever its kind and target).
+    """
+    operation, created = await store.create_operation(
+        fleet_id=fleet.id, kind=kind, target_domain_id=target_domain_id, at=at
+    )
+    if not created:
+        return operation, False
+    metrics.operation_requested(kind.value, trigger)
+    target = fleet.domain(target_domain_id)
+    logger.log(
+        logging.INFO if trigger == "manual" else logging.WARNING,
+        "fleet %s: %s of domain %s queued (%s; operation %s)",
+        fleet.slug,
+        kind.value,
+        target_domain_id if target is None else target.slug,
+        why,
+        operation.id,
+        extra=log_fields(fleet, operation=operation),
+    )
+    await store.append_event(
+        fleet_id=fleet.id,
+        payload=event(operation),
+        at=at,
+        domain_id=target_domain_id,
+        operation_id=operation.id,
+    )
+    return operation, True
