@@ -309,6 +309,7 @@ async def test_a_write_loses_to_a_promotion_created_after_its_plan(
         assert (
             await store.update_slot_spec(
                 slot_b.id,
+                fleet_id=fleet.id,
                 domain_id=b.id,
                 revision=revisions[("slot", slot_b.id)],
                 spec=spec,
@@ -321,6 +322,7 @@ async def test_a_write_loses_to_a_promotion_created_after_its_plan(
     assert (
         await store.update_domain_config(
             a.id,
+            fleet_id=fleet.id,
             revision=revisions[("domain", a.id)],
             layout=FleetLayout.model_validate(BASE).domains[0],
             moves_traffic=False,
@@ -343,6 +345,7 @@ async def test_a_traffic_moving_write_loses_on_the_active_and_lands_on_a_standby
         slot = next(s for s in domain.slots if s.gpu_index == 0)
         new = await store.update_slot_spec(
             slot.id,
+            fleet_id=fleet.id,
             domain_id=domain.id,
             revision=revisions[("slot", slot.id)],
             spec=slot.spec,
