@@ -16,6 +16,7 @@ from haru_core import (
     inference_slots,
     training_slots,
 )
+from haru_db import DomainRemovedError
 from haru_driver_skypilot import SkyDriverError
 from haru_protocol import (
     AcceptedResponse,
@@ -278,9 +279,19 @@ async def _request_operation(
             # would keep failover detection from running between them.
             return _json(AcceptedResponse(operation=done), status=202)
     now = request.app[clock_key]()
-    operation, created = await store.create_operation(
-        fleet_id=fleet.id, kind=decision.kind, target_domain_id=decision.target_domain_id, at=now
-    )
+    try:
+        operation, created = await store.create_operation(
+            fleet_id=fleet.id,
+            kind=decision.kind,
+            target_domain_id=decision.target_domain_id,
+            at=now,
+        )
+    except DomainRemovedError as exc:
+        # `haru apply` removed it after this request read the fleet.
+        raise ApiError(
+            ErrorCode.INVALID_TARGET,
+            f"domain {decision.target_domain_id} was removed from fleet {fleet.slug!r}",
+        ) from exc
     if not created and (
         operation.kind is not decision.kind
         or operation.target_domain_id != decision.target_domain_id
