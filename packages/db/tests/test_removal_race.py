@@ -100,3 +100,30 @@ async def test_a_removal_waiting_on_an_operations_insert_does_not_land(
     fleet = await store.get_fleet_snapshot(fleet_layout.slug)
     assert fleet is not None
     assert standby in {d.id for d in fleet.domains}
+
+
+async def test_a_slot_write_waiting_on_an_operations_insert_does_not_land(
+    postgres_store: StateStore, fleet_layout: FleetLayout, now: datetime
+) -> None:
+    store = postgres_store
+    fleet_id, standby = await _setup(store, fleet_layout, now)
+    fleet = await store.get_fleet_snapshot(fleet_layout.slug)
+    assert fleet is not None
+    slot = fleet.domains[1].slots[0]
+    dsn = _dsn(store.url)
+    write = (
+        "UPDATE slots SET config_revision = config_revision + 1, updated_at = now() "
+        "WHERE id = %s RETURNING id"
+    )
+    async with (
+        await psycopg.AsyncConnection.connect(dsn) as creator,
+        await psycopg.AsyncConnection.connect(dsn) as writer,
+        await psycopg.AsyncConnection.connect(dsn, autocommit=True) as monitor,
+    ):
+        await creator.execute(_INSERT_OPERATION, (uuid4(), fleet_id, standby))
+        change = asyncio.create_task(writer.execute(write, (slot.id,)))
+        await _blocked(monitor, writer.info.backend_pid)
+        await creator.commit()
+        assert await (await change).fetchall() == []
+        await writer.commit()
+    assert (await store.get_config_revisions(fleet_id))[("slot", slot.id)] == 1

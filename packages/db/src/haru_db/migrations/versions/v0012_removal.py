@@ -18,10 +18,12 @@ carries the ``fleet.config.changed`` events of an apply's write: on SQLite the t
 here insert them into ``events`` and clear the column inside the write's own statement (as
 0002 does for operations); PostgreSQL appends them with a data-modifying CTE and never sets it.
 
-On PostgreSQL a removal and a promotion serialize on the domain row: an operation's insert
-takes a share lock on its target (and skips the insert when the target is removed, re-read
-after the lock), and a removal re-checks for an in-flight operation that drives the domain
-after its row lock, each in a statement of its own (READ COMMITTED gives each a fresh view).
+On PostgreSQL an apply's write and a promotion serialize on the domain row: an operation's
+insert takes a share lock on its target (and skips the insert when the target is removed,
+re-read after the lock); a removal, and every configuration write of a domain or of a slot
+(which locks its domain row first), re-checks for an in-flight operation that drives the
+domain after its row lock, each in a statement of its own (READ COMMITTED gives each a fresh
+view), and skips the row when one does.
 """
 
 from __future__ import annotations
@@ -164,6 +166,48 @@ FOR EACH ROW
 WHEN (OLD.removed_at IS NULL AND NEW.removed_at IS NOT NULL)
 EXECUTE FUNCTION haru_domain_removal_not_driven()
 """,
+    f"""
+CREATE FUNCTION haru_domain_config_not_driven() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM operations
+     WHERE state IN {_IN_FLIGHT}
+       AND (target_domain_id = NEW.id OR source_domain_id = NEW.id);
+    IF FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN NEW;
+END
+$$
+""",
+    f"""
+CREATE FUNCTION haru_slot_config_not_driven() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    -- A slot's write locks its domain row, as an operation's insert shares it.
+    PERFORM 1 FROM domains WHERE id = NEW.domain_id FOR NO KEY UPDATE;
+    PERFORM 1 FROM operations
+     WHERE state IN {_IN_FLIGHT}
+       AND (target_domain_id = NEW.domain_id OR source_domain_id = NEW.domain_id);
+    IF FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN NEW;
+END
+$$
+""",
+    """
+CREATE TRIGGER trg_domains_config_not_driven
+BEFORE UPDATE OF config_revision ON domains
+FOR EACH ROW
+WHEN (NEW.config_revision <> OLD.config_revision)
+EXECUTE FUNCTION haru_domain_config_not_driven()
+""",
+    """
+CREATE TRIGGER trg_slots_config_not_driven
+BEFORE UPDATE OF config_revision ON slots
+FOR EACH ROW
+WHEN (NEW.config_revision <> OLD.config_revision)
+EXECUTE FUNCTION haru_slot_config_not_driven()
+""",
 )
 
 
@@ -217,6 +261,10 @@ def downgrade() -> None:
             op.execute(f"DROP TRIGGER IF EXISTS {name}")
         op.execute("PRAGMA legacy_alter_table = ON")
     else:
+        op.execute("DROP TRIGGER IF EXISTS trg_slots_config_not_driven ON slots")
+        op.execute("DROP TRIGGER IF EXISTS trg_domains_config_not_driven ON domains")
+        op.execute("DROP FUNCTION IF EXISTS haru_slot_config_not_driven()")
+        op.execute("DROP FUNCTION IF EXISTS haru_domain_config_not_driven()")
         op.execute("DROP TRIGGER IF EXISTS trg_domains_removal_not_driven ON domains")
         op.execute("DROP FUNCTION IF EXISTS haru_domain_removal_not_driven()")
         op.execute("DROP TRIGGER IF EXISTS trg_operations_target_not_removed ON operations")
