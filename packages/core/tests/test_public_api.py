@@ -136,11 +136,13 @@ CONTRACT = {
     "InvalidTransitionError",
     # Layout plans (haru apply)
     "DomainAdd",
+    "DomainRemove",
     "DomainRowChange",
     "FleetRowChange",
     "LayoutPlan",
     "RowChange",
     "SlotAdd",
+    "SlotRemove",
     "SlotRowChange",
     "plan_layout",
 }

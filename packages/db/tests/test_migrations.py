@@ -50,6 +50,12 @@ SQLITE_TRIGGERS = {
     "trg_operations_pending_writes",
     "trg_operations_fence_cas",
     "trg_operations_fence_create",
+    "trg_fleets_config_events",
+    "trg_domains_config_events",
+    "trg_domains_insert_config_events",
+    "trg_slots_config_events",
+    "trg_slots_insert_config_events",
+    "trg_operations_target_not_removed",
 }
 
 
@@ -150,6 +156,43 @@ async def test_upgrade_downgrade_upgrade_with_data(
         await again.close()
 
 
+async def test_0012_down_and_up_keep_every_row_and_key(
+    database_url_factory: DatabaseUrlFactory, fleet_layout: FleetLayout, now: datetime
+) -> None:
+    # The rebuild of `domains` and `slots` on SQLite (both ways) must keep every row, id and
+    # the keys that reference them (slots, events, operations).
+    url = await database_url_factory()
+    store = StateStore.open(url)
+    try:
+        applied = await store.apply_fleet_layout(fleet_layout, at=now)
+        before = await store.get_fleet_snapshot(fleet_layout.slug)
+        assert before is not None
+        standby = before.domains[1]
+        await store.create_operation(
+            fleet_id=applied.fleet_id,
+            kind=OperationKind.DEMOTE,
+            target_domain_id=standby.id,
+            at=now,
+        )
+        events_before = await store.list_events(applied.fleet_id)
+    finally:
+        await store.close()
+    await downgrade(url, revision="0011")
+    assert await current_revision(url) == "0011"
+    await upgrade(url)
+    store = StateStore.open(url)
+    try:
+        after = await store.get_fleet_snapshot(fleet_layout.slug)
+        assert after is not None
+        assert after.model_dump() == before.model_dump()
+        assert await store.list_events(applied.fleet_id) == events_before
+        operation = await store.get_in_flight_operation(applied.fleet_id)
+        assert operation is not None
+        assert operation.target_domain_id == standby.id
+    finally:
+        await store.close()
+
+
 async def test_upgrade_is_idempotent(database_url_factory: DatabaseUrlFactory) -> None:
     url = await database_url_factory()
     await upgrade(url)
@@ -234,6 +277,7 @@ def test_the_wheel_ships_the_migrations_and_the_pytest_plugin(tmp_path: Path) ->
         "haru_db/migrations/versions/v0009_config_revision.py",
         "haru_db/migrations/versions/v0010_fleet_ca.py",
         "haru_db/migrations/versions/v0011_client_keys.py",
+        "haru_db/migrations/versions/v0012_removal.py",
         "haru_db/migrations/versions/v0008_domain_connect_failed.py",
         "haru_db/py.typed",
     } <= names

@@ -309,6 +309,7 @@ async def test_a_write_loses_to_a_promotion_created_after_its_plan(
         assert (
             await store.update_slot_spec(
                 slot_b.id,
+                fleet_id=fleet.id,
                 domain_id=b.id,
                 revision=revisions[("slot", slot_b.id)],
                 spec=spec,
@@ -321,6 +322,7 @@ async def test_a_write_loses_to_a_promotion_created_after_its_plan(
     assert (
         await store.update_domain_config(
             a.id,
+            fleet_id=fleet.id,
             revision=revisions[("domain", a.id)],
             layout=FleetLayout.model_validate(BASE).domains[0],
             moves_traffic=False,
@@ -343,6 +345,7 @@ async def test_a_traffic_moving_write_loses_on_the_active_and_lands_on_a_standby
         slot = next(s for s in domain.slots if s.gpu_index == 0)
         new = await store.update_slot_spec(
             slot.id,
+            fleet_id=fleet.id,
             domain_id=domain.id,
             revision=revisions[("slot", slot.id)],
             spec=slot.spec,
@@ -397,3 +400,290 @@ async def test_a_provisioned_domains_recorded_urls_are_neither_differences_nor_o
     chat = after.slots[0].spec
     assert isinstance(chat, InferenceSlotSpec)
     assert chat.models[0].serving_url == "http://10.0.0.9:8000/m/chat"
+
+
+# ---- removal (migration 0012) -------------------------------------------------------------
+
+REMOVAL_GOLDEN = """\
+fleet shop: 2 change(s)
+  - domain a / training gpu 1: python train.py
+  - domain b: static"""
+
+
+def _without_b() -> dict[str, Any]:
+    layout = copy.deepcopy(BASE)
+    layout["domains"] = layout["domains"][:1]
+    layout["domains"][0]["slots"] = layout["domains"][0]["slots"][:1]
+    return layout
+
+
+async def _config_events(store: StateStore, fleet_id: Any) -> list[Any]:
+    events = await store.list_events(fleet_id, limit=1000)
+    return [e for e in events if e.type == EventType.FLEET_CONFIG_CHANGED]
+
+
+async def test_a_standby_and_a_slot_are_removed_and_left_out_of_every_read(
+    store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
+) -> None:
+    client = await _client(store, clock, aiohttp_client)
+    await _created(client)
+    before = await _snapshot(store)
+    b = next(d for d in before.domains if d.slug == "b")
+    trainer_a = next(s for s in before.domains[0].slots if s.gpu_index == 1)
+    planned = await _plan(client, _without_b())
+    assert render_plan(planned.plan) == REMOVAL_GOLDEN
+    assert not planned.plan.refused
+
+    revisions = [r.model_dump(mode="json", by_alias=True) for r in planned.plan.revisions]
+    status, answer = await _apply(client, _without_b(), revisions=revisions)
+    assert status == 200, answer
+    after = await _snapshot(store)
+    assert [d.slug for d in after.domains] == ["a"]
+    assert [s.gpu_index for s in after.domains[0].slots] == [0]
+    assert after.active_domain_id == before.active_domain_id
+    assert after.route_revision == before.route_revision
+    # The API's reads leave them out too, and the plan is now empty.
+    response = await client.get("/v1/fleets/shop")
+    assert response.status == 200
+    shown = await response.json()
+    assert [d["slug"] for d in shown["domains"]] == ["a"]
+    assert [s["gpuIndex"] for s in shown["domains"][0]["slots"]] == [0]
+    assert render_plan((await _plan(client, _without_b())).plan) == "fleet shop: no changes"
+    revised = {(r.table, r.id) for r in (await _plan(client, _without_b())).plan.revisions}
+    assert ("domain", b.id) not in revised
+    assert ("slot", trainer_a.id) not in revised
+    # One event per item, each with its row.
+    changed = await _config_events(store, after.id)
+    assert [(e.data.action, e.data.path, e.domain_id, e.slot_id) for e in changed] == [
+        ("-", "domain a / training gpu 1", after.domains[0].id, trainer_a.id),
+        ("-", "domain b", b.id, None),
+    ]
+    assert [e.data.revision for e in changed] == [2, 2]
+    # A promotion of the removed domain names nothing.
+    response = await client.post("/v1/fleets/shop/promote", json={"targetDomainId": str(b.id)})
+    assert response.status == 422, await response.text()
+    assert (await response.json())["error"]["code"] == "invalid_target"
+    assert await store.get_in_flight_operation(after.id) is None
+
+
+async def test_a_removed_slug_and_slot_come_back_as_new_rows(
+    store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
+) -> None:
+    client = await _client(store, clock, aiohttp_client)
+    await _created(client)
+    old = await _snapshot(store)
+    status, answer = await _apply(client, _without_b())
+    assert status == 200, answer
+    planned = await _plan(client, BASE)
+    assert [(i.action, i.path) for i in planned.plan.items] == [
+        ("+", "domain a / training gpu 1"),
+        ("+", "domain b"),
+        ("+", "domain b / inference gpu 0"),
+        ("+", "domain b / inference gpu 0 / model chat"),
+        ("+", "domain b / training gpu 1"),
+    ]
+    status, answer = await _apply(client, BASE)
+    assert status == 200, answer
+    again = await _snapshot(store)
+    assert [d.slug for d in again.domains] == ["a", "b"]
+    new_b, old_b = again.domains[1], old.domains[1]
+    assert new_b.id != old_b.id
+    assert new_b.state.value == "provisioning"
+    assert again.domains[0].slots[1].id != old.domains[0].slots[1].id
+    assert render_plan((await _plan(client, BASE)).plan) == "fleet shop: no changes"
+
+
+async def test_removing_the_active_an_operations_target_or_a_serving_slot_is_refused(
+    store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
+) -> None:
+    client = await _client(store, clock, aiohttp_client)
+    await _created(client)
+    before = await _snapshot(store)
+    # The active's inference slot: it would move traffic.
+    layout = {**copy.deepcopy(BASE), "activeDomainSlug": None}
+    layout["domains"][0]["slots"] = layout["domains"][0]["slots"][1:]
+    status, answer = await _apply(client, layout)
+    assert status == 409, answer
+    assert answer["error"]["code"] == "change_refused"
+    assert "would move its traffic" in answer["error"]["message"]
+    # The active domain itself.
+    only_b = {**BASE, "activeDomainSlug": None, "domains": BASE["domains"][1:]}
+    status, answer = await _apply(client, only_b)
+    assert status == 409, answer
+    assert "is the active domain" in answer["error"]["message"]
+    # An operation's target.
+    b = next(d for d in before.domains if d.slug == "b")
+    operation, created = await store.create_operation(
+        fleet_id=before.id, kind=OperationKind.DEMOTE, target_domain_id=b.id, at=clock()
+    )
+    assert created
+    status, answer = await _apply(client, {**BASE, "domains": BASE["domains"][:1]})
+    assert status == 409, answer
+    assert f"operation {operation.id}" in answer["error"]["message"]
+    assert await _snapshot(store) == before
+    assert await _config_events(store, before.id) == []
+
+
+async def test_a_removal_planned_before_a_promotion_loses_to_it_and_writes_no_event(
+    store: StateStore, clock: ManualClock
+) -> None:
+    from haru_protocol import FleetLayout
+
+    await store.apply_fleet_layout(FleetLayout.model_validate(BASE), at=clock())
+    fleet = await _snapshot(store)
+    revisions = await store.get_config_revisions(fleet.id)
+    a, b = fleet.domains
+    _, created = await store.create_operation(
+        fleet_id=fleet.id, kind=OperationKind.PROMOTE, target_domain_id=b.id, at=clock()
+    )
+    assert created
+    event = FleetConfigChanged(
+        action="-", subject="domain", path="domain b", detail="static", revision=2
+    )
+    for domain in (a, b):  # the active is also the promotion's source
+        assert (
+            await store.remove_domain(
+                domain.id,
+                fleet_id=fleet.id,
+                revision=revisions[("domain", domain.id)],
+                at=clock(),
+                events=[event],
+            )
+            is None
+        )
+    trainer = b.slots[1]
+    assert (
+        await store.remove_slot(
+            trainer.id,
+            fleet_id=fleet.id,
+            domain_id=b.id,
+            revision=revisions[("slot", trainer.id)],
+            moves_traffic=False,
+            at=clock(),
+            events=[event],
+        )
+        is None
+    )
+    spec = TrainingSlotSpec.model_validate(
+        {"kind": "training", "gpuIndex": 2, "command": ["python", "t.py"], "checkpointDir": "/c"}
+    )
+    assert await store.add_slot(fleet.id, b.id, spec, at=clock(), events=[event]) is None
+    assert await _snapshot(store) == fleet
+    assert await _config_events(store, fleet.id) == []
+
+
+async def test_a_stale_revision_writes_neither_the_change_nor_its_event(
+    store: StateStore, clock: ManualClock
+) -> None:
+    from haru_protocol import FleetLayout
+
+    await store.apply_fleet_layout(FleetLayout.model_validate(BASE), at=clock())
+    fleet = await _snapshot(store)
+    b = fleet.domains[1]
+    revisions = await store.get_config_revisions(fleet.id)
+    event = FleetConfigChanged(
+        action="-", subject="domain", path="domain b", detail="static", revision=2
+    )
+    stale = revisions[("domain", b.id)] - 1
+    assert (
+        await store.remove_domain(
+            b.id, fleet_id=fleet.id, revision=stale, at=clock(), events=[event]
+        )
+        is None
+    )
+    assert await _config_events(store, fleet.id) == []
+    landed = await store.remove_domain(
+        b.id, fleet_id=fleet.id, revision=stale + 1, at=clock(), events=[event, event]
+    )
+    assert landed == stale + 2
+    changed = await _config_events(store, fleet.id)
+    assert [(e.domain_id, e.data) for e in changed] == [(b.id, event), (b.id, event)]
+
+
+async def _race(store: StateStore, clock: ManualClock, round_: int) -> None:
+    from haru_db import DomainRemovedError
+    from haru_protocol import FleetLayout
+
+    layout = copy.deepcopy(BASE)
+    layout["slug"] = f"race-{round_}"
+    await store.apply_fleet_layout(FleetLayout.model_validate(layout), at=clock())
+    fleet = await store.get_fleet_snapshot(layout["slug"])
+    assert fleet is not None
+    b = fleet.domains[1]
+    revision = (await store.get_config_revisions(fleet.id))[("domain", b.id)]
+    other = StateStore.open(store.url)
+
+    async def promote() -> bool:
+        try:
+            _, created = await other.create_operation(
+                fleet_id=fleet.id, kind=OperationKind.PROMOTE, target_domain_id=b.id, at=clock()
+            )
+        except DomainRemovedError:
+            return False
+        return created
+
+    async def remove() -> bool:
+        landed = await store.remove_domain(b.id, fleet_id=fleet.id, revision=revision, at=clock())
+        return landed is not None
+
+    try:
+        if round_ % 2:
+            promoted, removed = await asyncio.gather(promote(), remove())
+        else:
+            removed, promoted = await asyncio.gather(remove(), promote())
+    finally:
+        await other.close()
+    assert promoted != removed, (round_, promoted, removed)
+    in_flight = await store.get_in_flight_operation(fleet.id)
+    assert (in_flight is not None) is promoted
+    after = await store.get_fleet_snapshot(layout["slug"])
+    assert after is not None
+    assert (len(after.domains) == 1) is removed
+
+
+async def test_a_racing_promotion_and_removal_never_both_land(
+    store: StateStore, clock: ManualClock
+) -> None:
+    """Through separate connections: either the promotion exists or the domain is removed."""
+    for round_ in range(12):
+        await _race(store, clock, round_)
+
+
+async def test_a_removed_provisioned_domain_goes_stopping_for_its_teardown(
+    store: StateStore, clock: ManualClock, aiohttp_client: AiohttpClient
+) -> None:
+    client = await _client(store, clock, aiohttp_client)
+    layout = copy.deepcopy(BASE)
+    layout["domains"].append(
+        {
+            "slug": "p",
+            "provider": "skypilot",
+            "placement": PLACEMENT,
+            "slots": [{"kind": "inference", "gpuIndex": 0, "models": [{"name": "chat"}]}],
+        }
+    )
+    status, answer = await _apply(client, layout)
+    assert status == 200, answer
+    fleet = await _snapshot(store)
+    p = next(d for d in fleet.domains if d.slug == "p")
+    assert await store.claim_launch(p.id, expected_attempt=0, at=clock())
+    assert await store.list_removed_teardowns(fleet.id) == []
+    [item] = (await _plan(client, BASE)).plan.items
+    assert (item.action, item.path, item.detail, item.refused) == (
+        "-",
+        "domain p",
+        "skypilot, torn down (as `haru domain down`)",
+        None,
+    )
+    status, answer = await _apply(client, BASE)
+    assert status == 200, answer
+    assert [d.slug for d in (await _snapshot(store)).domains] == ["a", "b"]
+    [gone] = await store.list_removed_teardowns(fleet.id)
+    assert (gone.id, gone.state.value, gone.launch_attempt) == (p.id, "stopping", 1)
+    # The teardown's end takes it off that list too.
+    from haru_protocol import DomainState
+
+    assert await store.transition_domain(
+        p.id, from_states=(DomainState.STOPPING,), to=DomainState.STOPPED, at=clock()
+    )
+    assert await store.list_removed_teardowns(fleet.id) == []

@@ -102,3 +102,37 @@ def test_apply_exits_1_on_a_refused_change_and_changes_nothing(
     still = haru("apply", str(path), "--dry-run", env=served)
     assert still.returncode == 1
     assert "fleet example: 1 change(s), 1 refused" in still.stdout
+
+
+def test_apply_removes_a_standby_and_the_same_slug_comes_back(
+    haru: Haru, served: dict[str, str], tmp_path: Path
+) -> None:
+    layout = json.loads(example_layout_json())
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps(layout), encoding="utf-8")
+    alpha_only = tmp_path / "alpha.json"
+    alpha_only.write_text(
+        json.dumps({**layout, "domains": layout["domains"][:1]}), encoding="utf-8"
+    )
+    shown = haru("apply", str(alpha_only), "--dry-run", env=served)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout == "fleet example: 1 change(s)\n  - domain beta: static\n"
+    applied = haru("apply", str(alpha_only), "--yes", env=served)
+    assert applied.returncode == 0, applied.stderr
+    fleet = json.loads(haru("fleet", "show", "example", "--json", env=served).stdout)
+    assert [d["slug"] for d in fleet["domains"]] == ["alpha"]
+    # Removing the active is refused, and the removed slug can be added again.
+    beta_only = tmp_path / "beta.json"
+    beta_only.write_text(
+        json.dumps({**layout, "activeDomainSlug": None, "domains": layout["domains"][1:]}),
+        encoding="utf-8",
+    )
+    refused = haru("apply", str(beta_only), "--yes", env=served)
+    assert refused.returncode == 1
+    assert "- domain alpha: static" in refused.stdout
+    assert "refused: domain 'alpha' is the active domain" in refused.stdout
+    back = haru("apply", str(whole), "--yes", env=served)
+    assert back.returncode == 0, back.stderr
+    assert "+ domain beta: static, provisioning until its first good heartbeat" in back.stdout
+    fleet = json.loads(haru("fleet", "show", "example", "--json", env=served).stdout)
+    assert [d["slug"] for d in fleet["domains"]] == ["alpha", "beta"]

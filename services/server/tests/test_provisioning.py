@@ -1339,3 +1339,49 @@ async def test_launches_beyond_the_limit_wait_their_turn(
                 await asyncio.sleep(0.02)
     finally:
         await provisioner.close()
+
+
+async def test_a_domain_removed_by_apply_is_torn_down_out_of_the_fleets_snapshot(
+    sqlite_store: StateStore, clock: ManualClock, sky: FakeSky
+) -> None:
+    store = sqlite_store
+    await store.apply_fleet_layout(bare_layout(), at=clock())
+    fleet = await snapshot(store)
+    beta = domain(fleet, "beta")
+    name = "haru-local--beta"
+    assert await store.claim_launch(beta.id, expected_attempt=0, at=clock())
+    await store.append_event(
+        fleet_id=fleet.id,
+        payload=DomainLaunchStarted(cluster=name, attempt=1, role="standby"),
+        at=clock(),
+        domain_id=beta.id,
+    )
+    assert await store.mark_launched(beta.id, attempt=1, at=clock())
+    sky.set_status(name, "UP")
+    revision = (await store.get_config_revisions(fleet.id))[("domain", beta.id)]
+    assert await store.remove_domain(beta.id, fleet_id=fleet.id, revision=revision, at=clock())
+    assert [d.slug for d in (await snapshot(store)).domains] == ["alpha"]
+    driver = SkyPilotDriver(SkyRunner(retry_delay=0))
+    provisioner = Provisioner(
+        store,
+        driver,
+        clock=clock,
+        supervisor_token=TOKEN,
+        serving_token=SERVING_TOKEN,
+        options=ProvisionerOptions(status_interval_s=0, preflight=False),
+        pki=FleetPki(store, STORE_KEY),
+    )
+    try:
+        for _ in range(100):
+            await provisioner.step(await snapshot(store), None)
+            if not await store.list_removed_teardowns(fleet.id):
+                break
+            await asyncio.sleep(0.02)
+        assert await store.list_removed_teardowns(fleet.id) == []
+    finally:
+        await provisioner.close()
+    assert sky.downs(name)
+    assert name not in sky.clusters()
+    [teardown] = [e for e in await events(store, fleet.id) if e.type == "domain.teardown"]
+    assert (teardown.domain_id, teardown.payload["ok"]) == (beta.id, True)
+    assert [d.slug for d in (await snapshot(store)).domains] == ["alpha"]

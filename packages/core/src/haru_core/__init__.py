@@ -57,11 +57,13 @@ from haru_core._heartbeat import (
 )
 from haru_core._layout_plan import (
     DomainAdd,
+    DomainRemove,
     DomainRowChange,
     FleetRowChange,
     LayoutPlan,
     RowChange,
     SlotAdd,
+    SlotRemove,
     SlotRowChange,
     plan_layout,
 )
@@ -260,11 +262,13 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "layout_id",
     "snapshot_from_layout",
     "DomainAdd",
+    "DomainRemove",
     "DomainRowChange",
     "FleetRowChange",
     "LayoutPlan",
     "RowChange",
     "SlotAdd",
+    "SlotRemove",
     "SlotRowChange",
     "plan_layout",
 )

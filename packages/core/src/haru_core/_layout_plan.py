@@ -8,7 +8,11 @@ The rules (the server README's "Changing a running fleet" gives the reasoning):
   model's ``servingUrl`` changed, the domain's ``servingBaseUrl`` or ``supervisorUrl``
   changed (promote another domain first, then apply); adding a model or a slot moves none;
 - a standby's slots, models and URLs may change while no operation drives it;
-- a provider cannot change, and removing a domain or a slot is refused (see KNOWN_ISSUES).
+- a domain may be removed while it is neither active nor driven by an operation (a
+  provisioned one is torn down); a slot may be removed while no operation drives its domain,
+  except an inference slot of the active domain (it would move traffic) and a training slot
+  whose trainer runs;
+- a provider cannot change.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from haru_protocol import (
     SlotSnapshot,
     SlotSpec,
     TrainingSlotSpec,
+    TrainingSlotState,
 )
 
 PROMOTE_AWAY = "promote another domain first (`haru promote`), then apply"
@@ -89,7 +94,34 @@ class SlotRowChange:
     items: tuple[PlanItem, ...]
 
 
-RowChange = FleetRowChange | DomainAdd | DomainRowChange | SlotAdd | SlotRowChange
+@dataclass(frozen=True, slots=True)
+class DomainRemove:
+    """A stored domain the layout no longer lists (its row is marked removed)."""
+
+    domain_id: UUID
+    items: tuple[PlanItem, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRemove:
+    """A slot of a stored domain the layout no longer lists (its row is marked removed)."""
+
+    slot_id: UUID
+    domain_id: UUID
+    moves_traffic: bool
+    """Whether it serves models (re-checked against the active pointer by the write)."""
+    items: tuple[PlanItem, ...]
+
+
+RowChange = (
+    FleetRowChange
+    | DomainAdd
+    | DomainRowChange
+    | SlotAdd
+    | SlotRowChange
+    | DomainRemove
+    | SlotRemove
+)
 """One write of an apply: a compare-and-swap on one row, or an insert."""
 
 
@@ -164,10 +196,11 @@ def plan_layout(
         else:
             changes.extend(_domain_changes(fleet, found, domain, in_flight))
     listed = {d.slug for d in layout.domains}
-    removed = [_removed_domain(fleet, d, in_flight) for d in fleet.domains if d.slug not in listed]
+    changes.extend(
+        _removed_domain(fleet, d, in_flight) for d in fleet.domains if d.slug not in listed
+    )
     for change in changes:
         items.extend(change.items)
-    items.extend(removed)
     notes: list[str] = []
     active = fleet.active_domain
     if layout.active_domain_slug is not None and (
@@ -344,14 +377,27 @@ def _domain_changes(
 
 def _removed_slot(
     domain_slug: str, slot: SlotSnapshot, active: bool, driven: str | None
-) -> SlotRowChange:
-    refused = driven or (
-        f"removing a slot is not supported yet: {PROMOTE_AWAY}"
-        if active
-        else "removing a slot is not supported yet: keep the slot in the layout (see KNOWN_ISSUES)"
+) -> SlotRemove:
+    serving = isinstance(slot.spec, InferenceSlotSpec)
+    refused = driven
+    if refused is None and serving and active:
+        refused = (
+            f"domain {domain_slug!r} is active and this would move its traffic: {PROMOTE_AWAY}"
+        )
+    if refused is None and slot.state in (TrainingSlotState.TRAINING, TrainingSlotState.STOPPING):
+        refused = (
+            f"its trainer is {slot.state.value}: remove the slot while domain {domain_slug!r} "
+            "is active (its trainer stopped) or once the trainer has stopped"
+        )
+    detail = (
+        "models " + ",".join(m.name for m in slot.spec.models)
+        if isinstance(slot.spec, InferenceSlotSpec)
+        else " ".join(slot.spec.command)
     )
-    item = _item("-", "slot", f"domain {domain_slug} / {_slot_name(slot.spec)}", refused=refused)
-    return SlotRowChange(slot.id, slot.domain_id, slot.spec, True, (item,))
+    item = _item(
+        "-", "slot", f"domain {domain_slug} / {_slot_name(slot.spec)}", detail, refused=refused
+    )
+    return SlotRemove(slot.id, slot.domain_id, serving, (item,))
 
 
 def _slot_change(
@@ -431,17 +477,14 @@ def _ordered(items: Sequence[PlanItem]) -> list[PlanItem]:
 
 def _removed_domain(
     fleet: FleetSnapshot, domain: DomainSnapshot, in_flight: Operation | None
-) -> PlanItem:
+) -> DomainRemove:
     if fleet.active_domain_id == domain.id:
-        refused = f"domain {domain.slug!r} is the active domain: {PROMOTE_AWAY}"
+        refused: str | None = f"domain {domain.slug!r} is the active domain: {PROMOTE_AWAY}"
     else:
-        refused = _driver(domain, in_flight) or (
-            "removing a domain is not supported yet: keep it in the layout"
-            + (
-                "; `haru domain down` tears a provisioned one down"
-                if domain.provider is not Provider.STATIC
-                else ""
-            )
-            + " (see KNOWN_ISSUES)"
-        )
-    return _item("-", "domain", f"domain {domain.slug}", domain.provider.value, refused)
+        refused = _driver(domain, in_flight)
+    detail = domain.provider.value
+    if domain.provider is not Provider.STATIC:
+        detail += ", torn down (as `haru domain down`)"
+    return DomainRemove(
+        domain.id, (_item("-", "domain", f"domain {domain.slug}", detail, refused),)
+    )

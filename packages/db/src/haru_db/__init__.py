@@ -12,6 +12,7 @@ from haru_db._client_keys import ClientKey
 from haru_db._errors import (
     BackupError,
     ConstraintViolationError,
+    DomainRemovedError,
     HaruDbError,
     LayoutFileError,
     MalformedFleetStateError,
@@ -61,6 +62,7 @@ __all__ = (
     "ClientKey",
     "ConstraintViolationError",
     "DomainCert",
+    "DomainRemovedError",
     "HaruDbError",
     # Repository
     "LayoutApplyResult",

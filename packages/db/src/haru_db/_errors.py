@@ -51,6 +51,14 @@ class ConstraintViolationError(HaruDbError):
     """
 
 
+class DomainRemovedError(HaruDbError):
+    """An operation was asked for a domain ``haru apply`` removed (no operation is created)."""
+
+    def __init__(self, domain_id: object) -> None:
+        super().__init__(f"domain {domain_id} was removed from its fleet")
+        self.domain_id = domain_id
+
+
 class SchemaTooNewError(HaruDbError):
     """The database's schema revision is unknown to this code (a newer release migrated it)."""
 

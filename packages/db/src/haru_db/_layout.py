@@ -153,7 +153,10 @@ async def ensure_domains(ex: Executor, fleet_id: UUID, layout: FleetLayout, *, a
     stmt = (
         ex.insert(domains)
         .values(values)
-        .on_conflict_do_nothing(index_elements=[domains.c.fleet_id, domains.c.slug])
+        .on_conflict_do_nothing(
+            index_elements=[domains.c.fleet_id, domains.c.slug],
+            index_where=domains.c.removed_at.is_(None),
+        )
         .returning(domains.c.id)
     )
     return len(await ex.write(stmt))
@@ -161,7 +164,9 @@ async def ensure_domains(ex: Executor, fleet_id: UUID, layout: FleetLayout, *, a
 
 async def domain_ids(ex: Executor, fleet_id: UUID) -> dict[str, UUID]:
     rows = await ex.read(
-        sa.select(domains.c.id, domains.c.slug).where(domains.c.fleet_id == fleet_id)
+        sa.select(domains.c.id, domains.c.slug).where(
+            domains.c.fleet_id == fleet_id, domains.c.removed_at.is_(None)
+        )
     )
     return {str(r["slug"]): r["id"] for r in rows}
 
@@ -204,7 +209,10 @@ async def ensure_slots(
     stmt = (
         ex.insert(slots)
         .values(values)
-        .on_conflict_do_nothing(index_elements=[slots.c.domain_id, slots.c.gpu_index, slots.c.kind])
+        .on_conflict_do_nothing(
+            index_elements=[slots.c.domain_id, slots.c.gpu_index, slots.c.kind],
+            index_where=slots.c.removed_at.is_(None),
+        )
         .returning(slots.c.id)
     )
     return len(await ex.write(stmt))

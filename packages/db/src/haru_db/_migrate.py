@@ -9,15 +9,16 @@ import logging
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Final
+from typing import Any, Final
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
-from sqlalchemy import text
+from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from haru_db._engine import create_engine, translate_errors, writer
 from haru_db._errors import SchemaOutdatedError, SchemaTooNewError
@@ -67,6 +68,7 @@ SCHEMA_RELEASES: Final[Mapping[str, str]] = MappingProxyType(
     {
         "0.1.0": "0007",
         "0.2.0": "0011",
+        "0.3.0": "0012",
     }
 )
 """Each haru-db release that changed the schema (oldest first) and the revision it migrates to.
@@ -159,9 +161,30 @@ def _current_revision(connection: Connection) -> str | None:
         return MigrationContext.configure(connection).get_current_revision()
 
 
+def _foreign_keys_off(engine: AsyncEngine) -> None:
+    # SQLite's way to rebuild a table others reference (migration 0012): keys off on the
+    # migration's connection (a pragma that is a no-op inside a transaction, so set at
+    # connect), every key checked before the commit instead (`_check_foreign_keys`).
+    @event.listens_for(engine.sync_engine, "connect")
+    def _keys_off(dbapi_connection: Any, _record: Any) -> None:
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA foreign_keys = OFF")
+        finally:
+            cursor.close()
+
+
+def _check_foreign_keys(connection: Connection) -> None:
+    broken = connection.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+    if broken:
+        raise RuntimeError(f"the migration broke {len(broken)} foreign key(s): {broken[:5]}")
+
+
 async def _run(url: str | None, direction: str, revision: str) -> None:
     resolved = resolve_database_url(url)
     engine = create_engine(resolved)
+    if dialect_of(resolved) == "sqlite":
+        _foreign_keys_off(engine)
     try:
         with translate_errors(resolved):
             async with writer(engine).begin() as connection:
@@ -197,3 +220,5 @@ def _migrate_sync(connection: Connection, direction: str, revision: str, url: st
         command.upgrade(config, revision)
     else:
         command.downgrade(config, revision)
+    if connection.dialect.name == "sqlite":
+        _check_foreign_keys(connection)

@@ -24,12 +24,12 @@ from haru_protocol import Operation, OperationError, OperationKind, OperationSta
 
 from haru_db import _postgres
 from haru_db._cleanup import PROMOTE_FAIL_CLEANUP
-from haru_db._errors import HaruDbError
+from haru_db._errors import DomainRemovedError, HaruDbError
 from haru_db._events import OperationEvent
 from haru_db._exec import Executor, aware
 from haru_db._mirrors import SlotMirror, mirror_documents
 from haru_db._rows import operation_from_row
-from haru_db._tables import IN_FLIGHT_STATES, fleets, operations
+from haru_db._tables import IN_FLIGHT_STATES, domains, fleets, operations
 
 CREATE_OPERATION_ATTEMPTS = 5
 
@@ -75,6 +75,15 @@ async def create_operation(
         existing = await get_in_flight_operation(ex, fleet_id)
         if existing is not None:
             return existing, False
+        # trg_operations_target_not_removed skips the insert of an operation on a removed
+        # domain (migration 0012; on PostgreSQL after the removal it waited for commits).
+        removed = await ex.read(
+            sa.select(domains.c.id).where(
+                domains.c.id == target_domain_id, domains.c.removed_at.is_not(None)
+            )
+        )
+        if removed:
+            raise DomainRemovedError(target_domain_id)
         # The in-flight operation finished between the two statements: try again.
     raise HaruDbError(
         f"could not create an operation for fleet {fleet_id}: in-flight operations kept "

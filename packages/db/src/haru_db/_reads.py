@@ -9,6 +9,8 @@ from uuid import UUID
 import sqlalchemy as sa
 from haru_protocol import (
     IN_FLIGHT_OPERATION_STATES,
+    DomainSnapshot,
+    DomainState,
     FleetRef,
     FleetRoutePointer,
     FleetSnapshot,
@@ -27,24 +29,42 @@ async def get_fleet_snapshot(ex: Executor, ref: str | FleetRef) -> FleetSnapshot
     match = _fleet_match(ref)
     if match is None:
         return None
+    # Removed rows (migration 0012) are no part of the fleet any more.
+    rows = await ex.read(_snapshot_statement(match, domains.c.removed_at.is_(None)))
+    chosen = ref.choose({r["f_id"]: r["f_slug"] for r in rows})
+    if chosen is None:
+        return None
+    return snapshot_from_rows([r for r in rows if r["f_id"] == chosen])
+
+
+async def list_removed_teardowns(ex: Executor, fleet_id: UUID) -> list[DomainSnapshot]:
+    removed = sa.and_(
+        domains.c.removed_at.is_not(None), domains.c.state == DomainState.STOPPING.value
+    )
+    rows = await ex.read(_snapshot_statement(fleets.c.id == fleet_id, removed))
+    if not rows:
+        return []
+    return list(snapshot_from_rows(rows).domains)
+
+
+def _snapshot_statement(
+    match: sa.ColumnElement[bool], domain_filter: sa.ColumnElement[bool]
+) -> sa.Select[Any]:
     d = domains
     s = slots
-    stmt = (
+    return (
         sa.select(
             *(c.label(f"f_{c.name}") for c in fleets.c),
             *(c.label(f"d_{c.name}") for c in d.c),
             *(c.label(f"s_{c.name}") for c in s.c),
         )
         .select_from(
-            fleets.outerjoin(d, d.c.fleet_id == fleets.c.id).outerjoin(s, s.c.domain_id == d.c.id)
+            fleets.outerjoin(d, sa.and_(d.c.fleet_id == fleets.c.id, domain_filter)).outerjoin(
+                s, sa.and_(s.c.domain_id == d.c.id, s.c.removed_at.is_(None))
+            )
         )
         .where(match)
     )
-    rows = await ex.read(stmt)
-    chosen = ref.choose({r["f_id"]: r["f_slug"] for r in rows})
-    if chosen is None:
-        return None
-    return snapshot_from_rows([r for r in rows if r["f_id"] == chosen])
 
 
 def _pointer_columns() -> tuple[sa.ColumnElement[Any], ...]:

@@ -31,6 +31,7 @@ from uuid import UUID
 import sqlalchemy as sa
 from haru_protocol import (
     DomainLayout,
+    DomainSnapshot,
     DomainState,
     Event,
     EventPayload,
@@ -760,14 +761,24 @@ class StateStore:
         display_name: str | None,
         policy: dict[str, Any],
         at: datetime,
+        events: Sequence[EventPayload] = (),
     ) -> int | None:
         """Set the fleet's display name and policy patch while its revision is ``revision``.
+
+        ``events`` are appended (with the fleet, at ``at``) by the same statement, only when
+        it lands; so are those of every configuration write below (with its domain and slot).
 
         Returns:
             The new revision, or None when the row moved on (or is gone).
         """
         return await _config.update_fleet_config(
-            self._ex, fleet_id, revision=revision, display_name=display_name, policy=policy, at=at
+            self._ex,
+            fleet_id,
+            revision=revision,
+            display_name=display_name,
+            policy=policy,
+            at=at,
+            events=events,
         )
 
     @_bounded
@@ -775,16 +786,18 @@ class StateStore:
         self,
         domain_id: UUID,
         *,
+        fleet_id: UUID,
         revision: int,
         layout: DomainLayout,
         moves_traffic: bool,
         at: datetime,
+        events: Sequence[EventPayload] = (),
     ) -> int | None:
         """Set a domain's URLs, placement and provisioning settings from ``layout``.
 
-        Lands only while the domain's revision is ``revision`` and no in-flight operation
-        drives the domain, and (``moves_traffic``) while it is not the fleet's active domain.
-        State columns are left alone.
+        Lands only while the domain's revision is ``revision``, it is not removed and no
+        in-flight operation drives it, and (``moves_traffic``) while it is not the fleet's
+        active domain. State columns are left alone.
 
         Returns:
             The new revision, or None when a guard failed.
@@ -792,10 +805,37 @@ class StateStore:
         return await _config.update_domain_config(
             self._ex,
             domain_id,
+            fleet_id=fleet_id,
             revision=revision,
             layout=layout,
             moves_traffic=moves_traffic,
             at=at,
+            events=events,
+        )
+
+    @_bounded
+    async def remove_domain(
+        self,
+        domain_id: UUID,
+        *,
+        fleet_id: UUID,
+        revision: int,
+        at: datetime,
+        events: Sequence[EventPayload] = (),
+    ) -> int | None:
+        """Remove a domain from its fleet (``removed_at``), with the guards of an update.
+
+        Also lands only while the domain is not the fleet's active one. A provisioned domain
+        in ``provisioning``, ``ready``, ``degraded`` or ``failed`` goes ``stopping`` in the same
+        statement (the provisioner then tears it down, :meth:`list_removed_teardowns`). The
+        row stays for its events and operations; reads of the fleet leave it out, and its slug
+        can be added again. No operation can be created for it afterwards.
+
+        Returns:
+            The new revision, or None when a guard failed.
+        """
+        return await _config.remove_domain(
+            self._ex, domain_id, fleet_id=fleet_id, revision=revision, at=at, events=events
         )
 
     @_bounded
@@ -803,11 +843,13 @@ class StateStore:
         self,
         slot_id: UUID,
         *,
+        fleet_id: UUID,
         domain_id: UUID,
         revision: int,
         spec: SlotSpec,
         moves_traffic: bool,
         at: datetime,
+        events: Sequence[EventPayload] = (),
     ) -> int | None:
         """Replace a slot's spec, with the guards of :meth:`update_domain_config`.
 
@@ -817,30 +859,75 @@ class StateStore:
         return await _config.update_slot_spec(
             self._ex,
             slot_id,
+            fleet_id=fleet_id,
             domain_id=domain_id,
             revision=revision,
             spec=spec,
             moves_traffic=moves_traffic,
             at=at,
+            events=events,
+        )
+
+    @_bounded
+    async def remove_slot(
+        self,
+        slot_id: UUID,
+        *,
+        fleet_id: UUID,
+        domain_id: UUID,
+        revision: int,
+        moves_traffic: bool,
+        at: datetime,
+        events: Sequence[EventPayload] = (),
+    ) -> int | None:
+        """Remove a slot from its domain (``removed_at``), with the guards of an update.
+
+        Returns:
+            The new revision, or None when a guard failed.
+        """
+        return await _config.remove_slot(
+            self._ex,
+            slot_id,
+            fleet_id=fleet_id,
+            domain_id=domain_id,
+            revision=revision,
+            moves_traffic=moves_traffic,
+            at=at,
+            events=events,
         )
 
     @_bounded
     async def add_domain(
-        self, fleet_id: UUID, layout: DomainLayout, *, at: datetime
+        self,
+        fleet_id: UUID,
+        layout: DomainLayout,
+        *,
+        at: datetime,
+        events: Sequence[EventPayload] = (),
     ) -> UUID | None:
-        """Insert a domain (``provisioning``) and its slots; None when its slug exists."""
-        return await _config.add_domain(self._ex, fleet_id, layout, at=at)
+        """Insert a domain (``provisioning``) and its slots; None when its slug exists.
+
+        ``events`` ride the domain's insert.
+        """
+        return await _config.add_domain(self._ex, fleet_id, layout, at=at, events=events)
 
     @_bounded
     async def add_slot(
-        self, fleet_id: UUID, domain_id: UUID, spec: SlotSpec, *, at: datetime
+        self,
+        fleet_id: UUID,
+        domain_id: UUID,
+        spec: SlotSpec,
+        *,
+        at: datetime,
+        events: Sequence[EventPayload] = (),
     ) -> UUID | None:
-        """Insert a slot into a stored domain; None when one of its GPU and kind exists.
+        """Insert a slot into a stored domain, while no in-flight operation drives it.
 
-        An inference slot starts ``serving`` on the active domain (decided by the insert
-        against the live pointer), else ``sleeping``; a training slot starts ``idle``.
+        None when one of its GPU and kind exists, the domain is removed or an operation
+        drives it. An inference slot starts ``serving`` on the active domain (decided by the
+        insert against the live pointer), else ``sleeping``; a training slot starts ``idle``.
         """
-        return await _config.add_slot(self._ex, fleet_id, domain_id, spec, at=at)
+        return await _config.add_slot(self._ex, fleet_id, domain_id, spec, at=at, events=events)
 
     # ---- reads -----------------------------------------------------------------------------
 
@@ -857,6 +944,11 @@ class StateStore:
             MalformedFleetStateError: A stored row or JSON document fails validation.
         """
         return await _reads.get_fleet_snapshot(self._ex, ref)
+
+    @_bounded
+    async def list_removed_teardowns(self, fleet_id: UUID) -> list[DomainSnapshot]:
+        """The fleet's removed domains still ``stopping`` (their teardown has not finished)."""
+        return await _reads.list_removed_teardowns(self._ex, fleet_id)
 
     @_bounded
     async def get_fleet_route_pointer(self, ref: str | FleetRef) -> FleetRoutePointer | None:

@@ -156,6 +156,8 @@ fleets = sa.Table(
     # `haru apply` swaps on it and raises it by one.
     sa.Column("config_revision", sa.Integer(), nullable=False, server_default=sa.text("1")),
     *_timestamps(),
+    # The events an apply's write appends in its own statement (migration 0012).
+    sa.Column("pending_events", sa.JSON(), nullable=True),
     sa.UniqueConstraint("slug"),
     sa.CheckConstraint(SlugIsValid("slug"), name="slug_format"),
     sa.CheckConstraint("route_revision > 0", name="route_revision_positive"),
@@ -198,7 +200,19 @@ domains = sa.Table(
     sa.Column("config_revision", sa.Integer(), nullable=False, server_default=sa.text("1")),
     # A proxy's latest refused connect to the domain (migration 0008).
     sa.Column("connect_failed_at", UtcDateTime(), nullable=True),
-    sa.UniqueConstraint("fleet_id", "slug"),
+    # Removed by `haru apply` (migration 0012): kept for its events and operations, left out
+    # of every read of the fleet; its slug may be added again.
+    sa.Column("removed_at", UtcDateTime(), nullable=True),
+    # The events an apply's write appends in its own statement (SQLite's triggers clear it).
+    sa.Column("pending_events", sa.JSON(), nullable=True),
+    sa.Index(
+        "uq_domains_fleet_id_slug",
+        "fleet_id",
+        "slug",
+        unique=True,
+        postgresql_where=sa.text("removed_at IS NULL"),
+        sqlite_where=sa.text("removed_at IS NULL"),
+    ),
     # Target of the composite keys that keep pointers and operations inside their fleet.
     sa.UniqueConstraint("fleet_id", "id"),
     sa.CheckConstraint(SlugIsValid("slug"), name="slug_format"),
@@ -219,7 +233,18 @@ slots = sa.Table(
     *_timestamps(),
     # Revision of the spec (migration 0009): `haru apply` swaps on it and raises it by one.
     sa.Column("config_revision", sa.Integer(), nullable=False, server_default=sa.text("1")),
-    sa.UniqueConstraint("domain_id", "gpu_index", "kind"),
+    # As on domains (migration 0012).
+    sa.Column("removed_at", UtcDateTime(), nullable=True),
+    sa.Column("pending_events", sa.JSON(), nullable=True),
+    sa.Index(
+        "uq_slots_domain_id_gpu_index_kind",
+        "domain_id",
+        "gpu_index",
+        "kind",
+        unique=True,
+        postgresql_where=sa.text("removed_at IS NULL"),
+        sqlite_where=sa.text("removed_at IS NULL"),
+    ),
     sa.CheckConstraint("gpu_index >= 0", name="gpu_index_non_negative"),
     sa.CheckConstraint(_in("kind", (k.value for k in SlotKind)), name="kind_valid"),
     sa.CheckConstraint(

@@ -150,6 +150,7 @@ async def escalate_domain_if_fleet_idle(
         sa.select(standby.c.id).where(
             standby.c.fleet_id == fleet_id,
             standby.c.id != domain_id,
+            standby.c.removed_at.is_(None),
             standby.c.state == DomainState.READY.value,
             standby.c.supervisor_url.is_not(None),
             standby.c.last_seen_at >= fresh_since,

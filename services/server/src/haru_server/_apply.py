@@ -2,7 +2,8 @@
 
 The rules live in :func:`haru_core.plan_layout`; this module reads what the plan needs (the
 rows' configuration revisions first, then the snapshot) and carries the plan out as one
-compare-and-swap per row, each followed by one ``fleet.config.changed`` event per plan item.
+compare-and-swap per row (or a guarded insert), each appending one ``fleet.config.changed``
+event per plan item in its own statement.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from uuid import UUID
 from aiohttp import web
 from haru_core import (
     DomainAdd,
+    DomainRemove,
     DomainRowChange,
     FleetRowChange,
     LayoutPlan,
     RowChange,
     SlotAdd,
+    SlotRemove,
     SlotRowChange,
     plan_layout,
 )
@@ -30,7 +33,6 @@ from haru_protocol import (
     ErrorCode,
     FleetConfigChanged,
     FleetLayout,
-    PlanItem,
     parse_fleet_ref,
 )
 from haru_web import ApiError, parse_body
@@ -138,75 +140,87 @@ async def _carry_out(
     done: int,
     total: int,
 ) -> None:
-    domain_id: UUID | None = None
-    slot_id: UUID | None = None
+    # The events ride the write itself: they land exactly when the change does.
+    def events(revision: int) -> list[FleetConfigChanged]:
+        return [
+            FleetConfigChanged(
+                action=item.action,
+                subject=item.subject,
+                path=item.path,
+                detail=item.detail,
+                revision=revision,
+            )
+            for item in change.items
+        ]
+
+    landed: object
     if isinstance(change, FleetRowChange):
-        revision = await store.update_fleet_config(
+        revision = revisions[("fleet", fleet_id)]
+        landed = await store.update_fleet_config(
             fleet_id,
-            revision=revisions[("fleet", fleet_id)],
+            revision=revision,
             display_name=change.display_name,
             policy=change.policy,
             at=now,
+            events=events(revision + 1),
         )
         what = "the fleet's display name or policy"
     elif isinstance(change, DomainAdd):
-        domain_id = await store.add_domain(fleet_id, change.layout, at=now)
-        revision = None if domain_id is None else 1
+        landed = await store.add_domain(fleet_id, change.layout, at=now, events=events(1))
         what = f"domain {change.layout.slug!r}"
     elif isinstance(change, DomainRowChange):
-        domain_id = change.domain_id
-        revision = await store.update_domain_config(
-            domain_id,
-            revision=revisions[("domain", domain_id)],
+        revision = revisions[("domain", change.domain_id)]
+        landed = await store.update_domain_config(
+            change.domain_id,
+            fleet_id=fleet_id,
+            revision=revision,
             layout=change.layout,
             moves_traffic=change.moves_traffic,
             at=now,
+            events=events(revision + 1),
         )
         what = f"domain {change.layout.slug!r} (or an operation now drives it)"
+    elif isinstance(change, DomainRemove):
+        revision = revisions[("domain", change.domain_id)]
+        landed = await store.remove_domain(
+            change.domain_id,
+            fleet_id=fleet_id,
+            revision=revision,
+            at=now,
+            events=events(revision + 1),
+        )
+        what = f"{change.items[0].path} (or it is now active, or an operation drives it)"
     elif isinstance(change, SlotAdd):
-        domain_id = change.domain_id
-        slot_id = await store.add_slot(fleet_id, domain_id, change.spec, at=now)
-        revision = None if slot_id is None else 1
-        what = "a slot of the plan"
+        landed = await store.add_slot(
+            fleet_id, change.domain_id, change.spec, at=now, events=events(1)
+        )
+        what = f"{change.items[0].path} (or an operation now drives its domain)"
     elif isinstance(change, SlotRowChange):
-        domain_id, slot_id = change.domain_id, change.slot_id
-        revision = await store.update_slot_spec(
-            slot_id,
-            domain_id=domain_id,
-            revision=revisions[("slot", slot_id)],
+        revision = revisions[("slot", change.slot_id)]
+        landed = await store.update_slot_spec(
+            change.slot_id,
+            fleet_id=fleet_id,
+            domain_id=change.domain_id,
+            revision=revision,
             spec=change.spec,
             moves_traffic=change.moves_traffic,
             at=now,
+            events=events(revision + 1),
+        )
+        what = f"{change.items[0].path} (or an operation now drives its domain)"
+    elif isinstance(change, SlotRemove):
+        revision = revisions[("slot", change.slot_id)]
+        landed = await store.remove_slot(
+            change.slot_id,
+            fleet_id=fleet_id,
+            domain_id=change.domain_id,
+            revision=revision,
+            moves_traffic=change.moves_traffic,
+            at=now,
+            events=events(revision + 1),
         )
         what = f"{change.items[0].path} (or an operation now drives its domain)"
     else:
         assert_never(change)
-    if revision is None:
+    if landed is None:
         raise _stale(done, total, what)
-    for item in change.items:
-        await _event(store, fleet_id, item, revision, domain_id=domain_id, slot_id=slot_id, now=now)
-
-
-async def _event(
-    store: StateStore,
-    fleet_id: UUID,
-    item: PlanItem,
-    revision: int,
-    *,
-    domain_id: UUID | None,
-    slot_id: UUID | None,
-    now: datetime,
-) -> None:
-    await store.append_event(
-        fleet_id=fleet_id,
-        payload=FleetConfigChanged(
-            action=item.action,
-            subject=item.subject,
-            path=item.path,
-            detail=item.detail,
-            revision=revision,
-        ),
-        at=now,
-        domain_id=domain_id,
-        slot_id=slot_id,
-    )

@@ -41,8 +41,10 @@ re-runnable after a crash and writes by compare-and-swap:
    For twice ``clusterUpTimeoutMs`` after the failure the cluster is watched: one still
    listed after a launch that never went through, or INIT past ``clusterUpTimeoutMs``
    (SkyPilot's unhealthy state), is torn down.
-7. ``stopping`` (``haru domain down``): ``sky down`` runs as a background task; done, the
-   domain is ``stopped`` (``domain.teardown``); failed, an event and a new try next tick.
+7. ``stopping`` (``haru domain down``, or removed by ``haru apply``): ``sky down`` runs as a
+   background task; done, the domain is ``stopped`` (``domain.teardown``); failed, an event
+   and a new try next tick. A removed domain is read apart from the fleet's snapshot
+   (:meth:`StateStore.list_removed_teardowns`) until it is ``stopped``.
 
 A ``skyserve`` domain differs in: the launch is ``sky serve up`` (the same service whatever
 the role: replicas never sleep); "launched" is a service SkyServe knows and has not lost;
@@ -145,6 +147,12 @@ class Provisioner(RecoverySteps):
                 },
             )
         driven = [d for d in fleet.domains if d.provider in self._backends]
+        # A domain `haru apply` removed is out of the fleet's snapshot; its teardown is not.
+        driven += [
+            d
+            for d in await self._store.list_removed_teardowns(fleet.id)
+            if d.provider in self._backends
+        ]
         if driven and not self._reads.preflight():
             return False
         for domain in driven:

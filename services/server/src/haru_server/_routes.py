@@ -16,6 +16,7 @@ from haru_core import (
     inference_slots,
     training_slots,
 )
+from haru_db import DomainRemovedError
 from haru_driver_skypilot import SkyDriverError
 from haru_protocol import (
     AcceptedResponse,
@@ -277,21 +278,28 @@ async def _accept_operation(
     requested = (
         OperationRequestedPromote if kind is OperationKind.PROMOTE else OperationRequestedDemote
     )
-    operation, created = await request_operation(
-        plane.store,
-        plane.metrics,
-        fleet,
-        kind=decision.kind,
-        target_domain_id=decision.target_domain_id,
-        at=now,
-        trigger="manual",
-        why="requested",
-        event=lambda operation: requested(
-            kind=kind,
+    try:
+        operation, created = await request_operation(
+            plane.store,
+            plane.metrics,
+            fleet,
+            kind=decision.kind,
             target_domain_id=decision.target_domain_id,
-            source_domain_id=operation.source_domain_id,
-        ),
-    )
+            at=now,
+            trigger="manual",
+            why="requested",
+            event=lambda operation: requested(
+                kind=kind,
+                target_domain_id=decision.target_domain_id,
+                source_domain_id=operation.source_domain_id,
+            ),
+        )
+    except DomainRemovedError as exc:
+        # `haru apply` removed it after this request read the fleet.
+        raise ApiError(
+            ErrorCode.INVALID_TARGET,
+            f"domain {decision.target_domain_id} was removed from fleet {fleet.slug!r}",
+        ) from exc
     if not created and (
         operation.kind is not decision.kind
         or operation.target_domain_id != decision.target_domain_id
