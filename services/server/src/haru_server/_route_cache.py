@@ -56,7 +56,7 @@ from haru_protocol import FleetRoutePointer, FleetSnapshot, parse_fleet_ref
 
 from haru_server._errors import FleetNotFoundError, RoutingUnavailableError
 from haru_server._fleet_aliases import FleetAliases, cache_key
-from haru_server._route_lease import Lease, LeaseRecords, MoveWaiters
+from haru_server._route_lease import Lease, LeaseHooks, LeaseRecords, MoveWaiters, RouteLeases
 from haru_server._single_flight import BoundedReads, SingleFlight
 
 logger = logging.getLogger(__name__)
@@ -188,14 +188,9 @@ class RouteCache(Generic[T]):
         self._pointers: SingleFlight[str, FleetRoutePointer | None] = SingleFlight(
             self._fetch_pointer, next_seq=self._next_seq
         )
-        self._lease = lease_ms / 1000
-        self._lease_ms = lease_ms
-        self._stale_after = self._lease + self._pointer_timeout
-        self._idle = idle_ms / 1000
-        self._sleep = sleep
-        self._leases: dict[UUID, Lease] = {}
+        self._lease = lease_ms > 0
         self._movers = MoveWaiters()
-        self._records = LeaseRecords(
+        records = LeaseRecords(
             store,
             self._bounded,
             lease_ms=lease_ms,
@@ -203,6 +198,23 @@ class RouteCache(Generic[T]):
             retry_s=self._outage_memo,
             max_fleets=max_fleets,
             monotonic=monotonic,
+        )
+        hooks = LeaseHooks(
+            read=self._read_pointer,
+            on_outage=self._enter_outage,
+            on_answer=self._leave_outage,
+            drop=lambda fleet_id, why: self._drop(fleet_id, why=why),
+            reload=self._reload,
+            moved=self._movers.wake,
+        )
+        self._leases = RouteLeases(
+            records,
+            hooks,
+            lease_s=lease_ms / 1000,
+            window_s=lease_ms / 1000 + self._pointer_timeout,
+            idle_s=idle_ms / 1000,
+            monotonic=monotonic,
+            sleep=sleep,
         )
         self._promoting: dict[UUID, tuple[int, float | None]] = {}
         """fleet id -> (sequence number of the newest read, clock reading at which this process
@@ -236,8 +248,7 @@ class RouteCache(Generic[T]):
         """
         now = self._clock()
         return {
-            lease.pointer.slug: max(now - lease.confirmed_at, 0.0)
-            for lease in self._leases.values()
+            lease.pointer.slug: max(now - lease.confirmed_at, 0.0) for lease in self._leases.all()
         }
 
     def refreshing(self, fleet_id: UUID) -> bool:
@@ -292,8 +303,7 @@ class RouteCache(Generic[T]):
         tasks = [
             *self._bounded.tasks(),
             *self._pointers.tasks(),
-            *(lease.refresher for lease in self._leases.values() if lease.refresher),
-            *self._records.tasks(),
+            *self._leases.tasks(),
         ]
         for task in tasks:
             task.cancel()
@@ -358,7 +368,7 @@ class RouteCache(Generic[T]):
             if lease is not None and lease.refresher is not None:
                 now = self._clock()
                 lease.used_at = now
-                if now - lease.confirmed_at <= self._stale_after:
+                if now - lease.confirmed_at <= self._leases.window:
                     return await self._resolve_leased(ref, key, lease)
                 # Expired: the refresher's reads fail, or this process stood still (SIGSTOP: the
                 # monotonic clock ran on, the pointer may have moved and the old active may
@@ -398,7 +408,7 @@ class RouteCache(Generic[T]):
         except (StateStoreUnavailableError, TimeoutError) as exc:
             self._enter_outage(exc)
             if expired is not None and self._leases.get(expired.pointer.id) is expired:
-                self._unanswered(expired)
+                self._leases.unanswered(expired)
                 return await self._stale_lease(ref, key, expired)
             return self._serve_stale(ref, key, "the state store is unreachable")
         except MalformedFleetStateError as exc:
@@ -412,7 +422,7 @@ class RouteCache(Generic[T]):
             self._forget(key, seq)
             raise FleetNotFoundError(ref)
         if self._lease:
-            self._lease_from(pointer, started, seq)
+            self._leases.keep_from(pointer, started, seq)
         entry = self._entries.get(pointer.id)
         now = self._clock()
         if entry is not None and entry.revision >= pointer.route_revision:
@@ -440,15 +450,6 @@ class RouteCache(Generic[T]):
             )
         return await self._load(ref, key, pointer, lease.seq)
 
-    def _unanswered(self, lease: Lease) -> None:
-        """A read of the lease's pointer failed: fail open without reading for a while.
-
-        As long as the lease's own window (lease + read bound): a flip made after this failure
-        is still guarded when it runs out (``haru_core.lease_guard_ms``), and the refresher keeps
-        probing meanwhile. The clock reading includes any pause before it, never after it.
-        """
-        lease.unanswered_until = self._clock() + self._stale_after
-
     # -- route leases ---------------------------------------------------------------------------
 
     def observe(self, pointer: FleetRoutePointer) -> None:
@@ -458,13 +459,7 @@ class RouteCache(Generic[T]):
         read proves that no later move happened. Fleets this process does not route are
         ignored (their first request reads).
         """
-        lease = self._leases.get(pointer.id)
-        if lease is None or pointer.route_revision <= lease.pointer.route_revision:
-            return
-        self._seq += 1
-        lease.pointer = pointer
-        lease.seq = self._seq
-        self._movers.wake(pointer.id)
+        self._leases.observe(pointer, self._next_seq)
 
     async def wait_moved(self, fleet_id: UUID, revision: int, timeout: float) -> None:
         """Wait until this process learns a revision of ``fleet_id`` above ``revision``.
@@ -483,85 +478,14 @@ class RouteCache(Generic[T]):
             -1 if entry is None else entry.revision,
         )
 
-    def _lease_from(self, pointer: FleetRoutePointer, started: float, seq: int) -> None:
-        """Keep (or confirm) the lease from a read that started at ``started``.
-
-        A process keeps a fleet's lease only from reads that started after the store held its
-        lease (``route_lease_ms``): the promotion that flips the pointer reads the stored lease
-        after the flip and waits it out before it drains the old active, so every pointer this
-        process keeps from before the flip is covered by that wait. Until then (the record is
-        written in the background, once per fleet per process), requests route on their own
-        fresh reads, as with ``lease_ms`` = 0.
-        """
-        recorded = self._records.held_since(pointer.id)
-        if recorded is not None and started >= recorded:
-            self._confirm(pointer, started, seq)
-
-    def _confirm(self, pointer: FleetRoutePointer, started: float, seq: int) -> None:
-        lease = self._leases.get(pointer.id)
-        if lease is None:
-            lease = self._leases[pointer.id] = Lease(pointer, started, seq, used_at=started)
-            moved = False
-        else:
-            moved = pointer.route_revision > lease.pointer.route_revision
-            if pointer.route_revision >= lease.pointer.route_revision:
-                lease.pointer = pointer
-                lease.seq = max(lease.seq, seq)
-            # Even an older revision proves nothing moved past the newer one before `started`.
-            if started > lease.confirmed_at:
-                lease.confirmed_at = started
-                lease.unanswered_until = 0.0
-        if lease.refresher is None:
-            lease.refresher = asyncio.get_running_loop().create_task(
-                self._refresh(pointer.id, lease), name=f"route-lease-{pointer.id}"
-            )
-        if moved:
-            self._movers.wake(pointer.id)
-
-    async def _refresh(self, fleet_id: UUID, lease: Lease) -> None:
-        """Re-confirm one fleet's lease every lease interval while the fleet is used."""
-        ref = str(fleet_id)
-        try:
-            started = lease.confirmed_at
-            while self._leases.get(fleet_id) is lease:
-                await self._sleep(max(0.0, self._lease - (self._clock() - started)))
-                started = self._clock()
-                if self._leases.get(fleet_id) is not lease or started - lease.used_at > self._idle:
-                    return
-                if not await self._refresh_once(ref, lease, started):
-                    return
-        finally:
-            lease.refresher = None
-            if self._leases.get(fleet_id) is lease:
-                del self._leases[fleet_id]  # dormant: the next request reads
-
-    async def _refresh_once(self, ref: str, lease: Lease, started: float) -> bool:
-        """One refresher round; False when the lease must end."""
-        fleet_id = lease.pointer.id
-        try:
-            pointer, seq = await self._read_pointer(ref)
-        except (StateStoreUnavailableError, TimeoutError) as exc:
-            self._enter_outage(exc)
-            self._unanswered(lease)
-            return True  # keep serving (stale once the lease runs out) and keep trying
-        except MalformedFleetStateError as exc:
-            self._drop(fleet_id, why=f"its stored state is malformed ({exc})")
-            return False
-        except Exception:
-            logger.exception("route cache: refreshing the lease of fleet %s failed", fleet_id)
-            return True
-        self._leave_outage()
-        if pointer is None or pointer.id != fleet_id:
-            self._drop(fleet_id, why="the store no longer knows it")
-            return False
-        self._confirm(pointer, started, seq)
-        entry = self._entries.get(fleet_id)
+    async def _reload(self, ref: str, pointer: FleetRoutePointer, seq: int) -> None:
+        """Reload a leased fleet's snapshot if its revision moved or its TTL ran out."""
+        entry = self._entries.get(pointer.id)
         if entry is not None and (
             entry.revision < pointer.route_revision or self._clock() - entry.loaded_at >= self._ttl
         ):
             with contextlib.suppress(FleetNotFoundError, RoutingUnavailableError):  # logged
                 await self._load(ref, ref, pointer, seq)
-        return True
 
     def _hit(self, entry: _Entry[T], fleet_id: UUID, key: str, seq: int) -> RouteLookup[T]:
         self._entries.move_to_end(fleet_id)
@@ -692,7 +616,7 @@ class RouteCache(Generic[T]):
 
     def _drop(self, fleet_id: UUID, *, why: str) -> None:
         self._verdicts[fleet_id] = self._verdicts.get(fleet_id, 0) + 1
-        self._leases.pop(fleet_id, None)  # its refresher sees that and ends
+        self._leases.end(fleet_id)  # its refresher sees that and ends
         entry = self._entries.pop(fleet_id, None)
         if entry is None:
             return

@@ -1,23 +1,25 @@
-"""The route lease's bookkeeping: a kept pointer, the store's record of the lease, move waiters.
+"""The route lease: kept pointers, their background refreshers, the store's record of the lease.
 
 With a route lease (``lease_ms`` > 0, ``HARU_ROUTE_LEASE_MS``) requests stop reading the
-pointer: each fleet's pointer is kept in memory (:class:`Lease`) with the clock reading at
-which the read that confirmed it started. A process keeps a fleet's lease only once the store
-holds its lease length (:class:`LeaseRecords`): the promotion that flips the pointer reads the
-stored lease after the flip and waits it out (``haru_core.lease_guard_ms``) before it drains
-the old active. Requests held for a move wait on :class:`MoveWaiters`. The rules for routing
-on a lease live with the cache that applies them (``_route_cache``).
+pointer: each fleet's pointer is kept in memory (:class:`Lease`) with the monotonic reading at
+which the read that confirmed it started, and re-read every lease by a refresher per fleet
+while the fleet is used (:class:`RouteLeases`). A process keeps a fleet's lease only once the
+store holds its lease length (:class:`LeaseRecords`): the promotion that flips the pointer
+reads the stored lease after the flip and waits it out (``haru_core.lease_guard_ms``) before it
+drains the old active. Requests held for a move wait on :class:`MoveWaiters`. When a request
+may route on a lease is the cache's rule (``_route_cache``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 from uuid import UUID
 
+from haru_db import MalformedFleetStateError, StateStoreUnavailableError
 from haru_protocol import FleetRoutePointer
 
 from haru_server._single_flight import BoundedReads
@@ -154,3 +156,176 @@ class MoveWaiters:
         # In arrival order: the futures' callbacks run FIFO, so held requests resume in order.
         for waiter in self._waiters.pop(fleet_id, ()):
             _settle(waiter)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseHooks:
+    """What a refresher needs of the cache that keeps the leases.
+
+    Attributes:
+        read: A shared pointer read (the pointer or None, and the read's sequence number).
+        on_outage: A read failed for want of the store.
+        on_answer: A read was answered.
+        drop: The fleet's routing must go (the store no longer knows it, or it is malformed).
+        reload: Reload the fleet's snapshot if its revision moved or its TTL ran out.
+        moved: A newer revision of the fleet is known.
+    """
+
+    read: Callable[[str], Awaitable[tuple[FleetRoutePointer | None, int]]]
+    on_outage: Callable[[BaseException], None]
+    on_answer: Callable[[], None]
+    drop: Callable[[UUID, str], None]
+    reload: Callable[[str, FleetRoutePointer, int], Awaitable[None]]
+    moved: Callable[[UUID], None]
+
+
+class RouteLeases:
+    """The fleets this process routes on a kept pointer, each re-read every lease while used.
+
+    Args:
+        records: When the store came to hold this process's lease of each fleet.
+        hooks: What the refreshers need of the cache.
+        lease_s: The lease.
+        window_s: Lease plus the pointer bound: past it, a kept pointer has expired.
+        idle_s: A fleet without requests for this long stops being refreshed.
+        monotonic: Monotonic seconds.
+        sleep: The refresher's pause.
+    """
+
+    def __init__(
+        self,
+        records: LeaseRecords,
+        hooks: LeaseHooks,
+        *,
+        lease_s: float,
+        window_s: float,
+        idle_s: float,
+        monotonic: Callable[[], float],
+        sleep: Callable[[float], Awaitable[None]],
+    ) -> None:
+        self._records = records
+        self._hooks = hooks
+        self._lease = lease_s
+        self.window = window_s
+        self._idle = idle_s
+        self._monotonic = monotonic
+        self._sleep = sleep
+        self._leases: dict[UUID, Lease] = {}
+
+    def get(self, fleet_id: UUID) -> Lease | None:
+        """The lease kept for ``fleet_id``, or None."""
+        return self._leases.get(fleet_id)
+
+    def all(self) -> list[Lease]:
+        """Every kept lease."""
+        return list(self._leases.values())
+
+    def end(self, fleet_id: UUID) -> None:
+        """Stop routing ``fleet_id`` on a kept pointer (its refresher sees that and ends)."""
+        self._leases.pop(fleet_id, None)
+
+    def tasks(self) -> list[asyncio.Task[Any]]:
+        """The refreshers and lease records in flight (cancelled at shutdown)."""
+        return [
+            *(lease.refresher for lease in self._leases.values() if lease.refresher),
+            *self._records.tasks(),
+        ]
+
+    def observe(self, pointer: FleetRoutePointer, next_seq: Callable[[], int]) -> None:
+        """A pointer move learned without a read (NOTIFY, or a flip made by this process).
+
+        Moves a kept lease forward at once (never backwards) without extending it: only a
+        read proves that no later move happened. Fleets without a kept lease are ignored
+        (their first request reads).
+        """
+        lease = self._leases.get(pointer.id)
+        if lease is None or pointer.route_revision <= lease.pointer.route_revision:
+            return
+        lease.pointer = pointer
+        lease.seq = next_seq()
+        self._hooks.moved(pointer.id)
+
+    def unanswered(self, lease: Lease) -> None:
+        """A read of the lease's pointer failed: fail open without reading for a while.
+
+        As long as the lease's own window (lease + read bound): a flip made after this failure
+        is still guarded when it runs out (``haru_core.lease_guard_ms``), and the refresher keeps
+        probing meanwhile. The clock reading includes any pause before it, never after it.
+        """
+        lease.unanswered_until = self._monotonic() + self.window
+
+    def keep_from(self, pointer: FleetRoutePointer, started: float, seq: int) -> None:
+        """Keep (or confirm) the lease from a read that started at ``started``.
+
+        A process keeps a fleet's lease only from reads that started after the store held its
+        lease (``route_lease_ms``): the promotion that flips the pointer reads the stored lease
+        after the flip and waits it out before it drains the old active, so every pointer this
+        process keeps from before the flip is covered by that wait. Until then (the record is
+        written in the background, once per fleet per process), requests route on their own
+        fresh reads, as with ``lease_ms`` = 0.
+        """
+        recorded = self._records.held_since(pointer.id)
+        if recorded is not None and started >= recorded:
+            self._confirm(pointer, started, seq)
+
+    def _confirm(self, pointer: FleetRoutePointer, started: float, seq: int) -> None:
+        lease = self._leases.get(pointer.id)
+        if lease is None:
+            lease = self._leases[pointer.id] = Lease(pointer, started, seq, used_at=started)
+            moved = False
+        else:
+            moved = pointer.route_revision > lease.pointer.route_revision
+            if pointer.route_revision >= lease.pointer.route_revision:
+                lease.pointer = pointer
+                lease.seq = max(lease.seq, seq)
+            # Even an older revision proves nothing moved past the newer one before `started`.
+            if started > lease.confirmed_at:
+                lease.confirmed_at = started
+                lease.unanswered_until = 0.0
+        if lease.refresher is None:
+            lease.refresher = asyncio.get_running_loop().create_task(
+                self._refresh(pointer.id, lease), name=f"route-lease-{pointer.id}"
+            )
+        if moved:
+            self._hooks.moved(pointer.id)
+
+    async def _refresh(self, fleet_id: UUID, lease: Lease) -> None:
+        """Re-confirm one fleet's lease every lease interval while the fleet is used."""
+        ref = str(fleet_id)
+        try:
+            started = lease.confirmed_at
+            while self._leases.get(fleet_id) is lease:
+                await self._sleep(max(0.0, self._lease - (self._monotonic() - started)))
+                started = self._monotonic()
+                if self._leases.get(fleet_id) is not lease or started - lease.used_at > self._idle:
+                    return
+                if not await self._refresh_once(ref, lease, started):
+                    return
+        finally:
+            lease.refresher = None
+            if self._leases.get(fleet_id) is lease:
+                del self._leases[fleet_id]  # dormant: the next request reads
+
+    async def _refresh_once(self, ref: str, lease: Lease, started: float) -> bool:
+        """One refresher round; False when the lease must end."""
+        fleet_id = lease.pointer.id
+        hooks = self._hooks
+        try:
+            pointer, seq = await hooks.read(ref)
+        except (StateStoreUnavailableError, TimeoutError) as exc:
+            hooks.on_outage(exc)
+            self.unanswered(lease)
+            return True  # keep serving (stale once the lease runs out) and keep trying
+        except MalformedFleetStateError as exc:
+            hooks.drop(fleet_id, f"its stored state is malformed ({exc})")
+            return False
+        except Exception:
+            logger.exception("route cache: refreshing the lease of fleet %s failed", fleet_id)
+            return True
+        hooks.on_answer()
+        if pointer is None or pointer.id != fleet_id:
+            hooks.drop(fleet_id, "the store no longer knows it")
+            return False
+        self._confirm(pointer, started, seq)
+        await hooks.reload(ref, pointer, seq)
+        return True
