@@ -56,7 +56,9 @@ from haru_protocol import FleetRoutePointer, FleetSnapshot, parse_fleet_ref
 
 from haru_server._errors import FleetNotFoundError, RoutingUnavailableError
 from haru_server._fleet_aliases import FleetAliases, cache_key
+from haru_server._promotion_sightings import PromotionSightings
 from haru_server._route_lease import Lease, LeaseHooks, LeaseRecords, MoveWaiters, RouteLeases
+from haru_server._route_outage import StaleFleets, StoreOutage
 from haru_server._single_flight import BoundedReads, SingleFlight
 
 logger = logging.getLogger(__name__)
@@ -180,10 +182,8 @@ class RouteCache(Generic[T]):
         """fleet id -> count of drops; a load that saw the count change is not cached."""
         self._locks: weakref.WeakValueDictionary[UUID, asyncio.Lock] = weakref.WeakValueDictionary()
         self._seq = 0
-        self._outage = False
-        self._outage_until = 0.0
-        self._probing = False
-        self._stale: set[UUID] = set()
+        self._outage = StoreOutage(memo_s=self._outage_memo, monotonic=monotonic)
+        self._stale = StaleFleets()
         self._bounded = BoundedReads()
         self._pointers: SingleFlight[str, FleetRoutePointer | None] = SingleFlight(
             self._fetch_pointer, next_seq=self._next_seq
@@ -201,8 +201,8 @@ class RouteCache(Generic[T]):
         )
         hooks = LeaseHooks(
             read=self._read_pointer,
-            on_outage=self._enter_outage,
-            on_answer=self._leave_outage,
+            on_outage=self._outage.enter,
+            on_answer=self._outage.leave,
             drop=lambda fleet_id, why: self._drop(fleet_id, why=why),
             reload=self._reload,
             moved=self._movers.wake,
@@ -216,9 +216,7 @@ class RouteCache(Generic[T]):
             monotonic=monotonic,
             sleep=sleep,
         )
-        self._promoting: dict[UUID, tuple[int, float | None]] = {}
-        """fleet id -> (sequence number of the newest read, clock reading at which this process
-        first saw the promotion in flight that read saw; None: none in flight)."""
+        self._promotions = PromotionSightings(max_fleets=max_fleets, monotonic=monotonic)
 
     # -- introspection (tests, diagnostics) ---------------------------------------------------
 
@@ -265,15 +263,8 @@ class RouteCache(Generic[T]):
         return self.promotion_since(fleet_id) is not None
 
     def promotion_since(self, fleet_id: UUID) -> float | None:
-        """Clock reading at which this process first saw the promotion now in flight, or None.
-
-        The pointer read carries only whether a promotion is in flight, so this is the
-        earliest moment this process can vouch for: the operation started at or before it,
-        and its step budgets run out no later than that plus their sum. A promotion that ends
-        and another that starts between two reads look like one (the earlier sighting stays).
-        """
-        known = self._promoting.get(fleet_id)
-        return None if known is None else known[1]
+        """Monotonic reading at which this process first saw the promotion now in flight."""
+        return self._promotions.since(fleet_id)
 
     def note_promotion(self, fleet_id: UUID) -> None:
         """This process accepted a promotion of ``fleet_id``: know it before the next read."""
@@ -281,22 +272,12 @@ class RouteCache(Generic[T]):
         self._note_promoting(fleet_id, self._seq, in_flight=True)
 
     def _note_promoting(self, fleet_id: UUID, seq: int, *, in_flight: bool) -> None:
-        known = self._promoting.get(fleet_id)
-        if known is not None and known[0] > seq:
-            return  # an older read finishing late (another spelling's) teaches nothing
-        since = None
-        if in_flight:
-            since = known[1] if known is not None and known[1] is not None else self._clock()
-        self._promoting[fleet_id] = (seq, since)
-        if len(self._promoting) > 4 * self._max_fleets:
-            self._promoting = {
-                k: v for k, v in self._promoting.items() if k in self._entries or k == fleet_id
-            }
+        self._promotions.note(fleet_id, seq, in_flight=in_flight, keep=self._entries.__contains__)
 
     @property
     def in_outage(self) -> bool:
         """Whether the last pointer read failed (and none has succeeded since)."""
-        return self._outage
+        return self._outage.active
 
     async def aclose(self) -> None:
         """Cancel and wait for the reads in flight or abandoned after their bound (shutdown)."""
@@ -391,12 +372,12 @@ class RouteCache(Generic[T]):
         # just started, on a loaded machine: docs/FAULTS.md, finding 7). Such a request reads
         # (sharing the read in flight) and waits up to the snapshot bound.
         cold = self._cached(key) is None
-        probe = self._outage and not cold and expired is None
+        probe = self._outage.active and not cold and expired is None
         started = self._clock()
         if probe:
-            if self._probing or self._clock() < self._outage_until:
+            if self._outage.probing or self._outage.memo_running():
                 return self._serve_stale(ref, key, "the state store is unreachable")
-            self._probing = True  # one probe at a time; the others keep serving stale
+            self._outage.probing = True  # one probe at a time; the others keep serving stale
         try:
             try:
                 pointer, seq = await self._read_pointer(
@@ -404,20 +385,20 @@ class RouteCache(Generic[T]):
                 )
             finally:
                 if probe:
-                    self._probing = False
+                    self._outage.probing = False
         except (StateStoreUnavailableError, TimeoutError) as exc:
-            self._enter_outage(exc)
+            self._outage.enter(exc)
             if expired is not None and self._leases.get(expired.pointer.id) is expired:
                 self._leases.unanswered(expired)
                 return await self._stale_lease(ref, key, expired)
             return self._serve_stale(ref, key, "the state store is unreachable")
         except MalformedFleetStateError as exc:
-            self._leave_outage()
+            self._outage.leave()
             fleet = self._aliases.get(key)
             if fleet is not None:
                 self._drop(fleet, why="its stored state is malformed")
             raise self._malformed(ref, exc) from exc
-        self._leave_outage()
+        self._outage.leave()
         if pointer is None:
             self._forget(key, seq)
             raise FleetNotFoundError(ref)
@@ -491,13 +472,12 @@ class RouteCache(Generic[T]):
         self._entries.move_to_end(fleet_id)
         if self._aliases.get(key) != fleet_id:
             self._aliases.learn(fleet_id, key, seq)
-        if fleet_id in self._stale:
-            self._leave_stale(fleet_id, entry)
+        self._stale.leave(fleet_id, entry.snapshot.slug, entry.revision)
         return RouteLookup(fleet_id, entry.snapshot, entry.routes, stale=False)
 
     def _stale_hit(self, entry: _Entry[T], fleet_id: UUID, why: str) -> RouteLookup[T]:
         self._entries.move_to_end(fleet_id)
-        self._enter_stale(fleet_id, entry, why)
+        self._stale.enter(fleet_id, entry.snapshot.slug, entry.revision, why)
         return RouteLookup(fleet_id, entry.snapshot, entry.routes, stale=True)
 
     async def _load(
@@ -549,8 +529,7 @@ class RouteCache(Generic[T]):
             self._entries.move_to_end(fleet_id)
             self._learn(pointer, key, seq)
             self._evict()
-            if fleet_id in self._stale:
-                self._leave_stale(fleet_id, fresh)
+            self._stale.leave(fleet_id, fresh.snapshot.slug, fresh.revision)
             return RouteLookup(fleet_id, snapshot, routes, stale=False)
 
     def _load_failed(
@@ -627,13 +606,7 @@ class RouteCache(Generic[T]):
 
     def _unlink(self, fleet_id: UUID, entry: _Entry[T]) -> None:
         self._aliases.unlink(fleet_id)
-        if fleet_id in self._stale:
-            self._stale.discard(fleet_id)
-            logger.warning(
-                "fleet %s (%s): no longer serving stale routing (entry dropped)",
-                entry.snapshot.slug,
-                fleet_id,
-            )
+        self._stale.drop(fleet_id, entry.snapshot.slug)
 
     def _evict(self) -> None:
         while len(self._entries) > self._max_fleets:
@@ -643,39 +616,6 @@ class RouteCache(Generic[T]):
         if len(self._verdicts) > 4 * self._max_fleets:
             # Verdict counts only matter while a load is in flight (under the fleet's lock).
             self._verdicts = {k: v for k, v in self._verdicts.items() if k in self._locks}
-
-    # -- outage and stale-serving transitions (logged once per fleet, not per request) --------
-
-    def _enter_outage(self, exc: BaseException) -> None:
-        self._outage_until = self._clock() + self._outage_memo
-        if not self._outage:
-            self._outage = True
-            logger.warning("route cache: state store unreachable (%s); failing open", exc)
-
-    def _leave_outage(self) -> None:
-        if self._outage:
-            self._outage = False
-            logger.info("route cache: state store reachable again")
-
-    def _enter_stale(self, fleet_id: UUID, entry: _Entry[T], why: str) -> None:
-        if fleet_id not in self._stale:
-            self._stale.add(fleet_id)
-            logger.warning(
-                "fleet %s (%s): serving cached routing at revision %d (stale): %s",
-                entry.snapshot.slug,
-                fleet_id,
-                entry.revision,
-                why,
-            )
-
-    def _leave_stale(self, fleet_id: UUID, entry: _Entry[T]) -> None:
-        self._stale.discard(fleet_id)
-        logger.info(
-            "fleet %s (%s): routing confirmed by the state store again (revision %d)",
-            entry.snapshot.slug,
-            fleet_id,
-            entry.revision,
-        )
 
     @staticmethod
     def _malformed(ref: str, exc: MalformedFleetStateError) -> RoutingUnavailableError:
