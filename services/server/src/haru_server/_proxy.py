@@ -89,8 +89,8 @@ from haru_server._route_cache import (
     DEFAULT_SNAPSHOT_TIMEOUT_MS,
     RETRY_AFTER_S,
     RouteCache,
-    RouteLookup,
 )
+from haru_server._route_entries import RouteLookup
 from haru_server._route_http import resolve_route
 from haru_server._stamps import ConnectStamps
 

@@ -30,11 +30,10 @@ on) thus reads before it routes again. Read bounds count time the process ran
 went idle is dormant: its next request reads the pointer like a cold start. ``lease_ms`` = 0
 keeps one coalesced pointer read per request.
 
-Entries are keyed by fleet id, least recently used evicted first; spellings are indexed onto
-the id by ``_fleet_aliases``. Newer knowledge always wins: loads of one fleet are serialised,
-a load whose fleet received a verdict (drop, forget) while it was in flight is served but not
-cached, and a lower revision never replaces a higher one. The cache raises domain errors
-(``FleetNotFoundError``, ``RoutingUnavailableError``); the proxy maps them to HTTP.
+Entries (``_route_entries``) are keyed by fleet id, least recently used evicted first;
+spellings are indexed onto the id by ``_fleet_aliases``. Newer knowledge always wins. The cache
+raises domain errors (``FleetNotFoundError``, ``RoutingUnavailableError``); the proxy maps them
+to HTTP (``_route_http``).
 """
 
 from __future__ import annotations
@@ -43,10 +42,7 @@ import asyncio
 import contextlib
 import logging
 import time
-import weakref
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Final, Generic, Protocol, TypeVar
 from uuid import UUID
 
@@ -57,6 +53,7 @@ from haru_protocol import FleetRoutePointer, FleetSnapshot, parse_fleet_ref
 from haru_server._errors import FleetNotFoundError, RoutingUnavailableError
 from haru_server._fleet_aliases import FleetAliases, cache_key
 from haru_server._promotion_sightings import PromotionSightings
+from haru_server._route_entries import Entry, RouteEntries, RouteLookup
 from haru_server._route_lease import Lease, LeaseHooks, LeaseRecords, MoveWaiters, RouteLeases
 from haru_server._route_outage import StaleFleets, StoreOutage
 from haru_server._single_flight import BoundedReads, SingleFlight
@@ -94,38 +91,6 @@ class RouteSource(Protocol):
     async def get_fleet_snapshot(self, ref: str) -> FleetSnapshot | None: ...
 
     async def record_route_lease(self, fleet_id: UUID, lease_ms: int) -> bool: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RouteLookup(Generic[T]):
-    """What the cache answers for one request.
-
-    Attributes:
-        fleet_id: The fleet the reference resolved to.
-        snapshot: The snapshot to route with.
-        routes: What the cache's ``build`` callable derived from ``snapshot`` (built once per
-            cached snapshot, not per request).
-        stale: The store could not confirm this routing (answer with ``X-Haru-Routing: stale``).
-    """
-
-    fleet_id: UUID
-    snapshot: FleetSnapshot
-    routes: T
-    stale: bool
-
-
-@dataclass(slots=True)
-class _Entry(Generic[T]):
-    snapshot: FleetSnapshot
-    routes: T
-    loaded_at: float
-    """Monotonic reading taken when the load that produced it started."""
-    load_failed_until: float = 0.0
-    """A snapshot load at this revision failed; until then, skip reloading and serve stale."""
-
-    @property
-    def revision(self) -> int:
-        return self.snapshot.route_revision
 
 
 class RouteCache(Generic[T]):
@@ -167,20 +132,14 @@ class RouteCache(Generic[T]):
         if max_fleets < 1:
             raise ValueError(f"max_fleets must be >= 1, got {max_fleets}")
         self._store = store
-        self._build = build
         self._ttl = ttl_ms / 1000
         self._pointer_timeout = pointer_timeout_ms / 1000
         self._snapshot_timeout = snapshot_timeout_ms / 1000
         self._read_bound = max(self._pointer_timeout, self._snapshot_timeout)
         """How long one pointer read may run (the wait of a request with nothing cached)."""
         self._outage_memo = outage_memo_ms / 1000
-        self._max_fleets = max_fleets
-        self._clock = monotonic
-        self._entries: OrderedDict[UUID, _Entry[T]] = OrderedDict()
+        self._monotonic = monotonic
         self._aliases = FleetAliases(max_disclaimed=max_fleets)
-        self._verdicts: dict[UUID, int] = {}
-        """fleet id -> count of drops; a load that saw the count change is not cached."""
-        self._locks: weakref.WeakValueDictionary[UUID, asyncio.Lock] = weakref.WeakValueDictionary()
         self._seq = 0
         self._outage = StoreOutage(memo_s=self._outage_memo, monotonic=monotonic)
         self._stale = StaleFleets()
@@ -203,7 +162,7 @@ class RouteCache(Generic[T]):
             read=self._read_pointer,
             on_outage=self._outage.enter,
             on_answer=self._outage.leave,
-            drop=lambda fleet_id, why: self._drop(fleet_id, why=why),
+            drop=lambda fleet_id, why: self._fleets.drop(fleet_id, why=why),
             reload=self._reload,
             moved=self._movers.wake,
         )
@@ -217,15 +176,29 @@ class RouteCache(Generic[T]):
             sleep=sleep,
         )
         self._promotions = PromotionSightings(max_fleets=max_fleets, monotonic=monotonic)
+        self._fleets: RouteEntries[T] = RouteEntries(
+            store,
+            build=build,
+            aliases=self._aliases,
+            stale=self._stale,
+            movers=self._movers,
+            end_lease=self._leases.end,
+            bounded=self._bounded,
+            ttl_s=self._ttl,
+            snapshot_timeout_s=self._snapshot_timeout,
+            outage_memo_s=self._outage_memo,
+            max_fleets=max_fleets,
+            monotonic=monotonic,
+        )
 
     # -- introspection (tests, diagnostics) ---------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._fleets.entries)
 
     def cached_revision(self, fleet_id: UUID) -> int | None:
         """The revision cached for ``fleet_id``, or None when nothing is cached."""
-        entry = self._entries.get(fleet_id)
+        entry = self._fleets.entries.get(fleet_id)
         return None if entry is None else entry.revision
 
     def indexed(self, ref: str) -> UUID | None:
@@ -244,7 +217,7 @@ class RouteCache(Generic[T]):
         of the read that confirmed it, on this process's clock); only fleets with a kept lease
         appear (none with ``lease_ms`` = 0: every request reads).
         """
-        now = self._clock()
+        now = self._monotonic()
         return {
             lease.pointer.slug: max(now - lease.confirmed_at, 0.0) for lease in self._leases.all()
         }
@@ -272,7 +245,9 @@ class RouteCache(Generic[T]):
         self._note_promoting(fleet_id, self._seq, in_flight=True)
 
     def _note_promoting(self, fleet_id: UUID, seq: int, *, in_flight: bool) -> None:
-        self._promotions.note(fleet_id, seq, in_flight=in_flight, keep=self._entries.__contains__)
+        self._promotions.note(
+            fleet_id, seq, in_flight=in_flight, keep=self._fleets.entries.__contains__
+        )
 
     @property
     def in_outage(self) -> bool:
@@ -347,7 +322,7 @@ class RouteCache(Generic[T]):
             fleet = self._aliases.get(key)
             lease = None if fleet is None else self._leases.get(fleet)
             if lease is not None and lease.refresher is not None:
-                now = self._clock()
+                now = self._monotonic()
                 lease.used_at = now
                 if now - lease.confirmed_at <= self._leases.window:
                     return await self._resolve_leased(ref, key, lease)
@@ -373,7 +348,7 @@ class RouteCache(Generic[T]):
         # (sharing the read in flight) and waits up to the snapshot bound.
         cold = self._cached(key) is None
         probe = self._outage.active and not cold and expired is None
-        started = self._clock()
+        started = self._monotonic()
         if probe:
             if self._outage.probing or self._outage.memo_running():
                 return self._serve_stale(ref, key, "the state store is unreachable")
@@ -396,40 +371,40 @@ class RouteCache(Generic[T]):
             self._outage.leave()
             fleet = self._aliases.get(key)
             if fleet is not None:
-                self._drop(fleet, why="its stored state is malformed")
-            raise self._malformed(ref, exc) from exc
+                self._fleets.drop(fleet, why="its stored state is malformed")
+            raise self._fleets.malformed(ref, exc) from exc
         self._outage.leave()
         if pointer is None:
-            self._forget(key, seq)
+            self._fleets.forget(key, seq)
             raise FleetNotFoundError(ref)
         if self._lease:
             self._leases.keep_from(pointer, started, seq)
-        entry = self._entries.get(pointer.id)
-        now = self._clock()
+        entry = self._fleets.entries.get(pointer.id)
+        now = self._monotonic()
         if entry is not None and entry.revision >= pointer.route_revision:
             if now - entry.loaded_at < self._ttl:
-                return self._hit(entry, pointer.id, key, seq)
+                return self._fleets.hit(entry, pointer.id, key, seq)
             if now < entry.load_failed_until and entry.revision == pointer.route_revision:
-                self._learn(pointer, key, seq)
-                return self._stale_hit(entry, pointer.id, "its snapshot failed to load")
-        return await self._load(ref, key, pointer, seq)
+                self._fleets.learn(pointer, key, seq)
+                return self._fleets.stale_hit(entry, pointer.id, "its snapshot failed to load")
+        return await self._fleets.load(ref, key, pointer, seq)
 
     async def _resolve_leased(self, ref: str, key: str, lease: Lease) -> RouteLookup[T]:
         pointer = lease.pointer
-        entry = self._entries.get(pointer.id)
+        entry = self._fleets.entries.get(pointer.id)
         if entry is not None and entry.revision >= pointer.route_revision:
-            return self._hit(entry, pointer.id, key, lease.seq)
-        return await self._load(ref, key, pointer, lease.seq)
+            return self._fleets.hit(entry, pointer.id, key, lease.seq)
+        return await self._fleets.load(ref, key, pointer, lease.seq)
 
     async def _stale_lease(self, ref: str, key: str, lease: Lease) -> RouteLookup[T]:
         """Fail open on an expired lease: a read of its pointer just failed."""
         pointer = lease.pointer
-        entry = self._entries.get(pointer.id)
+        entry = self._fleets.entries.get(pointer.id)
         if entry is not None and entry.revision >= pointer.route_revision:
-            return self._stale_hit(
+            return self._fleets.stale_hit(
                 entry, pointer.id, "the state store has not confirmed the route lease"
             )
-        return await self._load(ref, key, pointer, lease.seq)
+        return await self._fleets.load(ref, key, pointer, lease.seq)
 
     # -- route leases ---------------------------------------------------------------------------
 
@@ -453,7 +428,7 @@ class RouteCache(Generic[T]):
 
     def _known_revision(self, fleet_id: UUID) -> int:
         lease = self._leases.get(fleet_id)
-        entry = self._entries.get(fleet_id)
+        entry = self._fleets.entries.get(fleet_id)
         return max(
             -1 if lease is None else lease.pointer.route_revision,
             -1 if entry is None else entry.revision,
@@ -461,111 +436,21 @@ class RouteCache(Generic[T]):
 
     async def _reload(self, ref: str, pointer: FleetRoutePointer, seq: int) -> None:
         """Reload a leased fleet's snapshot if its revision moved or its TTL ran out."""
-        entry = self._entries.get(pointer.id)
+        entry = self._fleets.entries.get(pointer.id)
         if entry is not None and (
-            entry.revision < pointer.route_revision or self._clock() - entry.loaded_at >= self._ttl
+            entry.revision < pointer.route_revision
+            or self._monotonic() - entry.loaded_at >= self._ttl
         ):
             with contextlib.suppress(FleetNotFoundError, RoutingUnavailableError):  # logged
-                await self._load(ref, ref, pointer, seq)
+                await self._fleets.load(ref, ref, pointer, seq)
 
-    def _hit(self, entry: _Entry[T], fleet_id: UUID, key: str, seq: int) -> RouteLookup[T]:
-        self._entries.move_to_end(fleet_id)
-        if self._aliases.get(key) != fleet_id:
-            self._aliases.learn(fleet_id, key, seq)
-        self._stale.leave(fleet_id, entry.snapshot.slug, entry.revision)
-        return RouteLookup(fleet_id, entry.snapshot, entry.routes, stale=False)
-
-    def _stale_hit(self, entry: _Entry[T], fleet_id: UUID, why: str) -> RouteLookup[T]:
-        self._entries.move_to_end(fleet_id)
-        self._stale.enter(fleet_id, entry.snapshot.slug, entry.revision, why)
-        return RouteLookup(fleet_id, entry.snapshot, entry.routes, stale=True)
-
-    async def _load(
-        self, ref: str, key: str, pointer: FleetRoutePointer, seq: int
-    ) -> RouteLookup[T]:
-        fleet_id = pointer.id
-        lock = self._locks.get(fleet_id)
-        if lock is None:
-            lock = self._locks[fleet_id] = asyncio.Lock()
-        async with lock:
-            # Another request may have loaded this revision while this one waited.
-            entry = self._entries.get(fleet_id)
-            started = self._clock()
-            if (
-                entry is not None
-                and entry.revision >= pointer.route_revision
-                and started - entry.loaded_at < self._ttl
-            ):
-                return self._hit(entry, fleet_id, key, seq)
-            verdicts = self._verdicts.get(fleet_id, 0)
-            try:
-                snapshot = await self._bounded.run(
-                    self._store.get_fleet_snapshot(str(fleet_id)), self._snapshot_timeout
-                )
-            except (StateStoreUnavailableError, TimeoutError) as exc:
-                return self._load_failed(ref, key, pointer, seq, exc)
-            except MalformedFleetStateError as exc:
-                self._drop(fleet_id, why="its stored state is malformed")
-                raise self._malformed(ref, exc) from exc
-            if snapshot is None or snapshot.id != fleet_id:
-                # Gone between the two reads (an id-first lookup only ever returns that id).
-                self._drop(fleet_id, why="the store no longer knows it")
-                self._forget(key, seq)
-                raise FleetNotFoundError(ref)
-            routes = self._build(snapshot)
-            entry = self._entries.get(fleet_id)
-            if (
-                self._verdicts.get(fleet_id, 0) != verdicts
-                or self._aliases.disclaimed_after(key, seq)
-                or (entry is not None and entry.revision > snapshot.route_revision)
-            ):
-                # Newer knowledge landed while this load was in flight: answer this request
-                # with what it read, but never let it overwrite what the cache knows now.
-                return RouteLookup(fleet_id, snapshot, routes, stale=False)
-            fresh = _Entry(snapshot=snapshot, routes=routes, loaded_at=started)
-            if entry is None or entry.revision < fresh.revision:
-                self._movers.wake(fleet_id)
-            self._entries[fleet_id] = fresh
-            self._entries.move_to_end(fleet_id)
-            self._learn(pointer, key, seq)
-            self._evict()
-            self._stale.leave(fleet_id, fresh.snapshot.slug, fresh.revision)
-            return RouteLookup(fleet_id, snapshot, routes, stale=False)
-
-    def _load_failed(
-        self,
-        ref: str,
-        key: str,
-        pointer: FleetRoutePointer,
-        seq: int,
-        exc: BaseException,
-    ) -> RouteLookup[T]:
-        fleet_id = pointer.id
-        entry = self._entries.get(fleet_id)
-        if entry is not None and entry.revision == pointer.route_revision:
-            entry.load_failed_until = self._clock() + self._outage_memo
-            self._learn(pointer, key, seq)
-            return self._stale_hit(entry, fleet_id, f"its snapshot failed to load ({exc})")
-        if entry is not None:
-            self._drop(
-                fleet_id,
-                why=(
-                    f"routing moved to revision {pointer.route_revision} and that snapshot "
-                    f"failed to load ({exc})"
-                ),
-            )
-        raise RoutingUnavailableError(
-            f"the state store could not load the routing of fleet {ref!r}; retry shortly",
-            retry_soon=True,
-        ) from exc
-
-    def _cached(self, key: str) -> _Entry[T] | None:
+    def _cached(self, key: str) -> Entry[T] | None:
         fleet = self._aliases.get(key)
-        return None if fleet is None else self._entries.get(fleet)
+        return None if fleet is None else self._fleets.entries.get(fleet)
 
     def _serve_stale(self, ref: str, key: str, why: str) -> RouteLookup[T]:
         fleet = self._aliases.get(key)
-        entry = None if fleet is None else self._entries.get(fleet)
+        entry = None if fleet is None else self._fleets.entries.get(fleet)
         lease = None if fleet is None else self._leases.get(fleet)
         if (
             fleet is None
@@ -578,50 +463,4 @@ class RouteCache(Generic[T]):
                 f"{why} and no current routing for fleet {ref!r} is cached in this process",
                 retry_soon=True,
             )
-        return self._stale_hit(entry, fleet, why)
-
-    # -- knowledge bookkeeping ----------------------------------------------------------------
-
-    def _learn(self, pointer: FleetRoutePointer, key: str, seq: int) -> None:
-        fleet_id = pointer.id
-        for spelling in (str(fleet_id), pointer.slug, key):
-            self._aliases.learn(fleet_id, spelling, seq)
-
-    def _forget(self, key: str, seq: int) -> None:
-        """The store says this spelling names no fleet: forget it and what it named."""
-        fleet = self._aliases.disclaim(key, seq)
-        if fleet is not None:
-            self._drop(fleet, why=f"the store no longer knows {key!r}")
-
-    def _drop(self, fleet_id: UUID, *, why: str) -> None:
-        self._verdicts[fleet_id] = self._verdicts.get(fleet_id, 0) + 1
-        self._leases.end(fleet_id)  # its refresher sees that and ends
-        entry = self._entries.pop(fleet_id, None)
-        if entry is None:
-            return
-        logger.warning(
-            "route cache: dropped fleet %s (revision %d): %s", fleet_id, entry.revision, why
-        )
-        self._unlink(fleet_id, entry)
-
-    def _unlink(self, fleet_id: UUID, entry: _Entry[T]) -> None:
-        self._aliases.unlink(fleet_id)
-        self._stale.drop(fleet_id, entry.snapshot.slug)
-
-    def _evict(self) -> None:
-        while len(self._entries) > self._max_fleets:
-            fleet_id, entry = self._entries.popitem(last=False)
-            # Capacity eviction is not a verdict: an in-flight load of it may still be cached.
-            self._unlink(fleet_id, entry)
-        if len(self._verdicts) > 4 * self._max_fleets:
-            # Verdict counts only matter while a load is in flight (under the fleet's lock).
-            self._verdicts = {k: v for k, v in self._verdicts.items() if k in self._locks}
-
-    @staticmethod
-    def _malformed(ref: str, exc: MalformedFleetStateError) -> RoutingUnavailableError:
-        logger.error("fleet %r: stored state is malformed, refusing to route: %s", ref, exc)
-        return RoutingUnavailableError(
-            f"the stored state of fleet {ref!r} failed validation and cannot be served "
-            "(see the server log)",
-            retry_soon=False,
-        )
+        return self._fleets.stale_hit(entry, fleet, why)

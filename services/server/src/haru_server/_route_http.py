@@ -13,7 +13,8 @@ from haru_protocol import ErrorCode
 from haru_web import ApiError
 
 from haru_server._errors import FleetNotFoundError, RoutingUnavailableError
-from haru_server._route_cache import RETRY_AFTER_S, RouteCache, RouteLookup
+from haru_server._route_cache import RETRY_AFTER_S, RouteCache
+from haru_server._route_entries import RouteLookup
 
 T = TypeVar("T")
 
