@@ -1236,7 +1236,7 @@ async def test_an_unconfirmed_lease_is_served_marked_stale() -> None:
         ttl_ms=600_000,
         lease_ms=100,
         pointer_timeout_ms=50,
-        clock=lambda: clock[0],
+        monotonic=lambda: clock[0],
         sleep=sleep,
     )
     try:

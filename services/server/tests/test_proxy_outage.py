@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -335,13 +336,18 @@ async def promote(store: StateStore, fleet: Fleet) -> None:
 async def test_warm_cache_keeps_answering_through_an_outage(
     make_proxy: ProxyFactory, fleet: Fleet, outage: Outage, http: aiohttp.ClientSession
 ) -> None:
-    url = await make_proxy(outage.proxy_store, snapshot_cache_ttl_ms=50)
+    monotonic = [1_000.0]
+    url = await make_proxy(
+        outage.proxy_store,
+        tuning=dataclasses.replace(TUNING, monotonic=lambda: monotonic[0]),
+        snapshot_cache_ttl_ms=50,
+    )
     status, headers, _ = await chat(http, url)
     assert status == 200
     assert "X-Haru-Routing" not in headers
     outage.cut()
     answers = [await chat(http, url, STREAM if i % 4 == 0 else CHAT) for i in range(24)]
-    await asyncio.sleep(0.1)  # well past the TTL: stale serving ignores it
+    monotonic[0] += 1  # well past the TTL and the outage memo: stale serving ignores the TTL
     answers.append(await chat(http, url))
     assert [status for status, _, _ in answers] == [200] * len(answers)
     assert all(headers.get("X-Haru-Routing") == "stale" for _, headers, _ in answers)
@@ -365,6 +371,7 @@ async def test_warm_cache_keeps_answering_through_an_outage(
         return "X-Haru-Routing" not in headers
 
     for _ in range(100):
+        monotonic[0] += 1  # past the outage memo: the next request probes the store
         if await fresh():
             break
         await asyncio.sleep(0.05)
@@ -392,7 +399,12 @@ async def test_moved_pointer_whose_snapshot_fails_is_503_and_forgotten(
     make_proxy: ProxyFactory, fleet: Fleet, store: StateStore, http: aiohttp.ClientSession
 ) -> None:
     switched = SwitchedStore(store)
-    url = await make_proxy(cast(StateStore, switched), snapshot_cache_ttl_ms=600_000)
+    monotonic = [1_000.0]
+    url = await make_proxy(
+        cast(StateStore, switched),
+        tuning=dataclasses.replace(TUNING, monotonic=lambda: monotonic[0]),
+        snapshot_cache_ttl_ms=600_000,
+    )
     assert (await chat(http, url))[0] == 200
     await promote(store, fleet)  # the real pointer moves
     switched.snapshots_down = True
@@ -406,7 +418,7 @@ async def test_moved_pointer_whose_snapshot_fails_is_503_and_forgotten(
     assert code_of(body) == "state_store_unavailable"
     assert served(fleet.alpha) == 1
     switched.down = switched.snapshots_down = False
-    await asyncio.sleep(0.1)  # past the outage memo
+    monotonic[0] += 1  # past the outage memo
     assert (await chat(http, url))[0] == 200
     assert served(fleet.beta) == 1
 

@@ -14,7 +14,9 @@ from uuid import UUID
 import pytest
 from haru_db import MalformedFleetStateError, StateStoreUnavailableError
 from haru_protocol import ErrorCode, FleetRoutePointer, FleetSnapshot, Policy, parse_fleet_ref
-from haru_server._route_cache import RouteCache, ref_key
+from haru_server._fleet_aliases import ref_key
+from haru_server._route_cache import RouteCache
+from haru_server._route_http import resolve_route
 from haru_web import ApiError
 
 Behaviour = Callable[[], object]
@@ -139,7 +141,7 @@ def clock() -> FakeClock:
 def make_cache(store: ScriptedStore, clock: FakeClock, **kwargs: int) -> RouteCache[FleetSnapshot]:
     options: dict[str, Any] = {"ttl_ms": 2000, "outage_memo_ms": 1000, "pointer_timeout_ms": 50}
     options.update(kwargs)
-    return RouteCache(store, build=lambda s: s, clock=clock, **options)
+    return RouteCache(store, build=lambda s: s, monotonic=clock, **options)
 
 
 def down() -> StateStoreUnavailableError:
@@ -157,7 +159,7 @@ async def until(predicate: Callable[[], bool]) -> None:
 
 async def expect_error(cache: RouteCache[FleetSnapshot], ref: str, code: ErrorCode) -> ApiError:
     with pytest.raises(ApiError) as info:
-        await cache.resolve(ref)
+        await resolve_route(cache, ref)
     assert info.value.code is code
     return info.value
 
@@ -172,11 +174,11 @@ async def test_a_reference_that_names_nothing_never_reaches_the_store(
     cache = make_cache(store, clock)
     for ref in (f"{fleet.id}\n", "prod\n", " prod", "Prod", "", "x" * 64):
         with pytest.raises(ApiError) as caught:
-            await cache.resolve(ref)
+            await resolve_route(cache, ref)
         assert caught.value.code is ErrorCode.FLEET_NOT_FOUND
     assert store.pointer_reads == 0
     upper = str(fleet.id).upper()
-    assert (await cache.resolve(upper)).fleet_id == fleet.id
+    assert (await resolve_route(cache, upper)).fleet_id == fleet.id
     assert cache.indexed(str(fleet.id)) == fleet.id  # ids are indexed lowercase
 
 
@@ -205,7 +207,7 @@ async def test_hit_reads_the_pointer_but_not_the_snapshot(
     fleet = store.add("prod")
     cache = make_cache(store, clock)
     for _ in range(5):
-        lookup = await cache.resolve("prod")
+        lookup = await resolve_route(cache, "prod")
         assert lookup.fleet_id == fleet.id
         assert not lookup.stale
         assert lookup.routes.route_revision == 1
@@ -216,12 +218,12 @@ async def test_hit_reads_the_pointer_but_not_the_snapshot(
 async def test_ttl_expiry_reloads_the_snapshot(store: ScriptedStore, clock: FakeClock) -> None:
     store.add("prod")
     cache = make_cache(store, clock, ttl_ms=2000)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     clock.advance(1.9)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     assert store.snapshot_loads == 1
     clock.advance(0.2)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     assert store.snapshot_loads == 2
 
 
@@ -230,9 +232,9 @@ async def test_a_moved_pointer_is_seen_on_the_very_next_request(
 ) -> None:
     fleet = store.add("prod")
     cache = make_cache(store, clock, ttl_ms=60_000)
-    assert (await cache.resolve("prod")).snapshot.route_revision == 1
+    assert (await resolve_route(cache, "prod")).snapshot.route_revision == 1
     fleet.revision = 2
-    lookup = await cache.resolve("prod")
+    lookup = await resolve_route(cache, "prod")
     assert lookup.snapshot.route_revision == 2
     assert cache.cached_revision(fleet.id) == 2
 
@@ -244,7 +246,7 @@ async def test_concurrent_misses_load_the_snapshot_once(
     gate = asyncio.Event()
     store.snapshot_gates.append(gate)
     cache = make_cache(store, clock)
-    tasks = [asyncio.create_task(cache.resolve("prod")) for _ in range(10)]
+    tasks = [asyncio.create_task(resolve_route(cache, "prod")) for _ in range(10)]
     await until(lambda: store.snapshot_loads == 1)
     gate.set()
     lookups = await asyncio.gather(*tasks)
@@ -259,13 +261,13 @@ async def test_a_request_never_uses_a_pointer_read_that_started_before_it(
 ) -> None:
     fleet = store.add("prod")
     cache = make_cache(store, clock, ttl_ms=60_000)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     gate = asyncio.Event()
     store.pointer_gates.append(gate)
-    early = asyncio.create_task(cache.resolve("prod"))
+    early = asyncio.create_task(resolve_route(cache, "prod"))
     await until(lambda: store.pointer_reads == 2)  # its read has started (and read revision 1)
     fleet.revision = 2  # a promotion commits while that read is in flight
-    late = [asyncio.create_task(cache.resolve("prod")) for _ in range(5)]
+    late = [asyncio.create_task(resolve_route(cache, "prod")) for _ in range(5)]
     await asyncio.sleep(0)
     gate.set()
     assert (await early).snapshot.route_revision == 1
@@ -289,15 +291,15 @@ async def test_pointer_failure_serves_the_warm_cache_as_stale(
 ) -> None:
     fleet = store.add("prod")
     cache = make_cache(store, clock)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     store.pointer_error = down()
     for _ in range(3):
-        lookup = await cache.resolve("prod")
+        lookup = await resolve_route(cache, "prod")
         assert lookup.stale
         assert lookup.fleet_id == fleet.id
     # Stale serving ignores the TTL: the pointer cannot move while the store is down.
     clock.advance(3600)
-    assert (await cache.resolve(str(fleet.id).upper())).stale
+    assert (await resolve_route(cache, str(fleet.id).upper())).stale
 
 
 async def test_pointer_failure_with_a_cold_cache_is_503(
@@ -321,7 +323,7 @@ async def test_a_cold_cache_waits_for_a_slow_pointer_read_instead_of_failing(
     cache = make_cache(store, clock, pointer_timeout_ms=20, snapshot_timeout_ms=2000)
     gate = asyncio.Event()
     store.pointer_gates.append(gate)
-    first = asyncio.create_task(cache.resolve("prod"))
+    first = asyncio.create_task(resolve_route(cache, "prod"))
     await asyncio.sleep(0.1)  # five times the pointer bound
     assert not first.done()
     gate.set()
@@ -331,16 +333,16 @@ async def test_a_cold_cache_waits_for_a_slow_pointer_read_instead_of_failing(
     # A failed read starts the outage memo; a spelling with nothing cached still reads.
     store.pointer_error = down()
     clock.advance(5)
-    assert (await cache.resolve("prod")).stale
+    assert (await resolve_route(cache, "prod")).stale
     assert cache.in_outage
     store.pointer_error = None
-    lookup = await cache.resolve("staging")
+    lookup = await resolve_route(cache, "staging")
     assert lookup.fleet_id == other.id
     assert not lookup.stale
     # Once cached, a slow read is bounded by the pointer bound again (served stale).
     clock.advance(5)
     store.pointer_hang = True
-    assert (await asyncio.wait_for(cache.resolve("staging"), timeout=1)).stale
+    assert (await asyncio.wait_for(resolve_route(cache, "staging"), timeout=1)).stale
 
 
 async def test_a_cold_cache_still_fails_when_the_read_outlasts_the_snapshot_bound(
@@ -361,9 +363,9 @@ async def test_hung_pointer_read_counts_as_unreachable_within_its_bound(
 ) -> None:
     store.add("prod")
     cache = make_cache(store, clock, pointer_timeout_ms=20)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     store.pointer_hang = True
-    lookup = await asyncio.wait_for(cache.resolve("prod"), timeout=2)
+    lookup = await asyncio.wait_for(resolve_route(cache, "prod"), timeout=2)
     assert lookup.stale
 
 
@@ -372,10 +374,10 @@ async def test_a_read_slow_to_cancel_still_costs_only_the_bound(
 ) -> None:
     store.add("prod")
     cache = make_cache(store, clock, pointer_timeout_ms=20)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     store.pointer_hang = True
     store.stubborn = asyncio.Event()
-    lookup = await asyncio.wait_for(cache.resolve("prod"), timeout=2)
+    lookup = await asyncio.wait_for(resolve_route(cache, "prod"), timeout=2)
     assert lookup.stale
     store.stubborn.set()
     await cache.aclose()
@@ -384,39 +386,39 @@ async def test_a_read_slow_to_cancel_still_costs_only_the_bound(
 async def test_outage_is_memoised_then_probed_once(store: ScriptedStore, clock: FakeClock) -> None:
     store.add("prod")
     cache = make_cache(store, clock, outage_memo_ms=1000)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     store.pointer_error = down()
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     reads = store.pointer_reads
     for _ in range(5):
-        assert (await cache.resolve("prod")).stale
+        assert (await resolve_route(cache, "prod")).stale
     assert store.pointer_reads == reads  # memo: no reads for a second
     clock.advance(1.1)
     # The memo expired: exactly one request probes while the others keep serving stale.
     gate = asyncio.Event()
     store.pointer_gates.append(gate)
-    probe = asyncio.create_task(cache.resolve("prod"))
+    probe = asyncio.create_task(resolve_route(cache, "prod"))
     await until(lambda: store.pointer_reads == reads + 1)
-    others = [await cache.resolve("prod") for _ in range(3)]
+    others = [await resolve_route(cache, "prod") for _ in range(3)]
     assert all(lk.stale for lk in others)
     assert store.pointer_reads == reads + 1
     store.pointer_error = None
     gate.set()
     assert not (await probe).stale
     assert not cache.in_outage
-    assert not (await cache.resolve("prod")).stale
+    assert not (await resolve_route(cache, "prod")).stale
 
 
 async def test_a_failed_read_never_evicts(store: ScriptedStore, clock: FakeClock) -> None:
     fleets = [store.add(f"fleet-{i}") for i in range(3)]
     cache = make_cache(store, clock, max_fleets=3)
     for fleet in fleets:
-        await cache.resolve(fleet.slug)
+        await resolve_route(cache, fleet.slug)
     store.pointer_error = down()
     clock.advance(5)
     for _ in range(3):
         for fleet in fleets:
-            assert (await cache.resolve(fleet.slug)).stale
+            assert (await resolve_route(cache, fleet.slug)).stale
             clock.advance(2)
     assert len(cache) == 3
 
@@ -429,16 +431,16 @@ async def test_same_revision_with_a_failing_load_serves_stale(
 ) -> None:
     store.add("prod")
     cache = make_cache(store, clock, ttl_ms=1000, outage_memo_ms=500)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     clock.advance(2)  # TTL expired: a reload is due
     store.snapshot_error = down()
-    assert (await cache.resolve("prod")).stale
+    assert (await resolve_route(cache, "prod")).stale
     loads = store.snapshot_loads
-    assert (await cache.resolve("prod")).stale
+    assert (await resolve_route(cache, "prod")).stale
     assert store.snapshot_loads == loads  # the failed load is memoised too
     clock.advance(0.6)
     store.snapshot_error = None
-    assert not (await cache.resolve("prod")).stale
+    assert not (await resolve_route(cache, "prod")).stale
 
 
 async def test_moved_pointer_with_a_failing_load_is_503_and_drops_the_entry(
@@ -446,7 +448,7 @@ async def test_moved_pointer_with_a_failing_load_is_503_and_drops_the_entry(
 ) -> None:
     fleet = store.add("prod")
     cache = make_cache(store, clock)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     fleet.revision = 2
     store.snapshot_error = down()
     await expect_error(cache, "prod", ErrorCode.STATE_STORE_UNAVAILABLE)
@@ -461,7 +463,7 @@ async def test_a_hung_load_at_a_moved_revision_is_503(
 ) -> None:
     fleet = store.add("prod")
     cache = make_cache(store, clock, snapshot_timeout_ms=20)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     fleet.revision = 2
     store.snapshot_gates.append(asyncio.Event())  # never set
     await expect_error(cache, "prod", ErrorCode.STATE_STORE_UNAVAILABLE)
@@ -473,7 +475,7 @@ async def test_malformed_snapshot_is_503_and_never_served(
 ) -> None:
     fleet = store.add("prod")
     cache = make_cache(store, clock, ttl_ms=1000)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     clock.advance(2)
     store.snapshot_error = MalformedFleetStateError("slot kind differs from spec kind")
     await expect_error(cache, "prod", ErrorCode.STATE_STORE_UNAVAILABLE)
@@ -487,7 +489,7 @@ async def test_malformed_pointer_is_503_and_drops_the_entry(
 ) -> None:
     fleet = store.add("prod")
     cache = make_cache(store, clock)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     store.pointer_error = MalformedFleetStateError("invalid slug read back")
     await expect_error(cache, "prod", ErrorCode.STATE_STORE_UNAVAILABLE)
     assert cache.cached_revision(fleet.id) is None
@@ -502,7 +504,7 @@ async def test_disclaimed_spelling_is_404_and_forgotten(
 ) -> None:
     fleet = store.add("prod")
     cache = make_cache(store, clock)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     assert cache.indexed("prod") == fleet.id
     del store.fleets[fleet.id]
     await expect_error(cache, "prod", ErrorCode.FLEET_NOT_FOUND)
@@ -520,7 +522,7 @@ async def test_a_load_overtaken_by_a_verdict_is_served_but_not_cached(
     cache = make_cache(store, clock)
     gate = asyncio.Event()
     store.snapshot_gates.append(gate)
-    slow = asyncio.create_task(cache.resolve("prod"))
+    slow = asyncio.create_task(resolve_route(cache, "prod"))
     await until(lambda: store.snapshot_loads == 1)
     # While that load is in flight the store disclaims the fleet.
     del store.fleets[fleet.id]
@@ -538,7 +540,7 @@ async def test_an_older_pointer_read_cannot_restore_a_forgotten_spelling(
     cache = make_cache(store, clock)
     gate = asyncio.Event()
     store.pointer_gates.append(gate)
-    older = asyncio.create_task(cache.resolve(str(fleet.id)))  # reads while "prod" exists
+    older = asyncio.create_task(resolve_route(cache, str(fleet.id)))  # reads while "prod" exists
     await until(lambda: store.pointer_reads == 1)
     del store.fleets[fleet.id]
     await expect_error(cache, "prod", ErrorCode.FLEET_NOT_FOUND)  # a newer read: gone
@@ -554,10 +556,10 @@ async def test_a_lower_revision_never_replaces_a_higher_one(
 ) -> None:
     fleet = store.add("prod", revision=5)
     cache = make_cache(store, clock, ttl_ms=1000)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     clock.advance(2)
     store.snapshot_revision_override = 4  # a load that read older state
-    lookup = await cache.resolve("prod")
+    lookup = await resolve_route(cache, "prod")
     assert lookup.snapshot.route_revision == 4
     assert cache.cached_revision(fleet.id) == 5
 
@@ -570,13 +572,13 @@ async def test_every_accepted_spelling_is_indexed_onto_the_id(
 ) -> None:
     fleet = store.add("prod")
     cache = make_cache(store, clock)
-    await cache.resolve(str(fleet.id).upper())
+    await resolve_route(cache, str(fleet.id).upper())
     assert cache.indexed("prod") == fleet.id
     assert cache.indexed(str(fleet.id)) == fleet.id
     assert len(cache) == 1
     store.pointer_error = down()
     for ref in ("prod", str(fleet.id), str(fleet.id).upper()):
-        lookup = await cache.resolve(ref)
+        lookup = await resolve_route(cache, ref)
         assert lookup.stale
         assert lookup.fleet_id == fleet.id
 
@@ -585,13 +587,13 @@ async def test_a_uuid_shaped_slug_is_never_an_alias(store: ScriptedStore, clock:
     tricky = str(uuid.uuid4())
     fleet = store.add(tricky)
     cache = make_cache(store, clock)
-    lookup = await cache.resolve(tricky)
+    lookup = await resolve_route(cache, tricky)
     assert lookup.fleet_id == fleet.id
     assert cache.indexed(tricky) is None
     assert cache.indexed(str(fleet.id)) == fleet.id
     store.pointer_error = down()
     await expect_error(cache, tricky, ErrorCode.STATE_STORE_UNAVAILABLE)
-    assert (await cache.resolve(str(fleet.id))).stale
+    assert (await resolve_route(cache, str(fleet.id))).stale
 
 
 async def test_a_slug_that_moves_to_another_fleet_is_reindexed(
@@ -599,13 +601,13 @@ async def test_a_slug_that_moves_to_another_fleet_is_reindexed(
 ) -> None:
     first = store.add("prod")
     cache = make_cache(store, clock)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     del store.fleets[first.id]
     second = store.add("prod")
-    assert (await cache.resolve("prod")).fleet_id == second.id
+    assert (await resolve_route(cache, "prod")).fleet_id == second.id
     assert cache.indexed("prod") == second.id
     store.pointer_error = down()
-    assert (await cache.resolve("prod")).fleet_id == second.id
+    assert (await resolve_route(cache, "prod")).fleet_id == second.id
 
 
 # -- size bound --------------------------------------------------------------------------------
@@ -616,17 +618,17 @@ async def test_lru_bound_evicts_the_least_recently_used(
 ) -> None:
     a, b, c = (store.add(s) for s in ("a", "b", "c"))
     cache = make_cache(store, clock, max_fleets=2)
-    await cache.resolve("a")
-    await cache.resolve("b")
-    await cache.resolve("a")  # a is now the most recently used
-    await cache.resolve("c")
+    await resolve_route(cache, "a")
+    await resolve_route(cache, "b")
+    await resolve_route(cache, "a")  # a is now the most recently used
+    await resolve_route(cache, "c")
     assert len(cache) == 2
     assert cache.cached_revision(b.id) is None
     assert cache.cached_revision(a.id) == 1
     assert cache.indexed("b") is None
     store.pointer_error = down()
     await expect_error(cache, "b", ErrorCode.STATE_STORE_UNAVAILABLE)
-    assert (await cache.resolve("c")).fleet_id == c.id
+    assert (await resolve_route(cache, "c")).fleet_id == c.id
 
 
 # -- logging -----------------------------------------------------------------------------------
@@ -637,11 +639,11 @@ async def test_stale_serving_is_logged_on_transitions_only(
 ) -> None:
     store.add("prod")
     cache = make_cache(store, clock, outage_memo_ms=100)
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     caplog.set_level(logging.INFO, logger="haru_server._route_cache")
     store.pointer_error = down()
     for _ in range(20):
-        await cache.resolve("prod")
+        await resolve_route(cache, "prod")
         clock.advance(0.05)
     entering = [r for r in caplog.records if "serving cached routing" in r.getMessage()]
     assert len(entering) == 1
@@ -652,7 +654,7 @@ async def test_stale_serving_is_logged_on_transitions_only(
     store.pointer_error = None
     clock.advance(1)
     for _ in range(5):
-        await cache.resolve("prod")
+        await resolve_route(cache, "prod")
     messages = [r.getMessage() for r in caplog.records]
     assert sum("confirmed by the state store again" in m for m in messages) == 1
     assert sum("reachable again" in m for m in messages) == 1
@@ -676,7 +678,7 @@ async def test_a_lease_is_kept_only_from_reads_made_after_the_process_recorded_i
     cache: RouteCache[FleetSnapshot] = RouteCache(
         store,
         build=lambda s: s,
-        clock=clock,
+        monotonic=clock,
         ttl_ms=600_000,
         outage_memo_ms=1_000,
         pointer_timeout_ms=50,
@@ -692,21 +694,21 @@ async def test_a_lease_is_kept_only_from_reads_made_after_the_process_recorded_i
         # The store refuses the record: no lease, every request reads (and the record is
         # retried only after the outage memo, never once per request).
         for _ in range(3):
-            assert not (await cache.resolve("prod")).stale
+            assert not (await resolve_route(cache, "prod")).stale
             await settle()
         assert store.pointer_reads == 3
         assert cache.leased(fleet.id) is None
         assert store.lease_records == [(fleet.id, 100)]
         store.record_error = None
         clock.advance(1.0)
-        await cache.resolve("prod")  # starts the record; this read predates it
+        await resolve_route(cache, "prod")  # starts the record; this read predates it
         await settle()
         assert store.lease_records == [(fleet.id, 100)] * 2
         assert cache.leased(fleet.id) is None
-        await cache.resolve("prod")  # read after the record: the lease starts here
+        await resolve_route(cache, "prod")  # read after the record: the lease starts here
         assert cache.refreshing(fleet.id)
         for _ in range(5):
-            await cache.resolve("prod")
+            await resolve_route(cache, "prod")
         assert store.pointer_reads == 5
         assert len(store.lease_records) == 2
     finally:
@@ -742,16 +744,16 @@ async def leased_cache(store: ScriptedStore, clock: FakeClock) -> Leased:
     cache: RouteCache[FleetSnapshot] = RouteCache(
         store,
         build=lambda s: s,
-        clock=clock,
+        monotonic=clock,
         ttl_ms=600_000,
         outage_memo_ms=1_000,
         pointer_timeout_ms=50,
         lease_ms=100,
         sleep=sleep,
     )
-    await cache.resolve("prod")  # records the lease
+    await resolve_route(cache, "prod")  # records the lease
     await settle()
-    await cache.resolve("prod")  # read after the record: leased from here on
+    await resolve_route(cache, "prod")  # read after the record: leased from here on
     assert cache.refreshing(fleet.id)
     assert store.pointer_reads == 2
     return Leased(cache, fleet, rounds)
@@ -765,12 +767,12 @@ async def test_a_lease_expired_by_a_pause_is_read_before_routing(
         # The process stood still (SIGSTOP) while the pointer moved; the monotonic clock ran on.
         clock.advance(10.0)
         leased.fleet.revision = 2
-        lookup = await leased.cache.resolve("prod")
+        lookup = await resolve_route(leased.cache, "prod")
         assert store.pointer_reads == 3  # read before routing, though the refresher did not run
         assert not lookup.stale
         assert lookup.snapshot.route_revision == 2
         # The read confirmed the lease again: the next requests route on it without reading.
-        assert not (await leased.cache.resolve("prod")).stale
+        assert not (await resolve_route(leased.cache, "prod")).stale
         assert store.pointer_reads == 3
     finally:
         await leased.cache.aclose()
@@ -783,16 +785,16 @@ async def test_an_expired_lease_fails_open_only_when_its_read_fails(
     try:
         clock.advance(10.0)
         store.pointer_error = down()
-        assert (await leased.cache.resolve("prod")).stale
+        assert (await resolve_route(leased.cache, "prod")).stale
         assert store.pointer_reads == 3  # the read was tried first
         # That failure spares the next requests a read for the lease's own window, no longer.
         clock.advance(LEASE_WINDOW_S - 0.01)
-        assert (await leased.cache.resolve("prod")).stale
+        assert (await resolve_route(leased.cache, "prod")).stale
         assert store.pointer_reads == 3
         clock.advance(0.02)
         store.pointer_error = None
         leased.fleet.revision = 2
-        lookup = await leased.cache.resolve("prod")
+        lookup = await resolve_route(leased.cache, "prod")
         assert store.pointer_reads == 4
         assert not lookup.stale
         assert lookup.snapshot.route_revision == 2
@@ -815,7 +817,7 @@ async def test_an_outage_memo_from_before_a_pause_never_skips_the_read(
         store.pointer_error = None
         leased.fleet.revision = 2
         clock.advance(0.5)
-        lookup = await leased.cache.resolve("prod")
+        lookup = await resolve_route(leased.cache, "prod")
         assert store.pointer_reads == 4
         assert not lookup.stale
         assert lookup.snapshot.route_revision == 2
@@ -833,7 +835,7 @@ async def test_requests_on_an_expired_lease_share_the_reads(
         leased.fleet.revision = 2
         gate = asyncio.Event()
         store.pointer_gates = [gate]
-        tasks = [asyncio.create_task(leased.cache.resolve("prod")) for _ in range(20)]
+        tasks = [asyncio.create_task(resolve_route(leased.cache, "prod")) for _ in range(20)]
         await settle()
         assert store.pointer_reads == 3  # one read in flight for all of them
         gate.set()
@@ -850,10 +852,10 @@ async def test_a_read_in_flight_across_a_stall_keeps_its_bound(
 ) -> None:
     store.add("prod")
     cache = make_cache(store, clock, pointer_timeout_ms=200)
-    assert not (await cache.resolve("prod")).stale
+    assert not (await resolve_route(cache, "prod")).stale
     gate = asyncio.Event()
     store.pointer_gates = [gate]
-    request = asyncio.create_task(cache.resolve("prod"))
+    request = asyncio.create_task(resolve_route(cache, "prod"))
     await settle()
     assert store.pointer_reads == 2  # in flight
     # The whole process stands still past the read's bound (as under SIGSTOP): its timers are
@@ -871,18 +873,18 @@ async def test_a_promotion_is_dated_from_when_this_process_first_saw_it(
 ) -> None:
     cache = make_cache(store, clock)
     fleet = store.add("prod")
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     assert cache.promotion_since(fleet.id) is None
     fleet.promoting = True
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     first = clock.now
     assert cache.promotion_since(fleet.id) == first
     clock.advance(5)
-    await cache.resolve("prod")  # the same promotion, still in flight: its sighting stays
+    await resolve_route(cache, "prod")  # the same promotion, still in flight: its sighting stays
     assert cache.promotion_since(fleet.id) == first
     assert cache.promotion_in_flight(fleet.id)
     fleet.promoting = False
-    await cache.resolve("prod")
+    await resolve_route(cache, "prod")
     assert cache.promotion_since(fleet.id) is None
     assert not cache.promotion_in_flight(fleet.id)
     clock.advance(5)

@@ -5,6 +5,7 @@ Hierarchy::
     HaruServerError
     ├── SettingsError(ValueError)        (_settings: the environment holds an unusable value)
     ├── FleetNotFoundError               (a fleet reference matches no fleet)
+    ├── RoutingUnavailableError          (_route_cache: no routing can be served safely now)
     ├── ClockSkewedError                 (this host's clock is off the database's: no tick)
     └── SchemaNewerError                 (a newer release migrated the store: no tick)
 
@@ -26,6 +27,19 @@ class FleetNotFoundError(HaruServerError):
     def __init__(self, ref: str) -> None:
         super().__init__(f"fleet {ref!r} not found")
         self.ref = ref
+
+
+class RoutingUnavailableError(HaruServerError):
+    """The route cache cannot serve a fleet's routing safely now (the proxy answers 503).
+
+    Attributes:
+        retry_soon: The cause passes in seconds (an outage, a move in flight), so the client is
+            told when to retry; False for stored state that fails validation.
+    """
+
+    def __init__(self, message: str, *, retry_soon: bool) -> None:
+        super().__init__(message)
+        self.retry_soon = retry_soon
 
 
 class ClockSkewedError(HaruServerError):

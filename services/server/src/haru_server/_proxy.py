@@ -61,6 +61,7 @@ from haru_web import ApiError, connection_cap, current_request_id
 from yarl import URL
 
 from haru_server._client_keys import Grant, KeyGate
+from haru_server._fleet_aliases import ref_key
 from haru_server._keys import api_token_key, clock_key, settings_key, store_key
 from haru_server._metrics import (
     ServerMetrics,
@@ -89,9 +90,9 @@ from haru_server._route_cache import (
     DEFAULT_SNAPSHOT_TIMEOUT_MS,
     RETRY_AFTER_S,
     RouteCache,
-    RouteLookup,
-    ref_key,
 )
+from haru_server._route_entries import RouteLookup
+from haru_server._route_http import resolve_route
 from haru_server._stamps import ConnectStamps
 
 logger = logging.getLogger(__name__)
@@ -330,7 +331,7 @@ class _Proxy:
             max_fleets=tuning.max_fleets,
             lease_ms=settings.route_lease_ms,
             idle_ms=tuning.lease_idle_ms,
-            clock=tuning.monotonic,
+            monotonic=tuning.monotonic,
         )
         self.gate = KeyGate(
             app[store_key],
@@ -398,7 +399,7 @@ class _Proxy:
         )
 
     async def route(self, ref: str) -> RouteLookup[RouteTable]:
-        lookup = await self.cache.resolve(ref)
+        lookup = await resolve_route(self.cache, ref)
         if not lookup.routes.routable:
             raise _unroutable(lookup)
         return lookup
@@ -415,7 +416,7 @@ class _Proxy:
         self.gate.spend(grant)
         ref = self.fleet_ref(request)
         if grant.key is not None and grant.key.fleets is not None:
-            lookup = await self.cache.resolve(ref)
+            lookup = await resolve_route(self.cache, ref)
             grant.check_fleet(lookup.fleet_id, lookup.snapshot.slug)
         return grant, ref
 
@@ -467,7 +468,7 @@ class _Proxy:
         body: bytes,
         headers: dict[str, str],
     ) -> tuple[RouteLookup[RouteTable], aiohttp.ClientResponse]:
-        lookup = await self.cache.resolve(ref)
+        lookup = await resolve_route(self.cache, ref)
         routes = lookup.routes
         url = routes.target(model, path) if routes.routable else None
         # A model of the fleet's layout keeps its label even when it cannot be served now.
@@ -638,7 +639,7 @@ class _Proxy:
                 revision = min(item.revision for item in queue)
                 await self.cache.wait_moved(fleet_id, revision, self._hold_poll)
                 try:
-                    lookup = await self.cache.resolve(ref)
+                    lookup = await resolve_route(self.cache, ref)
                 except ApiError:
                     continue
                 now_revision = lookup.snapshot.route_revision

@@ -15,9 +15,8 @@ slot health) has not run out; otherwise a fresh snapshot is loaded. The failure 
 - the pointer read returns nothing: 404, and the spelling's index (and the entry it named) is
   forgotten. A read that throws is never confused with one that returns nothing.
 
-With a route lease (``lease_ms`` > 0, ``HARU_ROUTE_LEASE_MS``) requests stop reading the
-pointer: each fleet's pointer is kept in memory with the clock reading at which the read that
-confirmed it started. Requests route with it at once; a background refresher per fleet
+With a route lease (``lease_ms`` > 0; its bookkeeping is ``_route_lease``) requests stop
+reading the pointer and route with the kept one at once; a background refresher per fleet
 (single-flight, only while the fleet had a request within ``idle_ms``) re-reads it every lease
 and reloads the snapshot when the revision moved or its TTL ran out. A notified move
 (:meth:`RouteCache.observe`: PostgreSQL NOTIFY, or a flip made by this process) replaces the
@@ -26,18 +25,15 @@ lease plus the read bound has expired and is never routed on before a read was t
 request reads (shared, bounded), and serves the old pointer marked stale only when that read,
 or one of the fleet's reads within the last lease window, failed (the store does not answer,
 so the pointer cannot move). A process that stood still (SIGSTOP: the monotonic clock runs
-on) thus reads before it routes again. Read bounds count time the process ran, so a read in
-flight across a pause is not failed at once. A fleet that went idle is dormant: its next
-request reads the pointer like a cold start. A request waits on the store only then, or to
-load the snapshot of a revision it has not seen. ``lease_ms`` = 0 keeps one coalesced pointer
-read per request.
+on) thus reads before it routes again. Read bounds count time the process ran
+(``_single_flight``), so a read in flight across a pause is not failed at once. A fleet that
+went idle is dormant: its next request reads the pointer like a cold start. ``lease_ms`` = 0
+keeps one coalesced pointer read per request.
 
-Entries are keyed by fleet id; each accepted spelling (slug, id in any case) is indexed onto
-the id with the database's id-first rule, and a slug that looks like a UUID is never an alias.
-Newer knowledge always wins: loads of one fleet are serialised, a load whose fleet received a
-verdict (drop, forget) while it was in flight is served but not cached, a lower revision never
-replaces a higher one, and an index change only applies when its pointer read started after
-the last one recorded for that spelling.
+Entries (``_route_entries``) are keyed by fleet id, least recently used evicted first;
+spellings are indexed onto the id by ``_fleet_aliases``. Newer knowledge always wins. The cache
+raises domain errors (``FleetNotFoundError``, ``RoutingUnavailableError``); the proxy maps them
+to HTTP (``_route_http``).
 """
 
 from __future__ import annotations
@@ -46,22 +42,25 @@ import asyncio
 import contextlib
 import logging
 import time
-import weakref
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import Any, Final, Generic, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Final, Generic, Protocol, TypeVar
 from uuid import UUID
 
 from haru_core import ROUTE_READ_BOUND_MS
 from haru_db import MalformedFleetStateError, StateStoreUnavailableError
-from haru_protocol import ErrorCode, FleetRoutePointer, FleetSnapshot, parse_fleet_ref
-from haru_web import ApiError
+from haru_protocol import FleetRoutePointer, FleetSnapshot, parse_fleet_ref
+
+from haru_server._errors import FleetNotFoundError, RoutingUnavailableError
+from haru_server._fleet_aliases import FleetAliases, cache_key
+from haru_server._promotion_sightings import PromotionSightings
+from haru_server._route_entries import Entry, RouteEntries, RouteLookup
+from haru_server._route_lease import Lease, LeaseHooks, LeaseRecords, MoveWaiters, RouteLeases
+from haru_server._route_outage import StaleFleets, StoreOutage
+from haru_server._single_flight import BoundedReads, SingleFlight
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-R = TypeVar("R")
 
 DEFAULT_POINTER_TIMEOUT_MS = ROUTE_READ_BOUND_MS
 """Bound on the pointer read (``haru_core.ROUTE_READ_BOUND_MS``): the route guard counts on it."""
@@ -82,7 +81,6 @@ DEFAULT_LEASE_IDLE_MS = 30_000
 RETRY_AFTER_S: Final = 1
 """``Retry-After`` (seconds) of a request failed for want of a route (503): a failover or a
 store outage is over in seconds, and a client that waits one second does not add to a storm."""
-_RETRY_AFTER: Final = {"Retry-After": str(RETRY_AFTER_S)}
 
 
 class RouteSource(Protocol):
@@ -93,67 +91,6 @@ class RouteSource(Protocol):
     async def get_fleet_snapshot(self, ref: str) -> FleetSnapshot | None: ...
 
     async def record_route_lease(self, fleet_id: UUID, lease_ms: int) -> bool: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RouteLookup(Generic[T]):
-    """What the cache answers for one request.
-
-    Attributes:
-        fleet_id: The fleet the reference resolved to.
-        snapshot: The snapshot to route with.
-        routes: What the cache's ``build`` callable derived from ``snapshot`` (built once per
-            cached snapshot, not per request).
-        stale: The store could not confirm this routing (answer with ``X-Haru-Routing: stale``).
-    """
-
-    fleet_id: UUID
-    snapshot: FleetSnapshot
-    routes: T
-    stale: bool
-
-
-@dataclass(slots=True)
-class _Entry(Generic[T]):
-    snapshot: FleetSnapshot
-    routes: T
-    loaded_at: float
-    """Clock reading taken when the load that produced it started."""
-    aliases: set[str] = field(default_factory=set)
-    load_failed_until: float = 0.0
-    """A snapshot load at this revision failed; until then, skip reloading and serve stale."""
-
-    @property
-    def revision(self) -> int:
-        return self.snapshot.route_revision
-
-
-@dataclass(slots=True)
-class _Lease:
-    pointer: FleetRoutePointer
-    confirmed_at: float
-    """Clock reading at which the read that last confirmed the pointer started."""
-    seq: int
-    used_at: float
-    refresher: asyncio.Task[None] | None = None
-    unanswered_until: float = 0.0
-    """Once expired, fail open without a read until then (a read of it failed just before)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Outcome:
-    pointer: FleetRoutePointer | None
-    error: Exception | None
-    seq: int
-
-
-@dataclass(slots=True)
-class _ReadBatch:
-    """One reference's pointer read in flight, and the batch waiting for the next one."""
-
-    running: asyncio.Future[_Outcome] | None = None
-    queued: asyncio.Future[_Outcome] | None = None
-    driver: asyncio.Task[None] | None = None
 
 
 class RouteCache(Generic[T]):
@@ -173,7 +110,7 @@ class RouteCache(Generic[T]):
         max_fleets: Entries kept; the least recently used is evicted beyond it.
         lease_ms: Route lease (0: read the pointer on every request).
         idle_ms: A leased fleet without requests for this long stops being refreshed.
-        clock: Monotonic seconds (injected by tests).
+        monotonic: Monotonic seconds (injected by tests).
         sleep: The refresher's pause (injected by tests).
     """
 
@@ -189,65 +126,84 @@ class RouteCache(Generic[T]):
         max_fleets: int = DEFAULT_MAX_FLEETS,
         lease_ms: int = 0,
         idle_ms: int = DEFAULT_LEASE_IDLE_MS,
-        clock: Callable[[], float] = time.monotonic,
+        monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         if max_fleets < 1:
             raise ValueError(f"max_fleets must be >= 1, got {max_fleets}")
         self._store = store
-        self._build = build
         self._ttl = ttl_ms / 1000
         self._pointer_timeout = pointer_timeout_ms / 1000
         self._snapshot_timeout = snapshot_timeout_ms / 1000
         self._read_bound = max(self._pointer_timeout, self._snapshot_timeout)
         """How long one pointer read may run (the wait of a request with nothing cached)."""
         self._outage_memo = outage_memo_ms / 1000
-        self._max_fleets = max_fleets
-        self._clock = clock
-        self._entries: OrderedDict[UUID, _Entry[T]] = OrderedDict()
-        self._aliases: dict[str, tuple[UUID, int]] = {}
-        """spelling key -> (fleet id, sequence number of the pointer read that taught it)."""
-        self._forgotten: OrderedDict[str, int] = OrderedDict()
-        """spelling key -> sequence number of the read that disclaimed it (bounded)."""
-        self._verdicts: dict[UUID, int] = {}
-        """fleet id -> count of drops; a load that saw the count change is not cached."""
-        self._locks: weakref.WeakValueDictionary[UUID, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._monotonic = monotonic
+        self._aliases = FleetAliases(max_disclaimed=max_fleets)
         self._seq = 0
-        self._outage = False
-        self._outage_until = 0.0
-        self._probing = False
-        self._stale: set[UUID] = set()
-        self._abandoned: set[asyncio.Task[Any]] = set()
-        self._reads: dict[str, _ReadBatch] = {}
-        self._lease = lease_ms / 1000
-        self._lease_ms = lease_ms
-        self._stale_after = self._lease + self._pointer_timeout
-        self._idle = idle_ms / 1000
-        self._sleep = sleep
-        self._leases: dict[UUID, _Lease] = {}
-        self._movers: dict[UUID, list[asyncio.Future[None]]] = {}
-        self._recorded: dict[UUID, float] = {}
-        """fleet id -> clock reading once the store held this process's lease (_record_lease)."""
-        self._recording: dict[UUID, asyncio.Task[None]] = {}
-        self._record_retry_at: dict[UUID, float] = {}
-        self._promoting: dict[UUID, tuple[int, float | None]] = {}
-        """fleet id -> (sequence number of the newest read, clock reading at which this process
-        first saw the promotion in flight that read saw; None: none in flight)."""
+        self._outage = StoreOutage(memo_s=self._outage_memo, monotonic=monotonic)
+        self._stale = StaleFleets()
+        self._bounded = BoundedReads()
+        self._pointers: SingleFlight[str, FleetRoutePointer | None] = SingleFlight(
+            self._fetch_pointer, next_seq=self._next_seq
+        )
+        self._lease = lease_ms > 0
+        self._movers = MoveWaiters()
+        records = LeaseRecords(
+            store,
+            self._bounded,
+            lease_ms=lease_ms,
+            timeout_s=self._snapshot_timeout,
+            retry_s=self._outage_memo,
+            max_fleets=max_fleets,
+            monotonic=monotonic,
+        )
+        hooks = LeaseHooks(
+            read=self._read_pointer,
+            on_outage=self._outage.enter,
+            on_answer=self._outage.leave,
+            drop=lambda fleet_id, why: self._fleets.drop(fleet_id, why=why),
+            reload=self._reload,
+            moved=self._movers.wake,
+        )
+        self._leases = RouteLeases(
+            records,
+            hooks,
+            lease_s=lease_ms / 1000,
+            window_s=lease_ms / 1000 + self._pointer_timeout,
+            idle_s=idle_ms / 1000,
+            monotonic=monotonic,
+            sleep=sleep,
+        )
+        self._promotions = PromotionSightings(max_fleets=max_fleets, monotonic=monotonic)
+        self._fleets: RouteEntries[T] = RouteEntries(
+            store,
+            build=build,
+            aliases=self._aliases,
+            stale=self._stale,
+            movers=self._movers,
+            end_lease=self._leases.end,
+            bounded=self._bounded,
+            ttl_s=self._ttl,
+            snapshot_timeout_s=self._snapshot_timeout,
+            outage_memo_s=self._outage_memo,
+            max_fleets=max_fleets,
+            monotonic=monotonic,
+        )
 
     # -- introspection (tests, diagnostics) ---------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._fleets.entries)
 
     def cached_revision(self, fleet_id: UUID) -> int | None:
         """The revision cached for ``fleet_id``, or None when nothing is cached."""
-        entry = self._entries.get(fleet_id)
+        entry = self._fleets.entries.get(fleet_id)
         return None if entry is None else entry.revision
 
     def indexed(self, ref: str) -> UUID | None:
         """The fleet id a spelling is indexed onto, or None."""
-        alias = self._aliases.get(parse_fleet_ref(ref).key)
-        return None if alias is None else alias[0]
+        return self._aliases.get(parse_fleet_ref(ref).key)
 
     def leased(self, fleet_id: UUID) -> FleetRoutePointer | None:
         """The pointer this process routes ``fleet_id`` with while its lease is kept, or None."""
@@ -261,10 +217,9 @@ class RouteCache(Generic[T]):
         of the read that confirmed it, on this process's clock); only fleets with a kept lease
         appear (none with ``lease_ms`` = 0: every request reads).
         """
-        now = self._clock()
+        now = self._monotonic()
         return {
-            lease.pointer.slug: max(now - lease.confirmed_at, 0.0)
-            for lease in self._leases.values()
+            lease.pointer.slug: max(now - lease.confirmed_at, 0.0) for lease in self._leases.all()
         }
 
     def refreshing(self, fleet_id: UUID) -> bool:
@@ -281,15 +236,8 @@ class RouteCache(Generic[T]):
         return self.promotion_since(fleet_id) is not None
 
     def promotion_since(self, fleet_id: UUID) -> float | None:
-        """Clock reading at which this process first saw the promotion now in flight, or None.
-
-        The pointer read carries only whether a promotion is in flight, so this is the
-        earliest moment this process can vouch for: the operation started at or before it,
-        and its step budgets run out no later than that plus their sum. A promotion that ends
-        and another that starts between two reads look like one (the earlier sighting stays).
-        """
-        known = self._promoting.get(fleet_id)
-        return None if known is None else known[1]
+        """Monotonic reading at which this process first saw the promotion now in flight."""
+        return self._promotions.since(fleet_id)
 
     def note_promotion(self, fleet_id: UUID) -> None:
         """This process accepted a promotion of ``fleet_id``: know it before the next read."""
@@ -297,86 +245,42 @@ class RouteCache(Generic[T]):
         self._note_promoting(fleet_id, self._seq, in_flight=True)
 
     def _note_promoting(self, fleet_id: UUID, seq: int, *, in_flight: bool) -> None:
-        known = self._promoting.get(fleet_id)
-        if known is not None and known[0] > seq:
-            return  # an older read finishing late (another spelling's) teaches nothing
-        since = None
-        if in_flight:
-            since = known[1] if known is not None and known[1] is not None else self._clock()
-        self._promoting[fleet_id] = (seq, since)
-        if len(self._promoting) > 4 * self._max_fleets:
-            self._promoting = {
-                k: v for k, v in self._promoting.items() if k in self._entries or k == fleet_id
-            }
+        self._promotions.note(
+            fleet_id, seq, in_flight=in_flight, keep=self._fleets.entries.__contains__
+        )
 
     @property
     def in_outage(self) -> bool:
         """Whether the last pointer read failed (and none has succeeded since)."""
-        return self._outage
+        return self._outage.active
 
     async def aclose(self) -> None:
         """Cancel and wait for the reads in flight or abandoned after their bound (shutdown)."""
         tasks = [
-            *self._abandoned,
-            *(b.driver for b in self._reads.values() if b.driver),
-            *(lease.refresher for lease in self._leases.values() if lease.refresher),
-            *self._recording.values(),
+            *self._bounded.tasks(),
+            *self._pointers.tasks(),
+            *self._leases.tasks(),
         ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    # -- bounded store reads ------------------------------------------------------------------
-
-    async def _bounded(self, read: Coroutine[Any, Any, R], timeout: float) -> R:
-        """Await ``read`` for at most ``timeout`` seconds, or raise :class:`TimeoutError`.
-
-        The read runs in its own task that is abandoned (cancelled, and held until it ends)
-        when the bound passes: a driver may take seconds to acknowledge a cancellation (psycopg
-        first tries to cancel the query on the server), and a hung store must cost the request
-        the bound, not that.
-        """
-        task = asyncio.get_running_loop().create_task(read)
-        try:
-            done = await _wait_running(task, timeout)
-        except BaseException:
-            self._abandon(task)  # the request itself was cancelled
-            raise
-        if not done:
-            self._abandon(task)
-            raise TimeoutError
-        return task.result()
-
-    def _abandon(self, task: asyncio.Task[Any]) -> None:
-        if task.done():
-            if not task.cancelled():
-                task.exception()  # retrieved: an abandoned read's outcome is irrelevant
-            return
-        task.cancel()
-        self._abandoned.add(task)
-        task.add_done_callback(self._forget_abandoned)
-
-    def _forget_abandoned(self, task: asyncio.Task[Any]) -> None:
-        self._abandoned.discard(task)
-        if not task.cancelled():
-            task.exception()
-
     # -- coalesced pointer reads ---------------------------------------------------------------
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
 
     async def _read_pointer(
         self, ref: str, *, wait_s: float | None = None
     ) -> tuple[FleetRoutePointer | None, int]:
-        """The pointer ``ref`` names, from a read that STARTED after this call.
+        """The pointer ``ref`` names, from a read that STARTED after this call (shared).
 
         ``wait_s`` bounds the wait (default: the pointer bound). A read itself may run up to
         the snapshot bound, so a caller with nothing cached can wait for it while callers
-        with a fallback stop waiting at the pointer bound.
-
-        Concurrent requests share reads: one arriving while a read of the same ``ref`` is in
-        flight waits for the next read, which starts when that one ends and serves everyone
-        who queued meanwhile. No request is ever answered from a read that began before it
-        arrived, so a committed pointer move is seen by every later request, while the store
-        sees at most one pointer read per reference at a time however many requests arrive.
+        with a fallback stop waiting at the pointer bound. No request is ever answered from a
+        read that began before it arrived, so a committed pointer move is seen by every later
+        request, while the store sees at most one pointer read per reference at a time.
 
         Returns:
             The pointer (None: no such fleet) and the read's sequence number (reads are
@@ -387,57 +291,22 @@ class RouteCache(Generic[T]):
             TimeoutError: No answer within the pointer bound.
             MalformedFleetStateError: The stored fleet row is malformed.
         """
-        loop = asyncio.get_running_loop()
-        batch = self._reads.get(ref)
-        if batch is None:
-            batch = self._reads[ref] = _ReadBatch()
-        if batch.driver is None:
-            shared = batch.running = loop.create_future()
-            batch.driver = loop.create_task(self._drive(ref, batch))
-        else:
-            if batch.queued is None:
-                batch.queued = loop.create_future()
-            shared = batch.queued
-        outcome = await self._await_shared(shared, wait_s or self._pointer_timeout)
-        if outcome.error is not None:
-            raise outcome.error
-        return outcome.pointer, outcome.seq
+        return await self._pointers.read(ref, wait_s or self._pointer_timeout)
 
-    async def _drive(self, ref: str, batch: _ReadBatch) -> None:
-        """Run reads for ``ref`` back to back while requests keep queueing for one."""
+    async def _fetch_pointer(self, ref: str, seq: int) -> FleetRoutePointer | None:
+        """One pointer read (numbered ``seq``), shared by the requests that wait for it."""
         try:
-            shared = batch.running
-            while shared is not None:
-                self._seq += 1
-                seq = self._seq
-                try:
-                    pointer = await self._bounded(
-                        self._store.get_fleet_route_pointer(ref), self._read_bound
-                    )
-                    if pointer is not None:
-                        self._note_promoting(pointer.id, seq, in_flight=pointer.promotion_in_flight)
-                    outcome = _Outcome(pointer, None, seq)
-                except (StateStoreUnavailableError, TimeoutError, MalformedFleetStateError) as exc:
-                    outcome = _Outcome(None, exc, seq)
-                except Exception as exc:
-                    logger.exception("route cache: pointer read of %r failed unexpectedly", ref)
-                    outcome = _Outcome(None, exc, seq)  # the waiters answer 500, not hang
-                if not shared.done():
-                    shared.set_result(outcome)
-                shared = batch.running = batch.queued
-                batch.queued = None
-        finally:
-            batch.driver = None
-            batch.running = None
-            if batch.queued is None and self._reads.get(ref) is batch:
-                del self._reads[ref]
-
-    @staticmethod
-    async def _await_shared(shared: asyncio.Future[_Outcome], timeout: float) -> _Outcome:
-        """Wait for a shared read without ever cancelling it for the other waiters."""
-        if not await _wait_running(shared, timeout):
-            raise TimeoutError
-        return shared.result()
+            pointer = await self._bounded.run(
+                self._store.get_fleet_route_pointer(ref), self._read_bound
+            )
+        except (StateStoreUnavailableError, TimeoutError, MalformedFleetStateError):
+            raise
+        except Exception:
+            logger.exception("route cache: pointer read of %r failed unexpectedly", ref)
+            raise  # the waiters answer 500, not hang
+        if pointer is not None:
+            self._note_promoting(pointer.id, seq, in_flight=pointer.promotion_in_flight)
+        return pointer
 
     # -- the request path ---------------------------------------------------------------------
 
@@ -445,17 +314,17 @@ class RouteCache(Generic[T]):
         """Routing for the fleet ``ref`` names, fresh when the store answers.
 
         Raises:
-            ApiError: ``fleet_not_found`` (404) when the store says no such fleet exists;
-                ``state_store_unavailable`` (503) when routing cannot be served safely.
+            FleetNotFoundError: The store says no such fleet exists (or ``ref`` names nothing).
+            RoutingUnavailableError: Routing cannot be served safely.
         """
-        key = _cache_key(ref)
+        key = cache_key(ref)
         if self._lease:
-            alias = self._aliases.get(key)
-            lease = None if alias is None else self._leases.get(alias[0])
+            fleet = self._aliases.get(key)
+            lease = None if fleet is None else self._leases.get(fleet)
             if lease is not None and lease.refresher is not None:
-                now = self._clock()
+                now = self._monotonic()
                 lease.used_at = now
-                if now - lease.confirmed_at <= self._stale_after:
+                if now - lease.confirmed_at <= self._leases.window:
                     return await self._resolve_leased(ref, key, lease)
                 # Expired: the refresher's reads fail, or this process stood still (SIGSTOP: the
                 # monotonic clock ran on, the pointer may have moved and the old active may
@@ -467,7 +336,7 @@ class RouteCache(Generic[T]):
                 return await self._resolve_read(ref, key, lease)
         return await self._resolve_read(ref, key, None)
 
-    async def _resolve_read(self, ref: str, key: str, expired: _Lease | None) -> RouteLookup[T]:
+    async def _resolve_read(self, ref: str, key: str, expired: Lease | None) -> RouteLookup[T]:
         """Routing from a pointer read (shared with the requests that arrive meanwhile).
 
         ``expired``: the lease this request may not route on without a read; the process-wide
@@ -478,12 +347,12 @@ class RouteCache(Generic[T]):
         # just started, on a loaded machine: docs/FAULTS.md, finding 7). Such a request reads
         # (sharing the read in flight) and waits up to the snapshot bound.
         cold = self._cached(key) is None
-        probe = self._outage and not cold and expired is None
-        started = self._clock()
+        probe = self._outage.active and not cold and expired is None
+        started = self._monotonic()
         if probe:
-            if self._probing or self._clock() < self._outage_until:
+            if self._outage.probing or self._outage.memo_running():
                 return self._serve_stale(ref, key, "the state store is unreachable")
-            self._probing = True  # one probe at a time; the others keep serving stale
+            self._outage.probing = True  # one probe at a time; the others keep serving stale
         try:
             try:
                 pointer, seq = await self._read_pointer(
@@ -491,60 +360,51 @@ class RouteCache(Generic[T]):
                 )
             finally:
                 if probe:
-                    self._probing = False
+                    self._outage.probing = False
         except (StateStoreUnavailableError, TimeoutError) as exc:
-            self._enter_outage(exc)
+            self._outage.enter(exc)
             if expired is not None and self._leases.get(expired.pointer.id) is expired:
-                self._unanswered(expired)
+                self._leases.unanswered(expired)
                 return await self._stale_lease(ref, key, expired)
             return self._serve_stale(ref, key, "the state store is unreachable")
         except MalformedFleetStateError as exc:
-            self._leave_outage()
-            alias = self._aliases.get(key)
-            if alias is not None:
-                self._drop(alias[0], why="its stored state is malformed")
-            raise self._malformed(ref, exc) from exc
-        self._leave_outage()
+            self._outage.leave()
+            fleet = self._aliases.get(key)
+            if fleet is not None:
+                self._fleets.drop(fleet, why="its stored state is malformed")
+            raise self._fleets.malformed(ref, exc) from exc
+        self._outage.leave()
         if pointer is None:
-            self._forget(key, seq)
-            raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref!r} not found")
+            self._fleets.forget(key, seq)
+            raise FleetNotFoundError(ref)
         if self._lease:
-            self._lease_from(pointer, started, seq)
-        entry = self._entries.get(pointer.id)
-        now = self._clock()
+            self._leases.keep_from(pointer, started, seq)
+        entry = self._fleets.entries.get(pointer.id)
+        now = self._monotonic()
         if entry is not None and entry.revision >= pointer.route_revision:
             if now - entry.loaded_at < self._ttl:
-                return self._hit(entry, pointer.id, key, seq)
+                return self._fleets.hit(entry, pointer.id, key, seq)
             if now < entry.load_failed_until and entry.revision == pointer.route_revision:
-                self._learn(entry, pointer, key, seq)
-                return self._stale_hit(entry, pointer.id, "its snapshot failed to load")
-        return await self._load(ref, key, pointer, seq)
+                self._fleets.learn(pointer, key, seq)
+                return self._fleets.stale_hit(entry, pointer.id, "its snapshot failed to load")
+        return await self._fleets.load(ref, key, pointer, seq)
 
-    async def _resolve_leased(self, ref: str, key: str, lease: _Lease) -> RouteLookup[T]:
+    async def _resolve_leased(self, ref: str, key: str, lease: Lease) -> RouteLookup[T]:
         pointer = lease.pointer
-        entry = self._entries.get(pointer.id)
+        entry = self._fleets.entries.get(pointer.id)
         if entry is not None and entry.revision >= pointer.route_revision:
-            return self._hit(entry, pointer.id, key, lease.seq)
-        return await self._load(ref, key, pointer, lease.seq)
+            return self._fleets.hit(entry, pointer.id, key, lease.seq)
+        return await self._fleets.load(ref, key, pointer, lease.seq)
 
-    async def _stale_lease(self, ref: str, key: str, lease: _Lease) -> RouteLookup[T]:
+    async def _stale_lease(self, ref: str, key: str, lease: Lease) -> RouteLookup[T]:
         """Fail open on an expired lease: a read of its pointer just failed."""
         pointer = lease.pointer
-        entry = self._entries.get(pointer.id)
+        entry = self._fleets.entries.get(pointer.id)
         if entry is not None and entry.revision >= pointer.route_revision:
-            return self._stale_hit(
+            return self._fleets.stale_hit(
                 entry, pointer.id, "the state store has not confirmed the route lease"
             )
-        return await self._load(ref, key, pointer, lease.seq)
-
-    def _unanswered(self, lease: _Lease) -> None:
-        """A read of the lease's pointer failed: fail open without reading for a while.
-
-        As long as the lease's own window (lease + read bound): a flip made after this failure
-        is still guarded when it runs out (``haru_core.lease_guard_ms``), and the refresher keeps
-        probing meanwhile. The clock reading includes any pause before it, never after it.
-        """
-        lease.unanswered_until = self._clock() + self._stale_after
+        return await self._fleets.load(ref, key, pointer, lease.seq)
 
     # -- route leases ---------------------------------------------------------------------------
 
@@ -555,13 +415,7 @@ class RouteCache(Generic[T]):
         read proves that no later move happened. Fleets this process does not route are
         ignored (their first request reads).
         """
-        lease = self._leases.get(pointer.id)
-        if lease is None or pointer.route_revision <= lease.pointer.route_revision:
-            return
-        self._seq += 1
-        lease.pointer = pointer
-        lease.seq = self._seq
-        self._wake_movers(pointer.id)
+        self._leases.observe(pointer, self._next_seq)
 
     async def wait_moved(self, fleet_id: UUID, revision: int, timeout: float) -> None:
         """Wait until this process learns a revision of ``fleet_id`` above ``revision``.
@@ -570,445 +424,43 @@ class RouteCache(Generic[T]):
         """
         if self._known_revision(fleet_id) > revision:
             return
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
-        self._movers.setdefault(fleet_id, []).append(waiter)
-        timer = loop.call_later(timeout, _settle, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            waiters = self._movers.get(fleet_id)
-            if waiters is not None and waiter in waiters:
-                waiters.remove(waiter)
-                if not waiters:
-                    del self._movers[fleet_id]
+        await self._movers.wait(fleet_id, timeout)
 
     def _known_revision(self, fleet_id: UUID) -> int:
         lease = self._leases.get(fleet_id)
-        entry = self._entries.get(fleet_id)
+        entry = self._fleets.entries.get(fleet_id)
         return max(
             -1 if lease is None else lease.pointer.route_revision,
             -1 if entry is None else entry.revision,
         )
 
-    def _wake_movers(self, fleet_id: UUID) -> None:
-        # In arrival order: the futures' callbacks run FIFO, so held requests resume in order.
-        for waiter in self._movers.pop(fleet_id, ()):
-            _settle(waiter)
-
-    def _lease_from(self, pointer: FleetRoutePointer, started: float, seq: int) -> None:
-        """Keep (or confirm) the lease from a read that started at ``started``.
-
-        A process keeps a fleet's lease only from reads that started after the store held its
-        lease (``route_lease_ms``): the promotion that flips the pointer reads the stored lease
-        after the flip and waits it out before it drains the old active, so every pointer this
-        process keeps from before the flip is covered by that wait. Until then (the record is
-        written in the background, once per fleet per process), requests route on their own
-        fresh reads, as with ``lease_ms`` = 0.
-        """
-        recorded = self._recorded.get(pointer.id)
-        if recorded is None:
-            self._start_recording(pointer.id)
-        elif started >= recorded:
-            self._confirm(pointer, started, seq)
-
-    def _start_recording(self, fleet_id: UUID) -> None:
-        if fleet_id in self._recording or self._clock() < self._record_retry_at.get(fleet_id, 0):
-            return
-        self._recording[fleet_id] = asyncio.get_running_loop().create_task(
-            self._record_lease(fleet_id), name=f"route-lease-record-{fleet_id}"
-        )
-
-    async def _record_lease(self, fleet_id: UUID) -> None:
-        try:
-            await self._bounded(
-                self._store.record_route_lease(fleet_id, self._lease_ms), self._snapshot_timeout
-            )
-        except Exception as exc:  # noqa: BLE001 - any failure only means: no lease yet
-            self._record_retry_at[fleet_id] = self._clock() + self._outage_memo
-            logger.warning(
-                "route cache: could not record the route lease of fleet %s (%s); routing "
-                "on fresh reads until it is recorded",
-                fleet_id,
-                exc,
-            )
-            return
-        finally:
-            self._recording.pop(fleet_id, None)
-        if len(self._recorded) > 4 * self._max_fleets:
-            self._recorded.clear()  # recording again is only a write
-            self._record_retry_at.clear()
-        self._recorded[fleet_id] = self._clock()
-        self._record_retry_at.pop(fleet_id, None)
-
-    def _confirm(self, pointer: FleetRoutePointer, started: float, seq: int) -> None:
-        lease = self._leases.get(pointer.id)
-        if lease is None:
-            lease = self._leases[pointer.id] = _Lease(pointer, started, seq, used_at=started)
-            moved = False
-        else:
-            moved = pointer.route_revision > lease.pointer.route_revision
-            if pointer.route_revision >= lease.pointer.route_revision:
-                lease.pointer = pointer
-                lease.seq = max(lease.seq, seq)
-            # Even an older revision proves nothing moved past the newer one before `started`.
-            if started > lease.confirmed_at:
-                lease.confirmed_at = started
-                lease.unanswered_until = 0.0
-        if lease.refresher is None:
-            lease.refresher = asyncio.get_running_loop().create_task(
-                self._refresh(pointer.id, lease), name=f"route-lease-{pointer.id}"
-            )
-        if moved:
-            self._wake_movers(pointer.id)
-
-    async def _refresh(self, fleet_id: UUID, lease: _Lease) -> None:
-        """Re-confirm one fleet's lease every lease interval while the fleet is used."""
-        ref = str(fleet_id)
-        try:
-            started = lease.confirmed_at
-            while self._leases.get(fleet_id) is lease:
-                await self._sleep(max(0.0, self._lease - (self._clock() - started)))
-                started = self._clock()
-                if self._leases.get(fleet_id) is not lease or started - lease.used_at > self._idle:
-                    return
-                if not await self._refresh_once(ref, lease, started):
-                    return
-        finally:
-            lease.refresher = None
-            if self._leases.get(fleet_id) is lease:
-                del self._leases[fleet_id]  # dormant: the next request reads
-
-    async def _refresh_once(self, ref: str, lease: _Lease, started: float) -> bool:
-        """One refresher round; False when the lease must end."""
-        fleet_id = lease.pointer.id
-        try:
-            pointer, seq = await self._read_pointer(ref)
-        except (StateStoreUnavailableError, TimeoutError) as exc:
-            self._enter_outage(exc)
-            self._unanswered(lease)
-            return True  # keep serving (stale once the lease runs out) and keep trying
-        except MalformedFleetStateError as exc:
-            self._drop(fleet_id, why=f"its stored state is malformed ({exc})")
-            return False
-        except Exception:
-            logger.exception("route cache: refreshing the lease of fleet %s failed", fleet_id)
-            return True
-        self._leave_outage()
-        if pointer is None or pointer.id != fleet_id:
-            self._drop(fleet_id, why="the store no longer knows it")
-            return False
-        self._confirm(pointer, started, seq)
-        entry = self._entries.get(fleet_id)
+    async def _reload(self, ref: str, pointer: FleetRoutePointer, seq: int) -> None:
+        """Reload a leased fleet's snapshot if its revision moved or its TTL ran out."""
+        entry = self._fleets.entries.get(pointer.id)
         if entry is not None and (
-            entry.revision < pointer.route_revision or self._clock() - entry.loaded_at >= self._ttl
+            entry.revision < pointer.route_revision
+            or self._monotonic() - entry.loaded_at >= self._ttl
         ):
-            with contextlib.suppress(ApiError):  # logged where it is raised
-                await self._load(ref, ref, pointer, seq)
-        return True
+            with contextlib.suppress(FleetNotFoundError, RoutingUnavailableError):  # logged
+                await self._fleets.load(ref, ref, pointer, seq)
 
-    def _hit(self, entry: _Entry[T], fleet_id: UUID, key: str, seq: int) -> RouteLookup[T]:
-        self._entries.move_to_end(fleet_id)
-        alias = self._aliases.get(key)
-        if alias is None or alias[0] != fleet_id:
-            self._learn_key(entry, fleet_id, key, seq)
-        if fleet_id in self._stale:
-            self._leave_stale(fleet_id, entry)
-        return RouteLookup(fleet_id, entry.snapshot, entry.routes, stale=False)
-
-    def _stale_hit(self, entry: _Entry[T], fleet_id: UUID, why: str) -> RouteLookup[T]:
-        self._entries.move_to_end(fleet_id)
-        self._enter_stale(fleet_id, entry, why)
-        return RouteLookup(fleet_id, entry.snapshot, entry.routes, stale=True)
-
-    async def _load(
-        self, ref: str, key: str, pointer: FleetRoutePointer, seq: int
-    ) -> RouteLookup[T]:
-        fleet_id = pointer.id
-        lock = self._locks.get(fleet_id)
-        if lock is None:
-            lock = self._locks[fleet_id] = asyncio.Lock()
-        async with lock:
-            # Another request may have loaded this revision while this one waited.
-            entry = self._entries.get(fleet_id)
-            started = self._clock()
-            if (
-                entry is not None
-                and entry.revision >= pointer.route_revision
-                and started - entry.loaded_at < self._ttl
-            ):
-                return self._hit(entry, fleet_id, key, seq)
-            verdicts = self._verdicts.get(fleet_id, 0)
-            try:
-                snapshot = await self._bounded(
-                    self._store.get_fleet_snapshot(str(fleet_id)), self._snapshot_timeout
-                )
-            except (StateStoreUnavailableError, TimeoutError) as exc:
-                return self._load_failed(ref, key, pointer, seq, exc)
-            except MalformedFleetStateError as exc:
-                self._drop(fleet_id, why="its stored state is malformed")
-                raise self._malformed(ref, exc) from exc
-            if snapshot is None or snapshot.id != fleet_id:
-                # Gone between the two reads (an id-first lookup only ever returns that id).
-                self._drop(fleet_id, why="the store no longer knows it")
-                self._forget(key, seq)
-                raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref!r} not found")
-            routes = self._build(snapshot)
-            entry = self._entries.get(fleet_id)
-            if (
-                self._verdicts.get(fleet_id, 0) != verdicts
-                or self._forgotten.get(key, -1) > seq
-                or (entry is not None and entry.revision > snapshot.route_revision)
-            ):
-                # Newer knowledge landed while this load was in flight: answer this request
-                # with what it read, but never let it overwrite what the cache knows now.
-                return RouteLookup(fleet_id, snapshot, routes, stale=False)
-            fresh = _Entry(snapshot=snapshot, routes=routes, loaded_at=started)
-            if entry is not None:
-                fresh.aliases = entry.aliases
-            if entry is None or entry.revision < fresh.revision:
-                self._wake_movers(fleet_id)
-            self._entries[fleet_id] = fresh
-            self._entries.move_to_end(fleet_id)
-            self._learn(fresh, pointer, key, seq)
-            self._evict()
-            if fleet_id in self._stale:
-                self._leave_stale(fleet_id, fresh)
-            return RouteLookup(fleet_id, snapshot, routes, stale=False)
-
-    def _load_failed(
-        self,
-        ref: str,
-        key: str,
-        pointer: FleetRoutePointer,
-        seq: int,
-        exc: BaseException,
-    ) -> RouteLookup[T]:
-        fleet_id = pointer.id
-        entry = self._entries.get(fleet_id)
-        if entry is not None and entry.revision == pointer.route_revision:
-            entry.load_failed_until = self._clock() + self._outage_memo
-            self._learn(entry, pointer, key, seq)
-            return self._stale_hit(entry, fleet_id, f"its snapshot failed to load ({exc})")
-        if entry is not None:
-            self._drop(
-                fleet_id,
-                why=(
-                    f"routing moved to revision {pointer.route_revision} and that snapshot "
-                    f"failed to load ({exc})"
-                ),
-            )
-        raise ApiError(
-            ErrorCode.STATE_STORE_UNAVAILABLE,
-            f"the state store could not load the routing of fleet {ref!r}; retry shortly",
-            headers=dict(_RETRY_AFTER),
-        ) from exc
-
-    def _cached(self, key: str) -> _Entry[T] | None:
-        alias = self._aliases.get(key)
-        return None if alias is None else self._entries.get(alias[0])
+    def _cached(self, key: str) -> Entry[T] | None:
+        fleet = self._aliases.get(key)
+        return None if fleet is None else self._fleets.entries.get(fleet)
 
     def _serve_stale(self, ref: str, key: str, why: str) -> RouteLookup[T]:
-        alias = self._aliases.get(key)
-        entry = None if alias is None else self._entries.get(alias[0])
-        lease = None if alias is None else self._leases.get(alias[0])
+        fleet = self._aliases.get(key)
+        entry = None if fleet is None else self._fleets.entries.get(fleet)
+        lease = None if fleet is None else self._leases.get(fleet)
         if (
-            alias is None
+            fleet is None
             or entry is None
             or (lease is not None and lease.pointer.route_revision > entry.revision)
         ):
             # Nothing cached, or only a revision known to be superseded (a notified move
             # whose snapshot this process has not loaded): never route with that.
-            raise ApiError(
-                ErrorCode.STATE_STORE_UNAVAILABLE,
+            raise RoutingUnavailableError(
                 f"{why} and no current routing for fleet {ref!r} is cached in this process",
-                headers=dict(_RETRY_AFTER),
+                retry_soon=True,
             )
-        return self._stale_hit(entry, alias[0], why)
-
-    # -- knowledge bookkeeping ----------------------------------------------------------------
-
-    def _learn(self, entry: _Entry[T], pointer: FleetRoutePointer, key: str, seq: int) -> None:
-        fleet_id = pointer.id
-        for spelling in (str(fleet_id), pointer.slug, key):
-            self._learn_key(entry, fleet_id, spelling, seq)
-
-    def _learn_key(self, entry: _Entry[T], fleet_id: UUID, key: str, seq: int) -> None:
-        if not parse_fleet_ref(key).may_alias(fleet_id):
-            return  # a UUID-shaped slug is never an alias: an id lookup may name another fleet
-        if key in entry.aliases and self._aliases.get(key, (None, 0))[0] == fleet_id:
-            return
-        if self._forgotten.get(key, -1) > seq:
-            return  # disclaimed by a read that started after this one
-        current = self._aliases.get(key)
-        if current is not None:
-            if current[1] > seq:
-                return
-            if current[0] != fleet_id:
-                other = self._entries.get(current[0])
-                if other is not None:
-                    other.aliases.discard(key)
-        self._aliases[key] = (fleet_id, seq)
-        entry.aliases.add(key)
-        self._forgotten.pop(key, None)
-
-    def _forget(self, key: str, seq: int) -> None:
-        """The store says this spelling names no fleet: forget it and what it named."""
-        self._forgotten[key] = max(seq, self._forgotten.get(key, -1))
-        self._forgotten.move_to_end(key)
-        while len(self._forgotten) > self._max_fleets:
-            self._forgotten.popitem(last=False)
-        alias = self._aliases.pop(key, None)
-        if alias is not None:
-            self._drop(alias[0], why=f"the store no longer knows {key!r}")
-
-    def _drop(self, fleet_id: UUID, *, why: str) -> None:
-        self._verdicts[fleet_id] = self._verdicts.get(fleet_id, 0) + 1
-        self._leases.pop(fleet_id, None)  # its refresher sees that and ends
-        entry = self._entries.pop(fleet_id, None)
-        if entry is None:
-            return
-        logger.warning(
-            "route cache: dropped fleet %s (revision %d): %s", fleet_id, entry.revision, why
-        )
-        self._unlink(fleet_id, entry)
-
-    def _unlink(self, fleet_id: UUID, entry: _Entry[T]) -> None:
-        for key in entry.aliases:
-            alias = self._aliases.get(key)
-            if alias is not None and alias[0] == fleet_id:
-                del self._aliases[key]
-        if fleet_id in self._stale:
-            self._stale.discard(fleet_id)
-            logger.warning(
-                "fleet %s (%s): no longer serving stale routing (entry dropped)",
-                entry.snapshot.slug,
-                fleet_id,
-            )
-
-    def _evict(self) -> None:
-        while len(self._entries) > self._max_fleets:
-            fleet_id, entry = self._entries.popitem(last=False)
-            # Capacity eviction is not a verdict: an in-flight load of it may still be cached.
-            self._unlink(fleet_id, entry)
-        if len(self._verdicts) > 4 * self._max_fleets:
-            # Verdict counts only matter while a load is in flight (under the fleet's lock).
-            self._verdicts = {k: v for k, v in self._verdicts.items() if k in self._locks}
-
-    # -- outage and stale-serving transitions (logged once per fleet, not per request) --------
-
-    def _enter_outage(self, exc: BaseException) -> None:
-        self._outage_until = self._clock() + self._outage_memo
-        if not self._outage:
-            self._outage = True
-            logger.warning("route cache: state store unreachable (%s); failing open", exc)
-
-    def _leave_outage(self) -> None:
-        if self._outage:
-            self._outage = False
-            logger.info("route cache: state store reachable again")
-
-    def _enter_stale(self, fleet_id: UUID, entry: _Entry[T], why: str) -> None:
-        if fleet_id not in self._stale:
-            self._stale.add(fleet_id)
-            logger.warning(
-                "fleet %s (%s): serving cached routing at revision %d (stale): %s",
-                entry.snapshot.slug,
-                fleet_id,
-                entry.revision,
-                why,
-            )
-
-    def _leave_stale(self, fleet_id: UUID, entry: _Entry[T]) -> None:
-        self._stale.discard(fleet_id)
-        logger.info(
-            "fleet %s (%s): routing confirmed by the state store again (revision %d)",
-            entry.snapshot.slug,
-            fleet_id,
-            entry.revision,
-        )
-
-    @staticmethod
-    def _malformed(ref: str, exc: MalformedFleetStateError) -> ApiError:
-        logger.error("fleet %r: stored state is malformed, refusing to route: %s", ref, exc)
-        return ApiError(
-            ErrorCode.STATE_STORE_UNAVAILABLE,
-            f"the stored state of fleet {ref!r} failed validation and cannot be served "
-            "(see the server log)",
-        )
-
-
-_BOUND_STEPS: Final = 4
-
-
-async def _wait_running(awaited: asyncio.Future[Any], timeout: float) -> bool:
-    """Wait until ``awaited`` is done or ``timeout`` seconds passed while this process ran.
-
-    Counted in quarters, each as long as it was meant to be however late its timer fired: a
-    process that stood still (SIGSTOP, a suspended VM) wakes to overdue timers, and a single
-    timer would fail at once a read that had no time to answer. This way a pause costs at most
-    one quarter, so a read fails only after three quarters of its bound of running time.
-
-    Returns:
-        Whether ``awaited`` is done.
-    """
-    loop = asyncio.get_running_loop()
-    step = timeout / _BOUND_STEPS
-    for _ in range(_BOUND_STEPS):
-        waiter = loop.create_future()
-
-        def wake(_: object = None, waiter: asyncio.Future[None] = waiter) -> None:
-            if not waiter.done():
-                waiter.set_result(None)
-
-        awaited.add_done_callback(wake)
-        timer = loop.call_later(step, wake)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            awaited.remove_done_callback(wake)
-        if awaited.done():
-            return True
-    return False
-
-
-def _settle(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
-_REF_KEYS_MAX: Final = 1024
-_ref_keys: dict[str, str | None] = {}
-
-
-def ref_key(ref: str) -> str | None:
-    """The cache key of a fleet reference, or None when it names nothing (memoized).
-
-    Requests name the same few fleets over and over, so the parse is done once per spelling
-    (at most :data:`_REF_KEYS_MAX` remembered; the memo starts over when full).
-    """
-    try:
-        return _ref_keys[ref]
-    except KeyError:
-        pass
-    parsed = parse_fleet_ref(ref)
-    key = None if parsed.names_nothing else parsed.key
-    if len(_ref_keys) >= _REF_KEYS_MAX:
-        _ref_keys.clear()
-    _ref_keys[ref] = key
-    return key
-
-
-def _cache_key(ref: str) -> str:
-    """The cache key of a fleet reference (DESIGN 7.5's id-first rule, one spelling per fleet).
-
-    Raises:
-        ApiError: ``fleet_not_found`` when ``ref`` is neither an id nor a slug: no fleet can
-            have it, so the store is not asked.
-    """
-    key = ref_key(ref)
-    if key is None:
-        raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref[:100]!r} not found")
-    return key
+        return self._fleets.stale_hit(entry, fleet, why)
