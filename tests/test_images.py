@@ -56,7 +56,7 @@ def test_the_dockerignore_matcher() -> None:
     assert ignored("services/server/tests/test_api.py", patterns)
     assert ignored("haru.db", patterns)
     assert ignored("bench/x.py", patterns)
-    assert not ignored("services/server/src/haru_server/cli.py", patterns)
+    assert not ignored("services/server/src/haru_server/cli/__init__.py", patterns)
     assert not ignored("benchmarks.md", patterns)
 
 

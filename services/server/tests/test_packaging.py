@@ -34,7 +34,7 @@ def test_the_server_wheel_ships_no_demo_code(tmp_path: Path) -> None:
             archive.read(n).decode() for n in names if n.endswith(".dist-info/METADATA")
         )
     modules = [n for n in names if n.startswith("haru_server/")]
-    assert "haru_server/cli.py" in modules
+    assert "haru_server/cli/__init__.py" in modules
     assert not [n for n in modules if "demo" in n or "localfleet" in n], modules
     assert not [n for n in names if not n.startswith(("haru_server/", "haru_server-"))], names
     assert "Provides-Extra" not in metadata

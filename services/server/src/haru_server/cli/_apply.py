@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from haru_server.cli import (
+from haru_server.cli._common import (
     DEFAULT_URL,
     EXIT_USAGE,
     CliFailure,
@@ -20,12 +20,11 @@ from haru_server.cli import (
     TokenOption,
     UrlOption,
     _client,
-    _console,
     _guard,
-    _load_layout,
-    _print_json,
     _run,
 )
+from haru_server.cli._db import _load_layout
+from haru_server.cli._render import _console, _print_json
 
 if TYPE_CHECKING:
     from haru_protocol import ApplyResponse

@@ -11,20 +11,17 @@ from uuid import UUID
 
 import typer
 
-from haru_server.cli import (
+from haru_server.cli._common import (
     DEFAULT_URL,
     CliFailure,
     JsonOption,
     TokenOption,
     UrlOption,
-    _cells,
     _client,
-    _console,
     _guard,
-    _print_json,
     _run,
-    _table,
 )
+from haru_server.cli._render import _cells, _console, _print_json, _table
 
 keys_app = typer.Typer(help="Inference client keys (what clients of the proxy send).")
 
