@@ -48,8 +48,8 @@ from haru_protocol import (
     InferenceSlotState,
     TrainingSlotState,
 )
-from haru_server import create_app
 from haru_server._settings import Settings
+from haru_server.api import create_app
 from haru_server.cli import app as cli_app
 from pydantic import SecretStr
 from pytest_aiohttp import AiohttpServer

@@ -47,12 +47,12 @@ from haru_protocol import (
     OperationState,
     OperationStep,
 )
-from haru_server import create_app
 from haru_server._clock import ManualClock
 from haru_server._provisioning import Provisioner, ProvisionerOptions
 from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._settings import Settings
 from haru_server._steps import StepTuning
+from haru_server.api import create_app
 from haru_server.cli import app as cli_app
 from haru_supervisor_client import SupervisorClient
 from pytest_aiohttp import AiohttpClient

@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 from haru_db import SchemaTooNewError, StateStore, head_revision
-from haru_server import Settings, create_app
 from haru_server._schema_gate import SchemaGate
+from haru_server.api import Settings, create_app
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 

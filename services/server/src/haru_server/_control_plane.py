@@ -1,6 +1,6 @@
 """The control server's runtime: one object that owns every long-lived part (DESIGN 7.6).
 
-:class:`ControlPlane` is built by :func:`haru_server.create_app` and started by one
+:class:`ControlPlane` is built by :func:`haru_server.api.create_app` and started by one
 ``cleanup_ctx`` (:meth:`ControlPlane.run`), which opens, in this order, the state store, the
 database-clock sampler, the retention pruner, the supervisor client with the provisioner and
 the reconciler, the background reconcile loop and the inference proxy; cleanup closes them in
