@@ -13,6 +13,7 @@ from haru_core import (
     TargetProblem,
     decide_demotion,
     decide_promotion,
+    domain_role,
     has_inference_bindings,
     inference_bindings,
     inference_slots,
@@ -72,6 +73,8 @@ def test_is_active(make: FleetFactory) -> None:
     no_pointer = make.fleet(alpha, beta)
     assert not is_active(no_pointer, alpha)
     assert not is_active(no_pointer, beta)
+    assert (domain_role(fleet, alpha), domain_role(fleet, beta)) == ("active", "standby")
+    assert domain_role(no_pointer, alpha) == "standby"
 
 
 # ---- promotion ----

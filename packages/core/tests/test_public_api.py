@@ -70,6 +70,7 @@ CONTRACT = {
     "training_slots",
     "inference_slots",
     "is_active",
+    "domain_role",
     "AlreadyActive",
     "TargetProblem",
     "InvalidTarget",

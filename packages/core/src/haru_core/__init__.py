@@ -7,6 +7,7 @@ repository layer and the reconciler apply with compare-and-swap writes.
 
 from haru_core._backoff import PromotionBackoff, backoff_delay_ms, in_backoff, promotion_backoff
 from haru_core._bindings import (
+    domain_role,
     has_inference_bindings,
     inference_bindings,
     inference_slots,
@@ -170,6 +171,7 @@ __all__ = (  # noqa: RUF022 -- grouped by topic, not alphabetically
     "inference_bindings",
     "has_inference_bindings",
     "is_active",
+    "domain_role",
     # Promotion and demotion decisions (DESIGN 7.2)
     "AlreadyActive",
     "TargetProblem",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from haru_protocol import (
     DomainSnapshot,
     FleetSnapshot,
@@ -41,3 +43,8 @@ def has_inference_bindings(domain: DomainSnapshot) -> bool:
 def is_active(fleet: FleetSnapshot, domain: DomainSnapshot) -> bool:
     """Whether the routing pointer of ``fleet`` targets ``domain``; every other one is a standby."""
     return fleet.active_domain_id is not None and fleet.active_domain_id == domain.id
+
+
+def domain_role(fleet: FleetSnapshot, domain: DomainSnapshot) -> Literal["active", "standby"]:
+    """``"active"`` or ``"standby"``, the role events and logs name (see :func:`is_active`)."""
+    return "active" if is_active(fleet, domain) else "standby"

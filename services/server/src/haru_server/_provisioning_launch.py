@@ -16,6 +16,7 @@ from collections.abc import Coroutine, Mapping
 from datetime import datetime
 from typing import Any
 
+from haru_core import domain_role
 from haru_driver_skypilot import SkyDriverError, SkyTimeoutError, cluster_name
 from haru_protocol import (
     DomainAddressRecorded,
@@ -42,7 +43,6 @@ from haru_server._provisioning_memory import (
     LaunchTask,
     failure_from_error,
     ms,
-    role_of,
     settings_of,
 )
 
@@ -69,7 +69,7 @@ class LaunchSteps(ProvisionerBase):
         ):
             return True  # another process claimed it (or the row moved): re-read
         memory.name = (attempt, name)
-        role = role_of(fleet, domain)
+        role = domain_role(fleet, domain)
         logger.info("domain %s: launching cluster %s (attempt %d)", domain.slug, name, attempt)
         await self._event(
             fleet,
@@ -337,7 +337,7 @@ class LaunchSteps(ProvisionerBase):
             fleet,
             domain,
             DomainStateChanged(
-                from_state=_D.PROVISIONING, to_state=_D.READY, role=role_of(fleet, domain)
+                from_state=_D.PROVISIONING, to_state=_D.READY, role=domain_role(fleet, domain)
             ),
             now,
         )

@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
 
 from haru_core import RelaunchStreak
 from haru_driver_skypilot import SkyCliError, SkyCommandError
-from haru_protocol import DomainSnapshot, FleetSnapshot, Provisioning, ProvisioningFailure
+from haru_protocol import DomainSnapshot, Provisioning, ProvisioningFailure
 
 from haru_server._backends import NO_REPLICA_GRACE_S
 
@@ -124,7 +123,3 @@ def settings_of(domain: DomainSnapshot) -> Provisioning:
 
 def ms(value: int) -> timedelta:
     return timedelta(milliseconds=value)
-
-
-def role_of(fleet: FleetSnapshot, domain: DomainSnapshot) -> Literal["active", "standby"]:
-    return "active" if fleet.active_domain_id == domain.id else "standby"

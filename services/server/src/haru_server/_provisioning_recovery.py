@@ -20,6 +20,7 @@ from haru_core import (
     RelaunchesSpent,
     RelaunchPlan,
     RelaunchStreak,
+    domain_role,
     fold_relaunch_streak,
     plan_relaunch,
 )
@@ -44,7 +45,6 @@ from haru_server._provisioning_memory import (
     DomainMemory,
     failure_from_error,
     ms,
-    role_of,
     settings_of,
 )
 
@@ -90,7 +90,7 @@ class RecoverySteps(LaunchSteps):
                     attempt=domain.launch_attempt,
                     cluster_status=shown,
                     from_state=domain.state,
-                    role=role_of(fleet, domain),
+                    role=domain_role(fleet, domain),
                 ),
                 now,
             )
