@@ -24,7 +24,7 @@ from haru_web._body import (
     require_json,
 )
 from haru_web._env import EnvInt, EnvLogLevel, TrustedProxies
-from haru_web._envelope import json_error, raw_error_bytes, render_api_error
+from haru_web._envelope import json_error, json_model, raw_error_bytes, render_api_error
 from haru_web._errors import ApiError, HaruWebError, ListenError
 from haru_web._handler import HardenedRequestHandler, client_address, describe_protocol_error
 from haru_web._limits import (
@@ -190,6 +190,7 @@ __all__ = (
     "is_loopback_host",
     "is_trusted",
     "json_error",
+    "json_model",
     "metrics_guarded",
     "new_request_id",
     "normalize_bind_host",

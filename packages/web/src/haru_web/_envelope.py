@@ -1,11 +1,19 @@
-"""Rendering the error envelope: one function for every route and every protocol error."""
+"""Rendering JSON answers: a model's body, and the error envelope of every failure."""
 
 from __future__ import annotations
 
 from aiohttp import web
 from haru_protocol import ERROR_STATUS, ErrorCode, error_body
+from pydantic import BaseModel
 
 from haru_web._errors import ApiError
+
+
+def json_model(
+    model: BaseModel, *, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    """A JSON answer whose body is ``model`` serialised by pydantic (its aliases, no extras)."""
+    return web.json_response(text=model.model_dump_json(), status=status, headers=headers)
 
 
 def json_error(

@@ -23,7 +23,7 @@ from haru_protocol import (
     ErrorCode,
     parse_fleet_ref,
 )
-from haru_web import ApiError, parse_body
+from haru_web import ApiError, json_model, parse_body
 
 from haru_server._client_keys import key_hash
 from haru_server._keys import clock_key, store_key
@@ -48,12 +48,6 @@ def _view(key: ClientKey) -> ClientKeyView:
         created_at=key.created_at,
         revoked_at=key.revoked_at,
     )
-
-
-def _json(
-    model: ClientKeyView | ClientKeyList | ClientKeyCreated, status: int = 200
-) -> web.Response:
-    return web.json_response(text=model.model_dump_json(), status=status)
 
 
 @key_routes.post("/v1/keys")
@@ -81,13 +75,13 @@ async def create_key(request: web.Request) -> web.Response:
         at=request.app[clock_key](),
     )
     logger.info("client key %s created (name %s)", key.id, key.name)
-    return _json(ClientKeyCreated(key=_view(key), secret=secret), status=201)
+    return json_model(ClientKeyCreated(key=_view(key), secret=secret), status=201)
 
 
 @key_routes.get("/v1/keys")
 async def list_keys(request: web.Request) -> web.Response:
     keys = await request.app[store_key].list_client_keys()
-    return _json(ClientKeyList(keys=tuple(_view(k) for k in keys)))
+    return json_model(ClientKeyList(keys=tuple(_view(k) for k in keys)))
 
 
 @key_routes.delete("/v1/keys/{id}")
@@ -102,4 +96,4 @@ async def revoke_key(request: web.Request) -> web.Response:
     if key is None:
         raise ApiError(ErrorCode.NOT_FOUND, f"client key {key_id} not found")
     logger.info("client key %s revoked", key.id)
-    return _json(_view(key))
+    return json_model(_view(key))

@@ -17,7 +17,6 @@ from haru_protocol import (
     Health,
     ModelStatus,
     OkResponse,
-    PeerModel,
     ProbeRequest,
     ProbeResponse,
     ReadyResponse,
@@ -35,7 +34,7 @@ from haru_protocol import (
     WakeRequest,
     WireModel,
 )
-from haru_web import ApiError, parse_body
+from haru_web import ApiError, json_model, parse_body
 
 from haru_supervisor._errors import (
     GpuMemorySourceError,
@@ -70,12 +69,6 @@ routes = web.RouteTableDef()
 
 class NoParameters(WireModel):
     """Body of an action without parameters: empty or ``{}`` (any key is unknown)."""
-
-
-def _json(
-    model: WireModel | PeerModel, *, status: int = 200, headers: dict[str, str] | None = None
-) -> web.Response:
-    return web.json_response(text=model.model_dump_json(), status=status, headers=headers)
 
 
 def _config(request: web.Request) -> SupervisorConfig:
@@ -122,7 +115,7 @@ async def _attempt_all(
 
 @routes.get("/healthz")
 async def healthz(_request: web.Request) -> web.Response:
-    return _json(Health(ok=True))
+    return json_model(Health(ok=True))
 
 
 async def _model_statuses(request: web.Request) -> dict[str, ModelStatus]:
@@ -172,7 +165,7 @@ async def status(request: web.Request) -> web.Response:
 
 @routes.get("/v1/ready")
 async def ready(request: web.Request) -> web.Response:
-    return _json(ReadyResponse(ready=_ready(await _model_statuses(request))))
+    return json_model(ReadyResponse(ready=_ready(await _model_statuses(request))))
 
 
 def _inference_gpus(config: SupervisorConfig, gpu_index: int | None) -> tuple[int, ...]:
@@ -247,7 +240,7 @@ async def vllm_sleep(request: web.Request) -> web.Response:
 
     key = ("sleep", body.gpu_index, body.drain_timeout_ms)
     await request.app[actions_key].run(key, _inference_gpus(config, body.gpu_index), sleep)
-    return _json(OkResponse())
+    return json_model(OkResponse())
 
 
 @routes.post("/v1/vllm/wake")
@@ -279,7 +272,7 @@ async def vllm_wake(request: web.Request) -> web.Response:
         await _attempt_all("wake", [(model, client.wake(model)) for model in models])
 
     await request.app[actions_key].run(("wake", body.gpu_index), gpus, wake)
-    return _json(OkResponse())
+    return json_model(OkResponse())
 
 
 @routes.post("/v1/training/start")
@@ -300,7 +293,7 @@ async def training_start(request: web.Request) -> web.Response:
             ErrorCode.INTERNAL_ERROR,
             "training could not start: " + "; ".join(str(failure) for failure in failures),
         )
-    return _json(OkResponse())
+    return json_model(OkResponse())
 
 
 @routes.post("/v1/training/stop")
@@ -317,12 +310,12 @@ async def training_stop(request: web.Request) -> web.Response:
 
     key = ("training.stop", body.grace_ms)
     await request.app[actions_key].run(key, _training_gpus(_config(request)), stop)
-    return _json(OkResponse(), status=202)
+    return json_model(OkResponse(), status=202)
 
 
 @routes.get("/v1/training/status")
 async def training_status(request: web.Request) -> web.Response:
-    return _json(TrainingStatusResponse(slots=await request.app[runs_key].statuses()))
+    return json_model(TrainingStatusResponse(slots=await request.app[runs_key].statuses()))
 
 
 @routes.get("/v1/gpu/memory")
@@ -338,7 +331,7 @@ async def gpu_memory(request: web.Request) -> web.Response:
         raise ApiError(ErrorCode.UPSTREAM_UNREACHABLE, str(exc)) from exc
     source = reader.source
     headers = {SOURCE_HEADER: source.name} if source is not None else None
-    return _json(GpuMemoryResponse(gpus=gpus), headers=headers)
+    return json_model(GpuMemoryResponse(gpus=gpus), headers=headers)
 
 
 @routes.post("/v1/probe")
@@ -356,4 +349,4 @@ async def probe(request: web.Request) -> web.Response:
     )
     request.app[metrics_key].probed(tuple(results))
     ok = bool(results) and all(result.ok for result in results)
-    return _json(ProbeResponse(ok=ok, results=tuple(results)))
+    return json_model(ProbeResponse(ok=ok, results=tuple(results)))
