@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Sequence
 from typing import Final
@@ -27,6 +26,7 @@ from haru_protocol import (
     SupervisorFence,
     SupervisorInferenceSlot,
     SupervisorModel,
+    SupervisorStatus,
     TrainingRunState,
     TrainingStatus,
     TrainingStatusResponse,
@@ -129,19 +129,12 @@ def _ready(statuses: dict[str, ModelStatus]) -> bool:
     return bool(statuses) and all(status.sleeping is False for status in statuses.values())
 
 
-def _slot_json(entry: SlotStatus) -> dict[str, object]:
-    # `models` and `training` are absent (not null) on slots they do not apply to, while a
-    # model's `sleeping` stays null when its server proved nothing.
-    omit = {name for name in ("models", "training") if getattr(entry, name) is None}
-    return entry.model_dump(mode="json", exclude=omit)
-
-
 @routes.get("/v1/status")
 async def status(request: web.Request) -> web.Response:
     runs = request.app[runs_key]
     statuses, trainings = await asyncio.gather(_model_statuses(request), runs.statuses())
     by_gpu = {training.gpu_index: training for training in trainings}
-    slots: list[dict[str, object]] = []
+    slots: list[SlotStatus] = []
     for slot in _config(request).slots:
         if isinstance(slot, SupervisorInferenceSlot):
             entry = SlotStatus(
@@ -158,9 +151,15 @@ async def status(request: web.Request) -> web.Response:
                     state=training.state, pids=training.pids, last_stop=training.last_stop
                 ),
             )
-        slots.append(_slot_json(entry))
-    body = {"slots": slots, "ready": _ready(statuses)}
-    return web.json_response(text=json.dumps(body))
+        slots.append(entry)
+    body = SupervisorStatus(slots=tuple(slots), ready=_ready(statuses))
+    # `models` and `training` are absent (not null) on slots they do not apply to, while a
+    # model's `sleeping` stays null when its server proved nothing.
+    absent = {
+        index: {name for name in ("models", "training") if getattr(slot, name) is None}
+        for index, slot in enumerate(slots)
+    }
+    return web.json_response(text=body.model_dump_json(exclude={"slots": absent}))
 
 
 @routes.get("/v1/ready")
