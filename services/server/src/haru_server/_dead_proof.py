@@ -99,7 +99,9 @@ class DeadProofs:
         Any other observation ends it, and so does none (a poll still running this round): the
         confirmation needs a fresh proof, never an old one. The first proof is evented
         (``domain.dead_suspected``), and so is a run that ends before it failed the active
-        (``domain.dead_cleared``).
+        (``domain.dead_cleared``). ``answers``: this round's answer per domain; ``reached``:
+        the domains that answered; ``reaches``: how each domain's latest poll's connection
+        ended.
         """
         for domain in fleet.domains:
             previous = self._dead.get(domain.id)
