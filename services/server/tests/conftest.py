@@ -75,7 +75,7 @@ def make_reconciler(clock: ManualClock, http: aiohttp.ClientSession) -> Callable
     def make(
         store: StateStore,
         *,
-        token: str | None = None,
+        token: str | Callable[[], str | None] | None = None,
         chaining: bool = True,
         tuning: StepTuning = FAST_TUNING,
         heartbeat_timeout_s: float = 2.0,

@@ -97,16 +97,18 @@ async def test_refused_token_is_never_evidence_of_failure(
 
 
 async def test_refused_token_recovery_is_reported_once(
-    sqlite_store: StateStore,
-    seeded_fleet: SeededFleet,
-    http: aiohttp.ClientSession,
+    sqlite_store: StateStore, seeded_fleet: SeededFleet
 ) -> None:
     store = sqlite_store
-    _, seeded, reconciler = await seeded_fleet(store, supervisor_token=TOKEN, token=ROTATED)
+    # The server reads its token at every call (a rotated token file).
+    token = [ROTATED]
+    _, seeded, reconciler = await seeded_fleet(
+        store, supervisor_token=TOKEN, token=lambda: token[0]
+    )
     await reconciler.tick("local")
     await reconciler.tick("local")
     # Same process, token fixed (e.g. the supervisors were rolled back).
-    reconciler._client = SupervisorClient(http, token=TOKEN)
+    token[0] = TOKEN
     await reconciler.tick("local")
     await reconciler.tick("local")
     assert len(await events_of(store, seeded.id, EventType.DOMAIN_SUPERVISOR_UNAUTHORIZED)) == 2
