@@ -127,9 +127,9 @@ class ApplyResult:
         requests = self.requests
         out.append(
             _row(
-                f"{self.model} requests",
+                "requests for it",
                 f"{requests.total} sent, {requests.ok} ok, {requests.failed} failed "
-                f"(through the proxy with the client key, once {self.domain} was active)",
+                f"(client key, once {self.domain} was active)",
             )
         )
         reasons: dict[str, int] = {}
@@ -206,8 +206,11 @@ class ScenarioReport:
         Zero failed requests in the planned switchover and in the unplanned failure (a stream
         that the kill cut after its response had started is counted apart: no proxy can send
         it again), the old active back in standby posture, a failover within its budget, and the
-        failed domain recovered.
+        failed domain recovered; and when there was an apply, it was applied and every request
+        for its model answered.
         """
+        if self.apply is not None and not self.apply.succeeded:
+            return False
         planned = self.planned
         if not (planned.succeeded and planned.switched and not planned.failures):
             return False
@@ -634,13 +637,12 @@ async def run_scenario(
     report = ScenarioReport(planned=planned, apply=applied)
     if not (planned.succeeded and planned.switched):
         return report
-    phase(f"steady traffic on {planned.target}")
-    pause = asyncio.sleep(BETWEEN_S)
     if applied is not None and applied.applied:
         phase(f"steady traffic on {planned.target}, and {applied.model} requests")
-        await asyncio.gather(pause, new_model_traffic(traffic, applied))
+        await asyncio.gather(asyncio.sleep(BETWEEN_S), new_model_traffic(traffic, applied))
     else:
-        await pause
+        phase(f"steady traffic on {planned.target}")
+        await asyncio.sleep(BETWEEN_S)
     report.unplanned = await unplanned_failover(topology, traffic, phase=phase)
     report.recovered = await recover(topology, report.unplanned, phase=phase)
     report.duty_cycles = await read_duty_cycles(
