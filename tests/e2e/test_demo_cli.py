@@ -44,6 +44,21 @@ def test_haru_demo_scenario_only_succeeds_and_cleans_up(
     output = f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     assert done.returncode == 0, output
     assert "RESULT: success" in done.stdout, output
+    # The apply: a dry run's plan adds a model the standby's vLLM serves but the layout did not
+    # bind; the apply takes; once beta is active, that model's requests (client key) all answer.
+    assert "apply: bind example-chat-mini on beta (standby), dry run first" in done.stdout, output
+    assert re.search(
+        r"^    \+ domain beta / inference gpu 0 / model example-chat-mini: "
+        r"servingUrl http://127\.0\.0\.1:\d+$",
+        done.stdout,
+        re.MULTILINE,
+    ), output
+    assert "  applied: yes\n" in done.stdout, output
+    applied = re.search(r"requests for it: +(\d+) sent, (\d+) ok, (\d+) failed", done.stdout)
+    assert applied is not None, output
+    sent, ok, failed = (int(n) for n in applied.groups())
+    assert sent > 0, output
+    assert (ok, failed) == (sent, 0), output
     assert "planned switchover: alpha -> beta (promote succeeded)" in done.stdout, output
     # Both the planned switchover and the unplanned failure (on the default policy) fail no
     # request; a stream the kill cut after its response had started is reported apart.

@@ -8,15 +8,25 @@ from uuid import uuid4
 
 import pytest
 from haru_demo._scenario import (
+    APPLY_MODEL,
+    ApplyResult,
     ScenarioReport,
     SwitchoverResult,
+    apply_target,
     operation_budget_s,
     parse_duty_cycles,
     promote_budget_s,
     snippets,
 )
+from haru_demo._topology import DemoTopology, TopologyOptions, UnboundModel
 from haru_demo._traffic import RequestRecord, TrafficSummary
-from haru_protocol import Operation, OperationKind, OperationState, Policy
+from haru_protocol import (
+    Operation,
+    OperationKind,
+    OperationState,
+    Policy,
+    load_example_layout,
+)
 from haru_server.cli import app
 from typer.testing import CliRunner
 
@@ -141,6 +151,92 @@ def test_a_clean_run_is_a_success_and_reports_every_measure() -> None:
 def test_any_missed_target_fails_the_run(report: ScenarioReport) -> None:
     assert not report.ok
     assert report.lines()[-1] == "RESULT: FAILED"
+
+
+PLAN = """\
+fleet example: 1 change(s)
+  + domain beta / inference gpu 0 / model example-chat-mini: servingUrl http://127.0.0.1:9"""
+
+
+def applied(**changes: object) -> ApplyResult:
+    result = ApplyResult(
+        model="example-chat-mini",
+        domain="beta",
+        plan=PLAN,
+        applied=True,
+        requests=TrafficSummary(total=8, ok=8, failed=0, stale=0),
+    )
+    for key, value in changes.items():
+        setattr(result, key, value)
+    return result
+
+
+def test_the_report_shows_the_apply_its_plan_and_its_models_traffic_first() -> None:
+    report = ScenarioReport(
+        planned=planned(), apply=applied(), unplanned=unplanned(), recovered=True
+    )
+    assert report.ok
+    lines = report.lines()
+    assert lines[:5] == [
+        "apply: bind example-chat-mini on beta (standby), dry run first",
+        "  fleet example: 1 change(s)",
+        "    + domain beta / inference gpu 0 / model example-chat-mini: "
+        "servingUrl http://127.0.0.1:9",
+        "  applied: yes",
+        "  requests for it:          8 sent, 8 ok, 0 failed (client key, once beta was active)",
+    ]
+    assert lines[5] == "planned switchover: alpha -> beta (promote succeeded)"
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        applied(applied=False, error="HTTP 409 plan_stale"),
+        # Applied, but no request for the model was sent (the switchover never happened).
+        applied(requests=TrafficSummary(total=0, ok=0, failed=0, stale=0)),
+        applied(
+            requests=TrafficSummary.of([failure("HTTP 404 model_not_found")]),
+            failures=[failure("HTTP 404 model_not_found")],
+        ),
+    ],
+)
+def test_an_apply_that_did_not_take_or_whose_model_failed_fails_the_run(
+    result: ApplyResult,
+) -> None:
+    report = ScenarioReport(planned=planned(), apply=result, unplanned=unplanned(), recovered=True)
+    assert not report.ok
+    text = "\n".join(report.lines())
+    assert text.endswith("RESULT: FAILED")
+    if result.error:
+        assert "applied: NO" in text
+        assert "problem: HTTP 409 plan_stale" in text
+    if result.failures:
+        assert "1 x HTTP 404 model_not_found" in text
+
+
+def test_the_applied_model_is_served_by_the_standby_but_bound_only_by_the_apply(
+    tmp_path: Path,
+) -> None:
+    shape = load_example_layout()
+    target = apply_target(shape)
+    assert target == UnboundModel(domain="beta", gpu_index=0, name=APPLY_MODEL)
+    topology = DemoTopology(TopologyOptions(workdir=tmp_path, unbound_models=(target,)))
+    beta = topology.domains["beta"]
+    # Its vLLM serves the model on GPU 0 (the supervisor lists it too) ...
+    assert beta.served_on(0) == ("example-chat-small", "example-chat-medium", APPLY_MODEL)
+    assert beta.served_on(1) == ("example-chat-large",)
+    assert topology.domains["alpha"].served_on(0) == ("example-chat-small", "example-chat-medium")
+    # ... but the seeded layout (and so the steady traffic) does not bind it.
+    assert APPLY_MODEL not in beta.models
+
+
+def test_an_unbound_model_needs_an_inference_slot_of_its_domain(tmp_path: Path) -> None:
+    for unbound in (
+        UnboundModel(domain="gamma", gpu_index=0, name="m"),
+        UnboundModel(domain="beta", gpu_index=7, name="m"),
+    ):
+        with pytest.raises(ValueError, match="no inference slot"):
+            DemoTopology(TopologyOptions(workdir=tmp_path, unbound_models=(unbound,)))
 
 
 def test_budgets_come_from_the_policy() -> None:

@@ -19,6 +19,7 @@ from haru_demo._topology import (
     DemoTopology,
     HostPlacement,
     TopologyOptions,
+    UnboundModel,
     VllmServer,
     active_slug,
     is_standby_posture,
@@ -33,6 +34,7 @@ __all__ = (  # noqa: RUF022 -- grouped by topic
     "DemoTimings",
     "DemoDomain",
     "VllmServer",
+    "UnboundModel",
     "active_slug",
     "is_standby_posture",
     # Traffic and scenario

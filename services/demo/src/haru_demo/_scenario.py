@@ -2,6 +2,10 @@
 
 Scenario, under steady SDK traffic through the proxy:
 
+0. **apply**: bind a model the standby's vLLM already serves (started with it, not yet bound)
+   with ``POST /v1/fleets/{ref}/apply``: a dry run whose plan is printed, then the apply against
+   the plan's revisions; after the switchover below, requests for that model go through the
+   proxy with the client key and must all succeed;
 1. **planned switchover**: promote the standby; report each step's time (from the audit
    events), the time to the routing flip, and every request that failed while it ran (target:
    none), then check the old active went back to standby posture;
@@ -34,6 +38,7 @@ import aiohttp
 from haru_protocol import (
     Event,
     EventPayload,
+    FleetLayout,
     FleetSnapshot,
     Operation,
     OperationAutoFailover,
@@ -42,6 +47,8 @@ from haru_protocol import (
     Policy,
     RoutingSwitched,
     bearer_header,
+    load_example_layout,
+    render_plan,
 )
 from haru_server.control_client import ControlApiError, ControlClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -54,6 +61,7 @@ from haru_demo._topology import (
     DemoTimings,
     DemoTopology,
     TopologyOptions,
+    UnboundModel,
     active_slug,
     is_standby_posture,
     port_is_free,
@@ -68,6 +76,70 @@ SETTLE_S: Final = 1.0
 BETWEEN_S: Final = 1.5
 """Steady traffic between the two switchovers."""
 _FIRST_GOOD_WAIT_S: Final = 10.0
+APPLY_MODEL: Final = "example-chat-mini"
+"""The model the scenario's apply binds on the standby (its vLLM serves it from the start)."""
+APPLY_REQUESTS: Final = 8
+"""Requests for :data:`APPLY_MODEL` sent once the standby it was bound on is active."""
+
+
+def apply_target(layout: FleetLayout) -> UnboundModel:
+    """The model the apply binds: :data:`APPLY_MODEL` on the standby's first inference GPU."""
+    active = layout.active_domain_slug or layout.domains[0].slug
+    standby = next(d for d in layout.domains if d.slug != active)
+    return UnboundModel(
+        domain=standby.slug, gpu_index=standby.inference_slots[0].gpu_index, name=APPLY_MODEL
+    )
+
+
+@dataclass(slots=True, kw_only=True)
+class ApplyResult:
+    """How the apply that binds a model on the standby went, and its model's traffic.
+
+    Attributes:
+        model: The model bound.
+        domain: The standby it was bound on.
+        plan: The dry run's plan as text.
+        applied: The apply made the plan's changes.
+        requests: The requests for :attr:`model` once its domain was active.
+        failures: The ones that failed.
+        error: What went wrong, when something did.
+    """
+
+    model: str
+    domain: str
+    plan: str = ""
+    applied: bool = False
+    requests: TrafficSummary = field(default_factory=lambda: TrafficSummary(0, 0, 0, 0))
+    failures: list[RequestRecord] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def succeeded(self) -> bool:
+        """Applied, and every request for the new model answered."""
+        requests = self.requests
+        return self.applied and requests.total > 0 and requests.ok == requests.total
+
+    def lines(self) -> list[str]:
+        """The apply's part of the report."""
+        out = [f"apply: bind {self.model} on {self.domain} (standby), dry run first"]
+        out.extend(f"  {line}" for line in self.plan.splitlines())
+        out.append(f"  applied: {'yes' if self.applied else 'NO'}")
+        requests = self.requests
+        out.append(
+            _row(
+                "requests for it",
+                f"{requests.total} sent, {requests.ok} ok, {requests.failed} failed "
+                f"(client key, once {self.domain} was active)",
+            )
+        )
+        reasons: dict[str, int] = {}
+        for record in self.failures:
+            reason = record.error or "?"
+            reasons[reason] = reasons.get(reason, 0) + 1
+        out.extend(f"    {count} x {reason}" for reason, count in sorted(reasons.items()))
+        if self.error:
+            out.append(f"  problem: {self.error}")
+        return out
 
 
 @dataclass(slots=True, kw_only=True)
@@ -120,6 +192,8 @@ class ScenarioReport:
     """The scenario's outcome."""
 
     planned: SwitchoverResult
+    apply: ApplyResult | None = None
+    """The apply before the planned switchover (None: the topology serves no unbound model)."""
     unplanned: SwitchoverResult | None = None
     recovered: bool | None = None
     duty_cycles: dict[str, float] | None = None
@@ -132,8 +206,11 @@ class ScenarioReport:
         Zero failed requests in the planned switchover and in the unplanned failure (a stream
         that the kill cut after its response had started is counted apart: no proxy can send
         it again), the old active back in standby posture, a failover within its budget, and the
-        failed domain recovered.
+        failed domain recovered; and when there was an apply, it was applied and every request
+        for its model answered.
         """
+        if self.apply is not None and not self.apply.succeeded:
+            return False
         planned = self.planned
         if not (planned.succeeded and planned.switched and not planned.failures):
             return False
@@ -148,7 +225,10 @@ class ScenarioReport:
 
     def lines(self) -> list[str]:
         """The report as text lines."""
-        out = [*_switchover_lines(self.planned)]
+        out = [
+            *(self.apply.lines() if self.apply is not None else ()),
+            *_switchover_lines(self.planned),
+        ]
         if self.unplanned is not None:
             out.extend(_switchover_lines(self.unplanned))
         if self.recovered is not None:
@@ -311,6 +391,56 @@ async def _last_event_id(topology: DemoTopology) -> int:
 
 def _other_domain(fleet: FleetSnapshot, slug: str) -> str:
     return next(d.slug for d in fleet.domains if d.slug != slug)
+
+
+async def apply_standby_model(
+    topology: DemoTopology, added: UnboundModel, *, phase: Callable[[str], None]
+) -> ApplyResult:
+    """Bind ``added`` on its standby through ``POST /v1/fleets/{ref}/apply``.
+
+    A dry run first (its plan is shown), then the apply carrying the plan's revisions: refused
+    if the fleet moved in between. No operation drives the standby now, so the change is one
+    the apply rules allow.
+    """
+    result = ApplyResult(model=added.name, domain=added.domain)
+    layout = topology.layout_binding(added).model_dump(
+        mode="json", by_alias=True, exclude_none=True
+    )
+    phase(f"apply: planning {added.name} on {added.domain} (dry run)")
+    try:
+        async with topology.control() as client:
+            planned = await client.apply(topology.fleet_slug, layout, dry_run=True)
+            result.plan = render_plan(planned.plan)
+            phase("apply: the plan\n" + result.plan)
+            if planned.plan.refused:
+                result.error = "the plan has refused changes"
+                return result
+            revisions = [r.model_dump(mode="json", by_alias=True) for r in planned.plan.revisions]
+            applied = await client.apply(
+                topology.fleet_slug, layout, dry_run=False, revisions=revisions
+            )
+    except ControlApiError as exc:
+        result.error = str(exc)
+        return result
+    result.applied = applied.applied
+    phase(
+        f"apply: {added.name} bound on {added.domain}" if applied.applied else "apply: NOT applied"
+    )
+    return result
+
+
+async def new_model_traffic(traffic: ChatTraffic, result: ApplyResult) -> None:
+    """Send :data:`APPLY_REQUESTS` requests for the applied model and record them in ``result``.
+
+    They use the traffic's client (and key) but are not among its records: the switchover
+    windows count the steady traffic only.
+    """
+    records = [
+        await traffic.send(traffic.clients, result.model, stream=number % 2 == 1, number=number)
+        for number in range(APPLY_REQUESTS)
+    ]
+    result.requests = TrafficSummary.of(records)
+    result.failures = [r for r in records if not r.ok]
 
 
 async def planned_switchover(
@@ -495,15 +625,24 @@ async def _ensure_posture(topology: DemoTopology, slug: str, *, timeout_s: float
 async def run_scenario(
     topology: DemoTopology, traffic: ChatTraffic, *, phase: Callable[[str], None]
 ) -> ScenarioReport:
-    """Planned switchover, unplanned failure with autoFailover, and recovery."""
+    """Apply, planned switchover, unplanned failure with autoFailover, and recovery.
+
+    The apply binds the topology's first unbound model (none: no apply step).
+    """
     phase(f"steady traffic on {topology.initial_active()}")
     await asyncio.sleep(WARMUP_S)
+    unbound = topology.options.unbound_models
+    applied = await apply_standby_model(topology, unbound[0], phase=phase) if unbound else None
     planned = await planned_switchover(topology, traffic, phase=phase)
-    report = ScenarioReport(planned=planned)
+    report = ScenarioReport(planned=planned, apply=applied)
     if not (planned.succeeded and planned.switched):
         return report
-    phase(f"steady traffic on {planned.target}")
-    await asyncio.sleep(BETWEEN_S)
+    if applied is not None and applied.applied:
+        phase(f"steady traffic on {planned.target}, and {applied.model} requests")
+        await asyncio.gather(asyncio.sleep(BETWEEN_S), new_model_traffic(traffic, applied))
+    else:
+        phase(f"steady traffic on {planned.target}")
+        await asyncio.sleep(BETWEEN_S)
     report.unplanned = await unplanned_failover(topology, traffic, phase=phase)
     report.recovered = await recover(topology, report.unplanned, phase=phase)
     report.duty_cycles = await read_duty_cycles(
@@ -615,6 +754,8 @@ async def _demo(run: DemoRun) -> int:
             server_port=port,
             timings=run.timings,
             api_token=secrets.token_urlsafe(32),
+            # The standby's vLLM serves one model more than the layout binds: the apply binds it.
+            unbound_models=(apply_target(load_example_layout()),),
         )
     )
     err.print(f"[bold]haru demo[/]: workdir {topology.workdir} (logs in {topology.workdir}/logs)")

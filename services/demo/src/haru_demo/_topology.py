@@ -164,6 +164,25 @@ class HostPlacement:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class UnboundModel:
+    """A model a domain's vLLM serves from the start that the seeded layout does not bind.
+
+    vLLM serves what it was started with; Haru routes what the layout binds. The topology starts
+    an emulated vLLM server for it (asleep on a standby) and lists it in the supervisor's config,
+    so an apply can bind it later (:meth:`DemoTopology.layout_binding`).
+
+    Attributes:
+        domain: Slug of the domain that serves it.
+        gpu_index: GPU of the inference slot it belongs to.
+        name: The served model name.
+    """
+
+    domain: str
+    gpu_index: int
+    name: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TopologyOptions:
     """What :class:`DemoTopology` starts, and where.
 
@@ -186,6 +205,7 @@ class TopologyOptions:
             running), as an operator would after seeding.
         hosts: Where the server (key ``"server"``) and each domain (its slug) run; missing
             keys run here on 127.0.0.1.
+        unbound_models: Models served from the start but not bound by the seeded layout.
     """
 
     workdir: Path
@@ -198,6 +218,7 @@ class TopologyOptions:
     layout: FleetLayout | None = None
     standby_posture: bool = True
     hosts: Mapping[str, HostPlacement] = field(default_factory=dict)
+    unbound_models: tuple[UnboundModel, ...] = ()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -236,10 +257,20 @@ class DemoDomain:
     supervisor_url: str = ""
     checkpoint_dirs: dict[int, Path] = field(default_factory=dict)
 
+    unbound: tuple[UnboundModel, ...] = ()
+    """Models its vLLM serves that the seeded layout does not bind."""
+
     @property
     def models(self) -> tuple[str, ...]:
-        """Model names, in layout order."""
+        """Model names the seeded layout binds, in layout order."""
         return tuple(m.name for s in self.shape.inference_slots for m in s.models)
+
+    def served_on(self, gpu_index: int) -> tuple[str, ...]:
+        """Every model served on inference GPU ``gpu_index``: the bound ones, then the unbound."""
+        bound = tuple(
+            m.name for s in self.shape.inference_slots if s.gpu_index == gpu_index for m in s.models
+        )
+        return bound + tuple(u.name for u in self.unbound if u.gpu_index == gpu_index)
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -304,8 +335,21 @@ class DemoTopology:
         self.timings = options.timings
         self.shape = options.layout or load_example_layout()
         self.domains: dict[str, DemoDomain] = {
-            d.slug: DemoDomain(slug=d.slug, shape=d) for d in self.shape.domains
+            d.slug: DemoDomain(
+                slug=d.slug,
+                shape=d,
+                unbound=tuple(u for u in options.unbound_models if u.domain == d.slug),
+            )
+            for d in self.shape.domains
         }
+        for unbound in options.unbound_models:
+            domain = self.domains.get(unbound.domain)
+            if domain is None or unbound.gpu_index not in {
+                s.gpu_index for s in domain.shape.inference_slots
+            }:
+                raise ValueError(
+                    f"no inference slot on GPU {unbound.gpu_index} of {unbound.domain}"
+                )
         self.layout: FleetLayout | None = None
         self.server: ChildProcess | None = None
         self.server_port = options.server_port
@@ -452,7 +496,8 @@ class DemoTopology:
         progress("starting the server")
         server_start = asyncio.create_task(self.start_server(), name="haru-demo-server-start")
         try:
-            progress(f"starting {sum(len(d.models) for d in self.domains.values())} emulated vLLM")
+            served = sum(len(d.models) + len(d.unbound) for d in self.domains.values())
+            progress(f"starting {served} emulated vLLM")
             await _all(
                 self._start_vllm(domain, asleep=domain.slug != active)
                 for domain in self.domains.values()
@@ -575,9 +620,9 @@ class DemoTopology:
 
     async def _start_vllm(self, domain: DemoDomain, *, asleep: bool) -> None:
         await _all(
-            self._spawn_vllm(domain, m.name, slot.gpu_index, port=0, asleep=asleep)
+            self._spawn_vllm(domain, name, slot.gpu_index, port=0, asleep=asleep)
             for slot in domain.shape.inference_slots
-            for m in slot.models
+            for name in domain.served_on(slot.gpu_index)
         )
 
     async def kill_vllm(self, slug: str) -> datetime:
@@ -639,7 +684,7 @@ class DemoTopology:
         gpus: dict[int, EmulatedGpu] = {}
         for slot in domain.shape.slots:
             if isinstance(slot, InferenceSlotSpec):
-                servers = [domain.vllm[m.name] for m in slot.models]
+                servers = [domain.vllm[name] for name in domain.served_on(slot.gpu_index)]
                 slots.append(
                     SupervisorInferenceSlot(
                         gpu_index=slot.gpu_index,
@@ -748,6 +793,32 @@ class DemoTopology:
             }
         )
         # Validate the rewritten document as an operator's would be.
+        return FleetLayout.model_validate_json(layout.model_dump_json(exclude_none=True))
+
+    def layout_binding(self, unbound: UnboundModel) -> FleetLayout:
+        """The seeded layout with ``unbound`` bound to its slot, at its server's URL.
+
+        What an operator would ``haru apply`` to have Haru route the model.
+
+        Raises:
+            DemoError: The topology has not been started.
+        """
+        if self.layout is None:
+            raise DemoError("the topology has not been started")
+        server = self.domains[unbound.domain].vllm[unbound.name]
+        binding = ModelBinding(name=unbound.name, serving_url=server.url)
+        domains: list[DomainLayout] = []
+        for domain in self.layout.domains:
+            if domain.slug == unbound.domain:
+                slots = tuple(
+                    slot.model_copy(update={"models": (*slot.models, binding)})
+                    if isinstance(slot, InferenceSlotSpec) and slot.gpu_index == unbound.gpu_index
+                    else slot
+                    for slot in domain.slots
+                )
+                domain = domain.model_copy(update={"slots": slots})
+            domains.append(domain)
+        layout = self.layout.model_copy(update={"domains": tuple(domains)})
         return FleetLayout.model_validate_json(layout.model_dump_json(exclude_none=True))
 
     @property
