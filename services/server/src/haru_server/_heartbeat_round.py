@@ -16,13 +16,13 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal
 from uuid import UUID
 
 from haru_core import (
     DomainChange,
     Reach,
     domain_change_on_heartbeat,
+    domain_role,
     server_partitioned,
     slot_health_changes,
 )
@@ -282,7 +282,7 @@ class HeartbeatRound:
             await self._ctx.store.append_event(
                 fleet_id=fleet.id,
                 payload=DomainSupervisorUnauthorized(
-                    message=refused.message, role=_role(fleet, domain)
+                    message=refused.message, role=domain_role(fleet, domain)
                 ),
                 at=now,
                 domain_id=domain.id,
@@ -490,7 +490,3 @@ def _reach_of(exc: SupervisorCallError) -> Reach:
     if isinstance(exc, SupervisorRejectedError):
         return Reach.ANSWERED  # an error status came from the host
     return Reach.BROKEN  # TLS, plain HTTP refused, a reset after connecting, a bad answer
-
-
-def _role(fleet: FleetSnapshot, domain: DomainSnapshot) -> Literal["active", "standby"]:
-    return "active" if fleet.active_domain_id == domain.id else "standby"
