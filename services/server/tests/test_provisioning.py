@@ -860,10 +860,10 @@ async def test_a_domain_launched_under_its_old_name_is_still_found_and_torn_down
     try:
         current = await snapshot(store)
         assert await provisioner.cluster_name(current, domain(current, "alpha")) == old
-        assert (await provisioner.observe(current, domain(current, "alpha"))).shown == "UP"
+        assert (await provisioner.read_status(current, domain(current, "alpha"))).shown == "UP"
         # Addressed under its old name, never relaunched under the new one.
         for _ in range(200):
-            await provisioner.step(await snapshot(store), None)
+            await provisioner.provision_round(await snapshot(store), None)
             if domain(await snapshot(store), "alpha").serving_base_url is not None:
                 break
             await asyncio.sleep(0.02)
@@ -875,7 +875,7 @@ async def test_a_domain_launched_under_its_old_name_is_still_found_and_torn_down
             at=clock(),
         )
         for _ in range(100):
-            await provisioner.step(await snapshot(store), None)
+            await provisioner.provision_round(await snapshot(store), None)
             if domain(await snapshot(store), "alpha").state is DomainState.STOPPED:
                 break
             await asyncio.sleep(0.02)
@@ -1296,10 +1296,10 @@ async def test_a_sky_older_than_the_minimum_launches_nothing(
     try:
         async with asyncio.timeout(10):
             while "older than 0.12.0" not in caplog.text:
-                await provisioner.step(await snapshot(sqlite_store), None)
+                await provisioner.provision_round(await snapshot(sqlite_store), None)
                 await asyncio.sleep(0.02)
         for _ in range(3):
-            await provisioner.step(await snapshot(sqlite_store), None)
+            await provisioner.provision_round(await snapshot(sqlite_store), None)
     finally:
         await provisioner.close()
     assert [c["argv"] for c in sky.calls()] == [["--version"]]
@@ -1322,20 +1322,20 @@ async def test_launches_beyond_the_limit_wait_their_turn(
     )
     try:
         for _ in range(2):
-            await provisioner.step(await snapshot(sqlite_store), None)
+            await provisioner.provision_round(await snapshot(sqlite_store), None)
         fleet = await snapshot(sqlite_store)
         assert [d.launch_attempt for d in fleet.domains] == [1, 1]  # both claimed
         async with asyncio.timeout(10):
             while "haru-local--alpha" not in sky.clusters():
                 await asyncio.sleep(0.02)
         for _ in range(3):
-            await provisioner.step(await snapshot(sqlite_store), None)
+            await provisioner.provision_round(await snapshot(sqlite_store), None)
         assert sky.launches("haru-local--beta") == []  # queued behind alpha's
         pid = sky.launch_pid("haru-local--alpha")
         os.kill(pid, 9)  # alpha's launch ends (failed): beta's turn
         async with asyncio.timeout(10):
             while not sky.launches("haru-local--beta"):
-                await provisioner.step(await snapshot(sqlite_store), None)
+                await provisioner.provision_round(await snapshot(sqlite_store), None)
                 await asyncio.sleep(0.02)
     finally:
         await provisioner.close()
@@ -1373,7 +1373,7 @@ async def test_a_domain_removed_by_apply_is_torn_down_out_of_the_fleets_snapshot
     )
     try:
         for _ in range(100):
-            await provisioner.step(await snapshot(store), None)
+            await provisioner.provision_round(await snapshot(store), None)
             if not await store.list_removed_teardowns(fleet.id):
                 break
             await asyncio.sleep(0.02)

@@ -119,7 +119,7 @@ class Backend(Protocol):
         """Render the domain (raising the driver's errors now) and return the launch to run."""
         ...
 
-    async def observe(self, name: str, settings: Provisioning) -> Observed:
+    async def read_status(self, name: str, settings: Provisioning) -> Observed:
         """Read SkyPilot's status of ``name``."""
         ...
 
@@ -178,10 +178,10 @@ class ClusterBackend:
         )
         return self.driver.launch_domain(spec, secrets=secrets)
 
-    async def observe(self, name: str, settings: Provisioning) -> Observed:
+    async def read_status(self, name: str, settings: Provisioning) -> Observed:
         return cluster_observed(await self.driver.get_domain_status(name))
 
-    async def observe_many(self, names: Sequence[str], *, refresh: bool) -> dict[str, Observed]:
+    async def read_statuses(self, names: Sequence[str], *, refresh: bool) -> dict[str, Observed]:
         """One ``sky status`` of every name (a name SkyPilot does not know is ``absent``)."""
         infos = await self.driver.get_domain_statuses(names, refresh=refresh)
         return {name: cluster_observed(infos.get(name)) for name in names}
@@ -261,7 +261,7 @@ class ServiceBackend:
         spec = domain_service(name, domain.placement, _specs(domain), settings)
         return self.driver.launch_service(spec, secrets=secrets)
 
-    async def observe(self, name: str, settings: Provisioning) -> Observed:
+    async def read_status(self, name: str, settings: Provisioning) -> Observed:
         info = await self.driver.get_service_status(name)
         if info is None:
             self._no_replica_since.pop(name, None)

@@ -124,7 +124,7 @@ class Provisioner(RecoverySteps):
         memory = self._memory.get(domain_id)
         return memory is not None and memory.launch is not None and not memory.launch.task.done()
 
-    async def step(self, fleet: FleetSnapshot, in_flight: Operation | None) -> bool:
+    async def provision_round(self, fleet: FleetSnapshot, in_flight: Operation | None) -> bool:
         """Advance every provisioned domain of ``fleet`` by at most one step.
 
         A ``sky`` command that fails while reading status is logged and retried next tick
@@ -217,7 +217,7 @@ class Provisioner(RecoverySteps):
         """Whether this provisioner drives ``domain`` (its provider has a backend here)."""
         return domain.provider in self._backends
 
-    async def observe(self, fleet: FleetSnapshot, domain: DomainSnapshot) -> Observed:
+    async def read_status(self, fleet: FleetSnapshot, domain: DomainSnapshot) -> Observed:
         """SkyPilot's status of the domain's cluster or service now.
 
         ``shown`` is ``absent`` when SkyPilot does not know it.
@@ -227,7 +227,7 @@ class Provisioner(RecoverySteps):
             haru_driver_skypilot.SkyDriverError: the command failed.
         """
         memory = self._memory.setdefault(domain.id, DomainMemory())
-        return await self._backend(domain).observe(
+        return await self._backend(domain).read_status(
             await self._name(fleet, domain, memory), settings_of(domain)
         )
 

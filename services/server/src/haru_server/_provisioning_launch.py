@@ -150,7 +150,7 @@ class LaunchSteps(ProvisionerBase):
             raise
         try:
             for old in names:
-                seen = await backend.observe(old, settings_of(domain))
+                seen = await backend.read_status(old, settings_of(domain))
                 if seen.shown == ABSENT:
                     continue
                 logger.warning(

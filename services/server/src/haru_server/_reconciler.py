@@ -214,7 +214,9 @@ class Reconciler:
             # one-in-flight rule and driven by the next tick.
             operation = await self._store.get_in_flight_operation(fleet.id)
         fleet, operation = await self._decisions.clamp_future_times(fleet, operation)
-        if self._provisioner is not None and await self._provisioner.step(fleet, operation):
+        if self._provisioner is not None and await self._provisioner.provision_round(
+            fleet, operation
+        ):
             fleet = await self._ctx.load_fleet(str(fleet.id))
         if operation is None and not partitioned:
             # Partitioned: every domain looks lost at once; no decision rests on that.

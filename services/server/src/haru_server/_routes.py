@@ -424,7 +424,7 @@ async def domain_status(request: web.Request) -> web.Response:
     if provisioner.drives(domain):
         name = await provisioner.cluster_name(fleet, domain)
         try:
-            observed = await provisioner.observe(fleet, domain)
+            observed = await provisioner.read_status(fleet, domain)
         except SkyDriverError as exc:
             error = str(exc)[:1024]
         else:

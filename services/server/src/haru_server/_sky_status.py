@@ -120,7 +120,7 @@ class StatusReads:
             if last is not None and mono - last < self._options.status_interval_s:
                 return None
             memory.status_read_at = mono
-            return await self._backends[domain.provider].observe(name, settings_of(domain))
+            return await self._backends[domain.provider].read_status(name, settings_of(domain))
         if memory.status_asked_at is None:
             memory.status_asked_at = mono
         got = self._reads.results.get(name)
@@ -148,7 +148,7 @@ class StatusReads:
     async def _read_all(self, names: list[str], started: float) -> None:
         """One ``sky status N1 N2 ... [--refresh] -o json``; bounded by the status timeout."""
         try:
-            seen = await self._clusters.observe_many(names, refresh=self._options.refresh)
+            seen = await self._clusters.read_statuses(names, refresh=self._options.refresh)
         except SkyDriverError as exc:
             logger.warning("SkyPilot status read of %d cluster(s) failed: %s", len(names), exc)
             self._reads.wanted.update(names)  # asked again by the next read
