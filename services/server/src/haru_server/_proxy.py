@@ -60,17 +60,13 @@ from haru_db import RouteListener
 from haru_protocol import REQUEST_ID_HEADER, ErrorCode, FleetRoutePointer
 from haru_web import ApiError, connection_cap, current_request_id
 
+from haru_server._access_log import note_key, note_route
 from haru_server._async_utils import ClientGoneError, DisconnectWatch, FleetKicker, KickDebouncer
 from haru_server._client_keys import Grant, KeyGate
 from haru_server._fleet_aliases import ref_key
 from haru_server._hold import FailoverHold, held_cap
 from haru_server._keys import api_token_key, clock_key, settings_key, store_key
-from haru_server._metrics import (
-    ServerMetrics,
-    metrics_key,
-    note_key,
-    note_route,
-)
+from haru_server._metrics import ServerMetrics, metrics_key
 from haru_server._pki import FleetPki
 from haru_server._proxy_errors import routing_headers, unroutable
 from haru_server._proxy_routes import (

@@ -13,7 +13,7 @@ import logging
 import aiohttp
 from aiohttp import hdrs, web
 
-from haru_server._metrics import note_first_chunk
+from haru_server._access_log import note_first_chunk
 from haru_server._proxy_errors import HELD_HEADER, ROUTING_HEADER, STALE, origin
 from haru_server._proxy_routes import RouteTable
 from haru_server._route_entries import RouteLookup

@@ -23,8 +23,8 @@ from haru_supervisor_client import connect_failure, is_loopback_url
 from haru_web import ApiError
 from yarl import URL
 
+from haru_server._access_log import note_route, note_upstream
 from haru_server._async_utils import KickDebouncer
-from haru_server._metrics import note_route, note_upstream
 from haru_server._pki import FleetPki
 from haru_server._proxy_errors import (
     UnansweredError,
