@@ -41,13 +41,13 @@ from haru_protocol import (
     SlotKind,
 )
 from haru_server._app import create_app
+from haru_server._async_utils import KickDebouncer
+from haru_server._hold import held_cap
 from haru_server._keys import clock_key, settings_key, store_key
 from haru_server._metrics import ServerMetrics, metrics_key
 from haru_server._proxy import (
     ProxyTuning,
-    _KickDebouncer,
     _Proxy,
-    held_cap,
     install_proxy,
     proxy_key,
 )
@@ -516,7 +516,7 @@ def test_kicks_are_debounced_per_fleet() -> None:
     now = [100.0]
     kicker = Proxy(url="", app=web.Application())
 
-    debounce = _KickDebouncer(kicker, interval_s=1.0, clock=lambda: now[0])
+    debounce = KickDebouncer(kicker, interval_s=1.0, clock=lambda: now[0])
     a, b = UUID(int=1), UUID(int=2)
     assert debounce(a)
     assert not debounce(a)
@@ -526,7 +526,7 @@ def test_kicks_are_debounced_per_fleet() -> None:
     now[0] += 0.02
     assert debounce(a)
     assert kicker.kicks == [a, b, a]
-    assert not _KickDebouncer(None, interval_s=1.0, clock=lambda: now[0])(a)
+    assert not KickDebouncer(None, interval_s=1.0, clock=lambda: now[0])(a)
 
 
 async def test_upstream_errors_pass_through_unchanged_and_unretried(
@@ -1362,7 +1362,7 @@ async def auto_failover_setup(
 
 
 def holding_is(proxy: _Proxy, count: int) -> bool:
-    return proxy.holding == count
+    return proxy.hold.holding == count
 
 
 async def held_now(http: aiohttp.ClientSession, proxy: Proxy) -> float:
@@ -1407,7 +1407,7 @@ async def test_held_requests_are_released_in_arrival_order_at_the_flip(
     assert arrived == ["request 0", "request 1", "request 2"]
     assert served(setup.alpha) == 0
     assert held_total(proxy) == 3
-    assert running.holding == 0
+    assert running.hold.holding == 0
 
 
 async def test_a_held_request_fails_at_its_bound_with_the_error_it_would_have_got(
@@ -1426,7 +1426,7 @@ async def test_a_held_request_fails_at_its_bound_with_the_error_it_would_have_go
     assert error_code(body) == "no_active_domain"
     assert int(headers["X-Haru-Held-Ms"]) >= 30
     assert headers["Retry-After"] == "1"
-    assert proxy_of(proxy).holding == 0
+    assert proxy_of(proxy).hold.holding == 0
 
 
 async def test_a_hold_that_gives_up_on_a_refusing_upstream_says_when_to_retry(
@@ -1474,7 +1474,7 @@ async def test_a_model_on_a_failed_slot_is_held_until_its_slot_serves_again(
     slot_id = await fail_first_slot(sqlite_store, setup.fleet.alpha_id)
     running = proxy_of(proxy)
     held = asyncio.create_task(post(http, proxy, chat_body()))
-    await eventually(lambda: running.holding == 1, within=30)
+    await eventually(lambda: running.hold.holding == 1, within=30)
     # The heartbeat sees the models awake again: no pointer move, the slot serves again.
     assert await sqlite_store.transition_slot(
         slot_id,
@@ -1487,7 +1487,7 @@ async def test_a_model_on_a_failed_slot_is_held_until_its_slot_serves_again(
     assert status == 200
     assert int(headers["X-Haru-Held-Ms"]) >= 0
     assert served(setup.alpha) == 1
-    assert running.holding == 0
+    assert running.hold.holding == 0
 
 
 async def test_a_model_on_a_failed_slot_is_held_through_the_failover(
@@ -1501,7 +1501,7 @@ async def test_a_model_on_a_failed_slot_is_held_through_the_failover(
     await fail_first_slot(sqlite_store, setup.fleet.alpha_id)
     running = proxy_of(proxy)
     held = asyncio.create_task(post(http, proxy, chat_body()))
-    await eventually(lambda: running.holding == 1, within=30)
+    await eventually(lambda: running.hold.holding == 1, within=30)
     await promote(sqlite_store, setup.fleet)
     assert (await held)[0] == 200
     assert served(setup.beta) == 1
@@ -1519,14 +1519,14 @@ async def test_holds_respect_the_cap_and_need_auto_failover(
     await setup.alpha.set_faults(refuse=True)
     running = proxy_of(proxy)
     held = asyncio.create_task(post(http, proxy, chat_body(text="held")))
-    await eventually(lambda: running.holding == 1, within=30)
+    await eventually(lambda: running.hold.holding == 1, within=30)
     status, headers, body = await post(http, proxy, chat_body(text="over the cap"))
     # Over the cap: refused at once, saying when to come back, never held.
     assert status == 503
     assert error_code(body) == "overloaded"
     assert headers["Retry-After"] == "1"
     assert "X-Haru-Held-Ms" not in headers
-    assert running.over_cap == 1
+    assert running.hold.over_cap == 1
     await promote(sqlite_store, setup.fleet)
     assert (await held)[0] == 200
     assert served(setup.beta) == 1
@@ -1562,7 +1562,7 @@ async def test_a_promotion_in_flight_holds_requests_without_auto_failover(
     if route_lease_ms:  # the refresher's next read carries the flag; no request waits on it
         await eventually(lambda: running.cache.promotion_in_flight(setup.fleet.id), within=30)
     held = asyncio.create_task(post(http, proxy, chat_body(text="held")))
-    await eventually(lambda: running.holding == 1, within=30)
+    await eventually(lambda: running.hold.holding == 1, within=30)
     await flip_to_beta(sqlite_store, setup.fleet, operation_id)
     status, headers, _ = await held
     assert status == 200
@@ -1584,7 +1584,7 @@ async def test_a_hold_outlasts_its_fixed_bound_while_a_promotion_is_in_flight(
     await setup.alpha.set_faults(refuse=True)
     operation_id = await start_promotion(sqlite_store, setup.fleet)
     held = asyncio.create_task(post(http, proxy, chat_body()))
-    await eventually(lambda: running.holding == 1, within=30)
+    await eventually(lambda: running.hold.holding == 1, within=30)
     since = running.cache.promotion_since(setup.fleet.id)
     assert since is not None
     # Bounded by the promotion's own budgets up to the flip, not by HARU_FAILOVER_HOLD_MS.
@@ -1598,7 +1598,10 @@ async def test_a_hold_outlasts_its_fixed_bound_while_a_promotion_is_in_flight(
         + policy.probe_timeout_ms
         + policy.switch_active_timeout_ms
     ) / 1000
-    assert running.hold_deadline(setup.fleet.id, since, policy) == since + budget_s + hold_ms / 1000
+    assert (
+        running.hold.hold_deadline(setup.fleet.id, since, policy)
+        == since + budget_s + hold_ms / 1000
+    )
     # The promotion takes several times the fixed bound to flip; the request waits for it.
     loop = asyncio.get_running_loop()
     flip_after = loop.time() + 5 * hold_ms / 1000
@@ -1623,7 +1626,7 @@ async def test_with_the_promotion_over_a_hold_falls_back_to_its_fixed_bound(
     await setup.alpha.set_faults(refuse=True)
     operation_id = await start_promotion(sqlite_store, setup.fleet)
     held = asyncio.create_task(post(http, proxy, chat_body()))
-    await eventually(lambda: running.holding == 1, within=30)
+    await eventually(lambda: running.hold.holding == 1, within=30)
     assert await sqlite_store.fail_operation(
         operation_id,
         error=OperationError(step=None, code="probe_failed", message="probe failed"),
@@ -1646,7 +1649,7 @@ async def test_requests_held_for_a_promotion_fail_at_once_when_it_fails(
     await setup.alpha.set_faults(refuse=True)
     operation_id = await start_promotion(sqlite_store, setup.fleet)
     held = asyncio.create_task(post(http, proxy, chat_body()))
-    await eventually(lambda: running.holding == 1, within=30)
+    await eventually(lambda: running.hold.holding == 1, within=30)
     assert await sqlite_store.fail_operation(
         operation_id,
         error=OperationError(step=None, code="probe_failed", message="probe failed"),
@@ -1657,7 +1660,7 @@ async def test_requests_held_for_a_promotion_fail_at_once_when_it_fails(
     assert status == 502
     assert error_code(body) == "upstream_unreachable"
     assert 0 <= int(headers["X-Haru-Held-Ms"]) < 60_000
-    assert running.holding == 0
+    assert running.hold.holding == 0
     assert held_total(proxy) == 0
 
 
@@ -1717,7 +1720,7 @@ async def test_a_request_an_upstream_dropped_unanswered_is_sent_once_to_the_new_
     running = proxy_of(proxy)
     body = chat_body(text="once more", padding="x" * padding)
     held = asyncio.create_task(post(http, proxy, body))
-    await eventually(lambda: running.holding == 1, within=30)
+    await eventually(lambda: running.hold.holding == 1, within=30)
     # Held until the route moves: sent again to the upstream that dropped it, it would have
     # been dropped a second time and failed (a request reaches at most two upstreams).
     await promote(sqlite_store, setup.fleet)
@@ -1727,8 +1730,8 @@ async def test_a_request_an_upstream_dropped_unanswered_is_sent_once_to_the_new_
     assert len(upstream.writers) == 1  # never sent to the dropping upstream again
     arrived = [json.loads(r.body)["messages"][0]["content"] for r in setup.beta.recorded_requests]
     assert arrived == ["once more"]
-    assert running.retried_total == 1
-    assert running.holding == 0
+    assert running.hold.retried_total == 1
+    assert running.hold.holding == 0
 
 
 def test_held_requests_take_at_most_half_the_connection_cap() -> None:
@@ -1743,7 +1746,7 @@ async def test_the_proxy_lowers_its_hold_cap_to_half_the_connections(
     make_proxy: ProxyFactory,
 ) -> None:
     proxy = await make_proxy(failover_hold_max=1_000, http_max_connections=20)
-    assert proxy_of(proxy).hold_max == held_cap(1_000, 20) <= 10
+    assert proxy_of(proxy).hold.hold_max == held_cap(1_000, 20) <= 10
 
 
 async def test_a_request_dropped_by_two_actives_is_not_sent_a_third_time(
@@ -1763,14 +1766,14 @@ async def test_a_request_dropped_by_two_actives_is_not_sent_a_third_time(
     proxy = await make_proxy(tuning=HOLD_TUNING, failover_hold_ms=60_000)
     running = proxy_of(proxy)
     held = asyncio.create_task(post(http, proxy, chat_body()))
-    await eventually(lambda: running.holding == 1, within=30)
+    await eventually(lambda: running.hold.holding == 1, within=30)
     await promote(sqlite_store, fleet)
     status, headers, body = await held
     assert status == 502
     assert error_code(body) == "upstream_unreachable"
     assert headers["Retry-After"] == "1"
     assert (len(first.writers), len(second.writers)) == (1, 1)
-    assert running.retried_total == 0
+    assert running.hold.retried_total == 0
 
 
 async def test_an_upstream_answer_is_never_sent_again_even_a_500(
@@ -1788,7 +1791,7 @@ async def test_an_upstream_answer_is_never_sent_again_even_a_500(
     assert "X-Haru-Held-Ms" not in headers
     assert served(setup.alpha) == 1
     assert served(setup.beta) == 0
-    assert proxy_of(proxy).holding == 0
+    assert proxy_of(proxy).hold.holding == 0
 
 
 async def test_a_fleet_without_a_failover_coming_fails_a_dropped_request_at_once(
@@ -1819,9 +1822,9 @@ async def test_a_client_gone_while_held_is_dropped(
     await setup.alpha.set_faults(refuse=True)
     running = proxy_of(proxy)
     _, writer = await raw_request(proxy, chat_body())
-    await eventually(lambda: running.holding == 1, within=30)
+    await eventually(lambda: running.hold.holding == 1, within=30)
     writer.close()
-    await eventually(lambda: running.holding == 0, within=30)
+    await eventually(lambda: running.hold.holding == 0, within=30)
     await promote(sqlite_store, setup.fleet)
     assert served(setup.beta) == 0
     assert held_total(proxy) == 0
@@ -1851,4 +1854,4 @@ async def test_an_upstream_silent_mid_answer_is_cut_at_the_idle_bound(
             await read_into(resp, pieces)
     assert b"".join(pieces).startswith(b"data: first\n\n")
     await asyncio.wait_for(upstream.closed.wait(), 30)
-    assert proxy_of(proxy).idle_cuts == 1
+    assert proxy_of(proxy).relay.idle_cuts == 1

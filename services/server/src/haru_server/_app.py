@@ -21,6 +21,7 @@ from haru_web import (
     request_id_middleware,
 )
 
+from haru_server._access_log import proxy_access_middleware
 from haru_server._apply import apply_routes
 from haru_server._clock import Clock, OffsetFileClock, StoreClock, utc_now
 from haru_server._control_plane import ControlPlane
@@ -35,7 +36,7 @@ from haru_server._keys import (
     store_clock_key,
     store_key,
 )
-from haru_server._metrics import ServerMetrics, metrics_key, proxy_access_middleware
+from haru_server._metrics import ServerMetrics, metrics_key
 from haru_server._middleware import store_error_middleware
 from haru_server._proxy import ProxyTuning, add_proxy_routes
 from haru_server._proxy_routes import PROXIED_PATHS

@@ -1,4 +1,4 @@
-"""The control server's Prometheus metrics, and the per-request notes of the proxy's access log.
+"""The control server's Prometheus metrics: their definitions and the hooks that move them.
 
 Every metric lives in the app's own registry (``app[metrics_key].registry``) and is updated
 from what the server already has in hand (a tick's snapshot, a proxied request's route): the
@@ -13,20 +13,15 @@ training slot was running (with a pid) at the earlier heartbeat. Their ratio is 
 standby time whose GPUs trained: 1.0 means no idle standby GPU. Gaps longer than
 :data:`MAX_STANDBY_GAP_S` (heartbeats stopped) are not counted either way.
 
-Several workers (``HARU_WORKERS``): with ``PROMETHEUS_MULTIPROC_DIR`` set (by the parent),
-every value lives in the worker's files and :attr:`ServerMetrics.exposition` merges all the
-workers' files; each gauge declares how (``multiprocess_mode``).
+Several workers (``HARU_WORKERS``): ``_metrics_workers`` merges their values (each gauge
+declares how, ``multiprocess_mode``); ``_access_log`` counts and logs each proxied answer.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import gc
 import importlib.metadata
-import logging
-import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,7 +30,6 @@ from typing import Final
 from uuid import UUID
 
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
 from haru_core import is_viable_standby
 from haru_protocol import (
     DomainSnapshot,
@@ -45,13 +39,6 @@ from haru_protocol import (
     SupervisorStatus,
     TrainingRunState,
 )
-from haru_web import (
-    CLIENT_CLOSED_STATUS,
-    ApiError,
-    access_logged_key,
-    client_address,
-    service_registry,
-)
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -59,33 +46,11 @@ from prometheus_client import (
     Histogram,
     Info,
 )
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.metrics_core import Metric
-from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.registry import Collector
+
+from haru_server._metrics_workers import MetricsExposition
 
 MAX_STANDBY_GAP_S: Final = 60.0
 """A heartbeat gap longer than this is not attributed to the standby duty cycle."""
-
-MULTIPROC_DIR_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
-"""Set (by the ``HARU_WORKERS`` parent) before prometheus_client is imported: every metric
-value of the process then lives in a file of that folder, and ``/metrics`` merges them all."""
-
-REFRESH_INTERVAL_S: Final = 1.0
-"""With several workers, how often each writes the values read from its memory (ages, held
-requests, clock skew) for the others' scrapes."""
-
-_ABSENT: Final = -math.inf
-"""A shared lease age a worker no longer has (``max`` over workers ignores it; never exported)."""
-
-UNKNOWN: Final = "unknown"
-
-NO_KEY: Final = "none"
-"""The ``key`` of a proxied request no client key was checked for (an open server, or a
-request refused before its key was read)."""
-"""Label value of a fleet or model the request named but the server does not route."""
-
-access_logger = logging.getLogger("haru_server.access")
 
 _LATENCY_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _STEP_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -99,93 +64,7 @@ class _StandbyMark:
     training: bool
 
 
-class _HeartbeatAge(Collector):
-    """``haru_domain_heartbeat_age_seconds``: time since this process's last answered heartbeat.
-
-    Measured on this process's monotonic clock at scrape time (never a stored time compared
-    with another process's clock), so it keeps growing while a supervisor stops answering even
-    when no tick runs. Each replica polls every domain, so the freshest view is the minimum
-    over replicas.
-    """
-
-    def __init__(self, monotonic: Callable[[], float]) -> None:
-        self.answered: dict[tuple[str, str], float] = {}
-        self._monotonic = monotonic
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            "haru_domain_heartbeat_age_seconds",
-            "Seconds since this process last got an answered heartbeat from the domain.",
-            labels=["fleet", "domain"],
-        )
-        now = self._monotonic()
-        for (fleet, domain), at in sorted(self.answered.items()):
-            family.add_metric([fleet, domain], max(now - at, 0.0))
-        yield family
-
-
-class _LeaseAge(Collector):
-    """``haru_route_lease_age_seconds``: age of the route pointer this process routes on.
-
-    Read from the proxy's route cache at scrape time (``lease_ages``): seconds since the read
-    that last confirmed each leased fleet's pointer started. It stays under the lease plus the
-    read bound while the store answers; beyond that, requests read before routing (or fail open
-    while the store does not answer, which is when it keeps growing).
-    """
-
-    def __init__(self) -> None:
-        self.ages: Callable[[], dict[str, float]] = dict
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            "haru_route_lease_age_seconds",
-            "Seconds since the route pointer this process routes the fleet on was confirmed "
-            "by a read (fleets with a kept route lease only).",
-            labels=["fleet"],
-        )
-        for fleet, age in sorted(self.ages().items()):
-            family.add_metric([fleet], age)
-        yield family
-
-
-class _SharedCollector(Collector):
-    """Every worker's files merged (prometheus_client's multiprocess mode), made exportable.
-
-    Counters and histograms are summed; each gauge is merged by its ``multiprocess_mode``.
-    The series no worker has any more are left out (a former active domain's 0, a lease age
-    a worker dropped), and the duty-cycle ratio is computed from the merged counters.
-    """
-
-    def __init__(self, path: str) -> None:
-        self._merged = MultiProcessCollector(None, path)  # type: ignore[no-untyped-call]
-
-    def collect(self) -> Iterator[Metric]:
-        seconds: dict[tuple[str, str], list[float]] = {}
-        for metric in self._merged.collect():  # type: ignore[no-untyped-call]
-            if metric.name == "haru_fleet_active_domain":
-                metric.samples = [s for s in metric.samples if s.value != 0]
-            elif metric.name == "haru_route_lease_age_seconds":
-                metric.samples = [s for s in metric.samples if s.value != _ABSENT]
-            elif metric.name == "haru_standby_duty_cycle_ratio":
-                continue
-            elif metric.name in ("haru_standby_seconds", "haru_standby_training_seconds"):
-                index = 0 if metric.name == "haru_standby_seconds" else 1
-                for sample in (s for s in metric.samples if s.name.endswith("_total")):
-                    key = (sample.labels["fleet"], sample.labels["domain"])
-                    seconds.setdefault(key, [0.0, 0.0])[index] += sample.value
-            yield metric
-        ratio = GaugeMetricFamily(
-            "haru_standby_duty_cycle_ratio",
-            "standby_training_seconds / standby_seconds per domain (1 = no idle standby GPU).",
-            labels=["fleet", "domain"],
-        )
-        for (fleet, domain), (standby, trained) in sorted(seconds.items()):
-            if standby > 0:
-                ratio.add_metric([fleet, domain], trained / standby)
-        yield ratio
-
-
-class ServerMetrics:
+class ServerMetrics(MetricsExposition):
     """The server's metrics and the hooks that move them (one instance per app).
 
     ``exposition`` is what ``/metrics`` serves: ``registry`` itself in a single process; with
@@ -207,21 +86,8 @@ class ServerMetrics:
         version: str | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.shared_dir = os.environ.get(MULTIPROC_DIR_ENV) or None
-        if self.shared_dir is None:
-            self.registry = registry if registry is not None else service_registry()
-            self.exposition = self.registry
-        else:
-            # Every value is written to this process's files; the scrape merges every worker's.
-            self.registry = registry if registry is not None else CollectorRegistry()
-            self.exposition = CollectorRegistry()
-            self.exposition.register(_SharedCollector(self.shared_dir))
+        super().__init__(registry, monotonic=monotonic)
         r = self.registry
-        self._monotonic = monotonic
-        # Read at scrape time from this process's memory (single process), or written by each
-        # worker every REFRESH_INTERVAL_S and before its own scrapes (several workers).
-        self._watched: list[tuple[Gauge, Callable[[], float]]] = []
-        self._lease_fleets: set[str] = set()
         Info("haru_build", "The running haru-server's version.", registry=self.exposition).info(
             {"version": version if version is not None else _installed_version()}
         )
@@ -240,28 +106,7 @@ class ServerMetrics:
             registry=r,
             multiprocess_mode="livemostrecent",
         )
-        self._heartbeat_age = _HeartbeatAge(monotonic)
-        self._lease_age = _LeaseAge()
-        if self.shared_dir is None:
-            r.register(self._heartbeat_age)
-            r.register(self._lease_age)
-        else:
-            self._shared_heartbeat_age = Gauge(
-                "haru_domain_heartbeat_age_seconds",
-                "Seconds since a worker last got an answered heartbeat from the domain (the "
-                "freshest worker's).",
-                ["fleet", "domain"],
-                registry=r,
-                multiprocess_mode="livemin",
-            )
-            self._shared_lease_age = Gauge(
-                "haru_route_lease_age_seconds",
-                "Seconds since the route pointer a worker routes the fleet on was confirmed by "
-                "a read (the oldest worker's; fleets with a kept route lease only).",
-                ["fleet"],
-                registry=r,
-                multiprocess_mode="livemax",
-            )
+        self._register_ages()
         self.gc_pause = Histogram(
             "haru_gc_pause_seconds",
             "Pauses of the cyclic garbage collector (the event loop stops for each), by "
@@ -470,62 +315,6 @@ class ServerMetrics:
         # Per (fleet, domain) slug, the state ``haru_domain_state`` was last set to.
         self._domain_states: dict[tuple[str, str], DomainState] = {}
 
-    def _watch(self, gauge: Gauge, read: Callable[[], float]) -> None:
-        if self.shared_dir is None:
-            gauge.set_function(read)
-        else:
-            self._watched.append((gauge, read))
-
-    def refresh(self) -> None:
-        """With several workers: write this worker's values read from memory to its files.
-
-        Ages, held requests, clock skew and frozen objects are read at scrape time in a single
-        process; a worker cannot read another's memory, so each writes them every
-        :data:`REFRESH_INTERVAL_S` and just before it answers a scrape. No-op otherwise.
-        """
-        if self.shared_dir is None:
-            return
-        for gauge, read in self._watched:
-            gauge.set(read())
-        now = self._monotonic()
-        for (fleet, domain), at in self._heartbeat_age.answered.items():
-            self._shared_heartbeat_age.labels(fleet, domain).set(max(now - at, 0.0))
-        ages = self._lease_age.ages()
-        for fleet in self._lease_fleets - ages.keys():
-            self._shared_lease_age.labels(fleet).set(_ABSENT)
-        for fleet, age in ages.items():
-            self._shared_lease_age.labels(fleet).set(age)
-        self._lease_fleets = set(ages)
-
-    async def before_scrape(self) -> None:
-        """Refresh this worker's scrape-time values (``add_metrics_route``'s hook)."""
-        self.refresh()
-
-    @contextlib.contextmanager
-    def refreshing(self) -> Iterator[None]:
-        """With several workers, :meth:`refresh` every :data:`REFRESH_INTERVAL_S` in the block.
-
-        Runs inside the event loop (timer callbacks); a no-op in a single process.
-        """
-        if self.shared_dir is None:
-            yield
-            return
-        loop = asyncio.get_running_loop()
-        timer: list[asyncio.TimerHandle] = []
-
-        def tick() -> None:
-            try:
-                self.refresh()
-            finally:
-                timer[:] = [loop.call_later(REFRESH_INTERVAL_S, tick)]
-
-        tick()
-        try:
-            yield
-        finally:
-            for handle in timer:
-                handle.cancel()
-
     @contextlib.contextmanager
     def watching_gc(self) -> Iterator[None]:
         """Time every collection of the cyclic garbage collector while the block runs."""
@@ -687,7 +476,7 @@ class ServerMetrics:
         if previous.training:
             self.standby_training_seconds.labels(*labels).inc(gap)
         if self.shared_dir is not None:
-            return  # the scrape divides the merged counters (_SharedCollector)
+            return  # the scrape divides the merged counters (SharedCollector)
         totals = self._standby_totals.setdefault(labels, [0.0, 0.0])
         totals[0] += gap
         totals[1] += gap if previous.training else 0.0
@@ -735,132 +524,3 @@ def _installed_version() -> str:
 
 
 metrics_key: Final = web.AppKey("haru_metrics", ServerMetrics)
-
-
-@dataclass(slots=True)
-class ProxyNote:
-    """What the proxy learned about one request, for its metrics and its access-log line.
-
-    The proxy fills it in (:func:`note_route`, :func:`note_upstream`); the access middleware
-    reads it when the answer is done. Only routed names go in: a model the client named but
-    the fleet does not serve is logged as ``unknown`` (no client text in labels or logs).
-    """
-
-    fleet: str = UNKNOWN
-    model: str = UNKNOWN
-    snapshot: FleetSnapshot | None = None
-    stale: bool = False
-    upstream: str | None = None
-    headers_s: float | None = None
-    started: float = 0.0
-    """``time.monotonic()`` when the request arrived (time to first token counts from here)."""
-    key: str = NO_KEY
-    """The client key's id, ``admin`` (the admin token) or ``none`` (no key checked)."""
-
-
-proxy_note_key: Final = web.RequestKey("haru_proxy_note", ProxyNote)
-
-
-def note_route(
-    request: web.Request, snapshot: FleetSnapshot, *, model: str | None, stale: bool
-) -> None:
-    """The proxy resolved the request's fleet (and ``model`` when the fleet serves it)."""
-    note = request.get(proxy_note_key)
-    if note is None:
-        return
-    note.fleet = snapshot.slug
-    note.snapshot = snapshot
-    note.stale = stale
-    if model is not None:
-        note.model = model
-
-
-def note_key(request: web.Request, label: str) -> None:
-    """The request's client key id (or ``admin``/``none``) was checked."""
-    note = request.get(proxy_note_key)
-    if note is not None:
-        note.key = label
-
-
-def note_upstream(request: web.Request, origin: str, headers_s: float) -> None:
-    """The upstream at ``origin`` answered with headers after ``headers_s`` seconds."""
-    note = request.get(proxy_note_key)
-    if note is None:
-        return
-    note.upstream = origin
-    note.headers_s = headers_s
-
-
-def note_first_chunk(request: web.Request) -> None:
-    """The first chunk of a successful event stream was relayed to the client."""
-    note = request.get(proxy_note_key)
-    if note is None:
-        return
-    request.app[metrics_key].first_token(note.fleet, note.model, time.monotonic() - note.started)
-
-
-def proxy_access_middleware(paths: frozenset[str]) -> Middleware:
-    """Count and access-log every request to the proxied ``paths`` (status known at the end)."""
-
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path not in paths:
-            return await handler(request)
-        started = time.monotonic()
-        note = ProxyNote(started=started)
-        request[proxy_note_key] = note
-        request[access_logged_key] = True  # _record writes this request's access line
-        status = 500
-        try:
-            response = await handler(request)
-        except ApiError as exc:
-            status = exc.status
-            raise
-        except web.HTTPException as exc:
-            status = exc.status
-            raise
-        except asyncio.CancelledError:
-            status = CLIENT_CLOSED_STATUS
-            raise
-        else:
-            status = response.status
-        finally:
-            _record(request, note, status, time.monotonic() - started)
-        return response
-
-    return middleware
-
-
-def _record(request: web.Request, note: ProxyNote, status: int, total_s: float) -> None:
-    metrics = request.app[metrics_key]
-    metrics.proxy_answered(note.fleet, note.model, request.path, status, note.headers_s)
-    metrics.proxy_key_requests.labels(note.key, str(status)).inc()
-    if note.stale:
-        metrics.proxy_stale.labels(note.fleet).inc()
-    if note.snapshot is not None:
-        metrics.fleet_seen(note.snapshot)
-    peer = client_address(request)
-    access_logger.info(
-        "proxy %s fleet=%s model=%s status=%d upstream=%s headers=%s total=%.3fs peer=%s key=%s",
-        request.path,
-        note.fleet,
-        note.model,
-        status,
-        note.upstream or "-",
-        "-" if note.headers_s is None else f"{note.headers_s:.3f}s",
-        total_s,
-        peer,
-        note.key,
-        extra={
-            "route": request.path,
-            "fleet": note.fleet,
-            "model": note.model,
-            "status": status,
-            "upstream": note.upstream,
-            "upstream_headers_s": None if note.headers_s is None else round(note.headers_s, 6),
-            "total_s": round(total_s, 6),
-            "stale": note.stale,
-            "peer": peer,
-            "key": note.key,
-        },
-    )

@@ -39,7 +39,7 @@ from haru_web import configure_logging
 from prometheus_client.multiprocess import mark_process_dead
 
 from haru_server._eventloop import run
-from haru_server._metrics import MULTIPROC_DIR_ENV
+from haru_server._metrics_workers import MULTIPROC_DIR_ENV
 from haru_server._serve import SHUTDOWN_TIMEOUT_S, check_tls, migrate, run_server
 from haru_server._settings import Settings
 
