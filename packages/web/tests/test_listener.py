@@ -18,22 +18,24 @@ class _Service(ListenerSettings):
 
 
 def test_every_listener_variable_is_read_under_its_environment_name() -> None:
-    settings = _Service(
-        HARU_HOST="[::]",
-        HARU_ALLOW_OPEN_BIND="1",
-        HARU_HTTP_HEADER_TIMEOUT_MS="1500",
-        HARU_HTTP_BODY_IDLE_TIMEOUT_MS="2500",
-        HARU_HTTP_KEEPALIVE_TIMEOUT_MS="3500",
-        HARU_HTTP_MAX_CONNECTIONS="7",
-        HARU_HTTP_MAX_CONNECTIONS_PER_PEER="3",
-        HARU_TRUSTED_PROXIES="10.0.0.0/8, 192.0.2.7",
-        HARU_METRICS_PUBLIC="1",
-        HARU_LOG_FORMAT="json",
-        HARU_LOG_LEVEL="warning",
-        HARU_TLS_CERT_FILE="/etc/haru/cert.pem",
-        HARU_TLS_KEY_FILE="/etc/haru/key.pem",
-        HARU_TLS_CLIENT_CA_FILE="/etc/haru/ca.pem",
-        port=9000,
+    settings = _Service.model_validate(
+        {
+            "HARU_HOST": "[::]",
+            "HARU_ALLOW_OPEN_BIND": "1",
+            "HARU_HTTP_HEADER_TIMEOUT_MS": "1500",
+            "HARU_HTTP_BODY_IDLE_TIMEOUT_MS": "2500",
+            "HARU_HTTP_KEEPALIVE_TIMEOUT_MS": "3500",
+            "HARU_HTTP_MAX_CONNECTIONS": "7",
+            "HARU_HTTP_MAX_CONNECTIONS_PER_PEER": "3",
+            "HARU_TRUSTED_PROXIES": "10.0.0.0/8, 192.0.2.7",
+            "HARU_METRICS_PUBLIC": "1",
+            "HARU_LOG_FORMAT": "json",
+            "HARU_LOG_LEVEL": "warning",
+            "HARU_TLS_CERT_FILE": "/etc/haru/cert.pem",
+            "HARU_TLS_KEY_FILE": "/etc/haru/key.pem",
+            "HARU_TLS_CLIENT_CA_FILE": "/etc/haru/ca.pem",
+            "port": 9000,
+        }
     )
     assert settings.bind_host == "::"
     assert settings.allow_open_bind is True
@@ -80,7 +82,7 @@ def test_defaults_are_a_plain_http_listener_with_the_documented_bounds() -> None
 )
 def test_an_unusable_listener_setting_is_refused(values: dict[str, str], named: str) -> None:
     with pytest.raises(ValidationError, match=named):
-        _Service(**values)
+        _Service.model_validate(values)
 
 
 def test_listener_settings_are_frozen() -> None:
