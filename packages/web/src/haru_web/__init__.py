@@ -37,6 +37,7 @@ from haru_web._limits import (
     ServerLimits,
     connection_cap,
 )
+from haru_web._listener import ListenerSettings
 from haru_web._logs import (
     LOG_FORMATS,
     LOG_LEVELS,
@@ -149,6 +150,7 @@ __all__ = (
     "HardenedRequestHandler",
     "HaruWebError",
     "ListenError",
+    "ListenerSettings",
     "Listening",
     "LogFormat",
     "Network",

@@ -25,6 +25,7 @@ from haru_server._access_log import proxy_access_middleware
 from haru_server._apply import apply_routes
 from haru_server._clock import Clock, OffsetFileClock, StoreClock, utc_now
 from haru_server._control_plane import ControlPlane
+from haru_server._domain_routes import domain_routes
 from haru_server._key_routes import key_routes
 from haru_server._keys import (
     api_token_key,
@@ -138,6 +139,7 @@ def create_app(
     app[control_plane_key] = plane
     app.cleanup_ctx.append(plane.run)
     app.add_routes(routes)
+    app.add_routes(domain_routes)
     app.add_routes(apply_routes)
     app.add_routes(key_routes)
     app.add_routes(ready_routes)

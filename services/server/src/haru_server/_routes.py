@@ -1,9 +1,13 @@
-"""The control API (DESIGN 7.2): fleets, operations, events, route intent and reconcile."""
+"""The control API (DESIGN 7.2): fleets, operations, events, route intent and reconcile.
+
+The provisioned domains' routes (status, ``up``, ``down``) are in
+:mod:`haru_server._domain_routes`; they share :func:`plane_of`, :func:`fleet_snapshot` and
+:func:`json_response` from here.
+"""
 
 from __future__ import annotations
 
 import logging
-from typing import Literal
 from uuid import UUID
 
 from aiohttp import web
@@ -17,22 +21,12 @@ from haru_core import (
     training_slots,
 )
 from haru_db import DomainRemovedError
-from haru_driver_skypilot import SkyDriverError
 from haru_protocol import (
     AcceptedResponse,
     AlreadyActiveResponse,
     DemoteRequest,
-    DomainActionRequest,
-    DomainActionResponse,
-    DomainDownRequested,
-    DomainSnapshot,
-    DomainState,
-    DomainStatusResponse,
-    DomainUpRequested,
     ErrorCode,
-    Event,
     EventList,
-    EventType,
     FleetList,
     FleetPolicyChanged,
     FleetPolicyResponse,
@@ -64,7 +58,6 @@ from haru_server._keys import control_plane_key
 from haru_server._operation_requests import request_operation
 from haru_server._reconciler import RECENT_OPERATIONS, Accepted
 from haru_server._schema_gate import check_writes
-from haru_server._steps import former_active_guard_until
 
 logger = logging.getLogger(__name__)
 
@@ -80,29 +73,11 @@ class ReconcileRequest(WireModel):
     """Body of ``POST /v1/fleets/{ref}/reconcile``: empty (or ``{}``); no key is accepted."""
 
 
-PROVISIONING_EVENTS = frozenset(
-    {
-        EventType.DOMAIN_LAUNCH_STARTED,
-        EventType.DOMAIN_LAUNCH_SUCCEEDED,
-        EventType.DOMAIN_PROVISIONING_FAILED,
-        EventType.DOMAIN_ADDRESS_RECORDED,
-        EventType.DOMAIN_CLUSTER_LOST,
-        EventType.DOMAIN_RELAUNCH,
-        EventType.DOMAIN_UP_REQUESTED,
-        EventType.DOMAIN_DOWN_REQUESTED,
-        EventType.DOMAIN_TEARDOWN,
-    }
-)
-"""The events ``GET .../domains/{domain}`` lists."""
-
-DOMAIN_EVENTS_SHOWN = 20
-
-
-def _plane(request: web.Request) -> ControlPlane:
+def plane_of(request: web.Request) -> ControlPlane:
     return request.app[control_plane_key]
 
 
-def _json(model: PeerModel, *, status: int = 200) -> web.Response:
+def json_response(model: PeerModel, *, status: int = 200) -> web.Response:
     return web.json_response(text=model.model_dump_json(), status=status)
 
 
@@ -118,9 +93,9 @@ def _fleet_ref(request: web.Request) -> FleetRef:
     return ref
 
 
-async def _snapshot(request: web.Request) -> FleetSnapshot:
+async def fleet_snapshot(request: web.Request) -> FleetSnapshot:
     ref = _fleet_ref(request)
-    fleet = await _plane(request).store.get_fleet_snapshot(ref)
+    fleet = await plane_of(request).store.get_fleet_snapshot(ref)
     if fleet is None:
         raise _fleet_not_found(ref)
     return fleet
@@ -128,7 +103,7 @@ async def _snapshot(request: web.Request) -> FleetSnapshot:
 
 async def _pointer(request: web.Request) -> FleetRoutePointer:
     ref = _fleet_ref(request)
-    pointer = await _plane(request).store.get_fleet_route_pointer(ref)
+    pointer = await plane_of(request).store.get_fleet_route_pointer(ref)
     if pointer is None:
         raise _fleet_not_found(ref)
     return pointer
@@ -138,13 +113,13 @@ async def _pointer(request: web.Request) -> FleetRoutePointer:
 async def healthz(request: web.Request) -> web.Response:
     # Never touches the database: a red liveness probe during a store outage would restart
     # the process and throw away the routing cache that keeps traffic flowing.
-    return _json(Health())
+    return json_response(Health())
 
 
 @routes.get("/v1/fleets")
 async def list_fleets(request: web.Request) -> web.Response:
-    fleets = await _plane(request).store.list_fleets()
-    return _json(FleetList(fleets=tuple(fleets)))
+    fleets = await plane_of(request).store.list_fleets()
+    return json_response(FleetList(fleets=tuple(fleets)))
 
 
 async def loop_coverage(app: web.Application, fleet: FleetSnapshot) -> FleetSnapshot:
@@ -171,8 +146,8 @@ async def loop_coverage(app: web.Application, fleet: FleetSnapshot) -> FleetSnap
 
 @routes.get("/v1/fleets/{ref}")
 async def get_fleet(request: web.Request) -> web.Response:
-    fleet = await _plane(request).reconciler.annotate(await _snapshot(request))
-    return _json(await loop_coverage(request.app, fleet))
+    fleet = await plane_of(request).reconciler.annotate(await fleet_snapshot(request))
+    return json_response(await loop_coverage(request.app, fleet))
 
 
 POLICY_SWAP_ATTEMPTS = 5
@@ -182,9 +157,9 @@ POLICY_SWAP_ATTEMPTS = 5
 @routes.patch("/v1/fleets/{ref}/policy")
 async def patch_policy(request: web.Request) -> web.Response:
     update = await parse_body(request, PolicyPatch, limit=CONTROL_BODY_LIMIT)
-    await check_writes(_plane(request).schema_gate)
-    fleet = await _snapshot(request)
-    store = _plane(request).store
+    await check_writes(plane_of(request).schema_gate)
+    fleet = await fleet_snapshot(request)
+    store = plane_of(request).store
     for _ in range(POLICY_SWAP_ATTEMPTS):
         stored = await store.get_fleet_policy(fleet.id)
         if stored is None:
@@ -207,8 +182,8 @@ async def patch_policy(request: web.Request) -> web.Response:
             fleet_id=fleet.id, policy=merged.resolve(), patch=patch, changed=tuple(changed)
         )
         if not changed:
-            return _json(answer)
-        now = _plane(request).clock()
+            return json_response(answer)
+        now = plane_of(request).clock()
         if await store.replace_fleet_policy(fleet.id, version=stored.version, patch=patch, at=now):
             # The reconciler reads the policy with the fleet at every tick: nothing to notify.
             await store.append_event(
@@ -217,7 +192,7 @@ async def patch_policy(request: web.Request) -> web.Response:
                 at=now,
             )
             logger.info("fleet %s: policy changed (%s)", fleet.slug, ", ".join(changed))
-            return _json(answer)
+            return json_response(answer)
     raise ApiError(
         ErrorCode.POLICY_CONFLICT,
         f"the policy of fleet {fleet.slug!r} kept changing under this request; retry",
@@ -226,8 +201,8 @@ async def patch_policy(request: web.Request) -> web.Response:
 
 @routes.get("/v1/fleets/{ref}/route-intent")
 async def route_intent(request: web.Request) -> web.Response:
-    fleet = await _snapshot(request)
-    return _json(build_route_intent(fleet, now=_plane(request).clock()))
+    fleet = await fleet_snapshot(request)
+    return json_response(build_route_intent(fleet, now=plane_of(request).clock()))
 
 
 @routes.post("/v1/fleets/{ref}/reconcile")
@@ -235,20 +210,20 @@ async def reconcile(request: web.Request) -> web.Response:
     await parse_body(request, ReconcileRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
     ref = _fleet_ref(request)
     try:
-        result = await _plane(request).reconciler.tick(ref.text)
+        result = await plane_of(request).reconciler.tick(ref.text)
     except FleetNotFoundError:
         raise _fleet_not_found(ref) from None
     except (ClockSkewedError, SchemaNewerError) as exc:
         raise ApiError(ErrorCode.NOT_READY, f"not reconciling: {exc}") from None
-    return _json(ReconcileResponse(fleet_id=result.fleet_id, operation=result.operation))
+    return json_response(ReconcileResponse(fleet_id=result.fleet_id, operation=result.operation))
 
 
 async def _accept_operation(
     request: web.Request, kind: OperationKind, target_domain_id: UUID
 ) -> web.Response:
-    plane = _plane(request)
+    plane = plane_of(request)
     await check_writes(plane.schema_gate)
-    fleet = await _snapshot(request)
+    fleet = await fleet_snapshot(request)
     loop = plane.loop
     if loop is not None and not await loop.covers(fleet.id):
         # Accepting it would leave an operation pending forever, blocking the fleet.
@@ -264,7 +239,7 @@ async def _accept_operation(
         else decide_demotion(fleet, target_domain_id)
     )
     if isinstance(decision, AlreadyActive):
-        return _json(AlreadyActiveResponse(route_revision=decision.route_revision))
+        return json_response(AlreadyActiveResponse(route_revision=decision.route_revision))
     if isinstance(decision, InvalidTarget):
         raise ApiError(ErrorCode.INVALID_TARGET, decision.message)
     if kind is OperationKind.DEMOTE:
@@ -273,7 +248,7 @@ async def _accept_operation(
             # Idempotent (the demote that did it, as a join answers the one doing it): every
             # operation holds the fleet's one in-flight slot, so a stream of redundant demotes
             # would keep failover detection from running between them.
-            return _json(AcceptedResponse(operation=done), status=202)
+            return json_response(AcceptedResponse(operation=done), status=202)
     now = plane.clock()
     requested = (
         OperationRequestedPromote if kind is OperationKind.PROMOTE else OperationRequestedDemote
@@ -313,7 +288,7 @@ async def _accept_operation(
         plane.operation_accepted(Accepted(fleet=fleet, operation=operation))
     else:
         plane.kick(fleet.id)
-    return _json(AcceptedResponse(operation=operation), status=202)
+    return json_response(AcceptedResponse(operation=operation), status=202)
 
 
 async def _demote_in_effect(
@@ -331,7 +306,7 @@ async def _demote_in_effect(
         return None
     if any(s.state is not TrainingSlotState.TRAINING for s in training_slots(domain)):
         return None
-    recent = await _plane(request).store.list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
+    recent = await plane_of(request).store.list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
     newest = max(
         (op for op in recent if target_domain_id in (op.target_domain_id, op.source_domain_id)),
         key=lambda op: op.created_at,
@@ -364,10 +339,10 @@ async def get_operation(request: web.Request) -> web.Response:
         operation_id = UUID(raw)
     except ValueError:
         raise ApiError(ErrorCode.NOT_FOUND, f"operation {raw!r} not found") from None
-    operation = await _plane(request).store.get_operation(operation_id, fleet_id=pointer.id)
+    operation = await plane_of(request).store.get_operation(operation_id, fleet_id=pointer.id)
     if operation is None:
         raise ApiError(ErrorCode.NOT_FOUND, f"operation {raw!r} not found in this fleet")
-    return _json(operation)
+    return json_response(operation)
 
 
 @routes.get("/v1/fleets/{ref}/events")
@@ -375,156 +350,6 @@ async def list_events(request: web.Request) -> web.Response:
     after = int_query(request, "after", 0, low=0, high=2**63 - 1)
     limit = int_query(request, "limit", EVENTS_DEFAULT_LIMIT, low=1, high=EVENTS_MAX_LIMIT)
     pointer = await _pointer(request)
-    events = await _plane(request).store.list_events(pointer.id, after=after, limit=limit)
+    events = await plane_of(request).store.list_events(pointer.id, after=after, limit=limit)
     next_after = events[-1].id if len(events) == limit else None
-    return _json(EventList(events=tuple(events), next_after=next_after))
-
-
-# ---- provisioned domains: status, up, down ---------------------------------------------------
-
-
-def _domain_of(fleet: FleetSnapshot, request: web.Request) -> DomainSnapshot:
-    raw = request.match_info["domain"]
-    for domain in fleet.domains:
-        if raw in (domain.slug, str(domain.id)):
-            return domain
-    raise ApiError(ErrorCode.NOT_FOUND, f"domain {raw[:100]!r} not found in fleet {fleet.slug!r}")
-
-
-def _provisioned(request: web.Request, domain: DomainSnapshot, action: str) -> None:
-    if not _plane(request).provisioner.drives(domain):
-        raise ApiError(
-            ErrorCode.INVALID_TARGET,
-            f"domain {domain.slug!r} is a {domain.provider.value} domain: `{action}` drives "
-            "only skypilot and skyserve domains",
-        )
-
-
-async def _domain_events(
-    request: web.Request, fleet: FleetSnapshot, domain_id: UUID
-) -> list[Event]:
-    store = _plane(request).store
-    found: list[Event] = []
-    after = 0
-    while True:
-        page = await store.list_events(fleet.id, after=after, limit=EVENTS_MAX_LIMIT)
-        found += [e for e in page if e.domain_id == domain_id and e.type in PROVISIONING_EVENTS]
-        found = found[-DOMAIN_EVENTS_SHOWN:]
-        if len(page) < EVENTS_MAX_LIMIT:
-            return found
-        after = page[-1].id
-
-
-@routes.get("/v1/fleets/{ref}/domains/{domain}")
-async def domain_status(request: web.Request) -> web.Response:
-    fleet = await _snapshot(request)
-    domain = _domain_of(fleet, request)
-    name = status = error = None
-    provisioner = _plane(request).provisioner
-    if provisioner.drives(domain):
-        name = await provisioner.cluster_name(fleet, domain)
-        try:
-            observed = await provisioner.read_status(fleet, domain)
-        except SkyDriverError as exc:
-            error = str(exc)[:1024]
-        else:
-            status = observed.shown
-    role: Literal["active", "standby"] = (
-        "active" if fleet.active_domain_id == domain.id else "standby"
-    )
-    return _json(
-        DomainStatusResponse(
-            domain=domain,
-            role=role,
-            cluster_name=name,
-            cluster_status=status,
-            cluster_error=error,
-            events=tuple(await _domain_events(request, fleet, domain.id)),
-        )
-    )
-
-
-async def _domain_action(
-    request: web.Request, fleet: FleetSnapshot, domain: DomainSnapshot, to: DomainState
-) -> web.Response:
-    store = _plane(request).store
-    now = _plane(request).clock()
-    if not await store.transition_domain(domain.id, from_states=(domain.state,), to=to, at=now):
-        raise ApiError(
-            ErrorCode.OPERATION_CONFLICT,
-            f"domain {domain.slug!r} changed state meanwhile; read it again and retry",
-        )
-    payload = (
-        DomainUpRequested(from_state=domain.state)
-        if to is DomainState.PROVISIONING
-        else DomainDownRequested(from_state=domain.state)
-    )
-    await store.append_event(fleet_id=fleet.id, payload=payload, at=now, domain_id=domain.id)
-    logger.info("fleet %s: domain %s %s -> %s", fleet.slug, domain.slug, domain.state, to)
-    _plane(request).kick(fleet.id)
-    after = await _snapshot(request)
-    return _json(DomainActionResponse(domain=_domain_of(after, request)), status=202)
-
-
-@routes.post("/v1/fleets/{ref}/domains/{domain}/up")
-async def domain_up(request: web.Request) -> web.Response:
-    await parse_body(request, DomainActionRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
-    await check_writes(_plane(request).schema_gate)
-    fleet = await _snapshot(request)
-    domain = _domain_of(fleet, request)
-    _provisioned(request, domain, "up")
-    if domain.state not in (DomainState.STOPPED, DomainState.FAILED):
-        raise ApiError(
-            ErrorCode.OPERATION_CONFLICT,
-            f"domain {domain.slug!r} is {domain.state.value}: `up` launches a stopped or "
-            "failed domain",
-        )
-    return await _domain_action(request, fleet, domain, DomainState.PROVISIONING)
-
-
-@routes.post("/v1/fleets/{ref}/domains/{domain}/down")
-async def domain_down(request: web.Request) -> web.Response:
-    await parse_body(request, DomainActionRequest, limit=CONTROL_BODY_LIMIT, empty_ok=True)
-    await check_writes(_plane(request).schema_gate)
-    fleet = await _snapshot(request)
-    domain = _domain_of(fleet, request)
-    _provisioned(request, domain, "down")
-    if fleet.active_domain_id == domain.id:
-        raise ApiError(
-            ErrorCode.OPERATION_CONFLICT,
-            f"domain {domain.slug!r} is the active domain of fleet {fleet.slug!r}: promote "
-            "another domain first, then take this one down",
-        )
-    operation = await _plane(request).store.get_in_flight_operation(fleet.id)
-    if operation is not None and domain.id in (
-        operation.target_domain_id,
-        operation.source_domain_id,
-    ):
-        raise ApiError(
-            ErrorCode.OPERATION_CONFLICT,
-            f"operation {operation.id} ({operation.kind.value}) drives domain "
-            f"{domain.slug!r}; retry when it has finished",
-        )
-    if domain.state in (DomainState.STOPPING, DomainState.STOPPED):
-        return _json(DomainActionResponse(domain=domain), status=200)
-    now = _plane(request).clock()
-    until = await former_active_guard_until(
-        _plane(request).store,
-        _plane(request).reconciler.options.tuning,
-        fleet.id,
-        domain.id,
-        since=now,
-        now=now,
-        recent_limit=RECENT_OPERATIONS,
-    )
-    if until is not None and until > now:
-        # A promotion waits out the guard before it sleeps its old active, but never sleeps a
-        # skyserve one (always awake): taking it down now would stop what processes still
-        # route to.
-        raise ApiError(
-            ErrorCode.OPERATION_CONFLICT,
-            f"domain {domain.slug!r} was the active domain until a promotion moved routing "
-            f"away from it; processes may route to it for {(until - now).total_seconds():.1f} s "
-            "more (their route lease): retry then",
-        )
-    return await _domain_action(request, fleet, domain, DomainState.STOPPING)
+    return json_response(EventList(events=tuple(events), next_after=next_after))

@@ -10,7 +10,6 @@ A token read from a file is followed afterwards (:meth:`Settings.api_token_sourc
 
 from __future__ import annotations
 
-import logging
 import ssl
 import time
 from collections.abc import Callable, Mapping
@@ -20,39 +19,24 @@ from typing import Annotated, Any, Final
 from haru_protocol import MAX_DURATION_MS
 from haru_supervisor_client import SupervisorLinks, client_ssl_context, pin_key
 from haru_web import (
-    DEFAULT_MAX_CONNECTIONS_PER_PEER,
-    HOST_VAR,
-    OPEN_BIND_VAR,
-    TLS_CERT_FILE_VAR,
-    TLS_CLIENT_CA_FILE_VAR,
-    TLS_KEY_FILE_VAR,
-    TRUSTED_PROXIES_VAR,
     EnvInt,
-    EnvLogLevel,
-    LogFormat,
-    ServerLimits,
-    TlsFiles,
+    ListenerSettings,
     TokenConfigError,
     TokenSource,
-    TrustedProxies,
     check_token,
     choose_bind_host,
     is_loopback_bind,
-    normalize_bind_host,
-    parse_log_format,
     resolve_token,
-    tls_files,
 )
 from pydantic import (
     AliasChoices,
-    BeforeValidator,
     Field,
     SecretStr,
     ValidationError,
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode
 
 from haru_server._errors import HaruServerError
 from haru_server._pki import PkiError, StoreKey
@@ -87,17 +71,12 @@ class _MappingEnv(EnvSettingsSource):
         return dict(self._environ)
 
 
-class Settings(BaseSettings):
-    """Everything the server reads from its environment (README: "Configuration")."""
+class Settings(ListenerSettings):
+    """Everything the server reads from its environment (README: "Configuration").
 
-    model_config = SettingsConfigDict(
-        frozen=True,
-        extra="forbid",
-        case_sensitive=True,
-        validate_by_name=True,
-        validate_by_alias=True,
-        hide_input_in_errors=True,
-    )
+    The listener's fields (``HARU_HOST``, ``HARU_HTTP_*``, ``HARU_LOG_*``, ``HARU_TLS_*``, ...)
+    are :class:`haru_web.ListenerSettings`; the rest are the server's own.
+    """
 
     # Neither in a repr nor in a dump: a URL may carry a password.
     database_url: str | None = Field(
@@ -114,12 +93,6 @@ class Settings(BaseSettings):
         8700, validation_alias=_env("PORT", "port")
     )
     """``PORT``: TCP port; 0 picks a free one (the bound port is logged)."""
-    bind_host: str | None = Field(None, validation_alias=_env(HOST_VAR, "bind_host"))
-    """``HARU_HOST``: the address to listen on; None = all interfaces with a token, 127.0.0.1
-    without one. A non-loopback address without a token needs ``HARU_ALLOW_OPEN_BIND``."""
-    allow_open_bind: bool = Field(False, validation_alias=_env(OPEN_BIND_VAR, "allow_open_bind"))
-    """``HARU_ALLOW_OPEN_BIND``: allow a non-loopback ``HARU_HOST`` without ``HARU_API_TOKEN``
-    (an API open to the network, on purpose; a warning is logged at boot)."""
     api_token: SecretStr | None = Field(None, validation_alias=_env(API_TOKEN_VAR, "api_token"))
     """``HARU_API_TOKEN`` (or ``HARU_API_TOKEN_FILE``): bearer token of ``/v1/*``; None =
     open API, bound to 127.0.0.1 only, browsers kept out by the Origin/Host guard."""
@@ -190,39 +163,6 @@ class Settings(BaseSettings):
     """``HARU_RECONCILE_FLEETS``: fleets the loop reconciles; None = every fleet. From the
     environment: a comma-separated list, ``*`` or unset for every fleet; a list naming no fleet
     (``","``) is refused at boot."""
-    http_header_timeout_ms: DurationMs = Field(
-        10_000, validation_alias=_env("HARU_HTTP_HEADER_TIMEOUT_MS", "http_header_timeout_ms")
-    )
-    """``HARU_HTTP_HEADER_TIMEOUT_MS``: time a client gets to send a request head (408)."""
-    http_body_idle_timeout_ms: DurationMs = Field(
-        30_000,
-        validation_alias=_env("HARU_HTTP_BODY_IDLE_TIMEOUT_MS", "http_body_idle_timeout_ms"),
-    )
-    """``HARU_HTTP_BODY_IDLE_TIMEOUT_MS``: longest silence inside a request body."""
-    http_keepalive_timeout_ms: DurationMs = Field(
-        75_000,
-        validation_alias=_env("HARU_HTTP_KEEPALIVE_TIMEOUT_MS", "http_keepalive_timeout_ms"),
-    )
-    """``HARU_HTTP_KEEPALIVE_TIMEOUT_MS``: idle keep-alive connections are closed after it."""
-    http_max_connections: Annotated[EnvInt, Field(ge=1, le=1_000_000)] = Field(
-        512, validation_alias=_env("HARU_HTTP_MAX_CONNECTIONS", "http_max_connections")
-    )
-    """``HARU_HTTP_MAX_CONNECTIONS``: open client connections (lowered to fit the open-file
-    limit); at the cap an idle or half-sent one is closed, or the newcomer gets 503."""
-    http_max_connections_per_peer: Annotated[EnvInt, Field(ge=1, le=1_000_000)] = Field(
-        DEFAULT_MAX_CONNECTIONS_PER_PEER,
-        validation_alias=_env(
-            "HARU_HTTP_MAX_CONNECTIONS_PER_PEER", "http_max_connections_per_peer"
-        ),
-    )
-    """``HARU_HTTP_MAX_CONNECTIONS_PER_PEER``: open connections of one client address (IPv6: one
-    /64); at the bound its own idle or half-sent one is closed, or the newcomer gets 503.
-    Trusted proxies are exempt."""
-    trusted_proxies: Annotated[TrustedProxies, NoDecode] = Field(
-        (), validation_alias=_env(TRUSTED_PROXIES_VAR, "trusted_proxies")
-    )
-    """``HARU_TRUSTED_PROXIES``: reverse proxies (addresses or CIDR networks, comma-separated)
-    whose ``X-Forwarded-For`` names the client in the access log; empty = never trusted."""
     route_lease_ms: Annotated[EnvInt, Field(ge=0, le=60_000)] = Field(
         300, validation_alias=_env("HARU_ROUTE_LEASE_MS", "route_lease_ms")
     )
@@ -267,32 +207,7 @@ class Settings(BaseSettings):
     )
     """``HARU_PROXY_ACCEPT_ADMIN_TOKEN``: ``1`` lets the admin token (``HARU_API_TOKEN``) send
     inference requests too; otherwise the proxy takes client keys only (``haru keys``)."""
-    metrics_public: bool = Field(
-        False, validation_alias=_env("HARU_METRICS_PUBLIC", "metrics_public")
-    )
-    """``HARU_METRICS_PUBLIC``: ``1`` serves ``GET /metrics`` without the bearer token (for a
-    scraper that cannot present one); otherwise it sits behind ``HARU_API_TOKEN``."""
-    log_format: Annotated[LogFormat, BeforeValidator(parse_log_format)] = Field(
-        "text", validation_alias=_env("HARU_LOG_FORMAT", "log_format")
-    )
-    """``HARU_LOG_FORMAT``: ``text`` (default) or ``json`` (one JSON object per line)."""
-    log_level: EnvLogLevel = Field(
-        logging.INFO, validation_alias=_env("HARU_LOG_LEVEL", "log_level")
-    )
-    """``HARU_LOG_LEVEL``: DEBUG, INFO (default), WARNING, ERROR or CRITICAL."""
     # ---- TLS: the listener, and the links to supervisors on other hosts ----
-    tls_cert_file: Path | None = Field(
-        None, validation_alias=_env(TLS_CERT_FILE_VAR, "tls_cert_file")
-    )
-    """``HARU_TLS_CERT_FILE``: PEM certificate chain; with the key, the API and the proxy are
-    served over HTTPS only (re-read when the file changes)."""
-    tls_key_file: Path | None = Field(None, validation_alias=_env(TLS_KEY_FILE_VAR, "tls_key_file"))
-    """``HARU_TLS_KEY_FILE``: the certificate's PEM private key."""
-    tls_client_ca_file: Path | None = Field(
-        None, validation_alias=_env(TLS_CLIENT_CA_FILE_VAR, "tls_client_ca_file")
-    )
-    """``HARU_TLS_CLIENT_CA_FILE``: PEM CA bundle; every client must present a certificate it
-    issued (mutual TLS)."""
     supervisor_ca_file: Path | None = Field(
         None, validation_alias=_env("HARU_SUPERVISOR_CA_FILE", "supervisor_ca_file")
     )
@@ -350,7 +265,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _tls_settings(self) -> Settings:
-        tls_files(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        # The listener's own pair is checked by ListenerSettings.
         if (self.supervisor_client_cert_file is None) != (self.supervisor_client_key_file is None):
             raise ValueError(
                 "set both HARU_SUPERVISOR_CLIENT_CERT_FILE and HARU_SUPERVISOR_CLIENT_KEY_FILE, "
@@ -363,11 +278,6 @@ class Settings(BaseSettings):
                 "mutual TLS"
             )
         return self
-
-    @property
-    def tls(self) -> TlsFiles | None:
-        """The listener's TLS files; None = plain HTTP."""
-        return tls_files(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
 
     def supervisor_links(self) -> SupervisorLinks:
         """How supervisors are reached: trust, pins, client certificate, plain-HTTP policy.
@@ -432,11 +342,6 @@ class Settings(BaseSettings):
             return check_token(value, name="the token")
         return value
 
-    @field_validator("bind_host", mode="before")
-    @classmethod
-    def _bind_host(cls, value: object) -> object:
-        return normalize_bind_host(value) if isinstance(value, str) else value
-
     @model_validator(mode="after")
     def _read_token_files(self) -> Settings:
         # A file named without its token (built directly, not from_env): read it now.
@@ -494,18 +399,6 @@ class Settings(BaseSettings):
     def open_to_network(self) -> bool:
         """No token, and listening beyond loopback (``HARU_ALLOW_OPEN_BIND``)."""
         return self.api_token is None and not is_loopback_bind(self.host)
-
-    @property
-    def http_limits(self) -> ServerLimits:
-        """The listener's slow-client and overload bounds."""
-        return ServerLimits(
-            header_timeout_s=self.http_header_timeout_ms / 1000,
-            body_idle_timeout_s=self.http_body_idle_timeout_ms / 1000,
-            keepalive_timeout_s=self.http_keepalive_timeout_ms / 1000,
-            max_connections=self.http_max_connections,
-            max_connections_per_peer=self.http_max_connections_per_peer,
-            trusted_proxies=self.trusted_proxies,
-        )
 
     def api_token_value(self) -> str | None:
         """The API token in clear, as read at start-up (see :meth:`api_token_source`)."""

@@ -7,7 +7,6 @@ Nothing else in the package reads ``os.environ``; ``__main__`` passes it to
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -16,7 +15,6 @@ from typing import Annotated, Any, Final, Literal, get_args
 
 from haru_protocol import SupervisorConfig, normalize_token
 from haru_web import (
-    DEFAULT_MAX_CONNECTIONS_PER_PEER,
     HOST_VAR,
     OPEN_BIND_VAR,
     TLS_CERT_FILE_VAR,
@@ -24,20 +22,13 @@ from haru_web import (
     TLS_KEY_FILE_VAR,
     TRUSTED_PROXIES_VAR,
     EnvInt,
-    EnvLogLevel,
-    LogFormat,
-    ServerLimits,
-    TlsFiles,
+    ListenerSettings,
     TokenConfigError,
     TokenSource,
-    TrustedProxies,
     check_token,
     choose_bind_host,
     is_loopback_bind,
-    normalize_bind_host,
-    parse_log_format,
     resolve_token,
-    tls_files,
 )
 from pydantic import (
     AliasChoices,
@@ -48,7 +39,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from haru_supervisor._errors import SettingsError
 from haru_supervisor._users import check_run_as
@@ -103,9 +94,6 @@ class _MappingEnv(EnvSettingsSource):
         return dict(self._environ)
 
 
-_DurationMs = Annotated[EnvInt, Field(ge=1, le=2_147_483_647)]
-
-
 def _gpu_source(value: object) -> object:
     if not isinstance(value, str):
         return value
@@ -115,23 +103,17 @@ def _gpu_source(value: object) -> object:
     return text
 
 
-class Settings(BaseSettings):
+class Settings(ListenerSettings):
     """Everything the supervisor needs to start (README: "Configuration").
 
     :func:`load_settings` reads an environment mapping through pydantic-settings; building
     :class:`Settings` directly reads nothing from the environment. Frozen; the token is a
-    ``SecretStr`` of at least 16 characters and never appears in a repr or a dump.
+    ``SecretStr`` of at least 16 characters and never appears in a repr or a dump. The
+    listener's fields (``HARU_HOST``, ``HARU_HTTP_*``, ``HARU_LOG_*``, ``HARU_TLS_*``, ...) are
+    :class:`haru_web.ListenerSettings`; the rest are the supervisor's own.
     """
 
-    model_config = SettingsConfigDict(
-        frozen=True,
-        extra="forbid",
-        case_sensitive=True,
-        validate_by_name=True,
-        validate_by_alias=True,
-        hide_input_in_errors=True,
-        arbitrary_types_allowed=True,
-    )
+    model_config = SettingsConfigDict(arbitrary_types_allowed=True)
 
     config: SupervisorConfig
     """The parsed ``HARU_SUPERVISOR_CONFIG`` document."""
@@ -139,14 +121,6 @@ class Settings(BaseSettings):
         DEFAULT_PORT, validation_alias=AliasChoices("port", "PORT")
     )
     """``PORT``: TCP port to listen on (0 picks a free one and logs it)."""
-    bind_host: str | None = Field(None, validation_alias=AliasChoices("bind_host", HOST_VAR))
-    """``HARU_HOST``: the address to listen on; None = all interfaces with a token, 127.0.0.1
-    without one. A non-loopback address without a token needs ``HARU_ALLOW_OPEN_BIND``."""
-    allow_open_bind: bool = Field(
-        False, validation_alias=AliasChoices("allow_open_bind", OPEN_BIND_VAR)
-    )
-    """``HARU_ALLOW_OPEN_BIND``: allow a non-loopback ``HARU_HOST`` without a token (an API
-    open to the network, on purpose; a warning is logged at boot)."""
     token: SecretStr | None = Field(None, validation_alias=AliasChoices("token", TOKEN_VAR))
     """``HARU_SUPERVISOR_TOKEN`` (or ``HARU_SUPERVISOR_TOKEN_FILE``): the bearer token of every
     ``/v1/*`` route; None = open API on 127.0.0.1 only, browsers kept out."""
@@ -184,59 +158,6 @@ class Settings(BaseSettings):
     :func:`resolve_api_keys`); sent by the probe only, never logged."""
     search_path: str | None = None
     """``PATH`` on which ``nvidia-smi`` is looked up (None: the process's)."""
-    http_header_timeout_ms: _DurationMs = Field(
-        10_000, validation_alias=AliasChoices("http_header_timeout_ms", HEADER_TIMEOUT_VAR)
-    )
-    """``HARU_HTTP_HEADER_TIMEOUT_MS``: time a client gets to send a request head (408)."""
-    http_body_idle_timeout_ms: _DurationMs = Field(
-        30_000, validation_alias=AliasChoices("http_body_idle_timeout_ms", BODY_IDLE_VAR)
-    )
-    """``HARU_HTTP_BODY_IDLE_TIMEOUT_MS``: longest silence inside a request body."""
-    http_keepalive_timeout_ms: _DurationMs = Field(
-        75_000, validation_alias=AliasChoices("http_keepalive_timeout_ms", KEEPALIVE_VAR)
-    )
-    """``HARU_HTTP_KEEPALIVE_TIMEOUT_MS``: idle keep-alive connections are closed after it."""
-    http_max_connections: Annotated[EnvInt, Field(ge=1, le=1_000_000)] = Field(
-        512, validation_alias=AliasChoices("http_max_connections", MAX_CONNECTIONS_VAR)
-    )
-    """``HARU_HTTP_MAX_CONNECTIONS``: open client connections (see haru-web)."""
-    http_max_connections_per_peer: Annotated[EnvInt, Field(ge=1, le=1_000_000)] = Field(
-        DEFAULT_MAX_CONNECTIONS_PER_PEER,
-        validation_alias=AliasChoices(
-            "http_max_connections_per_peer", MAX_CONNECTIONS_PER_PEER_VAR
-        ),
-    )
-    """``HARU_HTTP_MAX_CONNECTIONS_PER_PEER``: open connections of one client (see haru-web)."""
-    trusted_proxies: Annotated[TrustedProxies, NoDecode] = Field(
-        (), validation_alias=AliasChoices("trusted_proxies", TRUSTED_PROXIES_VAR)
-    )
-    """``HARU_TRUSTED_PROXIES``: proxies whose ``X-Forwarded-For`` is logged (see haru-web)."""
-    metrics_public: bool = Field(
-        False, validation_alias=AliasChoices("metrics_public", METRICS_PUBLIC_VAR)
-    )
-    """``HARU_METRICS_PUBLIC``: ``1`` serves ``GET /metrics`` without the token."""
-    log_format: Annotated[LogFormat, BeforeValidator(parse_log_format)] = Field(
-        "text", validation_alias=AliasChoices("log_format", LOG_FORMAT_VAR)
-    )
-    """``HARU_LOG_FORMAT``: ``text`` (default) or ``json``."""
-    log_level: EnvLogLevel = Field(
-        logging.INFO, validation_alias=AliasChoices("log_level", LOG_LEVEL_VAR)
-    )
-    """``HARU_LOG_LEVEL``: DEBUG, INFO (default), WARNING, ERROR or CRITICAL."""
-    tls_cert_file: Path | None = Field(
-        None, validation_alias=AliasChoices("tls_cert_file", TLS_CERT_FILE_VAR)
-    )
-    """``HARU_TLS_CERT_FILE``: PEM certificate chain; with the key, the API is served over
-    HTTPS only (re-read when the file changes)."""
-    tls_key_file: Path | None = Field(
-        None, validation_alias=AliasChoices("tls_key_file", TLS_KEY_FILE_VAR)
-    )
-    """``HARU_TLS_KEY_FILE``: the certificate's PEM private key."""
-    tls_client_ca_file: Path | None = Field(
-        None, validation_alias=AliasChoices("tls_client_ca_file", TLS_CLIENT_CA_FILE_VAR)
-    )
-    """``HARU_TLS_CLIENT_CA_FILE``: PEM CA bundle; every client must present a certificate it
-    issued (mutual TLS: the server's ``HARU_SUPERVISOR_CLIENT_CERT_FILE``)."""
 
     @classmethod
     def settings_customise_sources(
@@ -262,11 +183,6 @@ class Settings(BaseSettings):
                 raise ValueError(str(exc)) from None
         return value
 
-    @field_validator("bind_host", mode="before")
-    @classmethod
-    def _bind_host(cls, value: object) -> object:
-        return normalize_bind_host(value) if isinstance(value, str) else value
-
     @model_validator(mode="after")
     def _read_token_file(self) -> Settings:
         # A file named without its token (built directly, not load_settings): read it now.
@@ -287,16 +203,6 @@ class Settings(BaseSettings):
             token_var=TOKEN_VAR,
         )
         return self
-
-    @model_validator(mode="after")
-    def _tls_pair(self) -> Settings:
-        tls_files(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
-        return self
-
-    @property
-    def tls(self) -> TlsFiles | None:
-        """The listener's TLS files; None = plain HTTP."""
-        return tls_files(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
 
     @model_validator(mode="after")
     def _strip_trainer_env(self) -> Settings:
@@ -349,18 +255,6 @@ class Settings(BaseSettings):
     def open_to_network(self) -> bool:
         """No token, and listening beyond loopback (``HARU_ALLOW_OPEN_BIND``)."""
         return self.token is None and not is_loopback_bind(self.host)
-
-    @property
-    def http_limits(self) -> ServerLimits:
-        """The listener's slow-client and overload bounds."""
-        return ServerLimits(
-            header_timeout_s=self.http_header_timeout_ms / 1000,
-            body_idle_timeout_s=self.http_body_idle_timeout_ms / 1000,
-            keepalive_timeout_s=self.http_keepalive_timeout_ms / 1000,
-            max_connections=self.http_max_connections,
-            max_connections_per_peer=self.http_max_connections_per_peer,
-            trusted_proxies=self.trusted_proxies,
-        )
 
 
 def trainer_base_env(environ: Mapping[str, str], token: str | None) -> dict[str, str]:
