@@ -471,10 +471,15 @@ class StateStore:
         kind: OperationKind,
         target_domain_id: UUID,
         at: datetime,
+        events: Callable[[Operation], Sequence[EventPayload]] | None = None,
     ) -> tuple[Operation, bool]:
         """Insert a pending operation, or join the fleet's in-flight one.
 
-        The source domain is the fleet's routing pointer, read inside the insert statement.
+        The source domain is the fleet's routing pointer, read just before the insert; the
+        insert lands only while the pointer is still there (otherwise it is tried again).
+        ``events`` builds, from the operation about to be inserted, the events the insert
+        appends in its own statement (with the operation's fleet, target domain, id and
+        creation time): a created operation always has them, a joined one adds none.
 
         Returns:
             ``(operation, True)`` when created; ``(in_flight_operation, False)`` when another
@@ -484,7 +489,12 @@ class StateStore:
             ConstraintViolationError: Unknown fleet, or a target outside the fleet.
         """
         return await _operations.create_operation(
-            self._ex, fleet_id=fleet_id, kind=kind, target_domain_id=target_domain_id, at=at
+            self._ex,
+            fleet_id=fleet_id,
+            kind=kind,
+            target_domain_id=target_domain_id,
+            at=at,
+            events=events,
         )
 
     @_bounded
