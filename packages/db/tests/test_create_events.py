@@ -4,11 +4,14 @@ the operation from being created."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from datetime import datetime, timedelta
 from typing import Any
+from uuid import UUID
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from haru_db import HaruDbError, StateStore
@@ -22,6 +25,7 @@ from haru_protocol import (
     OperationRequestedPromote,
 )
 from sqlalchemy import event
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 REFUSED = "operation.auto_failover"
@@ -206,3 +210,50 @@ async def test_an_event_that_cannot_be_stored_keeps_the_operation_out(
     assert (
         len([e for e in await store.list_events(fleet.id) if e.operation_id == operation.id]) == 2
     )
+
+
+def _move_pointer(store: StateStore, fleet: FleetSnapshot, to: UUID) -> None:
+    """Another writer moves the fleet's pointer (a raw connection of its own, committed)."""
+    url = make_url(store.url)
+    if store.dialect == "postgresql":
+        libpq = url.set(drivername="postgresql").render_as_string(hide_password=False)
+        with psycopg.connect(libpq, autocommit=True) as conn:
+            conn.execute("UPDATE fleets SET active_domain_id = %s WHERE id = %s", (to, fleet.id))
+        return
+    conn = sqlite3.connect(str(url.database), isolation_level=None)
+    try:
+        conn.execute("UPDATE fleets SET active_domain_id = ? WHERE id = ?", (to.hex, fleet.id.hex))
+    finally:
+        conn.close()
+
+
+async def test_the_events_name_the_source_the_row_has_when_the_pointer_moves_in_between(
+    store: StateStore, fleet: FleetSnapshot, now: datetime
+) -> None:
+    alpha, beta = fleet.domains[0].id, fleet.domains[1].id
+    sources: list[UUID | None] = []
+
+    def events(operation: Operation) -> Sequence[EventPayload]:
+        sources.append(operation.source_domain_id)
+        if len(sources) == 1:
+            # Between the read of the pointer and the insert.
+            _move_pointer(store, fleet, beta)
+        return _requested(operation)
+
+    operation, created = await store.create_operation(
+        fleet_id=fleet.id,
+        kind=OperationKind.DEMOTE,
+        target_domain_id=alpha,
+        at=now,
+        events=events,
+    )
+    assert created
+    # The first insert was skipped (the pointer had moved) and the second built from beta.
+    assert sources == [alpha, beta]
+    assert operation.source_domain_id == beta
+    requested = [
+        e.payload
+        for e in await store.list_events(fleet.id)
+        if e.type == "operation.requested.promote"
+    ]
+    assert [p["sourceDomainId"] for p in requested] == [str(beta)]
