@@ -220,11 +220,11 @@ def _move_pointer(store: StateStore, fleet: FleetSnapshot, to: UUID) -> None:
         with psycopg.connect(libpq, autocommit=True) as conn:
             conn.execute("UPDATE fleets SET active_domain_id = %s WHERE id = %s", (to, fleet.id))
         return
-    conn = sqlite3.connect(str(url.database), isolation_level=None)
+    lite = sqlite3.connect(str(url.database), isolation_level=None)
     try:
-        conn.execute("UPDATE fleets SET active_domain_id = ? WHERE id = ?", (to.hex, fleet.id.hex))
+        lite.execute("UPDATE fleets SET active_domain_id = ? WHERE id = ?", (to.hex, fleet.id.hex))
     finally:
-        conn.close()
+        lite.close()
 
 
 async def test_the_events_name_the_source_the_row_has_when_the_pointer_moves_in_between(
