@@ -56,6 +56,7 @@ SQLITE_TRIGGERS = {
     "trg_slots_config_events",
     "trg_slots_insert_config_events",
     "trg_operations_target_not_removed",
+    "trg_operations_insert_events",
 }
 
 

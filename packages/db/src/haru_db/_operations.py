@@ -3,9 +3,10 @@
 Each write is one statement. Two writes touch another table in that same statement:
 ``fail_operation`` on a promote applies :data:`~haru_db._cleanup.PROMOTE_FAIL_CLEANUP` to its
 target's slots, and ``switch_active`` moves the pointer and marks its operation
-``routing_committed``; claim, advance and complete may append events (an
-:class:`~haru_db._events.OperationEvent` list) and move their step's slot states (a
-:class:`~haru_db._mirrors.SlotMirror` on exit and on entry) only when their CAS lands.
+``routing_committed``; create appends its events only when it inserts; claim, advance and
+complete may append events (an :class:`~haru_db._events.OperationEvent` list) and move their
+step's slot states (a :class:`~haru_db._mirrors.SlotMirror` on exit and on entry) only when
+their CAS lands.
 PostgreSQL runs these as data-modifying CTEs (:mod:`haru_db._postgres`); SQLite fires triggers
 created by the migrations, and a writing statement takes SQLite's write lock as it starts,
 which serialises its writers. Every one of these writes also raises its fleet's fencing token
@@ -14,18 +15,25 @@ which serialises its writers. Every one of these writes also raises its fleet's 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 from uuid import UUID, uuid4
 
 import sqlalchemy as sa
-from haru_protocol import Operation, OperationError, OperationKind, OperationState, OperationStep
+from haru_protocol import (
+    EventPayload,
+    Operation,
+    OperationError,
+    OperationKind,
+    OperationState,
+    OperationStep,
+)
 
 from haru_db import _postgres
 from haru_db._cleanup import PROMOTE_FAIL_CLEANUP
 from haru_db._errors import DomainRemovedError, HaruDbError
-from haru_db._events import OperationEvent
+from haru_db._events import OperationEvent, typed_event
 from haru_db._exec import Executor, aware
 from haru_db._mirrors import SlotMirror, mirror_documents
 from haru_db._rows import operation_from_row
@@ -44,32 +52,34 @@ async def create_operation(
     kind: OperationKind,
     target_domain_id: UUID,
     at: datetime,
+    events: Callable[[Operation], Sequence[EventPayload]] | None = None,
 ) -> tuple[Operation, bool]:
     at = aware(at)
-    source = sa.select(fleets.c.active_domain_id).where(fleets.c.id == fleet_id)
     for _ in range(CREATE_OPERATION_ATTEMPTS):
-        stmt = (
-            ex.insert(operations)
-            .values(
-                id=uuid4(),
-                fleet_id=fleet_id,
-                kind=str(kind),
-                state=_PENDING,
-                target_domain_id=target_domain_id,
-                source_domain_id=source.scalar_subquery(),
-                routing_committed=False,
-                created_at=at,
-                updated_at=at,
-            )
-            # Only the one-in-flight index can conflict (the id is fresh).
-            .on_conflict_do_nothing()
+        # The source is the pointer read here; the insert is skipped (and tried again) when
+        # the pointer has moved since, so the events are built from the row it will write.
+        pointer = await ex.read(sa.select(fleets.c.active_domain_id).where(fleets.c.id == fleet_id))
+        row: dict[str, Any] = {
+            "id": uuid4(),
+            "fleet_id": fleet_id,
+            "kind": str(kind),
+            "state": _PENDING,
+            "target_domain_id": target_domain_id,
+            "source_domain_id": pointer[0]["active_domain_id"] if pointer else None,
+            "current_step": None,
+            "step_started_at": None,
+            "error": None,
+            "routing_committed": False,
+            "created_at": at,
+            "updated_at": at,
+            "finished_at": None,
+        }
+        documents = (
+            []
+            if events is None
+            else [_event_document(payload) for payload in events(operation_from_row(row))]
         )
-        # The fleet's fence grows with the insert (PostgreSQL: this CTE; SQLite:
-        # trg_operations_fence_create), and not on a conflict.
-        if ex.dialect == "postgresql":
-            rows = await ex.write(_postgres.create_operation(stmt))
-        else:
-            rows = await ex.write(stmt.returning(*operations.c))
+        rows = await ex.write(_insert_operation(ex, row, documents))
         if rows:
             return operation_from_row(rows[0]), True
         existing = await get_in_flight_operation(ex, fleet_id)
@@ -84,11 +94,51 @@ async def create_operation(
         )
         if removed:
             raise DomainRemovedError(target_domain_id)
-        # The in-flight operation finished between the two statements: try again.
+        # The in-flight operation finished, or the pointer moved, between the statements.
     raise HaruDbError(
         f"could not create an operation for fleet {fleet_id}: in-flight operations kept "
         f"finishing in between ({CREATE_OPERATION_ATTEMPTS} attempts)"
     )
+
+
+def _event_document(payload: EventPayload) -> dict[str, Any]:
+    type_, document = typed_event(None, payload)
+    return {"type": type_, "payload": document}
+
+
+def _insert_operation(
+    ex: Executor, row: Mapping[str, Any], documents: Sequence[dict[str, Any]]
+) -> sa.Insert | sa.Select[Any]:
+    """The one statement that inserts ``row`` and appends ``documents`` with it.
+
+    Nothing is written on a conflict with the fleet's in-flight operation (the id is fresh, so
+    only the one-in-flight index can conflict) or when the fleet's pointer is no longer the
+    row's source; an unknown fleet still reaches the insert, whose foreign key refuses it.
+    With the insert, in the same statement, the fleet's fence grows by one and ``documents``
+    become events of the operation (its fleet, target domain, id and creation time): on
+    PostgreSQL by data-modifying CTEs (:func:`haru_db._postgres.create_operation`), on SQLite
+    by ``trg_operations_fence_create`` and ``trg_operations_insert_events`` (which appends
+    ``pending_events`` and clears it).
+    """
+    # A NULL is left to the column's default: an untyped NULL in a SELECT list is text.
+    columns = [c.name for c in operations.c if row.get(c.name) is not None]
+    values: dict[str, Any] = dict(row)
+    if documents and ex.dialect != "postgresql":
+        columns.append("pending_events")
+        values["pending_events"] = documents
+    moved = sa.exists(
+        sa.select(fleets.c.id).where(
+            fleets.c.id == row["fleet_id"],
+            fleets.c.active_domain_id.is_distinct_from(row["source_domain_id"]),
+        )
+    )
+    select = sa.select(
+        *(sa.literal(values[name], operations.c[name].type).label(name) for name in columns)
+    ).where(~moved)
+    insert = ex.insert(operations).from_select(columns, select).on_conflict_do_nothing()
+    if ex.dialect == "postgresql":
+        return _postgres.create_operation(insert, documents)
+    return insert.returning(*operations.c)
 
 
 async def get_in_flight_operation(ex: Executor, fleet_id: UUID) -> Operation | None:

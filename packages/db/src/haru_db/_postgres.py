@@ -95,17 +95,54 @@ def bump_fence(changed: sa.CTE) -> sa.CTE:
     )
 
 
-def create_operation(insert: sa.Insert) -> sa.Select[Any]:
-    """``insert`` (one operation, ``ON CONFLICT DO NOTHING``) plus the fleet's fence bump.
+def create_operation(insert: sa.Insert, documents: Sequence[Mapping[str, Any]]) -> sa.Select[Any]:
+    """``insert`` (one operation, ``ON CONFLICT DO NOTHING``), its fence bump and its events.
 
-    Returns the inserted row (none on a conflict) with the new ``fence``.
+    ``documents`` (``{"type", "payload"}``) are appended in order, with the inserted row's
+    fleet, target domain, id and creation time, only when the row is inserted. Returns the
+    inserted row (none when nothing was inserted) with the new ``fence``. SQLite:
+    ``trg_operations_fence_create`` and ``trg_operations_insert_events``.
     """
     inserted = insert.returning(*operations.c).cte("inserted_op")
     bumped = bump_fence(inserted)
-    return sa.select(
+    columns: list[Any] = [
         *(inserted.c[column.name] for column in operations.c),
         sa.select(bumped.c.fence).scalar_subquery().label("fence"),
-    )
+    ]
+    if documents:
+        rows = [
+            sa.select(
+                sa.literal(document["type"], events.c.type.type).label("type"),
+                sa.cast(sa.literal(document["payload"], JSONB()), sa.JSON()).label("payload"),
+                sa.literal(index, sa.Integer()).label("ord"),
+            )
+            for index, document in enumerate(documents)
+        ]
+        source = sa.union_all(*rows).subquery("new_events")
+        appended = (
+            sa.insert(events)
+            .from_select(
+                ["fleet_id", "domain_id", "operation_id", "type", "payload", "created_at"],
+                sa.select(
+                    inserted.c.fleet_id,
+                    inserted.c.target_domain_id,
+                    inserted.c.id,
+                    source.c.type,
+                    source.c.payload,
+                    inserted.c.created_at,
+                )
+                .select_from(inserted)
+                .join(source, sa.true())
+                .order_by(source.c.ord),
+            )
+            .returning(events.c.id)
+            .cte("appended")
+        )
+        # Every data-modifying CTE must be referenced for SQLAlchemy to render it.
+        columns.append(
+            sa.select(sa.func.count()).select_from(appended).scalar_subquery().label("events")
+        )
+    return sa.select(*columns)
 
 
 def switch_active(

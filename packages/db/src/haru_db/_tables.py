@@ -274,10 +274,10 @@ operations = sa.Table(
     sa.Column("routing_committed", sa.Boolean(), nullable=False, server_default=sa.false()),
     *_timestamps(),
     sa.Column("finished_at", UtcDateTime(), nullable=True),
-    # Events an operation CAS appends, and slot states it moves, in its own statement. Only
-    # SQLite uses them: the trigger trg_operations_pending_writes applies them and clears both
-    # columns in that same statement, so they are NULL between statements. PostgreSQL uses
-    # CTEs instead.
+    # Events an operation's insert or CAS appends, and slot states a CAS moves, in its own
+    # statement. Only SQLite uses them: the triggers trg_operations_insert_events and
+    # trg_operations_pending_writes apply them and clear the columns in that same statement,
+    # so they are NULL between statements. PostgreSQL uses CTEs instead.
     sa.Column("pending_events", sa.JSON(), nullable=True),
     sa.Column("pending_mirrors", sa.JSON(), nullable=True),
     sa.ForeignKeyConstraint(["fleet_id", "target_domain_id"], ["domains.fleet_id", "domains.id"]),

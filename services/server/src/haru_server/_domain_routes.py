@@ -3,8 +3,8 @@
 ``GET /v1/fleets/{ref}/domains/{domain}`` shows a domain, its cluster's status as the
 provisioner reads it, and its latest provisioning events; ``up`` and ``down`` move a skypilot or
 skyserve domain to ``provisioning`` or ``stopping`` with one guarded write and leave the launch
-or the teardown to the provisioner. ``down`` refuses the active domain, one an operation drives, and a
-former active that processes may still route to (its route lease).
+or the teardown to the provisioner. ``down`` refuses the active domain, one an operation drives,
+and a former active that processes may still route to (its route lease).
 """
 
 from __future__ import annotations

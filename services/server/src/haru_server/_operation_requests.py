@@ -1,4 +1,4 @@
-"""Queueing an operation: create it (or join the fleet's in-flight one), count, log, record why.
+"""Queueing an operation: create it with its event (or join the in-flight one), count, log.
 
 Every operation starts here, whoever asks for it: a promote or demote request (``manual``),
 the reconciler's automatic failover (``automatic``) and its restore demotes (``restore``).
@@ -38,15 +38,20 @@ async def request_operation(
 ) -> tuple[Operation, bool]:
     """Create a pending operation, or join the fleet's in-flight one.
 
-    Only a created operation is counted, logged (``why``: what asked for it) and recorded by
-    the event ``event`` builds from it.
+    A created operation is recorded by the event ``event`` builds from it, appended by the
+    operation's own insert (so no operation is ever without it), then counted and logged
+    (``why``: what asked for it). A joined one adds no event.
 
     Returns:
         ``(operation, True)`` when created; ``(in_flight_operation, False)`` when another
         operation was already in flight (whatever its kind and target).
     """
     operation, created = await store.create_operation(
-        fleet_id=fleet.id, kind=kind, target_domain_id=target_domain_id, at=at
+        fleet_id=fleet.id,
+        kind=kind,
+        target_domain_id=target_domain_id,
+        at=at,
+        events=lambda created: (event(created),),
     )
     if not created:
         return operation, False
@@ -61,12 +66,5 @@ async def request_operation(
         why,
         operation.id,
         extra=log_fields(fleet, operation=operation),
-    )
-    await store.append_event(
-        fleet_id=fleet.id,
-        payload=event(operation),
-        at=at,
-        domain_id=target_domain_id,
-        operation_id=operation.id,
     )
     return operation, True

@@ -102,7 +102,7 @@ async def stop_training(ctx: StepContext) -> StepResult:
 async def _is_automatic(ctx: StepContext) -> bool:
     """Whether the operation is an automatic failover (the reconciler created it).
 
-    Its ``operation.auto_failover`` event, appended right after the operation was created,
+    Its ``operation.auto_failover`` event, appended by the operation's own insert,
     says so: the newest such event of the target domain names this operation.
     """
     events = await ctx.store.list_domain_events(

@@ -17,6 +17,9 @@ foreign keys off and checks every key before the commit; the rows keep their ids
 carries the ``fleet.config.changed`` events of an apply's write: on SQLite the triggers created
 here insert them into ``events`` and clear the column inside the write's own statement (as
 0002 does for operations); PostgreSQL appends them with a data-modifying CTE and never sets it.
+On SQLite ``trg_operations_insert_events`` does the same for ``operations.pending_events``
+set by an operation's insert (0002's column): the events that say who asked for it are
+appended by the insert's own statement.
 
 On PostgreSQL an apply's write and a promotion serialize on the domain row: an operation's
 insert takes a share lock on its target (and skips the insert when the target is removed,
@@ -107,6 +110,21 @@ BEGIN
       FROM json_each(NEW.pending_events)
      ORDER BY CAST(key AS INTEGER);
     UPDATE slots SET pending_events = NULL WHERE id = NEW.id;
+END
+""",
+    # An operation's insert appends its first events (as 0005's trigger does for its CAS).
+    "trg_operations_insert_events": """
+CREATE TRIGGER trg_operations_insert_events
+AFTER INSERT ON operations
+FOR EACH ROW
+WHEN NEW.pending_events IS NOT NULL
+BEGIN
+    INSERT INTO events (fleet_id, domain_id, slot_id, operation_id, type, payload, created_at)
+    SELECT NEW.fleet_id, NEW.target_domain_id, NULL, NEW.id,
+           json_extract(value, '$.type'), json_extract(value, '$.payload'), NEW.created_at
+      FROM json_each(NEW.pending_events)
+     ORDER BY CAST(key AS INTEGER);
+    UPDATE operations SET pending_events = NULL WHERE id = NEW.id;
 END
 """,
     # SQLite runs one writer at a time: a removal committed first is seen here.
