@@ -10,6 +10,7 @@ with this process's heartbeat memory; this module writes them: a CAS, an operati
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 from uuid import UUID
 
 from haru_core import (
@@ -146,13 +147,16 @@ class FailoverDecisions:
         domain_id = detect_dead_active(fleet, now=now, since=proof.since)
         if domain_id is None:
             return fleet
-        escalated = await self._ctx.store.escalate_domain_if_fleet_idle(
-            domain_id=domain_id,
-            fleet_id=fleet.id,
-            at=now,
-            heartbeat_stale_ms=fleet.policy.heartbeat_stale_ms,
+        payload = DomainDegradedEscalated(
+            from_state=DomainState.DEGRADED,
+            to_state=DomainState.FAILED,
+            degraded_grace_ms=fleet.policy.degraded_grace_ms,
+            dead_models=proof.models,
+            dead_confirm_ms=fleet.policy.dead_confirm_ms,
+            evidence=proof.evidence,
+            suspected_at=proof.since,
         )
-        if not escalated:
+        if not await self._fail_active(fleet, domain_id, payload, at=now):
             return fleet
         self._dead_proofs.forget(domain_id)
         logger.warning(
@@ -163,20 +167,6 @@ class FailoverDecisions:
             extra=log_fields(fleet, domain=domain_id),
         )
         self._ctx.metrics.dead_evidence(fleet.slug, proof.evidence, "confirmed")
-        await self._ctx.store.append_event(
-            fleet_id=fleet.id,
-            payload=DomainDegradedEscalated(
-                from_state=DomainState.DEGRADED,
-                to_state=DomainState.FAILED,
-                degraded_grace_ms=fleet.policy.degraded_grace_ms,
-                dead_models=proof.models,
-                dead_confirm_ms=fleet.policy.dead_confirm_ms,
-                evidence=proof.evidence,
-                suspected_at=proof.since,
-            ),
-            at=now,
-            domain_id=domain_id,
-        )
         return await self.annotate(await self._ctx.load_fleet(str(fleet.id)))
 
     async def _escalate(self, fleet: FleetSnapshot) -> FleetSnapshot:
@@ -184,30 +174,44 @@ class FailoverDecisions:
         domain_id = detect_degraded_escalation(fleet, now=now)
         if domain_id is None:
             return fleet
-        escalated = await self._ctx.store.escalate_domain_if_fleet_idle(
-            domain_id=domain_id,
-            fleet_id=fleet.id,
-            at=now,
-            heartbeat_stale_ms=fleet.policy.heartbeat_stale_ms,
+        payload = DomainDegradedEscalated(
+            from_state=DomainState.DEGRADED,
+            to_state=DomainState.FAILED,
+            degraded_grace_ms=fleet.policy.degraded_grace_ms,
         )
-        if not escalated:
+        if not await self._fail_active(fleet, domain_id, payload, at=now):
             return fleet
         logger.warning(
             "fleet %s: degraded active domain escalated to failed",
             fleet.slug,
             extra=log_fields(fleet, domain=fleet.active_domain_id),
         )
-        await self._ctx.store.append_event(
-            fleet_id=fleet.id,
-            payload=DomainDegradedEscalated(
-                from_state=DomainState.DEGRADED,
-                to_state=DomainState.FAILED,
-                degraded_grace_ms=fleet.policy.degraded_grace_ms,
-            ),
-            at=now,
-            domain_id=domain_id,
-        )
         return await self.annotate(await self._ctx.load_fleet(str(fleet.id)))
+
+    async def _fail_active(
+        self,
+        fleet: FleetSnapshot,
+        domain_id: UUID,
+        payload: DomainDegradedEscalated,
+        *,
+        at: datetime,
+    ) -> bool:
+        """Fail the active domain if the fleet is idle, and record why; whether it landed.
+
+        The guarded write (:meth:`StateStore.escalate_domain_if_fleet_idle`) is the decision:
+        a replica that lost the race to another one, or to an operation, writes no event.
+        """
+        escalated = await self._ctx.store.escalate_domain_if_fleet_idle(
+            domain_id=domain_id,
+            fleet_id=fleet.id,
+            at=at,
+            heartbeat_stale_ms=fleet.policy.heartbeat_stale_ms,
+        )
+        if escalated:
+            await self._ctx.store.append_event(
+                fleet_id=fleet.id, payload=payload, at=at, domain_id=domain_id
+            )
+        return escalated
 
     async def _request_failover(
         self, fleet: FleetSnapshot, answered: frozenset[UUID]
