@@ -27,13 +27,12 @@ from haru_protocol import (
     Operation,
     OperationState,
     PolicyPatch,
-    SlotKind,
     TrainingRunState,
 )
-from haru_server._clock import ManualClock
 from haru_server._metrics import ServerMetrics
-from haru_server._reconciler import Reconciler, ReconcilerOptions, TickResult
+from haru_server._reconciler import Reconciler, ReconcilerOptions
 from haru_server._steps import StepTuning
+from haru_server.testing import ManualClock, seed_layout, tick_until_settled, wait_training
 from haru_sim import read_trainer_checkpoint
 from haru_supervisor_client import SupervisorClient
 
@@ -102,37 +101,7 @@ async def seed(
     policy: PolicyPatch | None = None,
 ) -> FleetSnapshot:
     """Apply the local fleet's layout and return the stored snapshot."""
-    await store.apply_fleet_layout(fleet.layout(policy=policy), at=clock())
-    snapshot = await store.get_fleet_snapshot(fleet.options.slug)
-    assert snapshot is not None
-    return snapshot
-
-
-async def tick_until_settled(
-    reconciler: Reconciler, ref: str, *, max_ticks: int = 60, pause_s: float = 0.02
-) -> list[TickResult]:
-    """Tick until no operation is in flight (or ``max_ticks``); returns every tick's result."""
-    results: list[TickResult] = []
-    for _ in range(max_ticks):
-        result = await reconciler.tick(ref)
-        results.append(result)
-        if not result.in_flight:
-            return results
-        await asyncio.sleep(pause_s)
-    raise AssertionError(f"still in flight after {max_ticks} ticks: {results[-1]}")
-
-
-async def wait_training(
-    client: SupervisorClient, url: str, state: TrainingRunState, *, timeout_s: float = 10
-) -> None:
-    """Poll the supervisor at ``url`` until every training run is in ``state``."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            status = await client.status(url, timeout_s=2)
-            runs = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
-            if runs and all(r is not None and r.state is state for r in runs):
-                return
-            await asyncio.sleep(0.02)
+    return await seed_layout(store, fleet.layout(policy=policy), clock)
 
 
 async def start_standby_training(
