@@ -17,8 +17,9 @@ from pathlib import Path
 import psycopg
 from haru_db import upgrade
 from haru_demo import DemoTopology, TopologyOptions
+from haru_demo._options import DemoDomain
 from haru_demo._procs import ChildProcess, spawn
-from haru_demo._topology import DemoDomain, _base_env
+from haru_demo._topology_files import _base_env
 from haru_protocol import DomainLayout, InferenceSlotSpec
 from sqlalchemy.engine import make_url
 

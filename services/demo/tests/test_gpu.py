@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from haru_demo._topology import GPU_SCRIPT
+from haru_demo._options import GPU_SCRIPT
 from haru_sim import VllmSim, VllmSimConfig
 from haru_sim.nvidia_smi import (
     CONTEXT_MIB,

@@ -7,18 +7,16 @@ from pathlib import Path
 from uuid import uuid4
 
 import pytest
+from haru_demo._options import TopologyOptions, UnboundModel
+from haru_demo._report import ApplyResult, ScenarioReport, SwitchoverResult, parse_duty_cycles
+from haru_demo._run import snippets
 from haru_demo._scenario import (
     APPLY_MODEL,
-    ApplyResult,
-    ScenarioReport,
-    SwitchoverResult,
     apply_target,
     operation_budget_s,
-    parse_duty_cycles,
     promote_budget_s,
-    snippets,
 )
-from haru_demo._topology import DemoTopology, TopologyOptions, UnboundModel
+from haru_demo._topology import DemoTopology
 from haru_demo._traffic import RequestRecord, TrafficSummary
 from haru_protocol import (
     Operation,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from haru_demo._topology import active_slug, heartbeats_judged, is_standby_posture
+from haru_demo._posture import active_slug, heartbeats_judged, is_standby_posture
 from haru_demo._traffic import TrafficSummary
 from haru_demo._view import ViewState, event_detail, render_view, step_durations
 from haru_protocol import DomainState, Event, EventList, FleetSnapshot, Operation

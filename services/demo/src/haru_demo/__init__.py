@@ -11,19 +11,18 @@ benchmarks use.
 
 from haru_sim.nvidia_smi import EmulatedGpu, GpuModel, write_nvidia_smi
 
-from haru_demo._procs import DemoError, find_stray_trainers, log_tail
-from haru_demo._scenario import fetch_events, operation_budget_s, promote_budget_s
-from haru_demo._topology import (
+from haru_demo._options import (
     DemoDomain,
     DemoTimings,
-    DemoTopology,
     HostPlacement,
     TopologyOptions,
     UnboundModel,
     VllmServer,
-    active_slug,
-    is_standby_posture,
 )
+from haru_demo._posture import active_slug, is_standby_posture
+from haru_demo._procs import DemoError, find_stray_trainers, log_tail
+from haru_demo._scenario import fetch_events, operation_budget_s, promote_budget_s
+from haru_demo._topology import DemoTopology
 from haru_demo._traffic import ChatTraffic, RequestRecord, TrafficSummary
 
 __all__ = (  # noqa: RUF022 -- grouped by topic

@@ -14,8 +14,8 @@ from typing import Annotated
 
 import typer
 
-from haru_demo._scenario import DemoRun, run_demo
-from haru_demo._topology import DEFAULT_DEMO_PORT
+from haru_demo._options import DEFAULT_DEMO_PORT
+from haru_demo._run import DemoRun, run_demo
 
 
 def demo(

@@ -1,4 +1,4 @@
-"""The demo's scenario and the ``haru demo`` main loop.
+"""The demo's scenario: apply, planned switchover, unplanned failure and recovery.
 
 Scenario, under steady SDK traffic through the proxy:
 
@@ -14,60 +14,38 @@ Scenario, under steady SDK traffic through the proxy:
    routing flip, the first good answer from the new active, and the failed requests (counted
    honestly: traffic keeps flowing into a dead domain until routing moves);
 3. **recovery**: restart the killed servers asleep and return that domain to standby posture.
-
-:func:`run_demo` runs the topology, the live view, the scenario, and then serves until Ctrl-C
-(or ``--duration``), stopping every process it started on the way out.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import secrets
-import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from pathlib import Path
 from typing import Final
 
-import aiohttp
 from haru_protocol import (
     Event,
     EventPayload,
     FleetLayout,
     FleetSnapshot,
-    Operation,
     OperationAutoFailover,
     OperationKind,
     OperationState,
     Policy,
     RoutingSwitched,
-    bearer_header,
-    load_example_layout,
     render_plan,
 )
 from haru_server.control_client import ControlApiError, ControlClient
-from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Console
-from rich.live import Live
 
-from haru_demo._procs import DemoError
-from haru_demo._topology import (
-    DEFAULT_DEMO_PORT,
-    DemoTimings,
-    DemoTopology,
-    TopologyOptions,
+from haru_demo._options import (
     UnboundModel,
-    active_slug,
-    is_standby_posture,
-    port_is_free,
 )
-from haru_demo._traffic import ChatTraffic, RequestRecord, TrafficSummary
-from haru_demo._view import FleetWatcher, ViewState, render_view, step_durations
+from haru_demo._posture import active_slug, is_standby_posture
+from haru_demo._procs import DemoError
+from haru_demo._report import ApplyResult, ScenarioReport, SwitchoverResult, read_duty_cycles
+from haru_demo._topology import DemoTopology
+from haru_demo._traffic import ChatTraffic, TrafficSummary
+from haru_demo._view import step_durations
 
 WARMUP_S: Final = 2.0
 """Steady traffic before the first switchover."""
@@ -89,254 +67,6 @@ def apply_target(layout: FleetLayout) -> UnboundModel:
     return UnboundModel(
         domain=standby.slug, gpu_index=standby.inference_slots[0].gpu_index, name=APPLY_MODEL
     )
-
-
-@dataclass(slots=True, kw_only=True)
-class ApplyResult:
-    """How the apply that binds a model on the standby went, and its model's traffic.
-
-    Attributes:
-        model: The model bound.
-        domain: The standby it was bound on.
-        plan: The dry run's plan as text.
-        applied: The apply made the plan's changes.
-        requests: The requests for :attr:`model` once its domain was active.
-        failures: The ones that failed.
-        error: What went wrong, when something did.
-    """
-
-    model: str
-    domain: str
-    plan: str = ""
-    applied: bool = False
-    requests: TrafficSummary = field(default_factory=lambda: TrafficSummary(0, 0, 0, 0))
-    failures: list[RequestRecord] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def succeeded(self) -> bool:
-        """Applied, and every request for the new model answered."""
-        requests = self.requests
-        return self.applied and requests.total > 0 and requests.ok == requests.total
-
-    def lines(self) -> list[str]:
-        """The apply's part of the report."""
-        out = [f"apply: bind {self.model} on {self.domain} (standby), dry run first"]
-        out.extend(f"  {line}" for line in self.plan.splitlines())
-        out.append(f"  applied: {'yes' if self.applied else 'NO'}")
-        requests = self.requests
-        out.append(
-            _row(
-                "requests for it",
-                f"{requests.total} sent, {requests.ok} ok, {requests.failed} failed "
-                f"(client key, once {self.domain} was active)",
-            )
-        )
-        reasons: dict[str, int] = {}
-        for record in self.failures:
-            reason = record.error or "?"
-            reasons[reason] = reasons.get(reason, 0) + 1
-        out.extend(f"    {count} x {reason}" for reason, count in sorted(reasons.items()))
-        if self.error:
-            out.append(f"  problem: {self.error}")
-        return out
-
-
-@dataclass(slots=True, kw_only=True)
-class SwitchoverResult:
-    """How one switchover went.
-
-    Attributes:
-        kind: ``planned`` or ``unplanned``.
-        source: Domain that was active before.
-        target: Domain that should be active after.
-        operation: The promote, as it ended (None when none was seen).
-        steps: ``(step, seconds)`` from the operation's events.
-        detection_s: Failure to ``operation.auto_failover`` (unplanned only).
-        routing_s: Request (planned) or failure (unplanned) to the routing flip.
-        first_good_s: Failure to the first good answer from the new active (unplanned only).
-        requests: The demo's requests in flight during the switchover.
-        failures: The ones that failed.
-        budget_s: Deadline of the routing flip.
-        old_active_standby: The old active reached standby posture afterwards (planned only).
-        error: What went wrong, when something did.
-    """
-
-    kind: str
-    source: str
-    target: str
-    operation: Operation | None = None
-    steps: list[tuple[str, float]] = field(default_factory=list)
-    detection_s: float | None = None
-    routing_s: float | None = None
-    first_good_s: float | None = None
-    requests: TrafficSummary = field(default_factory=lambda: TrafficSummary(0, 0, 0, 0))
-    failures: list[RequestRecord] = field(default_factory=list)
-    budget_s: float = 0.0
-    old_active_standby: bool | None = None
-    error: str | None = None
-
-    @property
-    def switched(self) -> bool:
-        """Routing moved to the target within the budget."""
-        return self.routing_s is not None and self.routing_s <= self.budget_s
-
-    @property
-    def succeeded(self) -> bool:
-        """The operation succeeded."""
-        return self.operation is not None and self.operation.state is OperationState.SUCCEEDED
-
-
-@dataclass(slots=True, kw_only=True)
-class ScenarioReport:
-    """The scenario's outcome."""
-
-    planned: SwitchoverResult
-    apply: ApplyResult | None = None
-    """The apply before the planned switchover (None: the topology serves no unbound model)."""
-    unplanned: SwitchoverResult | None = None
-    recovered: bool | None = None
-    duty_cycles: dict[str, float] | None = None
-    """Standby duty cycle per domain (the server's ``haru_standby_duty_cycle_ratio``)."""
-
-    @property
-    def ok(self) -> bool:
-        """Whether the scenario met its targets.
-
-        Zero failed requests in the planned switchover and in the unplanned failure (a stream
-        that the kill cut after its response had started is counted apart: no proxy can send
-        it again), the old active back in standby posture, a failover within its budget, and the
-        failed domain recovered; and when there was an apply, it was applied and every request
-        for its model answered.
-        """
-        if self.apply is not None and not self.apply.succeeded:
-            return False
-        planned = self.planned
-        if not (planned.succeeded and planned.switched and not planned.failures):
-            return False
-        if self.unplanned is not None and self.unplanned.requests.failed:
-            return False
-        if planned.old_active_standby is False:
-            return False
-        unplanned = self.unplanned
-        if unplanned is None or not (unplanned.switched and unplanned.succeeded):
-            return False
-        return self.recovered is True
-
-    def lines(self) -> list[str]:
-        """The report as text lines."""
-        out = [
-            *(self.apply.lines() if self.apply is not None else ()),
-            *_switchover_lines(self.planned),
-        ]
-        if self.unplanned is not None:
-            out.extend(_switchover_lines(self.unplanned))
-        if self.recovered is not None:
-            out.append(
-                "recovery: failed domain restarted, back in standby posture (vLLM asleep, "
-                "training running)"
-                if self.recovered
-                else "recovery: the failed domain did NOT return to standby posture"
-            )
-        if self.duty_cycles is not None:
-            out.append(_duty_cycle_line(self.duty_cycles))
-        out.append("RESULT: " + ("success" if self.ok else "FAILED"))
-        return out
-
-
-def _duty_cycle_line(cycles: dict[str, float]) -> str:
-    shares = ", ".join(f"{domain} {ratio:.0%}" for domain, ratio in sorted(cycles.items()))
-    return "standby duty cycle (standby time with every training slot running): " + (
-        shares or "not measured (no standby heartbeat interval yet)"
-    )
-
-
-DUTY_CYCLE_METRIC: Final = "haru_standby_duty_cycle_ratio"
-
-
-def parse_duty_cycles(text: str, *, fleet: str) -> dict[str, float]:
-    """The standby duty cycle of each domain of ``fleet`` from the server's ``/metrics`` text."""
-    return {
-        sample.labels["domain"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == DUTY_CYCLE_METRIC and sample.labels.get("fleet") == fleet
-    }
-
-
-async def read_duty_cycles(
-    server_url: str, *, fleet: str, token: str | None = None
-) -> dict[str, float] | None:
-    """Scrape the server's ``/metrics`` for the duty cycles (None when it cannot be read).
-
-    ``token`` is the server's admin token (``/metrics`` is behind it).
-    """
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
-            session.get(f"{server_url}/metrics", headers=bearer_header(token)) as response,
-        ):
-            if response.status != 200:
-                return None
-            text = await response.text()
-    except (aiohttp.ClientError, TimeoutError):
-        return None
-    return parse_duty_cycles(text, fleet=fleet)
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
-
-
-def _row(label: str, value: str) -> str:
-    return f"  {label + ':':<26}{value}"
-
-
-def _switchover_lines(result: SwitchoverResult) -> list[str]:
-    title = "planned switchover" if result.kind == "planned" else "unplanned failure"
-    state = result.operation.state.value if result.operation is not None else "not seen"
-    lines = [f"{title}: {result.source} -> {result.target} (promote {state})"]
-    if result.detection_s is not None or result.kind == "unplanned":
-        lines.append(_row("time to detection", _ms(result.detection_s)))
-    if result.steps:
-        lines.append(
-            _row("steps", ", ".join(f"{step} {_ms(seconds)}" for step, seconds in result.steps))
-        )
-    label = "request to routing flip" if result.kind == "planned" else "failure to routing flip"
-    lines.append(_row(label, f"{_ms(result.routing_s)} (budget {result.budget_s:.0f} s)"))
-    if result.kind == "unplanned":
-        lines.append(_row("first good answer", f"{_ms(result.first_good_s)} after the kill"))
-    requests = result.requests
-    lines.append(
-        _row(
-            "requests during it",
-            f"{requests.total} sent, {requests.ok} ok, {requests.failed} failed"
-            + (
-                f", {requests.cut} stream(s) cut after their response had started"
-                if requests.cut
-                else ""
-            ),
-        )
-    )
-    reasons: dict[str, int] = {}
-    for record in result.failures:
-        reason = record.error or "?"
-        reasons[reason] = reasons.get(reason, 0) + 1
-    lines.extend(f"    {count} x {reason}" for reason, count in sorted(reasons.items()))
-    if requests.held:
-        lines.append(
-            _row(
-                "held through it",
-                f"{requests.held} answered after a hold, longest {requests.longest_hold_ms} ms",
-            )
-        )
-    if result.old_active_standby is not None:
-        lines.append(
-            f"  old active back in standby posture: {'yes' if result.old_active_standby else 'NO'}"
-        )
-    if result.error:
-        lines.append(f"  problem: {result.error}")
-    return lines
 
 
 def promote_budget_s(policy: Policy) -> float:
@@ -652,217 +382,3 @@ async def run_scenario(
 
 
 # ---- the command's main loop -----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DemoRun:
-    """What ``haru demo`` was asked to do."""
-
-    workdir: Path
-    port: int = DEFAULT_DEMO_PORT
-    scenario: bool = True
-    scenario_only: bool = False
-    duration_s: float | None = None
-    timings: DemoTimings = field(default_factory=DemoTimings)
-    clients: int = 4
-
-
-def snippets(server_url: str, fleet: str, model: str, *, key_file: Path, token_file: Path) -> str:
-    """What to try against the running demo: the client key's and admin token's files."""
-    return f"""\
-Try it (HARU_DEFAULT_FLEET={fleet}, so no X-Haru-Fleet header is needed). Inference takes
-the demo's client key, the control API its admin token (each in a file, mode 0600):
-
-  export OPENAI_API_KEY="$(cat {key_file})" HARU_API_TOKEN_FILE={token_file}
-
-  curl -s {server_url}/v1/chat/completions -H 'Content-Type: application/json' \\
-    -H "Authorization: Bearer $OPENAI_API_KEY" \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "hello haru"}}]}}'
-
-  python - <<'EOF'
-  from openai import OpenAI
-  client = OpenAI(base_url="{server_url}/v1")  # the key from OPENAI_API_KEY
-  reply = client.chat.completions.create(
-      model="{model}", messages=[{{"role": "user", "content": "hello haru"}}])
-  print(reply.choices[0].message.content)
-  EOF
-
-  uv run haru fleet show {fleet} --url {server_url}
-  uv run haru keys list --url {server_url}
-  uv run haru promote {fleet} alpha --wait --url {server_url}
-  uv run haru events {fleet} --follow --url {server_url}
-"""
-
-
-def run_demo(run: DemoRun) -> int:
-    """Run the demo; returns the exit status (SIGTERM and Ctrl-C stop it cleanly)."""
-    try:
-        return asyncio.run(_main(run))
-    except KeyboardInterrupt:
-        return 130
-
-
-_SIGNAL_STATUS = {signal.SIGTERM: 143, signal.SIGINT: 130}
-"""Exit status after a stop by each signal (128 + the signal number, as shells report it)."""
-
-
-async def _main(run: DemoRun) -> int:
-    task = asyncio.current_task()
-    loop = asyncio.get_running_loop()
-    stopped_by: list[signal.Signals] = []
-
-    def on_signal(signum: signal.Signals) -> None:
-        # SIGTERM and Ctrl-C take the same path: cancel the demo, whose cleanup stops every
-        # process it started, then exit with the signal's status. (asyncio.run's own SIGINT
-        # handling would re-raise KeyboardInterrupt around the cleanup instead.)
-        if stopped_by:
-            return
-        stopped_by.append(signum)
-        # A second Ctrl-C during the cleanup then interrupts at once (the atexit hook still
-        # kills the process groups left behind).
-        loop.remove_signal_handler(signal.SIGINT)
-        if task is not None:
-            task.cancel()
-
-    handled: list[signal.Signals] = []
-    for signum in _SIGNAL_STATUS:
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(signum, on_signal, signum)
-            handled.append(signum)
-    try:
-        return await _demo(run)
-    except asyncio.CancelledError:
-        if stopped_by:
-            return _SIGNAL_STATUS[stopped_by[0]]
-        raise
-    finally:
-        for signum in handled:
-            loop.remove_signal_handler(signum)
-
-
-async def _demo(run: DemoRun) -> int:
-    console = Console(highlight=False)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
-    port = run.port
-    if port and not port_is_free(port):
-        err.print(f"port {port} is taken: the server will listen on a free port instead")
-        port = 0
-    # The server has an admin token; the traffic uses a client key created through the API.
-    topology = DemoTopology(
-        TopologyOptions(
-            workdir=run.workdir,
-            server_port=port,
-            timings=run.timings,
-            api_token=secrets.token_urlsafe(32),
-            # The standby's vLLM serves one model more than the layout binds: the apply binds it.
-            unbound_models=(apply_target(load_example_layout()),),
-        )
-    )
-    err.print(f"[bold]haru demo[/]: workdir {topology.workdir} (logs in {topology.workdir}/logs)")
-    try:
-        await topology.start(on_progress=lambda message: err.print(f"  {message}"))
-        return await _run_with_view(run, topology, console, err)
-    except DemoError as exc:
-        err.print(f"[bold red]demo failed:[/] {exc}")
-        return 1
-    finally:
-        err.print("stopping every process the demo started")
-        await topology.close()
-
-
-async def _run_with_view(
-    run: DemoRun, topology: DemoTopology, console: Console, err: Console
-) -> int:
-    fleet = await topology.fleet()
-    models = list(dict.fromkeys(m for d in topology.domains.values() for m in d.models))
-    state = ViewState(server_url=topology.server_url)
-    key = await topology.create_client_key("haru-demo-traffic")
-    key_file = topology.secrets_dir / "client.key"
-    descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-        handle.write(key + "\n")
-    traffic = ChatTraffic(
-        topology.server_url, fleet=fleet.slug, models=models, clients=run.clients, api_key=key
-    )
-    vllm_urls = {
-        slug: [server.url for server in domain.vllm.values()]
-        for slug, domain in topology.domains.items()
-    }
-    live: Live | None = None
-
-    def say(text: str) -> None:
-        # Above the live view when there is one (it scrolls), else plain lines.
-        if live is not None:
-            live.console.print(text, markup=False, highlight=False, soft_wrap=True)
-        else:
-            sys.stdout.write(text + "\n")
-            sys.stdout.flush()
-
-    def phase(text: str) -> None:
-        state.phase = text
-        stamp = f"[{datetime.now(UTC).astimezone():%H:%M:%S}] {text}"
-        if live is not None:
-            say(stamp)
-        else:
-            err.print(stamp, markup=False, highlight=False, soft_wrap=True)
-
-    status = 0
-    async with topology.control() as control, aiohttp.ClientSession() as session:
-        watcher = FleetWatcher(
-            state,
-            fleet=fleet.slug,
-            control=control,
-            session=session,
-            vllm_urls=vllm_urls,
-            traffic=traffic,
-        )
-        await watcher.poll()
-        if console.is_terminal:
-            live = Live(render_view(state), console=console, auto_refresh=False)
-        refresher: asyncio.Task[None] | None = None
-        watcher.start()
-        try:
-            if live is not None:
-                live.start()
-                refresher = asyncio.create_task(_refresh(live, state), name="haru-demo-view")
-            if run.scenario:
-                traffic.start()
-                try:
-                    report = await run_scenario(topology, traffic, phase=phase)
-                finally:
-                    await traffic.stop()
-                status = 0 if report.ok else 1
-                say("\n".join(report.lines()))
-            if run.scenario_only:
-                phase("scenario finished")
-                return status
-            phase(f"serving on {topology.server_url} (Ctrl-C to stop)")
-            say(
-                snippets(
-                    topology.server_url,
-                    fleet.slug,
-                    models[0],
-                    key_file=key_file,
-                    token_file=topology.api_token_file(),
-                )
-            )
-            if run.duration_s is not None:
-                await asyncio.sleep(run.duration_s)
-            else:
-                await asyncio.Event().wait()
-            return status
-        finally:
-            if refresher is not None:
-                refresher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await refresher
-            await watcher.stop()
-            if live is not None:
-                live.update(render_view(state), refresh=True)
-                live.stop()
-
-
-async def _refresh(live: Live, state: ViewState) -> None:
-    while True:
-        live.update(render_view(state), refresh=True)
-        await asyncio.sleep(0.25)

@@ -27,15 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import os
 import re
-import socket
 import sys
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -46,32 +42,23 @@ import aiohttp
 from haru_db import StateStore, upgrade
 from haru_protocol import (
     AcceptedResponse,
-    DomainLayout,
-    DomainState,
     FleetLayout,
     FleetSnapshot,
-    InferenceSlotSpec,
-    ModelBinding,
     Operation,
     OperationKind,
     OperationState,
-    PolicyPatch,
-    SlotSpec,
-    SupervisorConfig,
-    SupervisorInferenceSlot,
-    SupervisorModel,
-    SupervisorSlot,
-    SupervisorTrainingSlot,
-    TrainingSlotSpec,
     TrainingSlotState,
     TrainingStatusResponse,
     bearer_header,
-    load_example_layout,
 )
-from haru_server.control_client import ControlApiError, ControlClient
-from haru_sim import nvidia_smi as _gpu
-from haru_sim.nvidia_smi import GPU_TOTAL_MIB, EmulatedGpu, GpuModel, write_nvidia_smi
+from haru_server.control_client import ControlApiError
 
+from haru_demo._options import (
+    LOOPBACK,
+    DemoDomain,
+    VllmServer,
+)
+from haru_demo._posture import heartbeats_judged
 from haru_demo._procs import (
     ChildProcess,
     DemoError,
@@ -79,226 +66,15 @@ from haru_demo._procs import (
     reap_orphans,
     spawn,
 )
+from haru_demo._topology_files import TopologyFiles, _base_env
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_DEMO_PORT: Final = 8700
-"""Where ``haru demo`` serves when the port is free (the server's default ``PORT``)."""
-
-DEMO_POLICY: Final = PolicyPatch(auto_failover=True)
-"""The default policy with autoFailover on, as an operator would seed it: the demo shows the
-failover an operator gets out of the box, with no demo-only tuning."""
-
-GPU_SCRIPT: Final = Path(_gpu.__file__)
-"""The emulated ``nvidia-smi``, run as a script."""
-
-VLLM_GPU_SHARE: Final = 0.9
-"""Share of a GPU its awake vLLM servers hold together (vLLM's gpu_memory_utilization)."""
 
 _SIM_LISTENING = re.compile(r"^haru-sim-vllm listening on [^\s:]+:(\d+)\s*$", re.MULTILINE)
 _SIM_CONTROL = re.compile(r"^haru-sim-vllm control on [^\s:]+:(\d+)\s*$", re.MULTILINE)
 _SUPERVISOR_LISTENING = re.compile(r"haru-supervisor listening on http://[^\s:]+:(\d+)")
 _SERVER_LISTENING = re.compile(r"haru-server listening on [^\s:]+:(\d+)")
 _POLL_S: Final = 0.1
-
-# Variables of the operator's own shell that must not leak into the demo's processes: the demo
-# decides its database, ports and tokens itself.
-_SCRUBBED_ENV: Final = ("DATABASE_URL", "PORT", "VLLM_SERVER_DEV_MODE")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DemoTimings:
-    """Speeds of the emulated engines and the control plane's budgets.
-
-    Attributes:
-        sleep_latency_ms: How long an emulated vLLM sleep takes.
-        wake_latency_ms: How long an emulated vLLM wake takes.
-        first_token_latency_ms: Emulated time to first token.
-        token_latency_ms: Emulated time per token.
-        trainer_step_ms: Emulated training step.
-        trainer_checkpoint_every: Steps between checkpoints.
-        reconcile_interval_ms: The server's ``HARU_RECONCILE_INTERVAL_MS`` (None: not set,
-            the server's default).
-        supervisor_shutdown_grace_ms: ``HARU_SUPERVISOR_SHUTDOWN_GRACE_MS`` (trainer SIGTERM
-            to SIGKILL when a supervisor stops).
-        stop_grace_s: SIGTERM to SIGKILL grace when the demo stops a process.
-        ready_timeout_s: Bound on each start-up wait.
-        policy: The fleet's policy patch (autoFailover on, short budgets).
-        trainer_extra_args: More arguments of the emulated trainer (``--ignore-sigterm``,
-            ``--spawn-child``, ...: the fault-schedule harness uses them).
-    """
-
-    sleep_latency_ms: int = 50
-    wake_latency_ms: int = 250
-    first_token_latency_ms: int = 10
-    token_latency_ms: int = 2
-    trainer_step_ms: int = 100
-    trainer_checkpoint_every: int = 10
-    reconcile_interval_ms: int | None = None
-    supervisor_shutdown_grace_ms: int = 2_000
-    stop_grace_s: float = 5.0
-    ready_timeout_s: float = 60.0
-    policy: PolicyPatch = DEMO_POLICY
-    trainer_extra_args: tuple[str, ...] = ()
-
-
-LOOPBACK: Final = "127.0.0.1"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class HostPlacement:
-    """Where one host of the topology (the server, or one domain) runs.
-
-    By default every process runs here, on 127.0.0.1. A placement runs a host's processes
-    through ``argv_prefix`` (for example ``ip netns exec NETNS``: the host is a network
-    namespace) and makes the others reach it on ``address``; its processes then listen on every
-    interface of their namespace (a domain's supervisor still reaches its vLLM on 127.0.0.1).
-
-    Attributes:
-        argv_prefix: Prepended to the argv of every process of the host.
-        address: The address other hosts and the caller reach the host on.
-    """
-
-    argv_prefix: tuple[str, ...] = ()
-    address: str = LOOPBACK
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class UnboundModel:
-    """A model a domain's vLLM serves from the start that the seeded layout does not bind.
-
-    vLLM serves what it was started with; Haru routes what the layout binds. The topology starts
-    an emulated vLLM server for it (asleep on a standby) and lists it in the supervisor's config,
-    so an apply can bind it later (:meth:`DemoTopology.layout_binding`).
-
-    Attributes:
-        domain: Slug of the domain that serves it.
-        gpu_index: GPU of the inference slot it belongs to.
-        name: The served model name.
-    """
-
-    domain: str
-    gpu_index: int
-    name: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TopologyOptions:
-    """What :class:`DemoTopology` starts, and where.
-
-    Attributes:
-        workdir: Folder for everything the topology writes (created if missing).
-        server_port: The server's ``PORT`` (0: a free one).
-        database_url: ``DATABASE_URL`` of the server; None: the embedded SQLite default
-            (``haru.db`` in the workdir).
-        timings: Engine speeds and budgets.
-        supervisor_token: The supervisor token of the server and the supervisors (None: open
-            supervisors, listening on 127.0.0.1 only). Each side reads it from its own file
-            (``HARU_SUPERVISOR_TOKEN_FILE``, :meth:`DemoTopology.supervisor_token_file`), so
-            it can be rotated under the running processes.
-        api_token: The server's admin token (``HARU_API_TOKEN_FILE``,
-            :meth:`DemoTopology.api_token_file`; None: an open API on 127.0.0.1). With one,
-            the proxy needs a client key (:meth:`DemoTopology.create_client_key`).
-        supervisor_env: Further variables of every supervisor.
-        layout: The layout whose shape is reproduced (default: the bundled example).
-        standby_posture: Demote every standby once the fleet is up (vLLM asleep, training
-            running), as an operator would after seeding.
-        hosts: Where the server (key ``"server"``) and each domain (its slug) run; missing
-            keys run here on 127.0.0.1.
-        unbound_models: Models served from the start but not bound by the seeded layout.
-    """
-
-    workdir: Path
-    server_port: int = 0
-    database_url: str | None = None
-    timings: DemoTimings = field(default_factory=DemoTimings)
-    supervisor_token: str | None = None
-    api_token: str | None = None
-    supervisor_env: Mapping[str, str] = field(default_factory=dict)
-    layout: FleetLayout | None = None
-    standby_posture: bool = True
-    hosts: Mapping[str, HostPlacement] = field(default_factory=dict)
-    unbound_models: tuple[UnboundModel, ...] = ()
-
-
-@dataclass(slots=True, kw_only=True)
-class VllmServer:
-    """One emulated vLLM server: one model of one domain."""
-
-    name: str
-    gpu_index: int
-    port: int
-    process: ChildProcess
-    address: str = LOOPBACK
-    control_port: int = 0
-    """The emulator's control listener (``/_sim/*`` only): it stays open under the ``refuse``
-    fault, which closes :attr:`port`."""
-
-    @property
-    def url(self) -> str:
-        """Base URL (the layout's ``servingUrl``)."""
-        return f"http://{self.address}:{self.port}"
-
-    @property
-    def control_url(self) -> str:
-        """Base URL of the control listener (``POST /_sim/faults`` etc.)."""
-        return f"http://{self.address}:{self.control_port}"
-
-
-@dataclass(slots=True, kw_only=True)
-class DemoDomain:
-    """One domain of the topology: its vLLM servers, supervisor and checkpoint folders."""
-
-    slug: str
-    shape: DomainLayout
-    """The domain as the reproduced layout describes it (ports and paths not yet real)."""
-    vllm: dict[str, VllmServer] = field(default_factory=dict)
-    supervisor: ChildProcess | None = None
-    supervisor_url: str = ""
-    checkpoint_dirs: dict[int, Path] = field(default_factory=dict)
-
-    unbound: tuple[UnboundModel, ...] = ()
-    """Models its vLLM serves that the seeded layout does not bind."""
-
-    @property
-    def models(self) -> tuple[str, ...]:
-        """Model names the seeded layout binds, in layout order."""
-        return tuple(m.name for s in self.shape.inference_slots for m in s.models)
-
-    def served_on(self, gpu_index: int) -> tuple[str, ...]:
-        """Every model served on inference GPU ``gpu_index``: the bound ones, then the unbound."""
-        bound = tuple(
-            m.name for s in self.shape.inference_slots if s.gpu_index == gpu_index for m in s.models
-        )
-        return bound + tuple(u.name for u in self.unbound if u.gpu_index == gpu_index)
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether ``host:port`` can be bound now (a hint: another process may take it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def trainer_command(timings: DemoTimings) -> tuple[str, ...]:
-    """Argv of the emulated trainer: the console script next to this Python, else ``-m``."""
-    script = Path(sys.executable).with_name("haru-sim-trainer")
-    base = (
-        (str(script),)
-        if script.is_file() and os.access(script, os.X_OK)
-        else (sys.executable, "-m", "haru_sim.trainer")
-    )
-    return (
-        *base,
-        "--step-ms",
-        str(timings.trainer_step_ms),
-        "--checkpoint-every",
-        str(timings.trainer_checkpoint_every),
-        *timings.trainer_extra_args,
-    )
 
 
 async def _all(coroutines: Iterable[Coroutine[object, object, object]]) -> None:
@@ -314,134 +90,12 @@ async def _all(coroutines: Iterable[Coroutine[object, object, object]]) -> None:
         raise first from group_error
 
 
-def _base_env() -> dict[str, str]:
-    env = {
-        k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV and not k.startswith("HARU_")
-    }
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-class DemoTopology:
+class DemoTopology(TopologyFiles):
     """A whole local fleet as separate processes; ``async with DemoTopology(options) as t:``.
 
     Args:
         options: What to start and where.
     """
-
-    def __init__(self, options: TopologyOptions) -> None:
-        self.options = options
-        self.workdir = options.workdir.resolve()
-        self.timings = options.timings
-        self.shape = options.layout or load_example_layout()
-        self.domains: dict[str, DemoDomain] = {
-            d.slug: DemoDomain(
-                slug=d.slug,
-                shape=d,
-                unbound=tuple(u for u in options.unbound_models if u.domain == d.slug),
-            )
-            for d in self.shape.domains
-        }
-        for unbound in options.unbound_models:
-            domain = self.domains.get(unbound.domain)
-            if domain is None or unbound.gpu_index not in {
-                s.gpu_index for s in domain.shape.inference_slots
-            }:
-                raise ValueError(
-                    f"no inference slot on GPU {unbound.gpu_index} of {unbound.domain}"
-                )
-        self.layout: FleetLayout | None = None
-        self.server: ChildProcess | None = None
-        self.server_port = options.server_port
-        self.fleet_id: UUID | None = None
-        self._children: list[ChildProcess] = []
-        self._closed = False
-
-    # ---- addresses ---------------------------------------------------------------------------
-
-    @property
-    def fleet_slug(self) -> str:
-        """Slug of the demo fleet."""
-        return self.shape.slug
-
-    @property
-    def server_url(self) -> str:
-        """Base URL of the server (its ``/v1`` is the OpenAI-compatible proxy)."""
-        if not self.server_port:
-            raise DemoError("the server has not been started")
-        return f"http://{self.placement('server').address}:{self.server_port}"
-
-    @property
-    def database_path(self) -> Path | None:
-        """The embedded SQLite file, or None on another database."""
-        return None if self.options.database_url else self.workdir / "haru.db"
-
-    @property
-    def checkpoint_root(self) -> Path:
-        """Folder holding every trainer's checkpoint directory."""
-        return self.workdir / "checkpoints"
-
-    def initial_active(self) -> str:
-        """Slug of the domain the layout makes active first."""
-        return self.shape.active_domain_slug or self.shape.domains[0].slug
-
-    def placement(self, host: str) -> HostPlacement:
-        """Where ``host`` (``"server"`` or a domain slug) runs."""
-        return self.options.hosts.get(host, HostPlacement())
-
-    def control(self, *, timeout_s: float = 10.0) -> ControlClient:
-        """A control API client of the server (use as ``async with``).
-
-        It presents the admin token the server's file holds now.
-        """
-        # A placed server is on a private lab network: plain HTTP to it is deliberate.
-        placed = self.placement("server").address != LOOPBACK
-        return ControlClient(
-            self.server_url, token=self.api_token(), timeout_s=timeout_s, allow_plaintext=placed
-        )
-
-    # ---- secrets -----------------------------------------------------------------------------
-
-    @property
-    def secrets_dir(self) -> Path:
-        """Folder of the token files (mode 0700; each file 0600)."""
-        return self.workdir / "secrets"
-
-    def api_token_file(self) -> Path:
-        """The server's ``HARU_API_TOKEN_FILE`` (written at start when there is a token)."""
-        return self.secrets_dir / "api.token"
-
-    def supervisor_token_file(self, side: str) -> Path:
-        """The ``HARU_SUPERVISOR_TOKEN_FILE`` of ``side``: ``"server"`` or a domain's slug.
-
-        Every side has its own file, as every host has in production: rewriting one rotates
-        the token of that process only.
-        """
-        return self.secrets_dir / f"supervisor-{side}.token"
-
-    def api_token(self) -> str | None:
-        """The admin token the server's file holds now (None: an open API)."""
-        if self.options.api_token is None:
-            return None
-        return self.api_token_file().read_text(encoding="utf-8").strip()
-
-    def _supervisor_token_of(self, side: str) -> str | None:
-        if self.options.supervisor_token is None:
-            return None
-        return self.supervisor_token_file(side).read_text(encoding="utf-8").strip()
-
-    def _write_secrets(self) -> None:
-        self.secrets_dir.mkdir(mode=0o700, exist_ok=True)
-        files: dict[Path, str] = {}
-        if self.options.api_token is not None:
-            files[self.api_token_file()] = self.options.api_token
-        if self.options.supervisor_token is not None:
-            for side in ("server", *self.domains):
-                files[self.supervisor_token_file(side)] = self.options.supervisor_token
-        for path, token in files.items():
-            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-                handle.write(token + "\n")
 
     async def create_client_key(self, name: str) -> str:
         """Create an inference client key (``POST /v1/keys``) and return its secret.
@@ -548,35 +202,6 @@ class DemoTopology:
 
     # ---- emulated vLLM servers ---------------------------------------------------------------
 
-    def _vllm_argv(self, name: str, *, port: int, asleep: bool, placed: bool) -> list[str]:
-        t = self.timings
-        argv = [
-            sys.executable,
-            "-m",
-            "haru_sim.vllm",
-            "--host",
-            "0.0.0.0" if placed else LOOPBACK,
-            "--port",
-            str(port),
-            "--control-port",
-            "0",
-            "--served-model-name",
-            name,
-            "--model",
-            f"haru-demo/{name}",
-            "--sleep-latency-ms",
-            str(t.sleep_latency_ms),
-            "--wake-latency-ms",
-            str(t.wake_latency_ms),
-            "--first-token-latency-ms",
-            str(t.first_token_latency_ms),
-            "--token-latency-ms",
-            str(t.token_latency_ms),
-        ]
-        if asleep:
-            argv.append("--start-asleep")
-        return argv
-
     async def _spawn(
         self,
         name: str,
@@ -677,62 +302,8 @@ class DemoTopology:
 
     async def _start_supervisor(self, domain: DemoDomain, *, port: int = 0) -> None:
         folder = self.workdir / domain.slug
-        bin_dir = folder / "bin"
-        bin_dir.mkdir(parents=True, exist_ok=True)
-        command = trainer_command(self.timings)
-        slots: list[SupervisorSlot] = []
-        gpus: dict[int, EmulatedGpu] = {}
-        for slot in domain.shape.slots:
-            if isinstance(slot, InferenceSlotSpec):
-                servers = [domain.vllm[name] for name in domain.served_on(slot.gpu_index)]
-                slots.append(
-                    SupervisorInferenceSlot(
-                        gpu_index=slot.gpu_index,
-                        models=tuple(SupervisorModel(name=s.name, port=s.port) for s in servers),
-                    )
-                )
-                share = int(GPU_TOTAL_MIB * VLLM_GPU_SHARE / len(servers))
-                gpu = gpus.get(slot.gpu_index, EmulatedGpu(index=slot.gpu_index))
-                gpus[slot.gpu_index] = dataclasses.replace(
-                    gpu,
-                    models=tuple(
-                        GpuModel(name=s.name, port=s.port, awake_mib=share) for s in servers
-                    ),
-                )
-            else:
-                directory = self.checkpoint_root / f"{domain.slug}-gpu{slot.gpu_index}"
-                directory.mkdir(parents=True, exist_ok=True)
-                domain.checkpoint_dirs[slot.gpu_index] = directory
-                slots.append(
-                    SupervisorTrainingSlot(
-                        gpu_index=slot.gpu_index, command=command, checkpoint_dir=str(directory)
-                    )
-                )
-                gpu = gpus.get(slot.gpu_index, EmulatedGpu(index=slot.gpu_index))
-                gpus[slot.gpu_index] = dataclasses.replace(gpu, checkpoint_dir=str(directory))
-        config_path = folder / "supervisor.json"
-        config_path.write_text(
-            SupervisorConfig(slots=tuple(slots)).model_dump_json(indent=2, exclude_none=True),
-            encoding="utf-8",
-        )
-        write_nvidia_smi(bin_dir, [gpus[i] for i in sorted(gpus)])
-        env = _base_env()
-        env.update(
-            PORT=str(port),
-            HARU_SUPERVISOR_CONFIG=str(config_path),
-            HARU_SUPERVISOR_GPU_SOURCE="nvidia-smi",
-            HARU_SUPERVISOR_SHUTDOWN_GRACE_MS=str(self.timings.supervisor_shutdown_grace_ms),
-            PATH=os.pathsep.join([str(bin_dir), env.get("PATH", os.defpath)]),
-        )
-        if self.options.supervisor_token is not None:
-            env["HARU_SUPERVISOR_TOKEN_FILE"] = str(self.supervisor_token_file(domain.slug))
-        env.update(self.options.supervisor_env)
+        env = self._supervisor_env(domain, port=port)
         placement = self.placement(domain.slug)
-        if placement.address != LOOPBACK:
-            # Alone in its namespace: every interface there, the token (if any) guarding it.
-            env["HARU_HOST"] = "0.0.0.0"
-            if self.options.supervisor_token is None:
-                env["HARU_ALLOW_OPEN_BIND"] = "1"
         process = await self._spawn(
             f"supervisor-{domain.slug}",
             [sys.executable, "-m", "haru_supervisor"],
@@ -747,83 +318,7 @@ class DemoTopology:
         )
         domain.supervisor_url = f"http://{placement.address}:{match.group(1)}"
 
-    # ---- layout and store --------------------------------------------------------------------
-
-    def _domain_layout(self, domain: DemoDomain) -> DomainLayout:
-        command = trainer_command(self.timings)
-        slots: list[SlotSpec] = []
-        for slot in domain.shape.slots:
-            if isinstance(slot, InferenceSlotSpec):
-                slots.append(
-                    slot.model_copy(
-                        update={
-                            "models": tuple(
-                                ModelBinding(name=m.name, serving_url=domain.vllm[m.name].url)
-                                for m in slot.models
-                            )
-                        }
-                    )
-                )
-            else:
-                slots.append(
-                    TrainingSlotSpec(
-                        gpu_index=slot.gpu_index,
-                        command=command,
-                        checkpoint_dir=str(domain.checkpoint_dirs[slot.gpu_index]),
-                    )
-                )
-        first = domain.vllm[domain.models[0]]
-        return domain.shape.model_copy(
-            update={
-                "supervisor_url": domain.supervisor_url,
-                # No load balancer in front of a demo domain: its first model's server stands in
-                # for the domain's public endpoint in the route intent.
-                "serving_base_url": first.url,
-                "slots": tuple(slots),
-            }
-        )
-
-    def _build_layout(self) -> FleetLayout:
-        layout = self.shape.model_copy(
-            update={
-                "schema_uri": None,
-                "display_name": "Haru demo fleet",
-                "policy": self.timings.policy,
-                "domains": tuple(self._domain_layout(d) for d in self.domains.values()),
-            }
-        )
-        # Validate the rewritten document as an operator's would be.
-        return FleetLayout.model_validate_json(layout.model_dump_json(exclude_none=True))
-
-    def layout_binding(self, unbound: UnboundModel) -> FleetLayout:
-        """The seeded layout with ``unbound`` bound to its slot, at its server's URL.
-
-        What an operator would ``haru apply`` to have Haru route the model.
-
-        Raises:
-            DemoError: The topology has not been started.
-        """
-        if self.layout is None:
-            raise DemoError("the topology has not been started")
-        server = self.domains[unbound.domain].vllm[unbound.name]
-        binding = ModelBinding(name=unbound.name, serving_url=server.url)
-        domains: list[DomainLayout] = []
-        for domain in self.layout.domains:
-            if domain.slug == unbound.domain:
-                slots = tuple(
-                    slot.model_copy(update={"models": (*slot.models, binding)})
-                    if isinstance(slot, InferenceSlotSpec) and slot.gpu_index == unbound.gpu_index
-                    else slot
-                    for slot in domain.slots
-                )
-                domain = domain.model_copy(update={"slots": slots})
-            domains.append(domain)
-        layout = self.layout.model_copy(update={"domains": tuple(domains)})
-        return FleetLayout.model_validate_json(layout.model_dump_json(exclude_none=True))
-
-    @property
-    def _store_url(self) -> str:
-        return self.options.database_url or str(self.database_path)
+    # ---- store -------------------------------------------------------------------------------
 
     async def _migrate(self) -> None:
         await upgrade(self._store_url)
@@ -835,32 +330,6 @@ class DemoTopology:
         finally:
             await store.close()
         self.fleet_id = result.fleet_id
-
-    # ---- server ------------------------------------------------------------------------------
-
-    def server_env(self) -> dict[str, str]:
-        """The server's environment."""
-        env = _base_env()
-        env.update(
-            PORT=str(self.server_port),
-            HARU_DEFAULT_FLEET=self.fleet_slug,
-        )
-        if self.timings.reconcile_interval_ms is not None:
-            env["HARU_RECONCILE_INTERVAL_MS"] = str(self.timings.reconcile_interval_ms)
-        if self.options.database_url is not None:
-            env["DATABASE_URL"] = self.options.database_url
-        if self.options.supervisor_token is not None:
-            env["HARU_SUPERVISOR_TOKEN_FILE"] = str(self.supervisor_token_file("server"))
-        if self.options.api_token is not None:
-            env["HARU_API_TOKEN_FILE"] = str(self.api_token_file())
-        placement = self.placement("server")
-        if placement.address != LOOPBACK:
-            env["HARU_HOST"] = placement.address
-            env["HARU_ALLOW_OPEN_BIND"] = "1"
-        if any(self.placement(slug).address != LOOPBACK for slug in self.domains):
-            # Placed domains sit on a private lab network, reached over plain HTTP.
-            env["HARU_ALLOW_PLAINTEXT"] = "1"
-        return env
 
     async def start_server(self) -> None:
         """Start the server (again, on the same port and database, after :meth:`stop_server`).
@@ -1015,34 +484,3 @@ class DemoTopology:
             return TrainingStatusResponse.model_validate_json(raw)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             raise DemoError(f"training status of {slug}: {exc}") from exc
-
-
-def heartbeats_judged(fleet: FleetSnapshot) -> bool:
-    """Whether every domain answered a heartbeat and was judged on it (no longer provisioning).
-
-    A tick records the heartbeats (``lastSeenAt``) in one statement and moves a provisioning
-    domain to ready or degraded in the next; between the two a demote of that domain is
-    refused (422: only a degraded or ready domain can be demoted), so waiting for
-    ``lastSeenAt`` alone is not enough (fault schedules ``pg-replicas:2052`` and ``:2053``).
-    """
-    return all(
-        d.last_seen_at is not None and d.state is not DomainState.PROVISIONING
-        for d in fleet.domains
-    )
-
-
-def is_standby_posture(fleet: FleetSnapshot, slug: str) -> bool:
-    """Whether domain ``slug`` is a standby whose vLLM sleeps and whose training runs."""
-    domain = next((d for d in fleet.domains if d.slug == slug), None)
-    if domain is None or domain.id == fleet.active_domain_id:
-        return False
-    inference = [s for s in domain.slots if s.inference_spec is not None]
-    training = [s for s in domain.slots if s.training_spec is not None]
-    return all(s.state.value == "sleeping" for s in inference) and all(
-        s.state is TrainingSlotState.TRAINING for s in training
-    )
-
-
-def active_slug(fleet: FleetSnapshot) -> str | None:
-    """Slug of the fleet's active domain."""
-    return next((d.slug for d in fleet.domains if d.id == fleet.active_domain_id), None)
