@@ -340,7 +340,7 @@ async def test_promotion_moves_the_metrics_and_the_logs_share_request_ids(
     about = [
         r
         for r in records
-        if r["logger"].startswith(("haru_server._reconciler", "haru_server._steps"))
+        if r["logger"].startswith(("haru_server._operation_driver", "haru_server._steps"))
         and operation["id"] in r["message"]
     ]
     assert len(about) >= 5, about
