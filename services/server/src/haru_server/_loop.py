@@ -155,6 +155,15 @@ class ReconcileLoop:
             with contextlib.suppress(asyncio.CancelledError):
                 await worker
 
+    def kick_pending(self, fleet_id: UUID) -> bool:
+        """Whether a kick of ``fleet_id`` waits for its worker's next tick.
+
+        A tick clears the kicks that came before it started; every kick during it is one more
+        tick, however many there were.
+        """
+        worker = self._workers.get(fleet_id)
+        return worker is not None and worker.wake.is_set()
+
     def kick(self, fleet_id: UUID, *, start: Accepted | None = None) -> None:
         """Ask for a tick of ``fleet_id`` now; never blocks, coalesces repeated kicks.
 
