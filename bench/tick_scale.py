@@ -6,8 +6,8 @@ reconciler's process spent on it. A tick polls every domain's supervisor (the he
 round), records the answers and reads the fleet from the store.
 
 Everything is real except the GPUs: each domain is a real supervisor
-(``haru_supervisor.create_app``) with one emulated vLLM server (``haru_sim.VllmSim``) and its
-emulated ``nvidia-smi``, from ``haru_demo.LocalFleet``, in its OWN child process
+(``haru_supervisor.api.create_app``) with one emulated vLLM server (``haru_sim.VllmSim``) and
+its emulated ``nvidia-smi``, from ``haru_demo.LocalFleet``, in its OWN child process
 (``--domains-per-process`` packs several domains into one process where memory or start-up
 time is short), so the supervisors' work does not run on the reconciler's event loop, as in
 production where they run on the GPU hosts. No trainers (they would be hundreds of extra

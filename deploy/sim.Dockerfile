@@ -23,7 +23,7 @@ RUN --mount=type=cache,target=/root/.cache/uv \
     sh deploy/install-service.sh /opt/haru haru-supervisor haru-sim
 
 FROM python:3.11-slim-bookworm
-ARG HARU_VERSION=0.3.0
+ARG HARU_VERSION=0.4.0
 LABEL org.opencontainers.image.title="haru-sim-host" \
       org.opencontainers.image.description="An emulated GPU host for deploy/compose.yaml (not for production)" \
       org.opencontainers.image.version="${HARU_VERSION}" \

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from haru_protocol import FleetLayout, SupervisorConfig
 from haru_server._settings import Settings as ServerSettings
-from haru_server._settings import env_names
+from haru_web import env_names
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

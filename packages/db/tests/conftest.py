@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    asynccontextmanager,
+    contextmanager,
+)
 from datetime import UTC, datetime
 from typing import Any
 
@@ -11,6 +18,7 @@ import pytest_asyncio
 from haru_db import StateStore
 from haru_db._engine import create_engine
 from haru_protocol import DomainState, FleetLayout, FleetSnapshot
+from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 LayoutFactory = Callable[..., FleetLayout]
@@ -143,3 +151,113 @@ async def raw_engine(store: StateStore) -> AsyncIterator[AsyncEngine]:
         yield engine
     finally:
         await engine.dispose()
+
+
+RefuseEvents = Callable[[str], AbstractAsyncContextManager[None]]
+"""``refuse_events(type_)``: while it is entered the database refuses any event of ``type_``."""
+
+
+@pytest.fixture
+def refuse_events(raw_engine: AsyncEngine) -> RefuseEvents:
+    """A failure injected into the event write: a trigger that refuses one event type."""
+
+    @asynccontextmanager
+    async def refused(type_: str) -> AsyncIterator[None]:
+        postgres = raw_engine.dialect.name == "postgresql"
+        create = (
+            [
+                "CREATE FUNCTION test_refuse_event() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                "BEGIN RAISE EXCEPTION 'event refused'; END $$",
+                "CREATE TRIGGER test_refuse_event BEFORE INSERT ON events FOR EACH ROW "
+                f"WHEN (NEW.type = '{type_}') EXECUTE FUNCTION test_refuse_event()",
+            ]
+            if postgres
+            else [
+                "CREATE TRIGGER test_refuse_event BEFORE INSERT ON events FOR EACH ROW "
+                f"WHEN NEW.type = '{type_}' BEGIN SELECT RAISE(ABORT, 'event refused'); END"
+            ]
+        )
+        drop = (
+            ["DROP TRIGGER test_refuse_event ON events", "DROP FUNCTION test_refuse_event()"]
+            if postgres
+            else ["DROP TRIGGER test_refuse_event"]
+        )
+        async with raw_engine.begin() as conn:
+            for ddl in create:
+                await conn.exec_driver_sql(ddl)
+        try:
+            yield
+        finally:
+            async with raw_engine.begin() as conn:
+                for ddl in drop:
+                    await conn.exec_driver_sql(ddl)
+
+    return refused
+
+
+StatementWrites = Callable[[StateStore], AbstractContextManager[list[str]]]
+"""``with statement_writes(store) as seen``: the first word of each statement that is no read."""
+
+
+@pytest.fixture
+def statement_writes() -> StatementWrites:
+    """Records the statements a store runs that are not a plain ``SELECT``, while entered."""
+
+    @contextmanager
+    def recorded(store: StateStore) -> Iterator[list[str]]:
+        seen: list[str] = []
+        target = store._ex.engine.sync_engine
+
+        def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+            word = statement.split()[0].upper()
+            if word != "SELECT":
+                seen.append(word)
+
+        event.listen(target, "before_cursor_execute", record)
+        try:
+            yield seen
+        finally:
+            event.remove(target, "before_cursor_execute", record)
+
+    return recorded
+
+
+WriteStarted = Callable[[StateStore], AbstractContextManager[asyncio.Event]]
+"""``with write_started(store) as started``: set once a store's write began inside SQLite."""
+
+
+@pytest.fixture
+def write_started() -> WriteStarted:
+    """An event set when one of the store's writes has begun running inside SQLite itself.
+
+    SQLite calls its trace callback as a statement starts to run, before the statement takes
+    any lock (``sqlite3_trace_v2``, ``SQLITE_TRACE_STMT``). A lock holder that lets go only
+    after this event knows the write met its lock: it can only finish by waiting for it. The
+    callback runs in aiosqlite's thread, so it sets the event through the loop.
+    """
+
+    @contextmanager
+    def watched(store: StateStore) -> Iterator[asyncio.Event]:
+        started = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        pool = store._ex.engine.sync_engine.pool
+
+        def traced(statement: str) -> None:
+            if statement.split()[0].upper() in {"BEGIN", "INSERT", "UPDATE", "DELETE", "WITH"}:
+                loop.call_soon_threadsafe(started.set)
+
+        def trace(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+            dbapi_connection.run_async(lambda conn: conn.set_trace_callback(traced))
+
+        def untrace(dbapi_connection: Any, _record: Any) -> None:
+            dbapi_connection.run_async(lambda conn: conn.set_trace_callback(None))
+
+        event.listen(pool, "checkout", trace)
+        event.listen(pool, "checkin", untrace)
+        try:
+            yield started
+        finally:
+            event.remove(pool, "checkout", trace)
+            event.remove(pool, "checkin", untrace)
+
+    return watched

@@ -5,10 +5,9 @@ the operation from being created."""
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from datetime import datetime, timedelta
-from typing import Any
 from uuid import UUID
 
 import psycopg
@@ -24,11 +23,12 @@ from haru_protocol import (
     OperationKind,
     OperationRequestedPromote,
 )
-from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 REFUSED = "operation.auto_failover"
+RefuseEvents = Callable[[str], AbstractAsyncContextManager[None]]
+StatementWrites = Callable[[StateStore], AbstractContextManager[list[str]]]
 
 
 def _requested(operation: Operation) -> Sequence[EventPayload]:
@@ -46,57 +46,6 @@ def _requested(operation: Operation) -> Sequence[EventPayload]:
     )
 
 
-@contextmanager
-def _writes(store: StateStore) -> Iterator[list[str]]:
-    """The first word of every statement the store runs that is not a plain read."""
-    seen: list[str] = []
-    target = store._ex.engine.sync_engine
-
-    def record(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
-        word = statement.split()[0].upper()
-        if word != "SELECT":
-            seen.append(word)
-
-    event.listen(target, "before_cursor_execute", record)
-    try:
-        yield seen
-    finally:
-        event.remove(target, "before_cursor_execute", record)
-
-
-@asynccontextmanager
-async def _events_refused(raw_engine: AsyncEngine, type_: str) -> AsyncIterator[None]:
-    """The database refuses any event of ``type_`` (a failure injected into the event write)."""
-    postgres = raw_engine.dialect.name == "postgresql"
-    create = (
-        [
-            "CREATE FUNCTION test_refuse_event() RETURNS trigger LANGUAGE plpgsql AS $$ "
-            "BEGIN RAISE EXCEPTION 'event refused'; END $$",
-            "CREATE TRIGGER test_refuse_event BEFORE INSERT ON events FOR EACH ROW "
-            f"WHEN (NEW.type = '{type_}') EXECUTE FUNCTION test_refuse_event()",
-        ]
-        if postgres
-        else [
-            "CREATE TRIGGER test_refuse_event BEFORE INSERT ON events FOR EACH ROW "
-            f"WHEN NEW.type = '{type_}' BEGIN SELECT RAISE(ABORT, 'event refused'); END"
-        ]
-    )
-    drop = (
-        ["DROP TRIGGER test_refuse_event ON events", "DROP FUNCTION test_refuse_event()"]
-        if postgres
-        else ["DROP TRIGGER test_refuse_event"]
-    )
-    async with raw_engine.begin() as conn:
-        for ddl in create:
-            await conn.exec_driver_sql(ddl)
-    try:
-        yield
-    finally:
-        async with raw_engine.begin() as conn:
-            for ddl in drop:
-                await conn.exec_driver_sql(ddl)
-
-
 async def _fence(raw_engine: AsyncEngine, fleet: FleetSnapshot) -> int:
     async with raw_engine.connect() as conn:
         return int(
@@ -107,7 +56,7 @@ async def _fence(raw_engine: AsyncEngine, fleet: FleetSnapshot) -> int:
 
 
 async def test_a_created_operation_appends_its_events_in_its_insert(
-    store: StateStore, fleet: FleetSnapshot, now: datetime
+    store: StateStore, fleet: FleetSnapshot, now: datetime, statement_writes: StatementWrites
 ) -> None:
     built: list[Operation] = []
 
@@ -115,7 +64,7 @@ async def test_a_created_operation_appends_its_events_in_its_insert(
         built.append(operation)
         return _requested(operation)
 
-    with _writes(store) as writes:
+    with statement_writes(store) as writes:
         operation, created = await store.create_operation(
             fleet_id=fleet.id,
             kind=OperationKind.PROMOTE,
@@ -183,10 +132,14 @@ async def test_a_joined_operation_appends_no_event(
 
 
 async def test_an_event_that_cannot_be_stored_keeps_the_operation_out(
-    store: StateStore, fleet: FleetSnapshot, now: datetime, raw_engine: AsyncEngine
+    store: StateStore,
+    fleet: FleetSnapshot,
+    now: datetime,
+    raw_engine: AsyncEngine,
+    refuse_events: RefuseEvents,
 ) -> None:
     fence = await _fence(raw_engine, fleet)
-    async with _events_refused(raw_engine, REFUSED):
+    async with refuse_events(REFUSED):
         with pytest.raises(HaruDbError):
             await store.create_operation(
                 fleet_id=fleet.id,

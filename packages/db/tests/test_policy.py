@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
 from uuid import uuid4
 
+import pytest
 import sqlalchemy as sa
-from haru_db import StateStore
+from haru_db import HaruDbError, StateStore
 from haru_db._tables import fleets
-from haru_protocol import FleetLayout, Policy
+from haru_protocol import FleetLayout, FleetPolicyChanged, Policy
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 LayoutFactory = Callable[..., FleetLayout]
+RefuseEvents = Callable[[str], AbstractAsyncContextManager[None]]
 
 
 async def test_a_replace_lands_on_the_version_it_read_and_the_next_tick_sees_it(
@@ -113,3 +116,67 @@ async def test_an_unknown_fleet_has_no_policy_to_replace(store: StateStore, now:
     missing = uuid4()
     assert await store.get_fleet_policy(missing) is None
     assert not await store.replace_fleet_policy(missing, version="{}", patch={}, at=now)
+
+
+def _changed(old: dict[str, object], new: dict[str, object]) -> FleetPolicyChanged:
+    return FleetPolicyChanged(
+        old=old,
+        new=new,
+        changed=tuple(sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))),
+    )
+
+
+async def test_a_replace_appends_its_event_in_the_same_statement_and_a_loser_appends_none(
+    store: StateStore, make_layout: LayoutFactory, now: datetime
+) -> None:
+    result = await store.apply_fleet_layout(make_layout("f"), at=now)
+    stored = await store.get_fleet_policy(result.fleet_id)
+    assert stored is not None
+    before = await store.list_events(result.fleet_id)
+    landed = await asyncio.gather(
+        *(
+            store.replace_fleet_policy(
+                result.fleet_id,
+                version=stored.version,
+                patch={"degradedGraceMs": ms},
+                at=now,
+                events=(_changed(stored.patch, {"degradedGraceMs": ms}),),
+            )
+            for ms in (1000, 2000, 3000)
+        )
+    )
+    assert sum(landed) == 1
+    winner = (1000, 2000, 3000)[landed.index(True)]
+    added = (await store.list_events(result.fleet_id))[len(before) :]
+    # Exactly the winner's event: the two swaps that lost appended nothing.
+    assert [(e.type, e.payload) for e in added] == [
+        (
+            "fleet.policy.changed",
+            {"old": {}, "new": {"degradedGraceMs": winner}, "changed": ["degradedGraceMs"]},
+        )
+    ]
+    assert [(e.fleet_id, e.domain_id, e.created_at) for e in added] == [
+        (result.fleet_id, None, now)
+    ]
+
+
+async def test_a_policy_whose_event_cannot_be_stored_is_not_changed(
+    store: StateStore, make_layout: LayoutFactory, now: datetime, refuse_events: RefuseEvents
+) -> None:
+    result = await store.apply_fleet_layout(make_layout("f"), at=now)
+    stored = await store.get_fleet_policy(result.fleet_id)
+    assert stored is not None
+    before = await store.list_events(result.fleet_id)
+    new: dict[str, object] = {"autoFailover": False}
+    async with refuse_events("fleet.policy.changed"):
+        with pytest.raises(HaruDbError):
+            await store.replace_fleet_policy(
+                result.fleet_id,
+                version=stored.version,
+                patch=new,
+                at=now,
+                events=(_changed(stored.patch, new),),
+            )
+    # Neither the change nor its event: one statement, so never one without the other.
+    assert await store.get_fleet_policy(result.fleet_id) == stored
+    assert await store.list_events(result.fleet_id) == before

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -20,6 +20,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import make_url
 
 READ_BOUND_S = 2.0
+WriteStarted = Callable[[StateStore], AbstractContextManager[asyncio.Event]]
 """A read that waited for the writer would sit on the busy timeout (5 s) first."""
 
 
@@ -74,7 +75,7 @@ async def test_a_write_is_one_statement_in_autocommit(
 
 
 async def test_a_sqlite_write_waits_for_another_writers_lock(
-    sqlite_store: StateStore, make_layout: Any, now: datetime
+    sqlite_store: StateStore, make_layout: Any, now: datetime, write_started: WriteStarted
 ) -> None:
     # Without BEGIN IMMEDIATE, the single statement takes the write lock as it starts and
     # waits on the busy timeout, as BEGIN IMMEDIATE did: it neither fails with SQLITE_BUSY nor
@@ -88,10 +89,12 @@ async def test_a_sqlite_write_waits_for_another_writers_lock(
     try:
         other.execute("BEGIN IMMEDIATE")
         other.execute("UPDATE fleets SET route_revision = route_revision + 1")
-        write = asyncio.ensure_future(
-            sqlite_store.append_event(fleet_id=pointer.id, type="x", payload={}, at=now)
-        )
-        await asyncio.sleep(0.1)
+        with write_started(sqlite_store) as started:
+            write = asyncio.ensure_future(
+                sqlite_store.append_event(fleet_id=pointer.id, type="x", payload={}, at=now)
+            )
+            await asyncio.wait_for(started.wait(), timeout=READ_BOUND_S)
+        # It began while the lock was held, so it can only end after the commit below.
         assert not write.done()
         other.execute("COMMIT")
     finally:

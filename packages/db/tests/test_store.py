@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import datetime
 from pathlib import Path
 from uuid import uuid4
@@ -19,6 +21,8 @@ from haru_db import (
 from haru_db._engine import create_engine, writer
 from haru_db.testing import DatabaseUrlFactory
 from haru_protocol import DomainState
+
+WriteStarted = Callable[[StateStore], AbstractContextManager[asyncio.Event]]
 
 
 async def test_open_describes_the_store(store: StateStore) -> None:
@@ -111,22 +115,24 @@ def test_a_non_positive_timeout_is_refused(tmp_path: Path) -> None:
 
 
 async def test_sqlite_writers_queue_instead_of_failing(
-    sqlite_url_factory: DatabaseUrlFactory, now: datetime
+    sqlite_url_factory: DatabaseUrlFactory, now: datetime, write_started: WriteStarted
 ) -> None:
-    # A write transaction holds the lock for a while; another engine's write waits for it
-    # (BEGIN IMMEDIATE + busy timeout) instead of failing with SQLITE_BUSY.
+    # A write transaction holds the lock; another engine's write that starts meanwhile waits
+    # for it (BEGIN IMMEDIATE + busy timeout) instead of failing with SQLITE_BUSY. That it
+    # needs the lock at all: test_a_lock_held_past_the_busy_timeout_is_unavailable.
     url = await sqlite_url_factory()
     holder = create_engine(url)
     store = StateStore.open(url)
     try:
         async with writer(holder).begin() as conn:
             await conn.exec_driver_sql("UPDATE alembic_version SET version_num = version_num")
-            pending = asyncio.ensure_future(store.list_fleets())
-            write = asyncio.ensure_future(
-                store.append_event(fleet_id=uuid4(), type="x", payload={}, at=now)
-            )
-            await asyncio.sleep(0.2)
-            assert pending.done(), "WAL readers never wait for the writer"
+            # WAL readers never wait for the writer.
+            await asyncio.wait_for(store.list_fleets(), timeout=5)
+            with write_started(store) as started:
+                write = asyncio.ensure_future(
+                    store.append_event(fleet_id=uuid4(), type="x", payload={}, at=now)
+                )
+                await asyncio.wait_for(started.wait(), timeout=5)
             assert not write.done(), "the second writer waits for the lock"
         with pytest.raises(ConstraintViolationError):
             await write  # it ran once the lock was free (and hit the unknown fleet)

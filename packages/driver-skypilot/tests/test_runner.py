@@ -75,6 +75,22 @@ async def test_sky_gets_what_skypilot_needs_and_none_of_harus_environment(
     assert launch == {**status, "HARU_SUPERVISOR_TOKEN": "tok-for-this-launch"}
 
 
+async def test_sky_never_gets_a_workers_metrics_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    folder = str(tmp_path / "haru-metrics")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", folder)
+    explicit = {"PATH": "/bin", "PROMETHEUS_MULTIPROC_DIR": folder}
+    fake = ScriptedExec(Reply(), Reply())
+    await runner(fake).run(["status", "c", "-o", "json"], timeout=1)
+    await runner(fake, env=explicit).run(["status", "c", "-o", "json"], timeout=1)
+    inherited, given = (dict(c.env or {}) for c in fake.calls)
+    assert "PROMETHEUS_MULTIPROC_DIR" not in inherited
+    assert inherited["PATH"] == os.environ["PATH"]
+    assert given == {"PATH": "/bin"}
+    assert explicit["PROMETHEUS_MULTIPROC_DIR"] == folder  # the caller's mapping is kept
+
+
 async def test_custom_executable_and_env_are_passed() -> None:
     fake = ScriptedExec(Reply())
     env = {"PATH": "/bin", "SKYPILOT_DISABLE_USAGE_COLLECTION": "1"}

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -182,6 +183,21 @@ def test_driver_satisfies_the_protocol() -> None:
     implementation: ServiceDriver = SkyServeDriver()
     assert not SkyServeDriver().uses_sdk
     assert isinstance(implementation, SkyServeDriver)
+
+
+async def test_sky_serve_never_gets_a_workers_metrics_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # What a HARU_WORKERS worker has in its environment; explicit or inherited, never passed.
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "haru-metrics"))
+    fake = ScriptedExec(Reply(stdout=STATUS_READY), Reply(stdout=STATUS_READY))
+    await driver(fake).get_service_status("haru-demo-alpha")
+    explicit = SkyRunner(execute=fake, env=dict(os.environ), sleep=no_sleep)
+    await SkyServeDriver(explicit).get_service_status("haru-demo-alpha")
+    inherited, given = (dict(c.env or {}) for c in fake.calls)
+    assert [c.argv[:3] for c in fake.calls] == [("sky", "serve", "status")] * 2
+    assert "PROMETHEUS_MULTIPROC_DIR" not in inherited
+    assert given == {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
 
 
 async def test_launch_passes_each_secret_through_the_environment() -> None:

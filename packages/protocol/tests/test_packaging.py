@@ -43,7 +43,7 @@ assert c.can_transition("domain", "ready", "degraded")
 for absent in ("sqlalchemy", "aiohttp"):
     assert importlib.util.find_spec(absent) is None, absent + " leaked into the venv"
 from importlib.metadata import version
-assert version("haru-protocol") == version("haru-core") == "0.3.0"
+assert version("haru-protocol") == version("haru-core") == "0.4.0"
 print("core-ok")
 """
 

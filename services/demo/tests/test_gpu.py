@@ -23,7 +23,7 @@ from haru_sim.nvidia_smi import (
     render,
     trainer_processes,
 )
-from haru_supervisor import NVIDIA_SMI_ARGS, parse_nvidia_smi_memory
+from haru_supervisor.api import NVIDIA_SMI_ARGS, parse_nvidia_smi_memory
 
 QUERY = ["--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"]
 needs_proc = pytest.mark.skipif(not Path("/proc").is_dir(), reason="trainers are found in /proc")

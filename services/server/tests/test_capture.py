@@ -25,8 +25,8 @@ import signal
 import ssl
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -35,13 +35,18 @@ import aiohttp
 import pytest
 from haru_db import StateStore, upgrade
 from haru_protocol import FleetLayout
-from haru_server._serve import run_server
 from haru_server._settings import Settings
 from haru_sim.netlab import DelayRelay, Host, Lab
 from haru_sim.nvidia_smi import EmulatedGpu, GpuModel, write_nvidia_smi
 from pydantic import SecretStr
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="namespaces: Linux")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="namespaces: Linux"),
+    # tshark and real TLS across namespaces, about 15 s: the slow lane runs it.
+    pytest.mark.slow,
+]
+
+RunningServer = Callable[[Settings], AbstractAsyncContextManager[str]]
 
 SUPERVISOR_TOKEN = "sup-tok-capture-8c1f0e5a"
 API_TOKEN = "api-tok-capture-3b7d22e9"
@@ -64,18 +69,6 @@ def tshark() -> str:
             pytest.fail("CI is set but tshark is not installed")
         pytest.skip("tshark is not installed")
     return found
-
-
-@asynccontextmanager
-async def running_server(settings: Settings) -> AsyncIterator[str]:
-    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    task = asyncio.create_task(run_server(settings, on_listening=listening.set_result, stop=stop))
-    try:
-        yield await asyncio.wait_for(asyncio.shield(listening), 30)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
 
 
 def start_gpu_host(
@@ -223,7 +216,12 @@ print(json.dumps(answers))
 
 
 async def test_a_capture_of_a_promotion_and_chats_holds_no_token_and_no_prompt(
-    netlab: Lab, tshark: str, pki: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    running_server: RunningServer,
+    netlab: Lab,
+    tshark: str,
+    pki: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(SERVING_KEY_VAR, SERVING_KEY)
     capture_file = tmp_path / "links.pcapng"
@@ -357,7 +355,7 @@ async def test_a_capture_of_a_promotion_and_chats_holds_no_token_and_no_prompt(
 
 @pytest.mark.parametrize("wrong", ["expired", "stranger", "pinned"])
 async def test_a_wrong_certificate_across_the_link_fails_clearly_and_sends_nothing(
-    netlab: Lab, tshark: str, pki: Any, tmp_path: Path, wrong: str
+    running_server: RunningServer, netlab: Lab, tshark: str, pki: Any, tmp_path: Path, wrong: str
 ) -> None:
     lab = netlab
     gw = lab.gateway

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 import pytest
@@ -29,6 +29,8 @@ from haru_server.cli import EXIT_UNREACHABLE, EXIT_WAIT_TIMEOUT, app
 from typer.testing import CliRunner, Result
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
+HaruServe = Callable[..., AbstractAsyncContextManager[Any]]
+"""The ``haru_serve`` fixture: ``async with haru_serve(env) as server`` (a ServerProcess)."""
 
 WIDE = {"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"}
 
@@ -95,49 +97,10 @@ def test_remote_commands_explain_an_unreachable_server() -> None:
     assert "cannot reach the server" in result.output
 
 
-@contextlib.asynccontextmanager
-async def haru_serve(url: str, **env: str) -> AsyncIterator[str]:
-    """A ``haru serve`` process on the store at ``url``; yields its base URL."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "haru_server",
-        "serve",
-        env={"PATH": "/usr/bin:/bin", "DATABASE_URL": url, "PORT": "0", **AUTH_ENV, **env},
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert process.stderr is not None
-    lines: list[str] = []
-
-    async def drain() -> None:
-        assert process.stderr is not None
-        async for raw in process.stderr:
-            lines.append(raw.decode(errors="replace"))
-
-    base = ""
-    async with asyncio.timeout(30):
-        while not base:
-            raw = await process.stderr.readline()
-            if not raw:
-                raise AssertionError("server exited: " + "".join(lines))
-            line = raw.decode(errors="replace")
-            lines.append(line)
-            if "listening on" in line:
-                base = line.rsplit("(", 1)[1].rstrip(")\n ")
-    reader = asyncio.create_task(drain())
-    try:
-        yield base
-    finally:
-        process.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(20):
-            await process.wait()
-        await reader
-
-
 @pytest.fixture
-async def served(tmp_path: Path, make_fleet: MakeFleet) -> AsyncIterator[tuple[str, LocalFleet]]:
+async def served(
+    haru_serve: HaruServe, tmp_path: Path, make_fleet: MakeFleet
+) -> AsyncIterator[tuple[str, LocalFleet]]:
     """A ``haru serve`` process on a SQLite file seeded with a local fleet, with its loop."""
     fleet = await make_fleet()
     url = f"sqlite:///{tmp_path / 'served.db'}"
@@ -149,8 +112,9 @@ async def served(tmp_path: Path, make_fleet: MakeFleet) -> AsyncIterator[tuple[s
     store = StateStore.open(url)
     await store.apply_fleet_layout(fleet.layout(), at=datetime.now(UTC))
     await store.close()
-    async with haru_serve(url, HARU_RECONCILE_INTERVAL_MS="100") as base:
-        yield base, fleet
+    env = {"DATABASE_URL": url, "PORT": "0", **AUTH_ENV, "HARU_RECONCILE_INTERVAL_MS": "100"}
+    async with haru_serve(env) as server:
+        yield server.url, fleet
 
 
 async def run_cli(*args: str, env: dict[str, str] | None = None) -> Result:
@@ -335,7 +299,9 @@ async def test_the_token_comes_from_a_file_with_a_warning_when_others_can_read_i
 MARKUP = "[red]x[/red] [link=http://evil.example]y[/link] [bold]z"
 
 
-async def test_server_and_layout_text_is_printed_verbatim_not_as_markup(tmp_path: Path) -> None:
+async def test_server_and_layout_text_is_printed_verbatim_not_as_markup(
+    haru_serve: HaruServe, tmp_path: Path
+) -> None:
     from haru_db import upgrade
 
     url = f"sqlite:///{tmp_path / 'markup.db'}"
@@ -350,9 +316,9 @@ async def test_server_and_layout_text_is_printed_verbatim_not_as_markup(tmp_path
     path.write_text(json.dumps(layout), encoding="utf-8")
     seeded = await asyncio.to_thread(invoke, "seed", str(path), "--database-url", url)
     assert seeded.exit_code == 0, seeded.output
-    async with haru_serve(url) as base:
-        shown = await run_cli("fleet", "show", "example", "--url", base)
-        missing = await run_cli("promote", "example", "[red]gamma[/red]", "--url", base)
+    async with haru_serve({"DATABASE_URL": url, "PORT": "0", **AUTH_ENV}) as server:
+        shown = await run_cli("fleet", "show", "example", "--url", server.url)
+        missing = await run_cli("promote", "example", "[red]gamma[/red]", "--url", server.url)
     assert shown.exit_code == 0, shown.output
     assert MARKUP in shown.output
     assert "train [red]arg[/red] :warning:" in shown.output
@@ -409,7 +375,9 @@ def test_shell_completion_covers_builtin_and_registered_commands() -> None:
         capture_output=True,
         text=True,
         timeout=60,
-        env={"PATH": "/usr/bin:/bin"},
+        # Typer otherwise ignores "bash" and detects the shell from the parent processes,
+        # which a run started without a shell among them (a detached job) does not have.
+        env={"PATH": "/usr/bin:/bin", "_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION": "1"},
         check=False,
     )
     assert shown.returncode == 0, shown

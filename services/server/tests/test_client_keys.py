@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from aiohttp import web
 from haru_db import StateStore
 from haru_db.testing import confirm_domains
 from haru_protocol import FleetLayout
@@ -31,6 +30,7 @@ MODELS = ("chat-small", "chat-large")
 PLACEMENT = {"cloud": "aws", "region": "us-east-1", "accelerator": "EXAMPLE-GPU"}
 LEASE_MS = 300
 UrlFactory = Callable[[], Awaitable[str]]
+ServeApp = Callable[..., Awaitable[str]]
 
 
 class Mono:
@@ -55,22 +55,6 @@ def layout(slug: str, url: str) -> FleetLayout:
     )
 
 
-async def serve(stack: contextlib.AsyncExitStack, app: web.Application) -> str:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    stack.push_async_callback(runner.cleanup)
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    return f"http://{host}:{port}"
-
-
-@pytest.fixture
-async def stack() -> AsyncIterator[contextlib.AsyncExitStack]:
-    async with contextlib.AsyncExitStack() as stack:
-        yield stack
-
-
 def sdk(stack: contextlib.AsyncExitStack, base: str, key: str, fleet: str = "prod") -> Any:
     client = openai.AsyncOpenAI(
         base_url=base + "/v1",
@@ -92,6 +76,7 @@ async def chat(client: Any, model: str = "chat-small") -> str:
 async def test_keys_open_the_proxy_within_their_limits_and_revocation_reaches_every_replica(
     database_url_factory: UrlFactory,
     stack: contextlib.AsyncExitStack,
+    serve_app: ServeApp,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="haru_server.access")
@@ -110,10 +95,7 @@ async def test_keys_open_the_proxy_within_their_limits_and_revocation_reaches_ev
         api_token=SecretStr(ADMIN), reconcile_interval_ms=None, route_lease_ms=LEASE_MS
     )
     first, second = [
-        await serve(
-            stack,
-            create_app(settings, store=store, proxy_tuning=ProxyTuning(monotonic=mono)),
-        )
+        await serve_app(create_app(settings, store=store, proxy_tuning=ProxyTuning(monotonic=mono)))
         for store in stores
     ]
     admin = await stack.enter_async_context(
@@ -203,7 +185,7 @@ async def test_keys_open_the_proxy_within_their_limits_and_revocation_reaches_ev
 
 
 async def test_the_admin_token_opens_the_proxy_only_when_configured(
-    sqlite_store: StateStore, stack: contextlib.AsyncExitStack
+    sqlite_store: StateStore, stack: contextlib.AsyncExitStack, serve_app: ServeApp
 ) -> None:
     now = datetime.now(UTC)
     sim = VllmSim(VllmSimConfig(served_model_names=MODELS))
@@ -213,7 +195,7 @@ async def test_the_admin_token_opens_the_proxy_only_when_configured(
     settings = Settings(
         api_token=SecretStr(ADMIN), reconcile_interval_ms=None, proxy_accept_admin_token=True
     )
-    base = await serve(stack, create_app(settings, store=sqlite_store))
+    base = await serve_app(create_app(settings, store=sqlite_store))
     assert await chat(sdk(stack, base, ADMIN)) == "chat-small"
     with pytest.raises(openai.AuthenticationError):
         await chat(sdk(stack, base, "not-the-admin-token-at-all"))

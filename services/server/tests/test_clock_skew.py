@@ -11,11 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import signal
-import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -30,75 +27,10 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
 UrlFactory = Callable[[], Awaitable[str]]
+HaruServe = Callable[..., AbstractAsyncContextManager[Any]]
+"""The ``haru_serve`` fixture: ``async with haru_serve(env) as server`` (a ServerProcess)."""
 
 THREE_HOURS_MS = 3 * 3600 * 1000
-_LISTENING = re.compile(r"haru-server listening on \S+ \((http://\S+)\)")
-
-
-@dataclass
-class Server:
-    process: asyncio.subprocess.Process
-    lines: list[str] = field(default_factory=list)
-    url: str = ""
-
-    @property
-    def log(self) -> str:
-        return "\n".join(self.lines)
-
-
-async def _drain(server: Server, listening: asyncio.Future[str]) -> None:
-    assert server.process.stderr is not None
-    async for raw in server.process.stderr:
-        line = raw.decode(errors="replace").rstrip()
-        server.lines.append(line)
-        match = _LISTENING.search(line)
-        if match and not listening.done():
-            listening.set_result(match.group(1))
-    if not listening.done():
-        listening.set_exception(RuntimeError("server exited before listening"))
-
-
-@asynccontextmanager
-async def haru_serve(env: Mapping[str, str]) -> AsyncIterator[Server]:
-    """One ``haru serve`` process (SIGTERM at exit)."""
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("HARU_") and k not in ("DATABASE_URL", "PORT")
-    }
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "haru_server",
-        "serve",
-        env={**clean, **env},
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    server = Server(process)
-    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    reader = asyncio.create_task(_drain(server, listening))
-    try:
-        try:
-            # Generous: a loaded CI machine takes long to import the server.
-            async with asyncio.timeout(90):
-                server.url = await listening
-        except TimeoutError:
-            raise AssertionError(f"server did not listen:\n{server.log}") from None
-        yield server
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(15):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
-        await reader
-        if not listening.done():
-            listening.cancel()
 
 
 def set_offset(path: Path, offset_ms: int) -> None:
@@ -147,7 +79,7 @@ async def wait_for(check: Callable[[], Awaitable[bool]], *, timeout_s: float = 3
 
 
 async def test_a_replica_hours_ahead_refuses_to_act_and_stores_database_time(
-    database_url_factory: UrlFactory, make_fleet: MakeFleet, tmp_path: Path
+    haru_serve: HaruServe, database_url_factory: UrlFactory, make_fleet: MakeFleet, tmp_path: Path
 ) -> None:
     url = await database_url_factory()
     store = StateStore.open(url)
@@ -214,7 +146,7 @@ async def test_a_replica_hours_ahead_refuses_to_act_and_stores_database_time(
 
 
 async def test_a_skewed_replica_never_times_out_a_step_another_started(
-    database_url_factory: UrlFactory, make_fleet: MakeFleet, tmp_path: Path
+    haru_serve: HaruServe, database_url_factory: UrlFactory, make_fleet: MakeFleet, tmp_path: Path
 ) -> None:
     url = await database_url_factory()
     store = StateStore.open(url)
@@ -269,7 +201,7 @@ async def test_a_skewed_replica_never_times_out_a_step_another_started(
 
 
 async def test_a_heartbeat_stored_hours_ahead_does_not_delay_failover(
-    database_url_factory: UrlFactory, make_fleet: MakeFleet, tmp_path: Path
+    haru_serve: HaruServe, database_url_factory: UrlFactory, make_fleet: MakeFleet, tmp_path: Path
 ) -> None:
     url = await database_url_factory()
     store = StateStore.open(url)

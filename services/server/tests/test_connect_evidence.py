@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -18,33 +18,24 @@ import aiohttp
 import httpx2
 import openai
 import pytest
-from aiohttp import web
-from aiohttp.typedefs import Handler
 from haru_db import StateStore
 from haru_db.testing import confirm_domains
 from haru_protocol import FleetLayout, FleetSnapshot
 from haru_server._clock import ManualClock
-from haru_server._keys import clock_key, settings_key, store_key
-from haru_server._metrics import ServerMetrics, metrics_key
-from haru_server._proxy import ProxyTuning, install_proxy
+from haru_server._metrics import ServerMetrics
+from haru_server._proxy import ProxyTuning
 from haru_server._reconciler import Reconciler
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
 from haru_supervisor_client import SupervisorClient
-from haru_web import ApiError, render_api_error
 from prometheus_client import CollectorRegistry
 
 MODELS = ("chat-small",)
 PLACEMENT = {"cloud": "aws", "region": "us-east-1", "accelerator": "EXAMPLE-GPU"}
 NOW = datetime(2026, 12, 3, 10, 0, tzinfo=UTC)
+SETTINGS = Settings(route_lease_ms=0, failover_hold_ms=0)
 
-
-@web.middleware
-async def render_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as error:
-        return render_api_error(error)
+ServeProxy = Callable[..., Awaitable[str]]
 
 
 def layout(alpha: VllmSim, beta: VllmSim) -> FleetLayout:
@@ -70,30 +61,6 @@ def layout(alpha: VllmSim, beta: VllmSim) -> FleetLayout:
     )
 
 
-@pytest.fixture
-async def stack() -> AsyncIterator[contextlib.AsyncExitStack]:
-    async with contextlib.AsyncExitStack() as stack:
-        yield stack
-
-
-async def serve_proxy(
-    stack: contextlib.AsyncExitStack, store: StateStore, metrics: ServerMetrics
-) -> str:
-    app = web.Application(middlewares=[render_errors])
-    app[settings_key] = Settings(route_lease_ms=0, failover_hold_ms=0)
-    app[store_key] = store
-    app[clock_key] = lambda: NOW
-    app[metrics_key] = metrics
-    install_proxy(app, tuning=ProxyTuning(disconnect_poll_ms=20, outage_memo_ms=50))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    stack.push_async_callback(runner.cleanup)
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    return f"http://{host}:{port}/v1"
-
-
 async def stamped(store: StateStore) -> FleetSnapshot:
     for _ in range(500):
         snapshot = await store.get_fleet_snapshot("prod")
@@ -105,14 +72,18 @@ async def stamped(store: StateStore) -> FleetSnapshot:
 
 
 async def test_a_refused_upstream_connect_is_stamped_once_a_second_and_seen_by_another_replica(
-    store: StateStore, stack: contextlib.AsyncExitStack
+    store: StateStore, stack: contextlib.AsyncExitStack, serve_proxy: ServeProxy
 ) -> None:
     alpha = await stack.enter_async_context(VllmSim(VllmSimConfig(served_model_names=MODELS)))
     beta = await stack.enter_async_context(VllmSim(VllmSimConfig(served_model_names=MODELS)))
     applied = await store.apply_fleet_layout(layout(alpha, beta), at=NOW)
     await confirm_domains(store, str(applied.fleet_id), at=NOW)
     metrics = ServerMetrics(CollectorRegistry())
-    base_url = await serve_proxy(stack, store, metrics)
+    # The proxy's monotonic clock moves only as the test says (a loaded machine may take more
+    # than a second for three requests).
+    mono = [1000.0]
+    tuning = ProxyTuning(disconnect_poll_ms=20, outage_memo_ms=50, monotonic=lambda: mono[0])
+    base_url = await serve_proxy(store, SETTINGS, clock=lambda: NOW, metrics=metrics, tuning=tuning)
     client = openai.AsyncOpenAI(
         base_url=base_url,
         api_key="sk-client",
@@ -122,21 +93,31 @@ async def test_a_refused_upstream_connect_is_stamped_once_a_second_and_seen_by_a
     )
     stack.push_async_callback(client.close)
 
-    await alpha.set_faults(refuse=True)  # the active's server is gone: connects refused
-    for _ in range(3):
+    async def refused(after_s: float) -> None:
+        mono[0] += after_s
         with pytest.raises(openai.APIStatusError) as failed:
             await client.chat.completions.create(
                 model="chat-small", messages=[{"role": "user", "content": "hi"}]
             )
         assert failed.value.status_code == 502
+
+    def stamps() -> float | None:
+        return metrics.registry.get_sample_value(
+            "haru_proxy_connect_failed_stamps_total", {"fleet": "prod"}
+        )
+
+    await alpha.set_faults(refuse=True)  # the active's server is gone: connects refused
+    for _ in range(3):
+        await refused(0.3)  # past the outage memo, within the stamp interval
     snapshot = await stamped(store)
     assert snapshot.active_domain is not None
     assert snapshot.active_domain.connect_failed_at == NOW
     # Three failures within a second: one write.
-    stamps = metrics.registry.get_sample_value(
-        "haru_proxy_connect_failed_stamps_total", {"fleet": "prod"}
-    )
-    assert stamps == 1
+    assert stamps() == 1
+    await refused(0.5)  # more than a second after the first: stamped again
+    async with asyncio.timeout(10):
+        while stamps() != 2:
+            await asyncio.sleep(0.01)
     beta_row = next(d for d in snapshot.domains if d.slug == "beta")
     assert beta_row.connect_failed_at is None
 

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
-import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime
+from typing import Any
 from uuid import UUID
 
 import aiohttp
@@ -21,66 +19,11 @@ from haru_demo.localfleet import LocalFleet
 from haru_protocol import OperationState, PolicyPatch
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
+HaruServe = Callable[..., AbstractAsyncContextManager[Any]]
+"""The ``haru_serve`` fixture: ``async with haru_serve(env) as server`` (a ServerProcess)."""
 
 TOKEN = "fencing-test-token"
 _HEADERS = {"Authorization": f"Bearer {TOKEN}"}
-_LISTENING = "haru-server listening on "
-
-
-@dataclass
-class Replica:
-    process: asyncio.subprocess.Process
-    lines: list[str] = field(default_factory=list)
-    url: str = ""
-
-    @property
-    def log(self) -> str:
-        return "\n".join(self.lines)
-
-
-@asynccontextmanager
-async def haru_serve(env: Mapping[str, str]) -> AsyncIterator[Replica]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
-    clean.pop("DATABASE_URL", None)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "haru_server",
-        "serve",
-        env={**clean, **env},
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    replica = Replica(process)
-    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-
-    async def drain() -> None:
-        assert process.stderr is not None
-        async for raw in process.stderr:
-            line = raw.decode(errors="replace").rstrip()
-            replica.lines.append(line)
-            if _LISTENING in line and not listening.done():
-                listening.set_result(line.rsplit("(", 1)[1].rstrip(")"))
-        if not listening.done():
-            listening.set_exception(RuntimeError("haru serve exited before listening"))
-
-    reader = asyncio.create_task(drain())
-    try:
-        async with asyncio.timeout(30):
-            replica.url = await listening
-        yield replica
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGCONT)
-            process.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(15):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
-        await reader
 
 
 class HoldingRelay:
@@ -173,7 +116,7 @@ async def _until(check: Callable[[], Awaitable[bool]], *, what: str, limit_s: fl
 
 
 async def _promote(
-    http: aiohttp.ClientSession, replica: Replica, store: StateStore, target: UUID
+    http: aiohttp.ClientSession, replica: Any, store: StateStore, target: UUID
 ) -> UUID:
     """Request a promote of ``target`` (retrying while another operation is in flight)."""
     accepted: list[UUID] = []
@@ -203,7 +146,7 @@ async def _succeeded(store: StateStore, operation_id: UUID) -> None:
 
 
 async def test_a_paused_replica_cannot_sleep_the_active_after_another_replica_took_over(
-    database_url_factory: DatabaseUrlFactory, make_fleet: MakeFleet
+    haru_serve: HaruServe, database_url_factory: DatabaseUrlFactory, make_fleet: MakeFleet
 ) -> None:
     url = await database_url_factory()
     fleet = await make_fleet()

@@ -6,6 +6,7 @@ two write their values, a third renders what ``/metrics`` would answer.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,10 +33,13 @@ if k == 1:
 """
 
 SCRAPE = """
-from prometheus_client import generate_latest
+import json
+from prometheus_client import ProcessCollector, generate_latest
 from haru_server._metrics import ServerMetrics
 
 print(generate_latest(ServerMetrics(version="test").exposition).decode())
+own = {f.name: f.samples[0].value for f in ProcessCollector(registry=None).collect()}
+print(json.dumps(own))
 """
 
 
@@ -56,7 +60,8 @@ def python(code: str, folder: Path, *args: str) -> str:
 def test_one_scrape_merges_every_worker_as_documented(tmp_path: Path) -> None:
     for k in ("0", "1"):
         python(WORKER, tmp_path, k)
-    text = python(SCRAPE, tmp_path)
+    text, own_line = python(SCRAPE, tmp_path).rstrip().rsplit("\n", 1)
+    own = json.loads(own_line)
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -74,8 +79,13 @@ def test_one_scrape_merges_every_worker_as_documented(tmp_path: Path) -> None:
     # Lease age: the oldest a worker still routes on; a lease no worker keeps is left out.
     assert samples[("haru_route_lease_age_seconds", (("fleet", "g"),))] == 1
     assert ("haru_route_lease_age_seconds", (("fleet", "h"),)) not in samples
-    # One build info, and no process metrics (they would describe one worker only).
+    # One build info, and no runtime metrics (they would describe one process only).
     assert [k for k in samples if k[0] == "haru_build_info"] == [
         ("haru_build_info", (("version", "test"),))
     ]
-    assert not [k for k in samples if k[0].startswith(("process_", "python_"))]
+    assert not [k for k in samples if k[0].startswith("python_")]
+    # The process series of the live processes only: the two writers have exited, so only
+    # the scraping process (which wrote files too) counts.
+    assert samples[("process_start_time_seconds", ())] == own["process_start_time_seconds"]
+    assert samples[("process_cpu_seconds_total", ())] > 0
+    assert ("process_max_fds", ()) not in samples

@@ -6,14 +6,12 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import socket
-import sys
+import subprocess
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -30,100 +28,23 @@ MakeFleet = Callable[..., Awaitable[LocalFleet]]
 UrlFactory = Callable[[], Awaitable[str]]
 
 TOKEN = "process-test-token"
-_LISTENING = re.compile(r"haru-server listening on \S+ \((http://\S+)\)")
+
+HaruServe = Callable[..., AbstractAsyncContextManager[Any]]
+"""The ``haru_serve`` fixture: ``async with haru_serve(env) as server`` (a ServerProcess)."""
 
 
-@dataclass
-class ServerProcess:
-    process: asyncio.subprocess.Process
-    lines: list[str] = field(default_factory=list)
-    url: str = ""
-
-    @property
-    def log(self) -> str:
-        return "\n".join(self.lines)
-
-
-async def _drain(server: ServerProcess, listening: asyncio.Future[str]) -> None:
-    assert server.process.stderr is not None
-    async for raw in server.process.stderr:
-        line = raw.decode(errors="replace").rstrip()
-        server.lines.append(line)
-        match = _LISTENING.search(line)
-        if match and not listening.done():
-            listening.set_result(match.group(1))
-    if not listening.done():
-        listening.set_exception(RuntimeError("server exited before listening"))
-
-
-def server_env(extra: Mapping[str, str]) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("HARU_") and k not in ("DATABASE_URL", "PORT")
-    }
-    env.update(extra)
-    return env
-
-
-@asynccontextmanager
-async def haru_serve(
-    env: Mapping[str, str],
-    *,
-    expect_listening: bool = True,
-    cwd: Path | None = None,
-    args: Sequence[str] = (),
-) -> AsyncIterator[ServerProcess]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "haru_server",
-        "serve",
-        *args,
-        env=server_env(env),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=cwd,
-    )
-    server = ServerProcess(process)
-    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    reader = asyncio.create_task(_drain(server, listening))
-    try:
-        if expect_listening:
-            async with asyncio.timeout(30):
-                server.url = await listening
-        yield server
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(15):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
-        await reader
-        if not listening.done():
-            listening.cancel()
-
-
-async def test_boot_rejects_bad_numbers_clearly() -> None:
-    async with haru_serve({"PORT": "eighty"}, expect_listening=False) as server:
-        async with asyncio.timeout(30):
-            code = await server.process.wait()
+async def test_boot_rejects_bad_numbers_clearly(haru_serve: HaruServe) -> None:
+    async with haru_serve({"PORT": "eighty"}, listening=False) as server:
+        code = await server.exited()
     assert code == 2
     assert "invalid environment" in server.log
     assert "PORT" in server.log
     assert "Traceback" not in server.log
 
 
-async def test_fatal_start_up_errors_are_one_json_line_in_json_mode() -> None:
-    async with haru_serve(
-        {"PORT": "eighty", "HARU_LOG_FORMAT": "json"}, expect_listening=False
-    ) as server:
-        async with asyncio.timeout(30):
-            code = await server.process.wait()
+async def test_fatal_start_up_errors_are_one_json_line_in_json_mode(haru_serve: HaruServe) -> None:
+    async with haru_serve({"PORT": "eighty", "HARU_LOG_FORMAT": "json"}, listening=False) as server:
+        code = await server.exited()
     assert code == 2
     assert len(server.lines) == 1, server.log
     record = json.loads(server.lines[0])
@@ -132,15 +53,16 @@ async def test_fatal_start_up_errors_are_one_json_line_in_json_mode() -> None:
     assert "PORT" in record["message"]
 
 
-async def test_a_port_in_use_is_one_json_line_in_json_mode(tmp_path: Path) -> None:
+async def test_a_port_in_use_is_one_json_line_in_json_mode(
+    haru_serve: HaruServe, tmp_path: Path
+) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         env = {"PORT": str(port), "HARU_HOST": "127.0.0.1", "HARU_LOG_FORMAT": "json"}
-        async with haru_serve(env, expect_listening=False, cwd=tmp_path) as server:
-            async with asyncio.timeout(30):
-                code = await server.process.wait()
+        async with haru_serve(env, listening=False, cwd=tmp_path) as server:
+            code = await server.exited()
     assert code == 1
     records = [json.loads(line) for line in server.lines]  # every line is JSON
     fatal = [r for r in records if r["level"] == "CRITICAL"]
@@ -149,7 +71,9 @@ async def test_a_port_in_use_is_one_json_line_in_json_mode(tmp_path: Path) -> No
     assert str(port) in fatal[0]["message"]
 
 
-async def test_alembic_logs_only_migrations_that_change_the_schema(tmp_path: Path) -> None:
+async def test_alembic_logs_only_migrations_that_change_the_schema(
+    haru_serve: HaruServe, tmp_path: Path
+) -> None:
     env = {
         "PORT": "0",
         "HARU_LOG_FORMAT": "json",
@@ -157,7 +81,7 @@ async def test_alembic_logs_only_migrations_that_change_the_schema(tmp_path: Pat
         "HARU_CREATE_DATABASE": "1",
     }
 
-    def alembic_lines(server: ServerProcess) -> list[dict[str, Any]]:
+    def alembic_lines(server: Any) -> list[dict[str, Any]]:
         records = [json.loads(line) for line in server.lines]
         return [r for r in records if r["logger"].startswith("alembic")]
 
@@ -180,7 +104,9 @@ async def test_alembic_logs_only_migrations_that_change_the_schema(tmp_path: Pat
         assert alembic_lines(server) == [], server.log
 
 
-async def test_boot_refuses_a_schema_newer_than_the_code(tmp_path: Path) -> None:
+async def test_boot_refuses_a_schema_newer_than_the_code(
+    haru_serve: HaruServe, tmp_path: Path
+) -> None:
     database = tmp_path / "newer.db"
     url = f"sqlite:///{database}"
     from haru_db import upgrade
@@ -194,15 +120,16 @@ async def test_boot_refuses_a_schema_newer_than_the_code(tmp_path: Path) -> None
             await conn.execute(text("UPDATE alembic_version SET version_num = 'ffffffffffff'"))
     finally:
         await engine.dispose()
-    async with haru_serve({"DATABASE_URL": url, "PORT": "0"}, expect_listening=False) as server:
-        async with asyncio.timeout(30):
-            code = await server.process.wait()
+    async with haru_serve({"DATABASE_URL": url, "PORT": "0"}, listening=False) as server:
+        code = await server.exited()
     assert code == 1
     assert "newer" in server.log
     assert "Traceback" not in server.log
 
 
-async def test_embedded_default_is_announced_and_sigterm_stops_cleanly(tmp_path: Path) -> None:
+async def test_embedded_default_is_announced_and_sigterm_stops_cleanly(
+    haru_serve: HaruServe, tmp_path: Path
+) -> None:
     async with haru_serve({"PORT": "0"}, cwd=tmp_path) as server:
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{server.url}/healthz") as response:
@@ -211,8 +138,7 @@ async def test_embedded_default_is_announced_and_sigterm_stops_cleanly(tmp_path:
                 # No token: open, on 127.0.0.1 only.
                 assert response.status == 200
         server.process.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(15):
-            code = await server.process.wait()
+        code = await server.exited(timeout_s=15)
     assert code == 0
     assert "embedded SQLite default" in server.log
     assert "DATABASE_URL unset" in server.log
@@ -235,7 +161,7 @@ def store_files(directory: Path) -> list[str]:
     ],
 )
 async def test_a_missing_sqlite_file_named_by_database_url_is_refused_and_not_created(
-    tmp_path: Path, form: str, extra: dict[str, str]
+    haru_serve: HaruServe, tmp_path: Path, form: str, extra: dict[str, str]
 ) -> None:
     """A typo in DATABASE_URL must not start a new, empty store beside the real one."""
     state = tmp_path / "state"
@@ -243,9 +169,8 @@ async def test_a_missing_sqlite_file_named_by_database_url_is_refused_and_not_cr
     missing = state / "hrau.db"
     url = str(missing) if form == "path" else f"sqlite:///{missing}"
     env = {"DATABASE_URL": url, "PORT": "0", "HARU_LOG_FORMAT": "json", **extra}
-    async with haru_serve(env, expect_listening=False, cwd=state) as server:
-        async with asyncio.timeout(60):
-            code = await server.process.wait()
+    async with haru_serve(env, listening=False, cwd=state) as server:
+        code = await server.exited()
     assert code == 2, server.log
     assert store_files(state) == []  # not even an empty file (nor ./haru.db in the cwd)
     fatal = [json.loads(line) for line in server.lines]
@@ -262,7 +187,7 @@ async def test_a_missing_sqlite_file_named_by_database_url_is_refused_and_not_cr
     ("extra", "args"), [({"HARU_CREATE_DATABASE": "1"}, ()), ({}, ("--create-db",))]
 )
 async def test_the_create_database_opt_in_creates_the_missing_store(
-    tmp_path: Path, extra: dict[str, str], args: tuple[str, ...]
+    haru_serve: HaruServe, tmp_path: Path, extra: dict[str, str], args: tuple[str, ...]
 ) -> None:
     database = tmp_path / "new.db"
     env = {"DATABASE_URL": f"sqlite:///{database}", "PORT": "0", **extra}
@@ -274,17 +199,18 @@ async def test_the_create_database_opt_in_creates_the_missing_store(
         assert await ready(server)
 
 
-async def ready(server: ServerProcess) -> bool:
+async def ready(server: Any) -> bool:
     async with aiohttp.ClientSession() as http, http.get(f"{server.url}/readyz") as response:
         return response.status == 200
 
 
-async def test_an_in_memory_database_url_is_refused_clearly(tmp_path: Path) -> None:
+async def test_an_in_memory_database_url_is_refused_clearly(
+    haru_serve: HaruServe, tmp_path: Path
+) -> None:
     async with haru_serve(
-        {"DATABASE_URL": ":memory:", "PORT": "0"}, expect_listening=False, cwd=tmp_path
+        {"DATABASE_URL": ":memory:", "PORT": "0"}, listening=False, cwd=tmp_path
     ) as server:
-        async with asyncio.timeout(60):
-            code = await server.process.wait()
+        code = await server.exited()
     assert code == 2, server.log
     assert "in-memory" in server.log
     assert "Traceback" not in server.log
@@ -292,31 +218,18 @@ async def test_an_in_memory_database_url_is_refused_clearly(tmp_path: Path) -> N
 
 
 async def test_db_current_never_creates_the_missing_file_database_url_names(
-    tmp_path: Path,
+    haru: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path
 ) -> None:
     missing = tmp_path / "missing.db"
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "haru_server",
-        "db",
-        "current",
-        "--json",
-        env=server_env({"DATABASE_URL": f"sqlite:///{missing}", "NO_COLOR": "1"}),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        cwd=tmp_path,
-    )
-    async with asyncio.timeout(60):
-        out, err = await process.communicate()
-    assert process.returncode == 1, err.decode()  # behind head: never migrated
-    assert json.loads(out)["revision"] is None
+    env = {"DATABASE_URL": f"sqlite:///{missing}", "NO_COLOR": "1"}
+    done = await asyncio.to_thread(haru, "db", "current", "--json", env=env, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr  # behind head: never migrated
+    assert json.loads(done.stdout)["revision"] is None
     assert store_files(tmp_path) == []
 
 
 async def test_the_reconcile_loop_runs_by_default_and_off_turns_it_off(
-    tmp_path: Path, make_fleet: MakeFleet
+    haru_serve: HaruServe, tmp_path: Path, make_fleet: MakeFleet
 ) -> None:
     """No loop setting at all: heartbeats confirm the domains and a promote runs to the end."""
     from datetime import UTC, datetime
@@ -380,7 +293,11 @@ async def test_the_reconcile_loop_runs_by_default_and_off_turns_it_off(
 
 @pytest.mark.postgres
 async def test_two_server_processes_drive_one_promotion(
-    postgres_url_factory: UrlFactory, make_fleet: MakeFleet, clock: ManualClock, helpers: Any
+    haru_serve: HaruServe,
+    postgres_url_factory: UrlFactory,
+    make_fleet: MakeFleet,
+    clock: ManualClock,
+    helpers: Any,
 ) -> None:
     url = await postgres_url_factory()
     store = StateStore.open(url)
@@ -408,7 +325,7 @@ async def test_two_server_processes_drive_one_promotion(
             )
             http = await stack.enter_async_context(aiohttp.ClientSession(headers=headers))
 
-            async def promote(server: ServerProcess) -> tuple[int, dict[str, Any]]:
+            async def promote(server: Any) -> tuple[int, dict[str, Any]]:
                 async with http.post(
                     f"{server.url}/v1/fleets/local/promote",
                     json={"targetDomainId": str(beta)},
@@ -456,7 +373,7 @@ async def test_two_server_processes_drive_one_promotion(
 
 
 async def test_repeated_demotes_of_a_standby_in_posture_hold_no_failover(
-    sqlite_store: StateStore, make_fleet: MakeFleet
+    haru_serve: HaruServe, sqlite_store: StateStore, make_fleet: MakeFleet
 ) -> None:
     """Twenty demotes of a standby already demoted create no operation; the failover follows.
 
@@ -524,7 +441,7 @@ async def test_repeated_demotes_of_a_standby_in_posture_hold_no_failover(
     assert "Traceback" not in server.log
 
 
-async def test_boot_refuses_a_read_only_sqlite_file(tmp_path: Path) -> None:
+async def test_boot_refuses_a_read_only_sqlite_file(haru_serve: HaruServe, tmp_path: Path) -> None:
     """A server that could not write would boot and then fail every write: refuse at start."""
     import shutil
 
@@ -535,30 +452,25 @@ async def test_boot_refuses_a_read_only_sqlite_file(tmp_path: Path) -> None:
     database = directory / "haru.db"
     await upgrade(f"sqlite:///{database}")
     database.chmod(0o444)
-    command = [sys.executable, "-m", "haru_server", "serve"]
+    wrapper: list[str] = []
     if os.geteuid() == 0:
         # Root ignores file modes; drop that override so the permissions bind the server.
         setpriv = shutil.which("setpriv")
         if setpriv is None:
             pytest.skip("running as root without setpriv: file permissions cannot bind")
-        command = [setpriv, "--bounding-set", "-dac_override,-dac_read_search", "--", *command]
-    process = await asyncio.create_subprocess_exec(
-        *command,
-        env=server_env({"DATABASE_URL": f"sqlite:///{database}", "PORT": "0"}),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    async with asyncio.timeout(60):
-        _, stderr = await process.communicate()
-    log = stderr.decode(errors="replace")
-    assert process.returncode not in (0, None), log
+        wrapper = [setpriv, "--bounding-set", "-dac_override,-dac_read_search", "--"]
+    env = {"DATABASE_URL": f"sqlite:///{database}", "PORT": "0"}
+    async with haru_serve(env, listening=False, wrapper=wrapper) as server:
+        code = await server.exited()
+    log = server.log
+    assert code != 0, log
     assert "listening on" not in log
     assert "read-only" in log.lower() or "not writable" in log.lower(), log
     assert "Traceback" not in log
 
 
 async def test_the_startup_heap_is_frozen_and_collector_pauses_are_measured(
+    haru_serve: HaruServe,
     tmp_path: Path,
 ) -> None:
     async with haru_serve({"PORT": "0"}, cwd=tmp_path) as server, aiohttp.ClientSession() as http:
@@ -583,6 +495,7 @@ async def test_the_startup_heap_is_frozen_and_collector_pauses_are_measured(
 
 
 async def test_sigterm_drains_with_readyz_failing_before_the_listener_closes(
+    haru_serve: HaruServe,
     tmp_path: Path,
 ) -> None:
     env = {"PORT": "0", "HARU_SHUTDOWN_DRAIN_MS": "60000"}
@@ -603,11 +516,10 @@ async def test_sigterm_drains_with_readyz_failing_before_the_listener_closes(
         # Still serving meanwhile: a new connection is accepted and answered.
         async with aiohttp.ClientSession() as fresh, fresh.get(f"{server.url}/healthz") as response:
             assert response.status == 200
-        assert server.process.returncode is None
+        assert server.process.poll() is None
         # A second signal ends the drain at once (the 60 s window is not waited out).
         server.process.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(15):
-            code = await server.process.wait()
+        code = await server.exited(timeout_s=15)
     assert code == 0
     assert "draining" in server.log
 
@@ -645,16 +557,6 @@ def status_of(answer: bytes) -> int:
     return int(answer.split(b" ", 2)[1])
 
 
-async def wait_for_line(server: ServerProcess, needle: str) -> str:
-    """The first log line containing ``needle`` (waits for the process to write it)."""
-    async with asyncio.timeout(10):
-        while True:
-            found = next((line for line in server.lines if needle in line), None)
-            if found is not None:
-                return found
-            await asyncio.sleep(0.02)
-
-
 async def _closed_by_server(reader: asyncio.StreamReader) -> None:
     with contextlib.suppress(ConnectionError):
         async with asyncio.timeout(10):
@@ -676,6 +578,7 @@ async def flood_half_sent_heads(url: str, count: int, *, source: str) -> list[An
 
 
 async def test_hostile_clients_get_401s_escaped_logs_and_cannot_lock_out_others(
+    haru_serve: HaruServe,
     tmp_path: Path,
 ) -> None:
     env = {
@@ -697,12 +600,12 @@ async def test_hostile_clients_get_401s_escaped_logs_and_cannot_lock_out_others(
         # An encoded CR/LF (and ESC) in the path cannot forge a line.
         answer = await raw_http(server.url, get(FORGED_PATH))
         assert status_of(answer) == 404
-        line = await wait_for_line(server, "/nowhere")
+        line = (await server.line("/nowhere")).string
         assert "/nowhere\\r\\n" + FORGED + "\\x1b[31m 404" in line
 
         # No trusted proxy: X-Forwarded-For is the client's word, not its address.
         await raw_http(server.url, get(b"/xff-probe", b"X-Forwarded-For: 203.0.113.9"))
-        line = await wait_for_line(server, "/xff-probe")
+        line = (await server.line("/xff-probe")).string
         assert line.split(" 404 ")[1].split()[1] == "peer=127.0.0.1"
 
         # Hundreds of half-sent heads from 127.0.0.2: its own bound (8) evicts its own.
@@ -723,7 +626,9 @@ async def test_hostile_clients_get_401s_escaped_logs_and_cannot_lock_out_others(
     assert "per-peer connection bound (8) reached by 127.0.0.2" in server.log
 
 
-async def test_forwarded_for_is_logged_from_a_trusted_proxy_in_json_lines(tmp_path: Path) -> None:
+async def test_forwarded_for_is_logged_from_a_trusted_proxy_in_json_lines(
+    haru_serve: HaruServe, tmp_path: Path
+) -> None:
     env = {
         "PORT": "0",
         "HARU_API_TOKEN": EDGE_TOKEN,
@@ -736,8 +641,8 @@ async def test_forwarded_for_is_logged_from_a_trusted_proxy_in_json_lines(tmp_pa
             get(b"/xff-probe", b"X-Forwarded-For: 198.51.100.1, 203.0.113.9, 10.1.2.3"),
         )
         await raw_http(server.url, get(FORGED_PATH))
-        await wait_for_line(server, "/xff-probe")
-        await wait_for_line(server, "/nowhere")
+        await server.line("/xff-probe")
+        await server.line("/nowhere")
     records = [json.loads(line) for line in server.lines if line.strip()]
     [probe] = [r for r in records if r.get("path") == "/xff-probe"]
     # Right to left past the trusted proxies; what the client wrote further left is ignored.

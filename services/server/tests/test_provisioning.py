@@ -2,7 +2,8 @@
 
 The fake ``sky`` is a real executable on a temp PATH, run through the real driver and runner:
 it records each argv, answers ``status NAME -o json`` like SkyPilot 0.14 (``[]`` after a
-``Cluster(s) not found`` line for an unknown cluster; INIT until the Nth read, then UP;
+``Cluster(s) not found`` line for an unknown cluster; INIT until the Nth read, then UP,
+with ``up_together`` only in a read that names every member of the group not yet UP;
 STOPPED once preempted), ``status --ip NAME`` with 127.0.0.1, and fails or hangs a launch
 on request. Where heartbeats matter, the "cluster" is a local fleet: real supervisors on
 127.0.0.1 whose ports the layout names as ``supervisorPort``. Budgets run on the injected
@@ -163,6 +164,7 @@ elif args[:1] == ["launch"]:
     save(name, {{"status": "INIT", "reads": 0, "jobs": ["RUNNING"], "refreshed": time.time()}})
     if behaviour.get("hang"):
         time.sleep(60)
+    time.sleep(behaviour.get("delay", 0))
     print("Job submitted, ID: 1")
 elif args[:1] == ["down"]:
     path(args[1]).unlink(missing_ok=True)
@@ -205,7 +207,13 @@ elif args[:1] == ["status"]:
             continue
         if cluster["status"] == "INIT":
             cluster["reads"] += 1
-            if cluster["reads"] >= config.get("up_after", 2):
+            together = config.get("up_together", [])
+            # The group comes up in a read naming every member not yet UP: the first
+            # member needs a read naming them all, the last may be read alone.
+            if cluster["reads"] >= config.get("up_after", 2) and all(
+                n in names or (load(n) or {{}}).get("status") == "UP"
+                for n in (together if name in together else [])
+            ):
                 cluster["status"] = "UP"
             save(name, cluster)
         rows.append({{"name": name, "status": cluster["status"], "nodes": 1, "autostop": -1,
@@ -1264,6 +1272,13 @@ async def store_layout(store: StateStore, clock: ManualClock, **policy: Any) -> 
 async def test_one_refreshed_status_call_reads_every_cluster(
     sqlite_store: StateStore, make_reconciler: Any, clock: ManualClock, sky: FakeSky
 ) -> None:
+    # The two clusters come up in the same read: alpha's launch ends first and its cluster
+    # stays INIT (and asked for) until beta's is asked for too; beta, read alone once alpha
+    # is UP, comes up after its own second read.
+    sky.configure(
+        up_together=["haru-local--alpha", "haru-local--beta"],
+        launch={"haru-local--beta": {"delay": 1.0}},
+    )
     await store_layout(sqlite_store, clock)
     reconciler, _ = make_reconciler(sqlite_store)
     await tick_until(

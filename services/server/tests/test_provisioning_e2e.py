@@ -55,9 +55,14 @@ from pydantic import SecretStr
 from pytest_aiohttp import AiohttpServer
 from typer.testing import CliRunner
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux"), reason="the fake sky finds a node's processes in /proc"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not sys.platform.startswith("linux"),
+        reason="the fake sky finds a node's processes in /proc",
+    ),
+    # About 35 s of real processes: CI runs it in the slow lane, beside the rest.
+    pytest.mark.slow,
+]
 
 TOKEN = "tok-e2e-supervisor-secret-0815"
 SERVING_TOKEN = "serving-e2e-credential-5d1f"

@@ -14,7 +14,7 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 from uuid import UUID
@@ -24,7 +24,6 @@ import httpx2
 import openai
 import pytest
 from aiohttp import web
-from aiohttp.typedefs import Handler
 from haru_db import StateStore, StateStoreUnavailableError
 from haru_db.testing import confirm_domains
 from haru_protocol import (
@@ -43,18 +42,16 @@ from haru_protocol import (
 from haru_server._app import create_app
 from haru_server._async_utils import KickDebouncer
 from haru_server._hold import held_cap
-from haru_server._keys import clock_key, settings_key, store_key
 from haru_server._metrics import ServerMetrics, metrics_key
 from haru_server._proxy import (
     ProxyTuning,
     _Proxy,
-    install_proxy,
     proxy_key,
 )
 from haru_server._route_cache import RouteCache
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
-from haru_web import ApiError, add_metrics_route, connection_cap, render_api_error
+from haru_web import connection_cap
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 from pytest_aiohttp import AiohttpServer
@@ -76,18 +73,10 @@ def served(sim: VllmSim) -> int:
 # -- fixtures ----------------------------------------------------------------------------------
 
 
-@web.middleware
-async def render_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return render_api_error(exc)
-
-
 @dataclass
 class Proxy:
-    url: str
-    app: web.Application
+    url: str = ""
+    app: web.Application = field(init=False)
     kicks: list[UUID] = field(default_factory=list)
 
     def kick(self, fleet_id: UUID) -> None:
@@ -102,9 +91,11 @@ ProxyFactory = Callable[..., Awaitable[Proxy]]
 
 
 @pytest.fixture
-async def make_proxy(sqlite_store: StateStore) -> AsyncIterator[ProxyFactory]:
-    runners: list[web.AppRunner] = []
-
+def make_proxy(
+    sqlite_store: StateStore,
+    proxy_app: Callable[..., web.Application],
+    serve_app: Callable[..., Awaitable[str]],
+) -> ProxyFactory:
     async def make(
         *,
         tuning: ProxyTuning = FAST_TUNING,
@@ -116,35 +107,21 @@ async def make_proxy(sqlite_store: StateStore) -> AsyncIterator[ProxyFactory]:
         # route_lease_ms=0: these tests pin the read-per-request mode (leases: test_route_lease).
         defaults = {"chat_header_timeout_ms": 5_000, "snapshot_cache_ttl_ms": 2_000}
         settings = Settings(**{**defaults, "route_lease_ms": 0, **overrides})
-        app = web.Application(middlewares=[render_errors])
-        proxy = Proxy(url="", app=app)
-        app[settings_key] = settings
-        app[store_key] = store if store is not None else sqlite_store
-        app[clock_key] = now
-        if metrics is not None:
-            app[metrics_key] = metrics
-            add_metrics_route(app, metrics.exposition, before_scrape=metrics.before_scrape)
-        install_proxy(app, tuning=tuning, kicker=proxy)
+        proxy = Proxy()
+        proxy.app = proxy_app(
+            store if store is not None else sqlite_store,
+            settings,
+            clock=now,
+            metrics=metrics,
+            tuning=tuning,
+            kicker=proxy,
+        )
         # Served like production (web.run_app's default: handlers are NOT cancelled when a
         # client disconnects), unless a test asks for aiohttp's handler cancellation.
-        runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
-        await runner.setup()
-        runners.append(runner)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        proxy.url = f"http://{host}:{port}"
+        proxy.url = await serve_app(proxy.app, handler_cancellation=handler_cancellation)
         return proxy
 
-    yield make
-    for runner in runners:
-        await runner.cleanup()
-
-
-@pytest.fixture
-async def stack() -> AsyncIterator[contextlib.AsyncExitStack]:
-    async with contextlib.AsyncExitStack() as stack:
-        yield stack
+    return make
 
 
 async def start_sim(stack: contextlib.AsyncExitStack, **config: Any) -> VllmSim:
@@ -502,19 +479,25 @@ async def test_upstream_cut_reaches_the_sdk_as_an_error(
 async def test_connect_failure_is_502_and_kicks_the_fleet_once(
     make_proxy: ProxyFactory, setup: Setup, http: aiohttp.ClientSession
 ) -> None:
-    proxy = await make_proxy()
+    # The proxy's monotonic clock moves only as the test says (a loaded machine may take more
+    # than a second for three requests).
+    mono = [1000.0]
+    proxy = await make_proxy(tuning=replace(FAST_TUNING, monotonic=lambda: mono[0]))
     await setup.alpha.set_faults(refuse=True)
-    for _ in range(3):
+    # Debounced: one kick per second per fleet; the fourth comes more than a second after
+    # the first and kicks again. Each comes past the outage memo.
+    for after_s, kicks in ((0.3, 1), (0.3, 1), (0.3, 1), (0.5, 2)):
+        mono[0] += after_s
         status, _, body = await post(http, proxy, chat_body())
         assert status == 502
         assert error_code(body) == "upstream_unreachable"
-    assert proxy.kicks == [setup.fleet.id]  # debounced: one kick per second per fleet
+        assert proxy.kicks == [setup.fleet.id] * kicks
     assert served(setup.beta) == 0  # a standby is never routed to
 
 
 def test_kicks_are_debounced_per_fleet() -> None:
     now = [100.0]
-    kicker = Proxy(url="", app=web.Application())
+    kicker = Proxy()
 
     debounce = KickDebouncer(kicker, interval_s=1.0, clock=lambda: now[0])
     a, b = UUID(int=1), UUID(int=2)
@@ -1137,13 +1120,13 @@ def proxy_of(proxy: Proxy) -> _Proxy:
     return running
 
 
-def held_total(proxy: Proxy) -> float:
-    """Requests held and then dispatched, as the proxy's metrics count them."""
+def counted(proxy: Proxy, name: str = "haru_proxy_held_requests") -> float:
+    """A counter of the proxy's metrics (by default: requests held, then dispatched)."""
     registry = proxy.app[metrics_key].registry
     return sum(
         sample.value
         for metric in registry.collect()
-        if metric.name == "haru_proxy_held_requests"
+        if metric.name == name
         for sample in metric.samples
         if sample.name.endswith("_total")
     )
@@ -1406,7 +1389,7 @@ async def test_held_requests_are_released_in_arrival_order_at_the_flip(
     arrived = [json.loads(r.body)["messages"][0]["content"] for r in setup.beta.recorded_requests]
     assert arrived == ["request 0", "request 1", "request 2"]
     assert served(setup.alpha) == 0
-    assert held_total(proxy) == 3
+    assert counted(proxy) == 3
     assert running.hold.holding == 0
 
 
@@ -1527,6 +1510,7 @@ async def test_holds_respect_the_cap_and_need_auto_failover(
     assert headers["Retry-After"] == "1"
     assert "X-Haru-Held-Ms" not in headers
     assert running.hold.over_cap == 1
+    assert counted(proxy, "haru_proxy_hold_refused") == 1
     await promote(sqlite_store, setup.fleet)
     assert (await held)[0] == 200
     assert served(setup.beta) == 1
@@ -1540,7 +1524,7 @@ async def test_a_fleet_without_auto_failover_fails_at_once(
     status, headers, _ = await post(http, proxy, chat_body())
     assert status == 502
     assert "X-Haru-Held-Ms" not in headers
-    assert held_total(proxy) == 0
+    assert counted(proxy) == 0
 
 
 @pytest.mark.parametrize("route_lease_ms", [0, 20])
@@ -1568,7 +1552,7 @@ async def test_a_promotion_in_flight_holds_requests_without_auto_failover(
     assert status == 200
     assert int(headers["X-Haru-Held-Ms"]) >= 0
     assert served(setup.beta) == 1
-    assert held_total(proxy) == 1
+    assert counted(proxy) == 1
 
 
 async def test_a_hold_outlasts_its_fixed_bound_while_a_promotion_is_in_flight(
@@ -1661,7 +1645,7 @@ async def test_requests_held_for_a_promotion_fail_at_once_when_it_fails(
     assert error_code(body) == "upstream_unreachable"
     assert 0 <= int(headers["X-Haru-Held-Ms"]) < 60_000
     assert running.hold.holding == 0
-    assert held_total(proxy) == 0
+    assert counted(proxy) == 0
 
 
 async def test_a_promotion_accepted_by_this_process_holds_at_once(
@@ -1730,7 +1714,8 @@ async def test_a_request_an_upstream_dropped_unanswered_is_sent_once_to_the_new_
     assert len(upstream.writers) == 1  # never sent to the dropping upstream again
     arrived = [json.loads(r.body)["messages"][0]["content"] for r in setup.beta.recorded_requests]
     assert arrived == ["once more"]
-    assert running.hold.retried_total == 1
+    assert counted(proxy, "haru_proxy_retried_requests") == 1
+    assert counted(proxy) == 1
     assert running.hold.holding == 0
 
 
@@ -1773,7 +1758,7 @@ async def test_a_request_dropped_by_two_actives_is_not_sent_a_third_time(
     assert error_code(body) == "upstream_unreachable"
     assert headers["Retry-After"] == "1"
     assert (len(first.writers), len(second.writers)) == (1, 1)
-    assert running.hold.retried_total == 0
+    assert counted(proxy, "haru_proxy_retried_requests") == 0
 
 
 async def test_an_upstream_answer_is_never_sent_again_even_a_500(
@@ -1827,7 +1812,7 @@ async def test_a_client_gone_while_held_is_dropped(
     await eventually(lambda: running.hold.holding == 0, within=30)
     await promote(sqlite_store, setup.fleet)
     assert served(setup.beta) == 0
-    assert held_total(proxy) == 0
+    assert counted(proxy) == 0
 
 
 # -- a silent upstream mid-answer -------------------------------------------------------------

@@ -10,56 +10,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from aiohttp import web
-from aiohttp.typedefs import Handler
 from haru_db import StateStore
 from haru_db.testing import confirm_domains
 from haru_protocol import FleetLayout
-from haru_server._keys import clock_key, settings_key, store_key
-from haru_server._proxy import ProxyTuning, install_proxy
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
-from haru_web import ApiError, render_api_error
 
 CLIENT_KEY = "sk-client-secret-4471"
 UPSTREAM_KEY = "vllm-api-key-9c2e1f"
 PLACEMENT = {"cloud": "aws", "region": "us-east-1", "accelerator": "EXAMPLE-GPU"}
+SETTINGS = Settings(route_lease_ms=0, chat_header_timeout_ms=5_000)
 
-
-@web.middleware
-async def render_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return render_api_error(exc)
-
-
-@pytest.fixture
-async def stack() -> AsyncIterator[contextlib.AsyncExitStack]:
-    async with contextlib.AsyncExitStack() as stack:
-        yield stack
-
-
-async def _proxy(stack: contextlib.AsyncExitStack, store: StateStore) -> str:
-    app = web.Application(middlewares=[render_errors])
-    app[settings_key] = Settings(route_lease_ms=0, chat_header_timeout_ms=5_000)
-    app[store_key] = store
-    app[clock_key] = lambda: datetime.now(UTC)
-    install_proxy(app, tuning=ProxyTuning(disconnect_poll_ms=20, outage_memo_ms=50))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    stack.push_async_callback(runner.cleanup)
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    return f"http://{host}:{port}/v1"
+ServeProxy = Callable[..., Awaitable[str]]
 
 
 async def _fleet(store: StateStore, models: list[dict[str, Any]]) -> None:
@@ -106,6 +75,7 @@ async def _chat(base_url: str, model: str) -> str | None:
 async def test_each_upstream_gets_its_own_credential_never_the_clients(
     sqlite_store: StateStore,
     stack: contextlib.AsyncExitStack,
+    serve_proxy: ServeProxy,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -123,7 +93,7 @@ async def test_each_upstream_gets_its_own_credential_never_the_clients(
             {"name": "open", "servingUrl": open_one.url},
         ],
     )
-    proxy = await _proxy(stack, sqlite_store)
+    proxy = await serve_proxy(sqlite_store, SETTINGS)
     for model in ("by-env", "by-file", "open"):
         assert await _chat(proxy, model) == "keyed upstream"
     assert _authorizations(by_env) == [f"Bearer {UPSTREAM_KEY}"]
@@ -136,6 +106,7 @@ async def test_each_upstream_gets_its_own_credential_never_the_clients(
 async def test_a_credential_that_cannot_be_read_leaves_the_model_unavailable(
     sqlite_store: StateStore,
     stack: contextlib.AsyncExitStack,
+    serve_proxy: ServeProxy,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
@@ -149,7 +120,7 @@ async def test_a_credential_that_cannot_be_read_leaves_the_model_unavailable(
             {"name": "filed", "servingUrl": sim.url, "apiKeyFile": str(tmp_path / "missing")},
         ],
     )
-    proxy = await _proxy(stack, sqlite_store)
+    proxy = await serve_proxy(sqlite_store, SETTINGS)
     with caplog.at_level(logging.ERROR, logger="haru_server._proxy_routes"):
         for model in ("keyed", "filed"):
             with pytest.raises(openai.APIStatusError) as raised:

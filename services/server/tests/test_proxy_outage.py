@@ -23,7 +23,6 @@ import aiohttp
 import pytest
 import sqlalchemy as sa
 from aiohttp import web
-from aiohttp.typedefs import Handler
 from haru_db import StateStore, StateStoreUnavailableError
 from haru_db.testing import confirm_domains
 from haru_protocol import (
@@ -35,11 +34,9 @@ from haru_protocol import (
     OperationStep,
     SlotKind,
 )
-from haru_server._keys import clock_key, settings_key, store_key
-from haru_server._proxy import ProxyTuning, install_proxy
+from haru_server._proxy import ProxyTuning
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
-from haru_web import ApiError, render_api_error
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -203,41 +200,19 @@ async def outage(store: StateStore) -> AsyncIterator[Outage]:
 # -- app and fleet -----------------------------------------------------------------------------
 
 
-@web.middleware
-async def render_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return render_api_error(exc)
-
-
 ProxyFactory = Callable[..., Awaitable[str]]
 
 
 @pytest.fixture
-async def make_proxy() -> AsyncIterator[ProxyFactory]:
-    runners: list[web.AppRunner] = []
-
+def make_proxy(
+    proxy_app: Callable[..., web.Application], serve_app: Callable[..., Awaitable[str]]
+) -> ProxyFactory:
     async def make(store: StateStore, *, tuning: ProxyTuning = TUNING, **overrides: Any) -> str:
-        app = web.Application(middlewares=[render_errors])
         # route_lease_ms=0: the read-per-request mode (leases: test_route_lease).
-        app[settings_key] = Settings(
-            **{"snapshot_cache_ttl_ms": 2_000, "route_lease_ms": 0, **overrides}
-        )
-        app[store_key] = store
-        app[clock_key] = now
-        install_proxy(app, tuning=tuning)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        runners.append(runner)
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = runner.addresses[0][:2]
-        return f"http://{host}:{port}"
+        settings = Settings(**{"snapshot_cache_ttl_ms": 2_000, "route_lease_ms": 0, **overrides})
+        return await serve_app(proxy_app(store, settings, clock=now, tuning=tuning))
 
-    yield make
-    for runner in runners:
-        await runner.cleanup()
+    return make
 
 
 @dataclass

@@ -10,61 +10,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import socket
 import ssl
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from aiohttp import web
-from aiohttp.typedefs import Handler
 from haru_db import StateStore, upgrade
 from haru_db.testing import confirm_domains
 from haru_protocol import FleetLayout
-from haru_server._keys import clock_key, settings_key, store_key
-from haru_server._proxy import ProxyTuning, install_proxy
-from haru_server._serve import run_server
 from haru_server._settings import Settings
 from haru_sim import VllmSim, VllmSimConfig
-from haru_web import ApiError, render_api_error
 
 PLACEMENT = {"cloud": "aws", "region": "us-east-1", "accelerator": "EXAMPLE-GPU"}
 PROMPT = "tls-upstream-prompt-5d1a"
 
-
-@web.middleware
-async def render_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return render_api_error(exc)
-
-
-@pytest.fixture
-async def stack() -> AsyncIterator[contextlib.AsyncExitStack]:
-    async with contextlib.AsyncExitStack() as stack:
-        yield stack
-
-
-async def _proxy(stack: contextlib.AsyncExitStack, store: StateStore, settings: Settings) -> str:
-    app = web.Application(middlewares=[render_errors])
-    app[settings_key] = settings
-    app[store_key] = store
-    app[clock_key] = lambda: datetime.now(UTC)
-    install_proxy(app, tuning=ProxyTuning(disconnect_poll_ms=20, outage_memo_ms=50))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    stack.push_async_callback(runner.cleanup)
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    return f"http://{host}:{port}/v1"
+ServeProxy = Callable[..., Awaitable[str]]
+RunningServer = Callable[[Settings], AbstractAsyncContextManager[str]]
+HaruServe = Callable[..., AbstractAsyncContextManager[Any]]
+"""The ``haru_serve`` fixture: ``async with haru_serve(env) as server`` (a ServerProcess)."""
 
 
 async def _fleet(store: StateStore, serving_url: str) -> None:
@@ -149,27 +116,27 @@ async def _chat(base_url: str) -> str | None:
 
 
 async def test_an_https_upstream_is_verified_against_the_serving_ca_file(
-    sqlite_store: StateStore, stack: contextlib.AsyncExitStack, pki: Any
+    sqlite_store: StateStore, stack: contextlib.AsyncExitStack, serve_proxy: ServeProxy, pki: Any
 ) -> None:
     sim = await _sim(stack)
     cert, key = pki.leaf("upstream")
     port = await _tls_front(stack, cert, key, sim.port)
     await _fleet(sqlite_store, f"https://127.0.0.1:{port}")
     settings = Settings(route_lease_ms=0, chat_header_timeout_ms=5_000, serving_ca_file=pki.ca_file)
-    base = await _proxy(stack, sqlite_store, settings)
+    base = await serve_proxy(sqlite_store, settings)
     assert await _chat(base) == PROMPT
     assert [r.path for r in sim.recorded_requests] == ["/v1/chat/completions"]
 
 
 async def test_an_upstream_of_a_foreign_ca_is_refused_with_a_clear_error(
-    sqlite_store: StateStore, stack: contextlib.AsyncExitStack, pki: Any
+    sqlite_store: StateStore, stack: contextlib.AsyncExitStack, serve_proxy: ServeProxy, pki: Any
 ) -> None:
     sim = await _sim(stack)
     cert, key = pki.leaf("foreign", ca=pki.other)
     port = await _tls_front(stack, cert, key, sim.port)
     await _fleet(sqlite_store, f"https://127.0.0.1:{port}")
     settings = Settings(route_lease_ms=0, chat_header_timeout_ms=5_000, serving_ca_file=pki.ca_file)
-    base = await _proxy(stack, sqlite_store, settings)
+    base = await serve_proxy(sqlite_store, settings)
     with pytest.raises(openai.APIStatusError) as caught:
         await _chat(base)
     assert caught.value.status_code == 502
@@ -181,14 +148,14 @@ async def test_an_upstream_of_a_foreign_ca_is_refused_with_a_clear_error(
 
 
 async def test_an_expired_upstream_certificate_is_refused(
-    sqlite_store: StateStore, stack: contextlib.AsyncExitStack, pki: Any
+    sqlite_store: StateStore, stack: contextlib.AsyncExitStack, serve_proxy: ServeProxy, pki: Any
 ) -> None:
     sim = await _sim(stack)
     cert, key = pki.leaf("expired", expired=True)
     port = await _tls_front(stack, cert, key, sim.port)
     await _fleet(sqlite_store, f"https://127.0.0.1:{port}")
     settings = Settings(route_lease_ms=0, chat_header_timeout_ms=5_000, serving_ca_file=pki.ca_file)
-    base = await _proxy(stack, sqlite_store, settings)
+    base = await serve_proxy(sqlite_store, settings)
     with pytest.raises(openai.APIStatusError) as caught:
         await _chat(base)
     assert caught.value.status_code == 502
@@ -196,29 +163,19 @@ async def test_an_expired_upstream_certificate_is_refused(
     assert sim.recorded_requests == ()
 
 
-def _outside_address() -> str | None:
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks a route
-        address = probe.getsockname()[0]
-    except OSError:
-        return None
-    finally:
-        probe.close()
-    return None if address.startswith("127.") else address
-
-
 @pytest.mark.parametrize("allowed", [False, True])
 async def test_a_plain_http_upstream_on_another_host_is_refused_unless_allowed(
-    sqlite_store: StateStore, stack: contextlib.AsyncExitStack, allowed: bool
+    sqlite_store: StateStore,
+    stack: contextlib.AsyncExitStack,
+    serve_proxy: ServeProxy,
+    outside_address: str,
+    allowed: bool,
 ) -> None:
-    address = _outside_address()
-    if address is None:
-        pytest.skip("this host has no non-loopback IPv4 address")
+    address = outside_address
     sim = await _sim(stack, host="0.0.0.0")  # reached at the host's address
     await _fleet(sqlite_store, f"http://{address}:{sim.port}")
     settings = Settings(route_lease_ms=0, chat_header_timeout_ms=5_000, allow_plaintext=allowed)
-    base = await _proxy(stack, sqlite_store, settings)
+    base = await serve_proxy(sqlite_store, settings)
     if allowed:
         assert await _chat(base) == PROMPT
         return
@@ -232,22 +189,9 @@ async def test_a_plain_http_upstream_on_another_host_is_refused_unless_allowed(
     assert sim.recorded_requests == ()
 
 
-@asynccontextmanager
-async def running_server(settings: Settings) -> AsyncIterator[str]:
-    """``run_server`` in this process; yields its base URL."""
-    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    task = asyncio.create_task(run_server(settings, on_listening=listening.set_result, stop=stop))
-    try:
-        yield await asyncio.wait_for(asyncio.shield(listening), 30)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
-
-
 @pytest.mark.parametrize("allowed", [False, True])
 async def test_the_server_names_each_domain_served_in_clear_text_at_boot(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, allowed: bool
+    running_server: RunningServer, tmp_path: Path, caplog: pytest.LogCaptureFixture, allowed: bool
 ) -> None:
     db = f"sqlite:///{tmp_path / 'boot.db'}"
     await upgrade(db)
@@ -268,26 +212,16 @@ async def test_the_server_names_each_domain_served_in_clear_text_at_boot(
     assert "key=x" not in log  # the origin only: a query may carry a credential
 
 
-async def test_haru_serve_refuses_a_serving_ca_file_that_does_not_load(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
-    env.update(
-        DATABASE_URL=f"sqlite:///{tmp_path / 'boot.db'}",
-        HARU_CREATE_DATABASE="1",  # only the CA file is wrong
-        PORT="0",
-        HARU_SERVING_CA_FILE=str(tmp_path / "missing.pem"),
-    )
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "haru_server",
-        "serve",
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    async with asyncio.timeout(60):
-        _, err = await process.communicate()
-    log = err.decode(errors="replace")
-    assert process.returncode == 2, log
-    assert "cannot load HARU_SERVING_CA_FILE" in log
+async def test_haru_serve_refuses_a_serving_ca_file_that_does_not_load(
+    haru_serve: HaruServe, tmp_path: Path
+) -> None:
+    env = {
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'boot.db'}",
+        "HARU_CREATE_DATABASE": "1",  # only the CA file is wrong
+        "PORT": "0",
+        "HARU_SERVING_CA_FILE": str(tmp_path / "missing.pem"),
+    }
+    async with haru_serve(env, listening=False) as server:
+        code = await server.exited()
+    assert code == 2, server.log
+    assert "cannot load HARU_SERVING_CA_FILE" in server.log

@@ -41,7 +41,7 @@ from haru_server._metrics import ServerMetrics
 from haru_server._reconciler import Accepted, Reconciler, ReconcilerOptions
 from haru_server._steps import StepTuning
 from haru_sim import read_trainer_checkpoint
-from haru_supervisor import process_name
+from haru_supervisor.api import process_name
 from haru_supervisor_client import SupervisorClient
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
@@ -502,6 +502,12 @@ async def test_step_timeout_on_injected_clock_fails_and_cleans_up(
     assert failed.error is not None
     assert failed.error.code == OperationErrorCode.STEP_TIMEOUT
     assert failed.error.step is OperationStep.WAKE_VLLM
+    # The timeout says what the step last waited for (here: the wake call that kept failing).
+    assert failed.error.message.startswith(
+        f"step wake_vllm did not finish within its budget of {seeded.policy.wake_timeout_ms} ms"
+        "; last seen waiting: POST http://127.0.0.1:"
+    )
+    assert "/v1/vllm/wake" in failed.error.message
     after = await snapshot_of(store)
     assert after.active_domain_id == seeded.active_domain_id
     # Cleanup in the same statement as the fail: the wake path is failed.
@@ -851,6 +857,13 @@ async def test_verify_gpu_waits_for_released_memory_then_times_out(
     assert (failed.error.step, failed.error.code) == (
         OperationStep.VERIFY_GPU,
         OperationErrorCode.STEP_TIMEOUT,
+    )
+    # The tick that found the budget spent ran no step: the message is what the step last
+    # reported while it waited.
+    assert failed.error.message == (
+        f"step verify_gpu did not finish within its budget of "
+        f"{seeded.policy.verify_gpu_timeout_ms} ms; last seen waiting: GPU(s) [1] still hold "
+        "more than 25% of memory; held by GPU 1: no compute process listed"
     )
     # Training was stopped: a restore demote returns beta to standby posture (its trainers
     # run again) without ever waking its vLLM.

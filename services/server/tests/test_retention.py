@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from haru_db import PruneCounts, StateStore, upgrade
@@ -28,6 +27,10 @@ from haru_server._retention import Pruner
 from haru_server._settings import Settings
 from haru_server.cli import DEFAULT_RETENTION_DAYS, app
 from typer.testing import CliRunner
+
+Haru = Callable[..., subprocess.CompletedProcess[str]]
+HaruServe = Callable[..., AbstractAsyncContextManager[Any]]
+"""The ``haru_serve`` fixture: ``async with haru_serve(env) as server`` (a ServerProcess)."""
 
 OLD = 90
 """Days ago the old history was written (beyond the default 30-day retention)."""
@@ -85,34 +88,16 @@ async def _counts(
         await store.close()
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("HARU_") and k not in ("DATABASE_URL", "PORT")
-    }
-    return {**env, **extra}
-
-
-def _haru(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "haru_server", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
-
-
-async def test_db_prune_deletes_old_history_and_keeps_the_newest(tmp_path: Path) -> None:
+async def test_db_prune_deletes_old_history_and_keeps_the_newest(
+    haru: Haru, tmp_path: Path
+) -> None:
     url = f"sqlite:///{tmp_path / 'prune.db'}"
     fleet = await _old_history(url)
     events_before, operations_before = await _counts(url, fleet)
     assert operations_before == PROMOTIONS
-    env = _env(DATABASE_URL=url)
+    env = {"DATABASE_URL": url}
 
-    dry = _haru("db", "prune", "--dry-run", "--json", env=env)
+    dry = haru("db", "prune", "--dry-run", "--json", env=env)
     assert dry.returncode == 0, dry.stderr
     planned = json.loads(dry.stdout)
     assert planned["dryRun"] is True
@@ -123,11 +108,11 @@ async def test_db_prune_deletes_old_history_and_keeps_the_newest(tmp_path: Path)
     assert await _counts(url, fleet) == (events_before, operations_before)
 
     # Nothing is older than 100 days.
-    none = _haru("db", "prune", "--older-than", "100", "--json", env=env)
+    none = haru("db", "prune", "--older-than", "100", "--json", env=env)
     assert none.returncode == 0, none.stderr
     assert (json.loads(none.stdout)["events"], json.loads(none.stdout)["operations"]) == (0, 0)
 
-    done = _haru("db", "prune", env=env)
+    done = haru("db", "prune", env=env)
     assert done.returncode == 0, done.stderr
     assert "deleted 7 event(s) and 6 finished operation(s) older than 30 day(s)" in done.stdout
     assert await _counts(url, fleet) == (events_before - 7, 64)
@@ -140,7 +125,7 @@ async def test_db_prune_deletes_old_history_and_keeps_the_newest(tmp_path: Path)
     assert (left.events, left.operations) == (0, 0)
 
 
-def test_db_prune_refuses_bad_input_and_an_unmigrated_store(tmp_path: Path) -> None:
+def test_db_prune_refuses_bad_input_and_an_unmigrated_store(haru: Haru, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'empty.db'}"
     runner = CliRunner()
     zero = runner.invoke(app, ["db", "prune", "--older-than", "0", "--database-url", url])
@@ -151,7 +136,7 @@ def test_db_prune_refuses_bad_input_and_an_unmigrated_store(tmp_path: Path) -> N
         app, ["db", "prune", "--database-url", url], env={"HARU_RETENTION_DAYS": "0"}
     )
     assert off.exit_code == 2
-    unmigrated = _haru("db", "prune", env=_env(DATABASE_URL=url))
+    unmigrated = haru("db", "prune", env={"DATABASE_URL": url})
     assert unmigrated.returncode == 1
     assert "has no schema" in unmigrated.stderr
     assert "Traceback" not in unmigrated.stderr
@@ -167,33 +152,14 @@ def test_retention_setting() -> None:
 _PRUNED = re.compile(r"retention: pruned (\d+) event\(s\) and (\d+) finished operation\(s\)")
 
 
-async def test_the_server_prunes_by_itself(tmp_path: Path) -> None:
+async def test_the_server_prunes_by_itself(haru_serve: HaruServe, tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'serve.db'}"
     fleet = await _old_history(url)
     events_before, _ = await _counts(url, fleet)
     last = await _last_event_id(url, fleet)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "haru_server",
-        "serve",
-        env=_env(DATABASE_URL=url, PORT="0", HARU_RETENTION_DAYS="30"),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert process.stderr is not None
-    lines: list[str] = []
-    try:
-        async with asyncio.timeout(60):
-            while (match := _PRUNED.search(lines[-1] if lines else "")) is None:
-                raw = await process.stderr.readline()
-                assert raw, "server exited:\n" + "\n".join(lines)
-                lines.append(raw.decode(errors="replace"))
-    finally:
-        process.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(30):
-            await process.communicate()
+    env = {"DATABASE_URL": url, "PORT": "0", "HARU_RETENTION_DAYS": "30"}
+    async with haru_serve(env, listening=False) as server:
+        match = await server.line(_PRUNED, timeout_s=60)
     assert (int(match.group(1)), int(match.group(2))) == (PROMOTIONS - 64 + 1, PROMOTIONS - 64)
     # What the server wrote since it started (its unreachable supervisors: `server.partitioned`)
     # is not history; of the history, the 7 oldest events went.

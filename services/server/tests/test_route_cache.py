@@ -117,15 +117,58 @@ class ScriptedStore:
         return snapshot(found[0], found[1], revision)
 
 
+@dataclass
+class FakeTimer:
+    deadline: float
+    callback: Callable[[], object]
+    fired: bool = False
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 class FakeClock:
+    """Monotonic seconds moved by hand; timers armed on it (``call_later``) fire as it passes."""
+
     def __init__(self) -> None:
         self.now = 1000.0
+        self.timers: list[FakeTimer] = []
 
     def __call__(self) -> float:
         return self.now
 
-    def advance(self, seconds: float) -> None:
+    def call_later(self, delay: float, callback: Callable[[], object]) -> FakeTimer:
+        timer = FakeTimer(self.now + delay, callback)
+        self.timers.append(timer)
+        return timer
+
+    def advance(self, seconds: float) -> list[FakeTimer]:
+        """Move on ``seconds``; fire the timers that came due (returned)."""
         self.now += seconds
+        due = [t for t in self.timers if t.deadline <= self.now and not t.cancelled]
+        self.timers = [t for t in self.timers if t not in due]
+        for timer in due:
+            timer.fired = True
+            timer.callback()
+        return due
+
+    def armed(self) -> int:
+        return sum(not t.cancelled for t in self.timers)
+
+    async def elapse(self, seconds: float, *, step: float = 0.001) -> None:
+        """Let ``seconds`` pass a ``step`` at a time, each fired timer taken up by its waiter.
+
+        A waiter cancels its timer when it wakes (a bound's timer, or the answer it awaited);
+        so once every fired timer is cancelled, what it woke has run on to its next wait.
+        """
+        for _ in range(round(seconds / step)):
+            fired = self.advance(step)
+
+            def taken_up(fired: list[FakeTimer] = fired) -> bool:
+                return all(t.cancelled for t in fired)
+
+            await until(taken_up)
 
 
 @pytest.fixture
@@ -138,7 +181,7 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-def make_cache(store: ScriptedStore, clock: FakeClock, **kwargs: int) -> RouteCache[FleetSnapshot]:
+def make_cache(store: ScriptedStore, clock: FakeClock, **kwargs: Any) -> RouteCache[FleetSnapshot]:
     options: dict[str, Any] = {"ttl_ms": 2000, "outage_memo_ms": 1000, "pointer_timeout_ms": 50}
     options.update(kwargs)
     return RouteCache(store, build=lambda s: s, monotonic=clock, **options)
@@ -320,14 +363,17 @@ async def test_a_cold_cache_waits_for_a_slow_pointer_read_instead_of_failing(
     # cached it answered 503 at once, and for the outage memo's second after that too.
     fleet = store.add("prod")
     other = store.add("staging")
-    cache = make_cache(store, clock, pointer_timeout_ms=20, snapshot_timeout_ms=2000)
+    cache = make_cache(
+        store, clock, pointer_timeout_ms=20, snapshot_timeout_ms=2000, call_later=clock.call_later
+    )
     gate = asyncio.Event()
     store.pointer_gates.append(gate)
     first = asyncio.create_task(resolve_route(cache, "prod"))
-    await asyncio.sleep(0.1)  # five times the pointer bound
+    await until(lambda: clock.armed() == 2)  # the request's wait and its read's bound
+    await clock.elapse(0.1)  # five times the pointer bound
     assert not first.done()
     gate.set()
-    lookup = await asyncio.wait_for(first, timeout=2)
+    lookup = await first
     assert lookup.fleet_id == fleet.id
     assert not lookup.stale
     # A failed read starts the outage memo; a spelling with nothing cached still reads.
@@ -342,7 +388,12 @@ async def test_a_cold_cache_waits_for_a_slow_pointer_read_instead_of_failing(
     # Once cached, a slow read is bounded by the pointer bound again (served stale).
     clock.advance(5)
     store.pointer_hang = True
-    assert (await asyncio.wait_for(resolve_route(cache, "staging"), timeout=1)).stale
+    slow = asyncio.create_task(resolve_route(cache, "staging"))
+    await until(lambda: clock.armed() == 2)
+    await clock.elapse(0.025)  # past the pointer bound, far from the read's own
+    await until(slow.done)
+    assert (await slow).stale
+    await cache.aclose()
 
 
 async def test_a_cold_cache_still_fails_when_the_read_outlasts_the_snapshot_bound(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 from haru_server._single_flight import BoundedReads, SingleFlight
@@ -93,20 +95,21 @@ async def test_a_caller_that_stops_waiting_leaves_the_read_to_the_others() -> No
     assert await patient == ("a=v1", 1)
 
 
+async def hang(cancelled: asyncio.Event) -> str:
+    """A read that never answers; sets ``cancelled`` once it is cancelled."""
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+    return "never"
+
+
 async def test_a_read_past_its_bound_is_abandoned_and_cancelled() -> None:
     reads = BoundedReads()
     cancelled = asyncio.Event()
-
-    async def hung() -> str:
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return "never"
-
     with pytest.raises(TimeoutError):
-        await reads.run(hung(), 0.001)
+        await reads.run(hang(cancelled), 0.001)
     await asyncio.wait_for(cancelled.wait(), timeout=5)
     await settle(lambda: reads.tasks() == [])
 
@@ -124,3 +127,73 @@ async def test_a_bounded_read_that_answers_returns_its_value_and_raises_its_erro
     with pytest.raises(ValueError, match="bad row"):
         await reads.run(fail(), 60)
     assert reads.tasks() == []
+
+
+@dataclass
+class HandTimer:
+    delay: float
+    callback: Callable[[], object]
+    cancelled: bool = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class HandTimers:
+    """``call_later`` whose timers fire only when the test says so, however late."""
+
+    def __init__(self) -> None:
+        self.armed: list[HandTimer] = []
+
+    def call_later(self, delay: float, callback: Callable[[], object]) -> HandTimer:
+        timer = HandTimer(delay, callback)
+        self.armed.append(timer)
+        return timer
+
+    def pending(self) -> list[HandTimer]:
+        return [t for t in self.armed if not t.cancelled]
+
+    def fire(self) -> HandTimer:
+        (timer,) = self.pending()
+        self.armed.remove(timer)
+        timer.callback()
+        return timer
+
+
+async def test_a_bound_is_counted_in_quarters_so_a_stall_costs_only_one() -> None:
+    timers = HandTimers()
+    reads = BoundedReads(call_later=timers.call_later)
+    cancelled = asyncio.Event()
+    read = asyncio.create_task(reads.run(hang(cancelled), 2.0))
+    for _ in range(3):
+        await settle(timers.pending)
+        assert [t.delay for t in timers.pending()] == [0.5]
+        # Fired as late as it may be (the process stood still): one quarter gone, no more.
+        fired = timers.fire()
+        await settle(lambda fired=fired: fired.cancelled)
+        assert not read.done()
+    await settle(timers.pending)
+    timers.fire()
+    with pytest.raises(TimeoutError):
+        await read
+    await asyncio.wait_for(cancelled.wait(), timeout=5)
+    await settle(lambda: reads.tasks() == [])
+
+
+async def test_a_caller_s_bound_on_a_shared_read_counts_on_the_injected_timer() -> None:
+    timers = HandTimers()
+    source = Source()
+    flight: SingleFlight[str, str] = SingleFlight(
+        source.fetch, next_seq=source.next_seq, call_later=timers.call_later
+    )
+    caller = asyncio.create_task(flight.read("a", 1.0))
+    for _ in range(4):
+        await settle(timers.pending)
+        fired = timers.fire()
+        await settle(lambda fired=fired: fired.cancelled or caller.done())
+    with pytest.raises(TimeoutError):
+        await caller
+    # The read goes on for whoever asks next, and answers it.
+    assert flight.tasks() != []
+    source.gate.set()
+    assert await flight.read("a", 60) == ("a=v1", 2)

@@ -9,6 +9,7 @@ Real supervisors and emulated vLLM servers (the local fleet) and a real SQLite s
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
 import aiohttp
@@ -22,7 +23,7 @@ from haru_protocol import (
     SlotKind,
 )
 from haru_server._clock import ManualClock
-from haru_server._steps import Done, StepContext, StepTuning, run_step
+from haru_server._steps import Done, StepContext, StepTuning, route_guard_until, run_step
 from haru_supervisor_client import SupervisorClient
 
 pytestmark = pytest.mark.slow
@@ -164,3 +165,28 @@ async def test_sleep_vllm_refuses_the_domain_routing_names_whatever_the_snapshot
     )
     assert not isinstance(result, Done)
     assert all(await _awake(http, alpha.supervisor_url))
+
+
+async def test_the_route_guard_counts_a_flip_from_the_future_from_now(
+    sqlite_store: StateStore,
+    make_fleet: Any,
+    clock: ManualClock,
+    helpers: Any,
+) -> None:
+    # A step start stored ahead of the database's clock (an older release, a clock fast
+    # before the skew bound) counts as now, as the tick will rewrite it: the guard before
+    # the former active sleeps is this process's own from now, not three hours on top.
+    local = await make_fleet()
+    fleet = await helpers.seed(sqlite_store, local, clock)
+    op = await _promote(sqlite_store, fleet, "beta", clock)
+    ahead = op.model_copy(update={"step_started_at": clock() + timedelta(hours=3)})
+    tuning = StepTuning(route_guard_s=2.0)
+    until = await route_guard_until(
+        sqlite_store, tuning, fleet, ahead, OperationStep.DEMOTE_OLD_SLEEP, clock()
+    )
+    assert until == clock() + timedelta(seconds=2)
+    on_time = op.model_copy(update={"step_started_at": clock() - timedelta(seconds=1)})
+    until = await route_guard_until(
+        sqlite_store, tuning, fleet, on_time, OperationStep.DEMOTE_OLD_SLEEP, clock()
+    )
+    assert until == clock() + timedelta(seconds=1)

@@ -5,12 +5,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
-import socket
 import ssl
-import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,15 +16,18 @@ import aiohttp
 import pytest
 from haru_db import StateStore, upgrade
 from haru_demo.localfleet import LocalFleet
-from haru_server._serve import run_server
-from haru_server._settings import Settings, SettingsError, parse_pins
+from haru_server._settings import Settings, SettingsError
+from haru_server._settings_parse import parse_pins
 from haru_server.cli import app as cli_app
-from haru_supervisor import create_app as create_supervisor_app
+from haru_supervisor.api import create_app as create_supervisor_app
 from haru_web import ServerLimits, TlsFiles, serving
 from pydantic import SecretStr
 from typer.testing import CliRunner
 
 MakeFleet = Callable[..., Awaitable[LocalFleet]]
+RunningServer = Callable[[Settings], AbstractAsyncContextManager[str]]
+HaruServe = Callable[..., AbstractAsyncContextManager[Any]]
+"""The ``haru_serve`` fixture: ``async with haru_serve(env) as server`` (a ServerProcess)."""
 
 
 @asynccontextmanager
@@ -42,19 +42,6 @@ async def tls_supervisor(
         app, host=host, port=0, limits=ServerLimits(), shutdown_timeout=1, tls=files
     ) as listening:
         yield listening.url
-
-
-@asynccontextmanager
-async def running_server(settings: Settings) -> AsyncIterator[str]:
-    """``run_server`` in this process; yields its base URL."""
-    listening: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    stop = asyncio.Event()
-    task = asyncio.create_task(run_server(settings, on_listening=listening.set_result, stop=stop))
-    try:
-        yield await asyncio.wait_for(asyncio.shield(listening), 30)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 30)
 
 
 async def seed(db: str, fleet: LocalFleet, urls: dict[str, str]) -> None:
@@ -84,7 +71,7 @@ def _fingerprint(cert_file: Path) -> str:
 
 
 async def test_heartbeats_reach_tls_supervisors_and_bad_certificates_fail_clearly(
-    make_fleet: MakeFleet, pki: Any, tmp_path: Path
+    running_server: RunningServer, make_fleet: MakeFleet, pki: Any, tmp_path: Path
 ) -> None:
     fleet = await make_fleet(domains=("good", "expired", "stranger", "pinned"))
     db = f"sqlite:///{tmp_path / 'tls.db'}"
@@ -121,7 +108,7 @@ async def test_heartbeats_reach_tls_supervisors_and_bad_certificates_fail_clearl
 
 
 async def test_a_pinned_supervisor_answers_and_the_cli_trusts_haru_ca_file(
-    make_fleet: MakeFleet, pki: Any, tmp_path: Path
+    running_server: RunningServer, make_fleet: MakeFleet, pki: Any, tmp_path: Path
 ) -> None:
     fleet = await make_fleet(domains=("alpha", "beta"))
     db = f"sqlite:///{tmp_path / 'pin.db'}"
@@ -154,29 +141,17 @@ async def test_a_pinned_supervisor_answers_and_the_cli_trusts_haru_ca_file(
             assert "failed verification" in untrusted.output
 
 
-def _outside_address() -> str | None:
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks a route
-        address = probe.getsockname()[0]
-    except OSError:
-        return None
-    finally:
-        probe.close()
-    return None if address.startswith("127.") else address
-
-
 @pytest.mark.parametrize("allowed", [False, True])
 async def test_a_plain_http_supervisor_on_another_host_is_refused_unless_allowed(
+    running_server: RunningServer,
     make_fleet: MakeFleet,
     pki: Any,
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
+    outside_address: str,
     allowed: bool,
 ) -> None:
-    address = _outside_address()
-    if address is None:
-        pytest.skip("this host has no non-loopback IPv4 address")
+    address = outside_address
     token = "plain-supervisor-token-1"  # a token-less supervisor refuses other hosts
     fleet = await make_fleet(domains=("alpha", "beta"), supervisor_token=token)
     db = f"sqlite:///{tmp_path / 'plain.db'}"
@@ -214,30 +189,20 @@ def test_tls_settings_are_checked_at_boot(pki: Any, tmp_path: Path) -> None:
         ).supervisor_links()
 
 
-async def test_haru_serve_refuses_tls_files_that_do_not_load(pki: Any, tmp_path: Path) -> None:
+async def test_haru_serve_refuses_tls_files_that_do_not_load(
+    haru_serve: HaruServe, pki: Any, tmp_path: Path
+) -> None:
     cert, _ = pki.leaf("server")
     _, other_key = pki.leaf("other")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
-    env.update(
-        DATABASE_URL=f"sqlite:///{tmp_path / 'boot.db'}",
-        HARU_CREATE_DATABASE="1",  # only the TLS files are wrong
-        PORT="0",
-        HARU_TLS_CERT_FILE=str(cert),
-        HARU_TLS_KEY_FILE=str(other_key),
-    )
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "haru_server",
-        "serve",
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    async with asyncio.timeout(60):
-        _, err = await process.communicate()
-    log = err.decode(errors="replace")
-    assert process.returncode == 2, log
-    assert "cannot load the TLS certificate" in log
-    assert "Traceback" not in log
+    env = {
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'boot.db'}",
+        "HARU_CREATE_DATABASE": "1",  # only the TLS files are wrong
+        "PORT": "0",
+        "HARU_TLS_CERT_FILE": str(cert),
+        "HARU_TLS_KEY_FILE": str(other_key),
+    }
+    async with haru_serve(env, listening=False) as server:
+        code = await server.exited()
+    assert code == 2, server.log
+    assert "cannot load the TLS certificate" in server.log
+    assert "Traceback" not in server.log

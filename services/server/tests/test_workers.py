@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
+import socket
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client import ProcessCollector
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,75 +27,43 @@ pytestmark = pytest.mark.skipif(
     not hasattr(os, "setpgrp") or not Path("/proc").is_dir(), reason="Linux processes"
 )
 
-
-@dataclass
-class Workers:
-    process: asyncio.subprocess.Process
-    lines: list[str] = field(default_factory=list)
-    listening: dict[int, str] = field(default_factory=dict)
-    """Worker pid -> the URL it listens on."""
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def log(self) -> str:
-        return "\n".join(self.lines)
+HaruServe = Callable[..., AbstractAsyncContextManager[Any]]
+"""The ``haru_serve`` fixture: ``async with haru_serve(env) as server`` (a ServerProcess)."""
+HaruWorkers = Callable[..., AbstractAsyncContextManager[Any]]
 
 
-async def _drain(workers: Workers) -> None:
-    assert workers.process.stderr is not None
-    async for raw in workers.process.stderr:
-        line = raw.decode(errors="replace").rstrip()
-        workers.lines.append(line)
-        match = _LISTENING.search(line)
-        if match:
-            workers.listening[int(match.group(1))] = match.group(2)
-        workers.changed.set()
-
-
-@asynccontextmanager
-async def haru_workers(count: int, tmp_path: Path, **extra: str) -> AsyncIterator[Workers]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("HARU_") and k not in ("DATABASE_URL", "PORT")
+def listening(log: list[str]) -> dict[int, str]:
+    """Worker pid -> the URL it listens on, as the set's log says so far."""
+    return {
+        int(match.group(1)): match.group(2)
+        for match in map(_LISTENING.search, log)
+        if match is not None
     }
-    env.update(
-        HARU_WORKERS=str(count),
-        PORT="0",
-        DATABASE_URL=f"sqlite:///{tmp_path / 'haru.db'}",
-        HARU_CREATE_DATABASE="1",  # a new store, created by the parent's migration
-        HARU_RECONCILE_INTERVAL_MS="1000",
-    )
-    env.update(extra)
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "haru_server",
-        "serve",
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    workers = Workers(process)
-    reader = asyncio.create_task(_drain(workers))
-    try:
-        async with asyncio.timeout(60):
-            while len(workers.listening) < count:
-                assert process.returncode is None, workers.log
-                workers.changed.clear()
-                await workers.changed.wait()
-        yield workers
-    finally:
-        if process.returncode is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(30):
-                    await process.wait()
-            except TimeoutError:
-                process.kill()
-                await process.wait()
-        await reader
+
+
+@pytest.fixture
+def haru_workers(haru_serve: HaruServe, tmp_path: Path) -> HaruWorkers:
+    """``async with haru_workers(count, **env) as workers``: once ``count`` workers listen."""
+
+    @asynccontextmanager
+    async def start(count: int, **extra: str) -> AsyncIterator[Any]:
+        env = {
+            "HARU_WORKERS": str(count),
+            "PORT": "0",
+            "DATABASE_URL": f"sqlite:///{tmp_path / 'haru.db'}",
+            "HARU_CREATE_DATABASE": "1",  # a new store, created by the parent's migration
+            "HARU_RECONCILE_INTERVAL_MS": "1000",
+            **extra,
+        }
+        async with haru_serve(env, listening=False) as workers:
+            await workers.until(
+                lambda lines: len(listening(lines)) >= count or None,
+                what=f"{count} workers listening",
+                timeout_s=60,
+            )
+            yield workers
+
+    return start
 
 
 def alive(pid: int) -> bool:
@@ -131,12 +103,12 @@ async def gone(pids: set[int]) -> bool:
     return True
 
 
-async def test_workers_share_one_port_and_stop_together(tmp_path: Path) -> None:
-    async with haru_workers(2, tmp_path) as workers:
-        pids = set(workers.listening)
+async def test_workers_share_one_port_and_stop_together(haru_workers: HaruWorkers) -> None:
+    async with haru_workers(2) as workers:
+        pids = set(listening(workers.lines))
         assert len(pids) == 2
         assert workers.process.pid not in pids
-        urls = set(workers.listening.values())
+        urls = set(listening(workers.lines).values())
         assert len(urls) == 1, urls  # PORT=0 resolved once, for both
         (url,) = urls
         # Each worker holds its own listening socket on the port; the parent holds none.
@@ -150,55 +122,47 @@ async def test_workers_share_one_port_and_stop_together(tmp_path: Path) -> None:
                 async with http.get(f"{url}/healthz", headers={"Connection": "close"}) as resp:
                     assert resp.status == 200
         workers.process.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(30):
-            code = await workers.process.wait()
+        code = await workers.exited(timeout_s=30)
     assert code == 0, workers.log
     assert await gone(pids)
     assert "2 workers on" in workers.log
     assert "Traceback" not in workers.log
 
 
-async def test_a_dead_worker_stops_the_others_and_fails_the_parent(tmp_path: Path) -> None:
-    async with haru_workers(2, tmp_path) as workers:
-        pids = set(workers.listening)
+async def test_a_dead_worker_stops_the_others_and_fails_the_parent(
+    haru_workers: HaruWorkers,
+) -> None:
+    async with haru_workers(2) as workers:
+        pids = set(listening(workers.lines))
         victim, survivor = sorted(pids)
         os.kill(victim, signal.SIGKILL)
-        async with asyncio.timeout(30):
-            code = await workers.process.wait()
+        code = await workers.exited(timeout_s=30)
     assert code == 1, workers.log
     assert await gone({survivor})
     assert f"(pid {victim}) exited with code -9; stopping the others" in workers.log
 
 
-async def test_workers_must_be_a_positive_number(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
-    env.update(
-        HARU_WORKERS="0",
-        PORT="0",
-        DATABASE_URL=f"sqlite:///{tmp_path / 'haru.db'}",
-        HARU_CREATE_DATABASE="1",  # only HARU_WORKERS is wrong
-    )
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "haru_server",
-        "serve",
-        env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    async with asyncio.timeout(30):
-        _, stderr = await process.communicate()
-    assert process.returncode == 2
-    assert b"HARU_WORKERS" in stderr
+async def test_workers_must_be_a_positive_number(haru_serve: HaruServe, tmp_path: Path) -> None:
+    env = {
+        "HARU_WORKERS": "0",
+        "PORT": "0",
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'haru.db'}",
+        "HARU_CREATE_DATABASE": "1",  # only HARU_WORKERS is wrong
+    }
+    async with haru_serve(env, listening=False) as server:
+        code = await server.exited()
+    assert code == 2, server.log
+    assert "HARU_WORKERS" in server.log
 
 
 # ---- one /metrics for every worker ---------------------------------------------------------
 
 
-async def seed_example(tmp_path: Path) -> None:
-    """The bundled example fleet in the workers' store, its supervisors never answering."""
+async def seed_example(tmp_path: Path, serving_port: int | None = None) -> None:
+    """The bundled example fleet in the workers' store, its supervisors never answering.
+
+    ``serving_port``: where every model's server is said to listen (else the example's ports).
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith("HARU_")}
     env["DATABASE_URL"] = f"sqlite:///{tmp_path / 'haru.db'}"
     printed = await asyncio.create_subprocess_exec(
@@ -212,7 +176,10 @@ async def seed_example(tmp_path: Path) -> None:
     )
     layout, _ = await printed.communicate()
     path = tmp_path / "layout.json"
-    path.write_bytes(re.sub(rb"127\.0\.0\.1:870\d", b"127.0.0.1:9", layout))
+    layout = re.sub(rb"127\.0\.0\.1:870\d", b"127.0.0.1:9", layout)
+    if serving_port is not None:
+        layout = re.sub(rb"127\.0\.0\.1:8\d\d\d", b"127.0.0.1:%d" % serving_port, layout)
+    path.write_bytes(layout)
     seeding = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -234,14 +201,17 @@ def metrics_folders(tmp_path: Path) -> list[Path]:
     return list(tmp_path.glob("haru-metrics-*"))
 
 
-async def scrape(http: aiohttp.ClientSession, url: str) -> Samples:
+async def scrape_families(http: aiohttp.ClientSession, url: str) -> list[Metric]:
     # A new connection: whichever worker the kernel picks answers for all of them.
     async with http.get(f"{url}/metrics", headers={"Connection": "close"}) as resp:
         assert resp.status == 200
-        text = await resp.text()
+        return list(text_string_to_metric_families(await resp.text()))
+
+
+async def scrape(http: aiohttp.ClientSession, url: str) -> Samples:
     return [
         (s.name, s.labels, s.value)
-        for family in text_string_to_metric_families(text)
+        for family in await scrape_families(http, url)
         for s in family.samples
     ]
 
@@ -262,12 +232,14 @@ async def list_models(http: aiohttp.ClientSession, url: str, count: int) -> None
             await resp.read()
 
 
-async def test_one_scrape_counts_the_requests_of_every_worker(tmp_path: Path) -> None:
+async def test_one_scrape_counts_the_requests_of_every_worker(
+    haru_workers: HaruWorkers, tmp_path: Path
+) -> None:
     await seed_example(tmp_path)
     # TMPDIR: where the parent creates the workers' metrics folder (fresh per start).
     options = {"TMPDIR": str(tmp_path)}
-    async with haru_workers(2, tmp_path, **options) as workers, aiohttp.ClientSession() as http:
-        (url,) = set(workers.listening.values())
+    async with haru_workers(2, **options) as workers, aiohttp.ClientSession() as http:
+        (url,) = set(listening(workers.lines).values())
         (folder,) = metrics_folders(tmp_path)
         await list_models(http, url, 40)
         # Each worker's reconcile loop ticks the fleet (its supervisors never answer).
@@ -284,7 +256,7 @@ async def test_one_scrape_counts_the_requests_of_every_worker(tmp_path: Path) ->
                 if m.name == "haru_proxy_requests"
                 for s in m.samples
             )
-            for pid in workers.listening
+            for pid in listening(workers.lines)
         }
         assert sum(own.values()) == 40, own
         assert all(own.values()), own
@@ -305,16 +277,83 @@ async def test_one_scrape_counts_the_requests_of_every_worker(tmp_path: Path) ->
         assert 0 <= lease[2] < 60
         (frozen,) = picked(samples, "haru_gc_frozen_objects")
         assert frozen[2] > 0
-        # prometheus_client's process and runtime collectors read one process: not exported.
-        assert not [s for s in samples if s[0].startswith(("process_", "python_"))]
+        # prometheus_client's runtime collectors read one process: not exported.
+        assert not [s for s in samples if s[0].startswith("python_")]
         workers.process.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(30):
-            assert await workers.process.wait() == 0, workers.log
+        assert await workers.exited(timeout_s=30) == 0, workers.log
     assert not metrics_folders(tmp_path)  # removed with the set
     # A new start counts from zero: nothing of the previous set is merged in.
-    async with haru_workers(2, tmp_path, **options) as workers, aiohttp.ClientSession() as http:
-        (url,) = set(workers.listening.values())
+    async with haru_workers(2, **options) as workers, aiohttp.ClientSession() as http:
+        (url,) = set(listening(workers.lines).values())
         assert answered(await scrape(http, url)) == 0
         await list_models(http, url, 3)
         assert answered(await scrape(http, url)) == 3
+    assert "Traceback" not in workers.log
+
+
+def own_process(pid: int) -> dict[str, float]:
+    """What prometheus_client's process collector reads of ``pid`` alone."""
+    reader = ProcessCollector(pid=lambda: pid, registry=None)
+    return {family.name: family.samples[0].value for family in reader.collect()}
+
+
+async def held_now(http: aiohttp.ClientSession, url: str) -> float:
+    (held,) = picked(await scrape(http, url), "haru_proxy_held_requests_in_flight")
+    return held[2]
+
+
+async def test_one_scrape_has_every_workers_process_and_held_requests(
+    haru_workers: HaruWorkers, tmp_path: Path
+) -> None:
+    # Every model's server "listens" on a port bound but never listening: it refuses.
+    with socket.socket() as refusing:
+        refusing.bind(("127.0.0.1", 0))
+        await seed_example(tmp_path, serving_port=refusing.getsockname()[1])
+        options = {"HARU_FAILOVER_HOLD_MS": "60000"}
+        async with (
+            haru_workers(2, **options) as workers,
+            aiohttp.ClientSession() as http,
+        ):
+            (url,) = set(listening(workers.lines).values())
+            alone = {pid: own_process(pid) for pid in listening(workers.lines)}
+            families = {f.name: f for f in await scrape_families(http, url)}
+            merged = {
+                n: f.samples[0].value for n, f in families.items() if n.startswith("process_")
+            }
+            # Memory, CPU and open files summed over both workers, the start the earliest.
+            rss = [own["process_resident_memory_bytes"] for own in alone.values()]
+            assert merged["process_resident_memory_bytes"] > max(rss)
+            assert merged["process_open_fds"] > max(o["process_open_fds"] for o in alone.values())
+            cpu = [own["process_cpu_seconds"] for own in alone.values()]
+            assert families["process_cpu_seconds"].type == "counter"
+            assert merged["process_cpu_seconds"] >= sum(cpu)
+            start = min(own["process_start_time_seconds"] for own in alone.values())
+            assert merged["process_start_time_seconds"] == start
+            assert "process_max_fds" not in merged  # a per-process limit: not merged
+            # A chat to the fleet's refusing active is held for a failover (autoFailover is
+            # on); whichever worker holds it, every scrape counts it.
+            chat = asyncio.create_task(
+                http.post(
+                    f"{url}/v1/chat/completions",
+                    json={
+                        "model": "example-chat-small",
+                        "messages": [{"role": "user", "content": "hi"}],
+                    },
+                    headers={"X-Haru-Fleet": "example"},
+                )
+            )
+            try:
+                async with asyncio.timeout(30):
+                    while await held_now(http, url) != 1:
+                        assert not chat.done(), chat.result()
+                        await asyncio.sleep(0.1)
+                assert [await held_now(http, url) for _ in range(4)] == [1] * 4
+            finally:
+                chat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await chat
+            # The client left: its worker lets the request go, and the scrapes see none.
+            async with asyncio.timeout(30):
+                while await held_now(http, url) != 0:
+                    await asyncio.sleep(0.1)
     assert "Traceback" not in workers.log

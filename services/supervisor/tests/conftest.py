@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient
 from haru_protocol import SupervisorConfig
 from haru_sim import VllmSim, VllmSimConfig
-from haru_supervisor import Settings, VllmTimeouts, create_app
+from haru_supervisor.api import Settings, VllmTimeouts, create_app
 from pydantic import SecretStr
 
 TOKEN = "sup-test-token-7f3a9c"

@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 from haru_protocol import SupervisorConfig, SupervisorStatus
 from haru_sim import VllmSim, read_trainer_checkpoint
-from haru_supervisor import Settings, VllmTimeouts, create_app
 from haru_supervisor._keys import actions_key, runs_key
 from haru_supervisor._settings import TOKEN_VAR
+from haru_supervisor.api import Settings, VllmTimeouts, create_app
 
 Command = Callable[..., tuple[str, ...]]
 
@@ -644,6 +644,39 @@ async def test_twenty_concurrent_sleep_and_wake_calls_run_one_at_a_time_and_join
     # One sleep, then one wake: never interleaved, never repeated.
     assert (sim.sleeps, sim.wakes) == (1, 1)
     assert sim.sleeping is False
+    assert (actions.callers, actions.actions) == (0, 0)
+
+
+async def test_a_training_stop_never_waits_behind_a_hung_sleep_of_its_gpu(
+    supervisor: Any,
+    sims: Any,
+    auth: dict[str, str],
+    sim_trainer: Command,
+    tmp_path: Path,
+    wait_for: Any,
+) -> None:
+    sim = await sims("m-a")
+    client = await supervisor(
+        {"slots": [_inference(1, sim), _training(1, sim_trainer(), tmp_path)]},
+        vllm_timeouts=VllmTimeouts(admin_s=60.0, read_s=2.0),  # the hang lasts until released
+    )
+    actions = client.app[actions_key]
+    assert (await client.post("/v1/vllm/sleep", json={}, headers=auth)).status == 200
+    assert (await client.post("/v1/training/start", json={}, headers=auth)).status == 200
+    await wait_for(lambda: read_trainer_checkpoint(tmp_path) is not None)
+    # A sleep of GPU 1 hangs inside vLLM (up to the admin bound) ...
+    await sim.set_faults(hang=True)
+    sleeping = asyncio.create_task(client.post("/v1/vllm/sleep", json={}, headers=auth))
+    await wait_for(lambda: actions.callers == 1)
+    # ... and the stop of GPU 1's trainer (a promotion's first step) does not queue behind it.
+    stop = await asyncio.wait_for(
+        client.post("/v1/training/stop", json={"graceMs": 5000}, headers=auth), 10
+    )
+    assert stop.status == 202
+    await asyncio.wait_for(client.app[runs_key].runs[0].wait_idle(), 10)
+    assert not sleeping.done()
+    await sim.set_faults(hang=False)
+    assert (await sleeping).status == 200
     assert (actions.callers, actions.actions) == (0, 0)
 
 

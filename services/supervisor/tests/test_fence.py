@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,10 @@ from uuid import UUID, uuid4
 import aiohttp
 import pytest
 from haru_protocol import FENCE_HEADER, FenceParseError, SupervisorFence, TrainingRunState
-from haru_sim import VllmSim
+from haru_sim import VllmSim, read_trainer_checkpoint
 from haru_supervisor._fence import FenceBook
-from haru_supervisor._keys import fences_key, runs_key
+from haru_supervisor._keys import actions_key, fences_key, runs_key
+from haru_supervisor.api import VllmTimeouts
 from haru_supervisor_client import (
     SupervisorClient,
     SupervisorRejectedError,
@@ -186,3 +188,51 @@ def test_fence_values_round_trip() -> None:
     assert SupervisorFence.parse(f" {FLEET.hex}:0 ") == SupervisorFence(FLEET, 0)
     with pytest.raises(FenceParseError):
         SupervisorFence(FLEET, -1)
+
+
+async def test_a_start_that_waited_behind_a_sleep_is_refused_after_a_newer_stop(
+    supervisor: Any,
+    model: VllmSim,
+    auth: dict[str, str],
+    sim_trainer: Any,
+    tmp_path: Path,
+    wait_for: Any,
+) -> None:
+    # GPU 0 holds the model and a trainer. An old step's start waits behind a hung sleep; a
+    # newer step's stop (its own lane) runs at once. The start, once it gets its turn, must
+    # not start what the newer step stopped.
+    models = [{"name": model.config.primary_model_name, "port": model.port}]
+    client = await supervisor(
+        {
+            "slots": [
+                {"kind": "inference", "gpuIndex": 0, "models": models},
+                {
+                    "kind": "training",
+                    "gpuIndex": 0,
+                    "command": list(sim_trainer()),
+                    "checkpointDir": str(tmp_path),
+                },
+            ]
+        },
+        vllm_timeouts=VllmTimeouts(admin_s=60.0, read_s=2.0),  # the hang lasts until released
+    )
+    actions = client.app[actions_key]
+    await model.set_faults(hang=True)
+    sleeping = asyncio.create_task(client.post("/v1/vllm/sleep", headers=_fenced(auth, 4)))
+    await wait_for(lambda: actions.callers == 1)
+    start = asyncio.create_task(client.post("/v1/training/start", headers=_fenced(auth, 4)))
+    await wait_for(lambda: actions.callers == 2)
+    stop = await asyncio.wait_for(client.post("/v1/training/stop", headers=_fenced(auth, 5)), 10)
+    assert stop.status == 202
+    assert not start.done()
+    await model.set_faults(hang=False)
+    assert (await sleeping).status == 200
+    message = await _refused(await start)
+    assert "training start refused: fence 4" in message
+    assert "older than 5" in message
+    [run] = client.app[runs_key].runs
+    assert run.state is TrainingRunState.IDLE
+    assert read_trainer_checkpoint(tmp_path) is None  # never spawned
+    # A start of the newer step runs.
+    assert (await client.post("/v1/training/start", headers=_fenced(auth, 5))).status == 200
+    await wait_for(lambda: read_trainer_checkpoint(tmp_path) is not None)

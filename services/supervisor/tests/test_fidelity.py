@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from haru_protocol import SupervisorConfig, SupervisorModel
 from haru_sim import VllmSim, VllmSimConfig
-from haru_supervisor import (
+from haru_supervisor.api import (
     SettingsError,
     VllmAdminClient,
     VllmTimeouts,

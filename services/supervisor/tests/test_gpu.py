@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from haru_exec import ExecResult, ExecSpawnError, ExecTimeoutError
 from haru_protocol import GpuMemory, GpuProcess
-from haru_supervisor import (
+from haru_supervisor.api import (
     NVIDIA_SMI_APPS_ARGS,
     NVIDIA_SMI_ARGS,
     NVIDIA_SMI_UUID_ARGS,

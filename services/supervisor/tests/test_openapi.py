@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from haru_protocol import SupervisorConfig
-from haru_supervisor import Settings, create_app
+from haru_supervisor.api import Settings, create_app
 from haru_supervisor.openapi import ROUTES, api_table, main
 from haru_web import openapi_document, render_openapi, undeclared_routes
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 from haru_protocol import SupervisorConfig
-from haru_supervisor import Settings, SettingsError, load_config, load_settings
 from haru_supervisor._users import check_run_as
+from haru_supervisor.api import Settings, SettingsError, load_config, load_settings
 from pydantic import SecretStr, ValidationError
 
 CONFIG: dict[str, Any] = {

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from haru_protocol import SupervisorTrainingSlot, TrainingRunState
 from haru_sim import read_trainer_checkpoint
-from haru_supervisor import (
+from haru_supervisor.api import (
     SettingsError,
     ShuttingDownError,
     TrainingRun,
@@ -128,7 +128,7 @@ async def test_the_whole_process_group_dies(
     assert pids is not None
     assert len(pids) == 2
     await wait_for(lambda: _pids_reported(run, pids))
-    await run.stop(3.0)  # room to observe the grandchild before its SIGKILL, even under load
+    await run.stop(10.0)  # room to observe the grandchild before its SIGKILL, even under load
     await wait_for(lambda: not alive(pids[0]))
     # The leader is gone but the grandchild holds the run in `stopping`.
     assert alive(pids[1])

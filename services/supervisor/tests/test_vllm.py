@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from haru_protocol import SupervisorModel
-from haru_supervisor import VllmAdminClient, VllmAdminError, VllmTimeouts, sum_metrics
+from haru_supervisor.api import VllmAdminClient, VllmAdminError, VllmTimeouts, sum_metrics
 
 FAST = VllmTimeouts(admin_s=2.0, read_s=1.0, drain_poll_s=0.02, drain_quiet_s=0.05)
 

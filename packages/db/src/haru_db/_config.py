@@ -16,9 +16,9 @@ same statement, so the provisioner tears it down as after ``haru domain down``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, NotRequired, TypedDict, Unpack
 from uuid import UUID, uuid4
 
 import sqlalchemy as sa
@@ -31,12 +31,11 @@ from haru_protocol import (
     SlotSpec,
     TrainingSlotState,
 )
-from sqlalchemy.dialects.postgresql import JSONB
 
-from haru_db._events import OperationEvent
+from haru_db._event_writes import RowEvents, write_with_events
 from haru_db._exec import Executor, aware
 from haru_db._layout import initial_inference_state
-from haru_db._tables import IN_FLIGHT_STATES, domains, events, fleets, operations, slots
+from haru_db._tables import IN_FLIGHT_STATES, domains, fleets, operations, slots
 
 _TEARDOWN_FROM = (
     DomainState.PROVISIONING.value,
@@ -95,68 +94,63 @@ def _present(domain_id: UUID) -> sa.ColumnElement[bool]:
     )
 
 
-def _documents(payloads: Sequence[EventPayload]) -> list[dict[str, Any]]:
-    return [OperationEvent.of(p).document() for p in payloads]
+class ConfigWrite(TypedDict):
+    """The keywords of every configuration write of a domain or a slot.
 
-
-async def _write_with_events(
-    ex: Executor,
-    stmt: sa.Update | sa.Insert,
-    *,
-    returned: sa.ColumnElement[Any],
-    payloads: Sequence[EventPayload],
-    fleet_id: UUID,
-    domain_id: UUID | None,
-    slot_id: UUID | None,
-    at: datetime,
-) -> list[Any]:
-    """Run ``stmt`` (RETURNING ``returned``) and append ``payloads`` only when it lands.
-
-    On SQLite ``stmt`` must set the row's ``pending_events`` (its trigger appends them); on
-    PostgreSQL they are inserted by a CTE over the written row, in the same statement.
+    ``fleet_id``: the row's fleet; ``revision``: the row's revision the plan read; ``at``: the
+    write's time; ``events``: appended by the same statement, only when it lands.
     """
-    if ex.dialect != "postgresql" or not payloads:
-        return [r["value"] for r in await ex.write(stmt.returning(returned.label("value")))]
-    changed = stmt.returning(returned.label("value")).cte("changed")
-    rows = [
-        sa.select(
-            sa.literal(document["type"], events.c.type.type).label("type"),
-            sa.cast(sa.literal(document["payload"], JSONB()), sa.JSON()).label("payload"),
-            sa.literal(index, sa.Integer()).label("ord"),
-        )
-        for index, document in enumerate(_documents(payloads))
-    ]
-    source = sa.union_all(*rows).subquery("new_events")
-    appended = (
-        sa.insert(events)
-        .from_select(
-            ["fleet_id", "domain_id", "slot_id", "type", "payload", "created_at"],
-            sa.select(
-                sa.literal(fleet_id, events.c.fleet_id.type),
-                sa.literal(domain_id, events.c.domain_id.type),
-                sa.literal(slot_id, events.c.slot_id.type),
-                source.c.type,
-                source.c.payload,
-                sa.literal(aware(at), events.c.created_at.type),
-            )
-            .where(sa.exists(sa.select(changed.c.value)))
-            .order_by(source.c.ord),
-        )
-        .returning(events.c.id)
-        .cte("appended")
-    )
-    stmt_all = sa.select(
-        changed.c.value,
-        sa.select(sa.func.count()).select_from(appended).scalar_subquery().label("events"),
-    )
-    return [r["value"] for r in await ex.write(stmt_all)]
+
+    fleet_id: UUID
+    revision: int
+    at: datetime
+    events: NotRequired[Sequence[EventPayload]]
 
 
-def _pending(ex: Executor, payloads: Sequence[EventPayload]) -> dict[str, Any]:
-    # SQLite's triggers (migration 0012) append these and clear the column.
-    if ex.dialect == "postgresql" or not payloads:
-        return {}
-    return {"pending_events": _documents(payloads)}
+class SlotWrite(ConfigWrite):
+    """The keywords of a slot's configuration write: those of :class:`ConfigWrite`, and more.
+
+    ``domain_id``: the slot's domain; ``moves_traffic``: the write also requires that the
+    domain is not the fleet's active one.
+    """
+
+    domain_id: UUID
+    moves_traffic: bool
+
+
+def _undriven(domain_id: UUID, *, moves_traffic: bool) -> list[sa.ColumnElement[bool]]:
+    # No in-flight operation drives the domain; a write that moves traffic also needs it
+    # not to be the fleet's active one.
+    guards = [_not_driven(domain_id)]
+    if moves_traffic:
+        guards.append(_not_active(domain_id))
+    return guards
+
+
+async def _revision_cas(
+    ex: Executor,
+    table: sa.Table,
+    guards: Sequence[sa.ColumnElement[bool]],
+    values: dict[str, Any],
+    about: RowEvents,
+) -> int | None:
+    """One guarded UPDATE of a ``table`` row that raises its revision; the new one, or None.
+
+    ``guards`` include the row's id and the revision the plan read; ``about``'s events are
+    appended by the same statement, only when it lands.
+    """
+    stmt = (
+        sa.update(table)
+        .where(*guards)
+        .values(
+            **values,
+            config_revision=table.c.config_revision + 1,
+            updated_at=aware(about.at),
+            **about.pending(ex),
+        )
+    )
+    found = await write_with_events(ex, stmt, table.c.config_revision, about)
+    return int(found[0]) if found else None
 
 
 async def update_fleet_config(
@@ -169,38 +163,78 @@ async def update_fleet_config(
     at: datetime,
     events: Sequence[EventPayload] = (),
 ) -> int | None:
-    stmt = (
-        sa.update(fleets)
-        .where(fleets.c.id == fleet_id, fleets.c.config_revision == revision)
-        .values(
-            display_name=display_name,
-            policy=policy,
-            config_revision=fleets.c.config_revision + 1,
-            updated_at=aware(at),
-            **_pending(ex, events),
-        )
-    )
-    found = await _write_with_events(
+    return await _revision_cas(
         ex,
-        stmt,
-        returned=fleets.c.config_revision,
-        payloads=events,
-        fleet_id=fleet_id,
-        domain_id=None,
-        slot_id=None,
-        at=at,
+        fleets,
+        [fleets.c.id == fleet_id, fleets.c.config_revision == revision],
+        {"display_name": display_name, "policy": policy},
+        RowEvents(events, at, fleet_id),
     )
-    return int(found[0]) if found else None
+
+
+async def replace_fleet_policy(
+    ex: Executor,
+    fleet_id: UUID,
+    *,
+    version: str,
+    patch: Mapping[str, Any],
+    at: datetime,
+    events: Sequence[EventPayload] = (),
+) -> bool:
+    # Lands only while the stored text is the one the caller read; the revision moves (a plan
+    # of `haru apply` made before this change is stale now), the route pointer does not.
+    found = await _revision_cas(
+        ex,
+        fleets,
+        [fleets.c.id == fleet_id, sa.cast(fleets.c.policy, sa.Text) == version],
+        {"policy": dict(patch)},
+        RowEvents(events, at, fleet_id),
+    )
+    return found is not None
 
 
 async def update_domain_config(
     ex: Executor,
     domain_id: UUID,
     *,
-    fleet_id: UUID,
-    revision: int,
     layout: DomainLayout,
     moves_traffic: bool,
+    **write: Unpack[ConfigWrite],
+) -> int | None:
+    values: dict[str, Any] = {"placement": layout.placement.model_dump(mode="json")}
+    if layout.provider is Provider.STATIC:
+        values.update(
+            supervisor_url=layout.supervisor_url, serving_base_url=layout.serving_base_url
+        )
+    else:
+        # Its URLs are the ones recorded for its machine: kept.
+        values["provisioning"] = layout.settings.model_dump(mode="json")
+    return await _domain_cas(ex, domain_id, values, moves_traffic=moves_traffic, **write)
+
+
+async def remove_domain(ex: Executor, domain_id: UUID, **write: Unpack[ConfigWrite]) -> int | None:
+    at = aware(write["at"])
+    # A provisioned domain goes `stopping` with its removal: the provisioner runs `sky down`.
+    stopping = sa.and_(
+        domains.c.provider != Provider.STATIC.value, domains.c.state.in_(_TEARDOWN_FROM)
+    )
+    values: dict[str, Any] = {
+        "removed_at": at,
+        "state": sa.case((stopping, DomainState.STOPPING.value), else_=domains.c.state),
+        "state_updated_at": sa.case((stopping, at), else_=domains.c.state_updated_at),
+    }
+    # A removal never leaves the fleet without its active domain.
+    return await _domain_cas(ex, domain_id, values, moves_traffic=True, **write)
+
+
+async def _domain_cas(
+    ex: Executor,
+    domain_id: UUID,
+    values: dict[str, Any],
+    *,
+    moves_traffic: bool,
+    fleet_id: UUID,
+    revision: int,
     at: datetime,
     events: Sequence[EventPayload] = (),
 ) -> int | None:
@@ -209,142 +243,34 @@ async def update_domain_config(
         domains.c.fleet_id == fleet_id,
         domains.c.config_revision == revision,
         domains.c.removed_at.is_(None),
-        _not_driven(domain_id),
+        *_undriven(domain_id, moves_traffic=moves_traffic),
     ]
-    if moves_traffic:
-        guards.append(_not_active(domain_id))
-    values: dict[str, Any] = {
-        "placement": layout.placement.model_dump(mode="json"),
-        "config_revision": domains.c.config_revision + 1,
-        "updated_at": aware(at),
-        **_pending(ex, events),
-    }
-    if layout.provider is Provider.STATIC:
-        values.update(
-            supervisor_url=layout.supervisor_url, serving_base_url=layout.serving_base_url
-        )
-    else:
-        # Its URLs are the ones recorded for its machine: kept.
-        values["provisioning"] = layout.settings.model_dump(mode="json")
-    found = await _write_with_events(
-        ex,
-        sa.update(domains).where(*guards).values(**values),
-        returned=domains.c.config_revision,
-        payloads=events,
-        fleet_id=fleet_id,
-        domain_id=domain_id,
-        slot_id=None,
-        at=at,
+    return await _revision_cas(
+        ex, domains, guards, values, RowEvents(events, at, fleet_id, domain_id)
     )
-    return int(found[0]) if found else None
-
-
-async def remove_domain(
-    ex: Executor,
-    domain_id: UUID,
-    *,
-    fleet_id: UUID,
-    revision: int,
-    at: datetime,
-    events: Sequence[EventPayload] = (),
-) -> int | None:
-    at = aware(at)
-    # A provisioned domain goes `stopping` with its removal: the provisioner runs `sky down`.
-    stopping = sa.and_(
-        domains.c.provider != Provider.STATIC.value, domains.c.state.in_(_TEARDOWN_FROM)
-    )
-    stmt = (
-        sa.update(domains)
-        .where(
-            domains.c.id == domain_id,
-            domains.c.fleet_id == fleet_id,
-            domains.c.config_revision == revision,
-            domains.c.removed_at.is_(None),
-            _not_driven(domain_id),
-            _not_active(domain_id),
-        )
-        .values(
-            removed_at=at,
-            state=sa.case((stopping, DomainState.STOPPING.value), else_=domains.c.state),
-            state_updated_at=sa.case((stopping, at), else_=domains.c.state_updated_at),
-            config_revision=domains.c.config_revision + 1,
-            updated_at=at,
-            **_pending(ex, events),
-        )
-    )
-    found = await _write_with_events(
-        ex,
-        stmt,
-        returned=domains.c.config_revision,
-        payloads=events,
-        fleet_id=fleet_id,
-        domain_id=domain_id,
-        slot_id=None,
-        at=at,
-    )
-    return int(found[0]) if found else None
 
 
 async def update_slot_spec(
-    ex: Executor,
-    slot_id: UUID,
-    *,
-    fleet_id: UUID,
-    domain_id: UUID,
-    revision: int,
-    spec: SlotSpec,
-    moves_traffic: bool,
-    at: datetime,
-    events: Sequence[EventPayload] = (),
+    ex: Executor, slot_id: UUID, *, spec: SlotSpec, **write: Unpack[SlotWrite]
 ) -> int | None:
-    return await _slot_cas(
-        ex,
-        slot_id,
-        fleet_id=fleet_id,
-        domain_id=domain_id,
-        revision=revision,
-        moves_traffic=moves_traffic,
-        values={"spec": spec.model_dump(mode="json")},
-        at=at,
-        events=events,
-    )
+    return await _slot_cas(ex, slot_id, {"spec": spec.model_dump(mode="json")}, **write)
 
 
-async def remove_slot(
-    ex: Executor,
-    slot_id: UUID,
-    *,
-    fleet_id: UUID,
-    domain_id: UUID,
-    revision: int,
-    moves_traffic: bool,
-    at: datetime,
-    events: Sequence[EventPayload] = (),
-) -> int | None:
-    return await _slot_cas(
-        ex,
-        slot_id,
-        fleet_id=fleet_id,
-        domain_id=domain_id,
-        revision=revision,
-        moves_traffic=moves_traffic,
-        values={"removed_at": aware(at)},
-        at=at,
-        events=events,
-    )
+async def remove_slot(ex: Executor, slot_id: UUID, **write: Unpack[SlotWrite]) -> int | None:
+    return await _slot_cas(ex, slot_id, {"removed_at": aware(write["at"])}, **write)
 
 
 async def _slot_cas(
     ex: Executor,
     slot_id: UUID,
+    values: dict[str, Any],
     *,
     fleet_id: UUID,
     domain_id: UUID,
     revision: int,
     moves_traffic: bool,
-    values: dict[str, Any],
     at: datetime,
-    events: Sequence[EventPayload],
+    events: Sequence[EventPayload] = (),
 ) -> int | None:
     guards = [
         slots.c.id == slot_id,
@@ -352,31 +278,10 @@ async def _slot_cas(
         slots.c.config_revision == revision,
         slots.c.removed_at.is_(None),
         _present(domain_id),
-        _not_driven(domain_id),
+        *_undriven(domain_id, moves_traffic=moves_traffic),
     ]
-    if moves_traffic:
-        guards.append(_not_active(domain_id))
-    stmt = (
-        sa.update(slots)
-        .where(*guards)
-        .values(
-            **values,
-            config_revision=slots.c.config_revision + 1,
-            updated_at=aware(at),
-            **_pending(ex, events),
-        )
-    )
-    found = await _write_with_events(
-        ex,
-        stmt,
-        returned=slots.c.config_revision,
-        payloads=events,
-        fleet_id=fleet_id,
-        domain_id=domain_id,
-        slot_id=slot_id,
-        at=at,
-    )
-    return int(found[0]) if found else None
+    about = RowEvents(events, at, fleet_id, domain_id, slot_id)
+    return await _revision_cas(ex, slots, guards, values, about)
 
 
 async def add_domain(
@@ -389,6 +294,7 @@ async def add_domain(
 ) -> UUID | None:
     at = aware(at)
     domain_id = uuid4()
+    about = RowEvents(events, at, fleet_id, domain_id)
     stmt = (
         ex.insert(domains)
         .values(
@@ -408,23 +314,14 @@ async def add_domain(
             state_updated_at=at,
             created_at=at,
             updated_at=at,
-            **_pending(ex, events),
+            **about.pending(ex),
         )
         .on_conflict_do_nothing(
             index_elements=[domains.c.fleet_id, domains.c.slug],
             index_where=domains.c.removed_at.is_(None),
         )
     )
-    found = await _write_with_events(
-        ex,
-        stmt,
-        returned=domains.c.id,
-        payloads=events,
-        fleet_id=fleet_id,
-        domain_id=domain_id,
-        slot_id=None,
-        at=at,
-    )
+    found = await write_with_events(ex, stmt, domains.c.id, about)
     if not found:
         return None
     for spec in layout.slots:
@@ -444,6 +341,7 @@ async def add_slot(
     """Insert a slot while the domain is not removed and no operation drives it."""
     at = aware(at)
     slot_id = uuid4()
+    about = RowEvents(events, at, fleet_id, domain_id, slot_id)
     state: Any = (
         initial_inference_state(fleet_id, domain_id, declared_active=False)
         if isinstance(spec, InferenceSlotSpec)
@@ -460,7 +358,7 @@ async def add_slot(
         "created_at": sa.literal(at, slots.c.created_at.type),
         "updated_at": sa.literal(at, slots.c.updated_at.type),
     }
-    pending = _pending(ex, events)
+    pending = about.pending(ex)
     if pending:
         values["pending_events"] = sa.literal(
             pending["pending_events"], slots.c.pending_events.type
@@ -476,14 +374,5 @@ async def add_slot(
             index_where=slots.c.removed_at.is_(None),
         )
     )
-    found = await _write_with_events(
-        ex,
-        stmt,
-        returned=slots.c.id,
-        payloads=events,
-        fleet_id=fleet_id,
-        domain_id=domain_id,
-        slot_id=slot_id,
-        at=at,
-    )
+    found = await write_with_events(ex, stmt, slots.c.id, about)
     return _uuid(found[0]) if found else None

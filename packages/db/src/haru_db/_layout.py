@@ -282,22 +282,3 @@ async def get_fleet_policy(ex: Executor, fleet_id: UUID) -> StoredPolicy | None:
     if not isinstance(patch, dict):
         raise MalformedFleetStateError(f"fleet {fleet_id}: stored policy is not a JSON object")
     return StoredPolicy(fleet_id=fleet_id, patch=patch, version=text)
-
-
-async def replace_fleet_policy(
-    ex: Executor, fleet_id: UUID, *, version: str, patch: Mapping[str, Any], at: datetime
-) -> bool:
-    # One guarded statement: it lands only while the stored text is the one the caller read.
-    # Neither the pointer nor the revision moves (no route notification fires).
-    stmt = (
-        sa.update(fleets)
-        .where(fleets.c.id == fleet_id, sa.cast(fleets.c.policy, sa.Text) == version)
-        .values(
-            policy=dict(patch),
-            # A plan of `haru apply` made before this change is stale now.
-            config_revision=fleets.c.config_revision + 1,
-            updated_at=aware(at),
-        )
-        .returning(fleets.c.id)
-    )
-    return bool(await ex.write(stmt))

@@ -69,6 +69,7 @@ SCHEMA_RELEASES: Final[Mapping[str, str]] = MappingProxyType(
         "0.1.0": "0007",
         "0.2.0": "0011",
         "0.3.0": "0012",
+        "0.4.0": "0013",
     }
 )
 """Each haru-db release that changed the schema (oldest first) and the revision it migrates to.

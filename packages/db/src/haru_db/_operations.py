@@ -28,6 +28,7 @@ from haru_protocol import (
     OperationKind,
     OperationState,
     OperationStep,
+    RoutingSwitched,
 )
 
 from haru_db import _postgres
@@ -317,9 +318,11 @@ async def fail_operation(
     at: datetime,
     expected_step: OperationStep | None,
     target_not_routed: bool,
+    events: Sequence[OperationEvent] = (),
 ) -> bool:
     PROMOTE_FAIL_CLEANUP.check()
     at = aware(at)
+    documents = [event.document() for event in events]
     conditions: list[sa.ColumnElement[bool]] = [
         operations.c.id == operation_id,
         operations.c.state.in_(IN_FLIGHT_STATES),
@@ -339,10 +342,12 @@ async def fail_operation(
         )
     )
     if ex.dialect == "sqlite":
-        # trg_operations_promote_failed_cleanup does the slots' half in this statement, and
-        # trg_operations_fence_cas the fence bump.
+        # trg_operations_promote_failed_cleanup does the slots' half in this statement,
+        # trg_operations_fence_cas the fence bump and trg_operations_pending_writes the events.
+        if documents:
+            fail = fail.values(pending_events=documents)
         return bool(await ex.write(fail.returning(operations.c.id)))
-    return bool(await ex.write(_postgres.fail_with_cleanup(fail, at=at)))
+    return bool(await ex.write(_postgres.fail_with_cleanup(fail, at=at, documents=documents)))
 
 
 async def switch_active(
@@ -355,6 +360,14 @@ async def switch_active(
     at: datetime,
 ) -> bool:
     at = aware(at)
+    # routing.switched rides the switch, with the revision the switch wrote.
+    switched = OperationEvent.of(
+        RoutingSwitched(
+            from_domain_id=expected_active_domain_id,
+            to_domain_id=target_domain_id,
+            route_revision=None,
+        )
+    ).document()
     if ex.dialect == "postgresql":
         stmt_pg, params = _postgres.switch_active(
             fleet_id=fleet_id,
@@ -362,6 +375,7 @@ async def switch_active(
             target_domain_id=target_domain_id,
             operation_id=operation_id,
             at=at,
+            event=switched,
         )
         return bool(await ex.write(stmt_pg, params))
     pointer_matches = (
@@ -379,6 +393,16 @@ async def switch_active(
         "route_revision": fleets.c.route_revision + 1,
         "last_switch_operation_id": operation_id,
         "updated_at": at,
+        # trg_fleets_config_events (migration 0013) appends it, about the operation and the
+        # target, with the row's new route_revision under revisionInto.
+        "pending_events": [
+            {
+                **switched,
+                "operationId": operation_id.hex,
+                "domainId": target_domain_id.hex,
+                "revisionInto": "routeRevision",
+            }
+        ],
     }
     # trg_fleets_switch_commits_routing marks the operation in this statement.
     stmt = (

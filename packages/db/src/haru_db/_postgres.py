@@ -20,10 +20,14 @@ from haru_db._cleanup import PROMOTE_FAIL_CLEANUP
 from haru_db._tables import UtcDateTime, events, fleets, operations, slots
 
 
-def fail_with_cleanup(fail: sa.Update, *, at: datetime) -> sa.Select[Any]:
+def fail_with_cleanup(
+    fail: sa.Update, *, at: datetime, documents: Sequence[Mapping[str, Any]] = ()
+) -> sa.Select[Any]:
     """``fail`` plus :data:`~haru_db._cleanup.PROMOTE_FAIL_CLEANUP` on a promote's target.
 
-    SQLite: ``trg_operations_promote_failed_cleanup``.
+    ``documents`` (``{"type", "payload"}``) are appended in order, about the operation, only
+    when it failed. SQLite: ``trg_operations_promote_failed_cleanup`` and
+    ``trg_operations_pending_writes``.
     """
     rule = PROMOTE_FAIL_CLEANUP
     failed = fail.returning(
@@ -70,12 +74,18 @@ def fail_with_cleanup(fail: sa.Update, *, at: datetime) -> sa.Select[Any]:
     bumped = bump_fence(failed)
     # Every data-modifying CTE must be referenced for SQLAlchemy to render it. The fence comes
     # first: the fleet's row is then locked before the slots', as in the operation CAS.
-    return sa.select(
+    columns: list[Any] = [
         failed.c.id,
         sa.select(bumped.c.fence).scalar_subquery().label("fence"),
         sa.select(sa.func.count()).select_from(inference).scalar_subquery().label("inference"),
         sa.select(sa.func.count()).select_from(training).scalar_subquery().label("training"),
-    )
+    ]
+    if documents:
+        appended = appended_over(failed, documents, sa.literal(at, UtcDateTime()))
+        columns.append(
+            sa.select(sa.func.count()).select_from(appended).scalar_subquery().label("events")
+        )
+    return sa.select(*columns)
 
 
 def bump_fence(changed: sa.CTE) -> sa.CTE:
@@ -110,39 +120,50 @@ def create_operation(insert: sa.Insert, documents: Sequence[Mapping[str, Any]]) 
         sa.select(bumped.c.fence).scalar_subquery().label("fence"),
     ]
     if documents:
-        rows = [
-            sa.select(
-                sa.literal(document["type"], events.c.type.type).label("type"),
-                sa.cast(sa.literal(document["payload"], JSONB()), sa.JSON()).label("payload"),
-                sa.literal(index, sa.Integer()).label("ord"),
-            )
-            for index, document in enumerate(documents)
-        ]
-        source = sa.union_all(*rows).subquery("new_events")
-        appended = (
-            sa.insert(events)
-            .from_select(
-                ["fleet_id", "domain_id", "operation_id", "type", "payload", "created_at"],
-                sa.select(
-                    inserted.c.fleet_id,
-                    inserted.c.target_domain_id,
-                    inserted.c.id,
-                    source.c.type,
-                    source.c.payload,
-                    inserted.c.created_at,
-                )
-                .select_from(inserted)
-                .join(source, sa.true())
-                .order_by(source.c.ord),
-            )
-            .returning(events.c.id)
-            .cte("appended")
-        )
+        appended = appended_over(inserted, documents, inserted.c.created_at)
         # Every data-modifying CTE must be referenced for SQLAlchemy to render it.
         columns.append(
             sa.select(sa.func.count()).select_from(appended).scalar_subquery().label("events")
         )
     return sa.select(*columns)
+
+
+def appended_over(
+    written: sa.CTE, documents: Sequence[Mapping[str, Any]], created_at: Any
+) -> sa.CTE:
+    """Append ``documents`` (in order) over the operation row ``written`` returned, if any.
+
+    Each event gets the row's fleet, target domain and id, and ``created_at``. ``written``
+    must return ``fleet_id``, ``target_domain_id`` and ``id``.
+    """
+    rows = [
+        sa.select(
+            sa.literal(document["type"], events.c.type.type).label("type"),
+            sa.cast(sa.literal(document["payload"], JSONB()), sa.JSON()).label("payload"),
+            sa.literal(index, sa.Integer()).label("ord"),
+        )
+        for index, document in enumerate(documents)
+    ]
+    source = sa.union_all(*rows).subquery("new_events")
+    return (
+        sa.insert(events)
+        .from_select(
+            ["fleet_id", "domain_id", "operation_id", "type", "payload", "created_at"],
+            sa.select(
+                written.c.fleet_id,
+                written.c.target_domain_id,
+                written.c.id,
+                source.c.type,
+                source.c.payload,
+                created_at,
+            )
+            .select_from(written)
+            .join(source, sa.true())
+            .order_by(source.c.ord),
+        )
+        .returning(events.c.id)
+        .cte("appended")
+    )
 
 
 def switch_active(
@@ -152,21 +173,28 @@ def switch_active(
     target_domain_id: UUID,
     operation_id: UUID,
     at: datetime,
+    event: Mapping[str, Any],
 ) -> tuple[sa.Select[Any], dict[str, Any]]:
-    """Move the pointer and mark the (locked) operation ``routing_committed``.
+    """Move the pointer, mark the (locked) operation ``routing_committed``, append ``event``.
+
+    ``event`` is the ``{"type", "payload"}`` document of the switch's ``routing.switched``:
+    appended only when the pointer moved, about the operation and the target, with the
+    revision the switch wrote as the payload's ``routeRevision``.
 
     The operation row is locked (``FOR UPDATE``) so that, under READ COMMITTED, a concurrent
     ``fail_operation(target_not_routed=True)`` either commits first (the switch re-checks
     ``state = 'running'`` and loses) or waits and re-checks ``routing_committed = false``.
     Built once per shape (whether a domain is expected active) and reused with new
-    parameters. SQLite: ``trg_fleets_switch_commits_routing``. Returns the statement and its
-    parameters.
+    parameters. SQLite: ``trg_fleets_switch_commits_routing`` and ``trg_fleets_config_events``.
+    Returns the statement and its parameters.
     """
     params: dict[str, Any] = {
         "p_fleet_id": fleet_id,
         "p_target": target_domain_id,
         "p_op_id": operation_id,
         "p_at": at,
+        "p_event_type": event["type"],
+        "p_event_payload": event["payload"],
     }
     if expected_active_domain_id is not None:
         params["p_expected"] = expected_active_domain_id
@@ -178,6 +206,7 @@ def _switch_active_statement(expect_none: bool) -> sa.Select[Any]:
     at = sa.bindparam("p_at", type_=UtcDateTime())
     fleet_id = sa.bindparam("p_fleet_id", type_=fleets.c.id.type)
     operation_id = sa.bindparam("p_op_id", type_=operations.c.id.type)
+    target = sa.bindparam("p_target", type_=fleets.c.active_domain_id.type)
     pointer_matches = (
         fleets.c.active_domain_id.is_(None)
         if expect_none
@@ -194,13 +223,32 @@ def _switch_active_statement(expect_none: bool) -> sa.Select[Any]:
         sa.update(fleets)
         .where(fleets.c.id == fleet_id, pointer_matches, sa.exists(sa.select(locked.c.id)))
         .values(
-            active_domain_id=sa.bindparam("p_target", type_=fleets.c.active_domain_id.type),
+            active_domain_id=target,
             route_revision=fleets.c.route_revision + 1,
             last_switch_operation_id=operation_id,
             updated_at=at,
         )
-        .returning(fleets.c.id)
+        .returning(fleets.c.id, fleets.c.route_revision)
         .cte("moved")
+    )
+    payload = sa.bindparam("p_event_payload", type_=JSONB()).op("||")(
+        sa.func.jsonb_build_object(sa.literal_column("'routeRevision'"), moved.c.route_revision)
+    )
+    appended = (
+        sa.insert(events)
+        .from_select(
+            ["fleet_id", "domain_id", "operation_id", "type", "payload", "created_at"],
+            sa.select(
+                moved.c.id,
+                target,
+                operation_id,
+                sa.bindparam("p_event_type", type_=events.c.type.type),
+                sa.cast(payload, sa.JSON()),
+                at,
+            ),
+        )
+        .returning(events.c.id)
+        .cte("appended")
     )
     marked = (
         sa.update(operations)
@@ -212,7 +260,11 @@ def _switch_active_statement(expect_none: bool) -> sa.Select[Any]:
         .returning(operations.c.id)
         .cte("marked")
     )
-    return sa.select(moved.c.id, sa.select(marked.c.id).scalar_subquery().label("op"))
+    return sa.select(
+        moved.c.id,
+        sa.select(marked.c.id).scalar_subquery().label("op"),
+        sa.select(appended.c.id).scalar_subquery().label("event"),
+    )
 
 
 CasKind = Literal["claim", "advance", "complete"]

@@ -1,14 +1,19 @@
-"""Provisioned domains: the launch claim and the recorded address (one guarded UPDATE each)."""
+"""Provisioned domains: the launch claim and the recorded address (one guarded UPDATE each).
+
+Each write can carry events about the launch: they ride its statement and land only with it
+(DESIGN 5.3).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from uuid import UUID
 
 import sqlalchemy as sa
-from haru_protocol import DomainState
+from haru_protocol import DomainState, EventPayload
 
+from haru_db._event_writes import about_row, write_domain
 from haru_db._exec import Executor, aware
 from haru_db._tables import domains
 
@@ -16,9 +21,16 @@ _PROVISIONING = DomainState.PROVISIONING.value
 
 
 async def claim_launch(
-    ex: Executor, domain_id: UUID, *, expected_attempt: int, at: datetime
+    ex: Executor,
+    domain_id: UUID,
+    *,
+    expected_attempt: int,
+    at: datetime,
+    events: Sequence[EventPayload] = (),
+    fleet_id: UUID | None = None,
 ) -> bool:
     at = aware(at)
+    about = about_row(events, at, fleet_id, domain_id)
     stmt = (
         sa.update(domains)
         .where(
@@ -35,13 +47,21 @@ async def claim_launch(
             model_urls=None,
             updated_at=at,
         )
-        .returning(domains.c.id)
     )
-    return bool(await ex.write(stmt))
+    return await write_domain(ex, stmt, about)
 
 
-async def mark_launched(ex: Executor, domain_id: UUID, *, attempt: int, at: datetime) -> bool:
+async def mark_launched(
+    ex: Executor,
+    domain_id: UUID,
+    *,
+    attempt: int,
+    at: datetime,
+    events: Sequence[EventPayload] = (),
+    fleet_id: UUID | None = None,
+) -> bool:
     at = aware(at)
+    about = about_row(events, at, fleet_id, domain_id)
     stmt = (
         sa.update(domains)
         .where(
@@ -50,9 +70,8 @@ async def mark_launched(ex: Executor, domain_id: UUID, *, attempt: int, at: date
             domains.c.launched_at.is_(None),
         )
         .values(launched_at=at, updated_at=at)
-        .returning(domains.c.id)
     )
-    return bool(await ex.write(stmt))
+    return await write_domain(ex, stmt, about)
 
 
 async def record_domain_address(
@@ -64,8 +83,11 @@ async def record_domain_address(
     serving_base_url: str,
     model_urls: Mapping[str, str],
     at: datetime,
+    events: Sequence[EventPayload] = (),
+    fleet_id: UUID | None = None,
 ) -> bool:
     at = aware(at)
+    about = about_row(events, at, fleet_id, domain_id)
     stmt = (
         sa.update(domains)
         .where(
@@ -79,6 +101,5 @@ async def record_domain_address(
             model_urls=dict(model_urls),
             updated_at=at,
         )
-        .returning(domains.c.id)
     )
-    return bool(await ex.write(stmt))
+    return await write_domain(ex, stmt, about)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Unpack
 from uuid import UUID
 
 from haru_protocol import (
@@ -18,6 +18,7 @@ from haru_db import (
     _config,
     _layout,
 )
+from haru_db._config import ConfigWrite, SlotWrite
 from haru_db._facade import Facade, bounded
 from haru_db._layout import LayoutApplyResult, StoredPolicy
 
@@ -55,17 +56,25 @@ class ConfigWrites(Facade):
 
     @bounded
     async def replace_fleet_policy(
-        self, fleet_id: UUID, *, version: str, patch: Mapping[str, Any], at: datetime
+        self,
+        fleet_id: UUID,
+        *,
+        version: str,
+        patch: Mapping[str, Any],
+        at: datetime,
+        events: Sequence[EventPayload] = (),
     ) -> bool:
         """Store ``patch`` as the fleet's policy patch, only while it is still at ``version``.
 
         One compare-and-swap statement on the fleet row, guarded by the stored document's
-        exact text (:attr:`StoredPolicy.version`). False when another writer changed the
-        policy first (read it again and retry) or the fleet is gone. ``patch`` is stored as
-        given: validate it (:class:`haru_protocol.PolicyPatch`) first. No event is appended.
+        exact text (:attr:`StoredPolicy.version`), that also appends ``events`` when it lands
+        (never without them). False when another writer changed the policy first (read it
+        again and retry) or the fleet is gone. ``patch`` is stored as given: validate it
+        (:class:`haru_protocol.PolicyPatch`) first. The configuration revision moves; the
+        route pointer does not.
         """
-        return await _layout.replace_fleet_policy(
-            self._ex, fleet_id, version=version, patch=patch, at=at
+        return await _config.replace_fleet_policy(
+            self._ex, fleet_id, version=version, patch=patch, at=at, events=events
         )
 
     # ---- configuration (haru apply) --------------------------------------------------------
@@ -114,115 +123,65 @@ class ConfigWrites(Facade):
         self,
         domain_id: UUID,
         *,
-        fleet_id: UUID,
-        revision: int,
         layout: DomainLayout,
         moves_traffic: bool,
-        at: datetime,
-        events: Sequence[EventPayload] = (),
+        **write: Unpack[ConfigWrite],
     ) -> int | None:
         """Set a domain's URLs, placement and provisioning settings from ``layout``.
 
-        Lands only while the domain's revision is ``revision``, it is not removed and no
-        in-flight operation drives it, and (``moves_traffic``) while it is not the fleet's
-        active domain. State columns are left alone.
+        ``write``: ``fleet_id``, ``revision``, ``at`` and ``events``
+        (:class:`~haru_db._config.ConfigWrite`). Lands only while the domain's revision is
+        ``revision``, it is not removed and no in-flight operation drives it, and
+        (``moves_traffic``) while it is not the fleet's active domain. State columns are left
+        alone.
 
         Returns:
             The new revision, or None when a guard failed.
         """
         return await _config.update_domain_config(
-            self._ex,
-            domain_id,
-            fleet_id=fleet_id,
-            revision=revision,
-            layout=layout,
-            moves_traffic=moves_traffic,
-            at=at,
-            events=events,
+            self._ex, domain_id, layout=layout, moves_traffic=moves_traffic, **write
         )
 
     @bounded
-    async def remove_domain(
-        self,
-        domain_id: UUID,
-        *,
-        fleet_id: UUID,
-        revision: int,
-        at: datetime,
-        events: Sequence[EventPayload] = (),
-    ) -> int | None:
+    async def remove_domain(self, domain_id: UUID, **write: Unpack[ConfigWrite]) -> int | None:
         """Remove a domain from its fleet (``removed_at``), with the guards of an update.
 
-        Also lands only while the domain is not the fleet's active one. A provisioned domain
-        in ``provisioning``, ``ready``, ``degraded`` or ``failed`` goes ``stopping`` in the same
-        statement (the provisioner then tears it down, :meth:`list_removed_teardowns`). The
-        row stays for its events and operations; reads of the fleet leave it out, and its slug
-        can be added again. No operation can be created for it afterwards.
+        ``write``: as for :meth:`update_domain_config`. Also lands only while the domain is not
+        the fleet's active one. A provisioned domain in ``provisioning``, ``ready``,
+        ``degraded`` or ``failed`` goes ``stopping`` in the same statement (the provisioner
+        then tears it down, :meth:`list_removed_teardowns`). The row stays for its events and
+        operations; reads of the fleet leave it out, and its slug can be added again. No
+        operation can be created for it afterwards.
 
         Returns:
             The new revision, or None when a guard failed.
         """
-        return await _config.remove_domain(
-            self._ex, domain_id, fleet_id=fleet_id, revision=revision, at=at, events=events
-        )
+        return await _config.remove_domain(self._ex, domain_id, **write)
 
     @bounded
     async def update_slot_spec(
-        self,
-        slot_id: UUID,
-        *,
-        fleet_id: UUID,
-        domain_id: UUID,
-        revision: int,
-        spec: SlotSpec,
-        moves_traffic: bool,
-        at: datetime,
-        events: Sequence[EventPayload] = (),
+        self, slot_id: UUID, *, spec: SlotSpec, **write: Unpack[SlotWrite]
     ) -> int | None:
         """Replace a slot's spec, with the guards of :meth:`update_domain_config`.
 
+        ``write``: those of :meth:`update_domain_config`, with ``domain_id`` and
+        ``moves_traffic`` (:class:`~haru_db._config.SlotWrite`).
+
         Returns:
             The new revision, or None when a guard failed.
         """
-        return await _config.update_slot_spec(
-            self._ex,
-            slot_id,
-            fleet_id=fleet_id,
-            domain_id=domain_id,
-            revision=revision,
-            spec=spec,
-            moves_traffic=moves_traffic,
-            at=at,
-            events=events,
-        )
+        return await _config.update_slot_spec(self._ex, slot_id, spec=spec, **write)
 
     @bounded
-    async def remove_slot(
-        self,
-        slot_id: UUID,
-        *,
-        fleet_id: UUID,
-        domain_id: UUID,
-        revision: int,
-        moves_traffic: bool,
-        at: datetime,
-        events: Sequence[EventPayload] = (),
-    ) -> int | None:
+    async def remove_slot(self, slot_id: UUID, **write: Unpack[SlotWrite]) -> int | None:
         """Remove a slot from its domain (``removed_at``), with the guards of an update.
+
+        ``write``: as for :meth:`update_slot_spec`.
 
         Returns:
             The new revision, or None when a guard failed.
         """
-        return await _config.remove_slot(
-            self._ex,
-            slot_id,
-            fleet_id=fleet_id,
-            domain_id=domain_id,
-            revision=revision,
-            moves_traffic=moves_traffic,
-            at=at,
-            events=events,
-        )
+        return await _config.remove_slot(self._ex, slot_id, **write)
 
     @bounded
     async def add_domain(

@@ -163,8 +163,12 @@ class OperationWrites(Facade):
         at: datetime,
         expected_step: OperationStep | None = None,
         target_not_routed: bool = False,
+        events: Sequence[OperationEvent] = (),
     ) -> bool:
         """Fail an in-flight operation; for a promote, clean up its target in the same statement.
+
+        ``events`` are appended by that statement too (about the operation and its target),
+        only when the fail lands.
 
         Guards: state pending or running; ``current_step == expected_step`` when given;
         ``routing_committed = false`` when ``target_not_routed``. For a promote the same
@@ -179,6 +183,7 @@ class OperationWrites(Facade):
             at=at,
             expected_step=expected_step,
             target_not_routed=target_not_routed,
+            events=events,
         )
 
     @bounded

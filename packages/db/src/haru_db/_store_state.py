@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 from uuid import UUID
 
 from haru_protocol import (
     DomainState,
+    EventPayload,
     SlotKind,
 )
 
@@ -31,14 +32,29 @@ class StateWrites(Facade):
         from_states: Collection[DomainState],
         to: DomainState,
         at: datetime,
+        events: Sequence[EventPayload] = (),
+        fleet_id: UUID | None = None,
+        operation_id: UUID | None = None,
     ) -> bool:
         """Move a domain to ``to`` if its state is one of ``from_states``.
 
+        ``events`` (about this change) are appended by the same statement, only when the
+        move lands, stored with ``fleet_id`` (the domain's fleet), the domain, ``at`` and
+        ``operation_id`` (the operation they are about, if any).
+
         Raises:
             haru_core.InvalidTransitionError: A (from, to) pair the domain table forbids.
+            ValueError: ``events`` without ``fleet_id``.
         """
         return await _transitions.transition_domain(
-            self._ex, domain_id, from_states=from_states, to=to, at=at
+            self._ex,
+            domain_id,
+            from_states=from_states,
+            to=to,
+            at=at,
+            events=events,
+            fleet_id=fleet_id,
+            operation_id=operation_id,
         )
 
     @bounded
@@ -50,15 +66,31 @@ class StateWrites(Facade):
         from_states: Collection[str],
         to: str,
         at: datetime,
+        events: Sequence[EventPayload] = (),
+        fleet_id: UUID | None = None,
+        domain_id: UUID | None = None,
     ) -> bool:
         """Move one slot of ``kind`` to ``to`` if its state is one of ``from_states``.
+
+        ``events`` (about this change) are appended by the same statement, only when the
+        move lands, stored with ``fleet_id`` and ``domain_id`` (the slot's fleet and
+        domain), the slot and ``at``.
 
         Raises:
             haru_core.InvalidTransitionError: A pair the kind's table forbids (a state of the
                 other kind included).
+            ValueError: ``events`` without ``fleet_id`` or ``domain_id``.
         """
         return await _transitions.transition_slot(
-            self._ex, slot_id, kind=kind, from_states=from_states, to=to, at=at
+            self._ex,
+            slot_id,
+            kind=kind,
+            from_states=from_states,
+            to=to,
+            at=at,
+            events=events,
+            fleet_id=fleet_id,
+            domain_id=domain_id,
         )
 
     @bounded
@@ -177,21 +209,57 @@ class StateWrites(Facade):
         return await _transitions.record_route_lease(self._ex, fleet_id, lease_ms)
 
     @bounded
-    async def claim_launch(self, domain_id: UUID, *, expected_attempt: int, at: datetime) -> bool:
+    async def claim_launch(
+        self,
+        domain_id: UUID,
+        *,
+        expected_attempt: int,
+        at: datetime,
+        events: Sequence[EventPayload] = (),
+        fleet_id: UUID | None = None,
+    ) -> bool:
         """Claim the next launch of a provisioned domain (``launch_attempt`` N to N + 1).
 
         Guarded on the domain being ``provisioning`` with ``launch_attempt == expected``: of
         racing processes exactly one wins, and a claim made before a crash is never made
         again for the same attempt. Clears the recorded addresses of the previous machine.
+        ``events`` (the provisioner's ``domain.launch.started``) are appended by the same
+        statement, only when the claim lands, stored with ``fleet_id`` (the domain's fleet;
+        a claim whose ``fleet_id`` is not the domain's does not land), the domain and ``at``.
+
+        Raises:
+            ValueError: ``events`` without ``fleet_id``.
         """
         return await _provisioning.claim_launch(
-            self._ex, domain_id, expected_attempt=expected_attempt, at=at
+            self._ex,
+            domain_id,
+            expected_attempt=expected_attempt,
+            at=at,
+            events=events,
+            fleet_id=fleet_id,
         )
 
     @bounded
-    async def mark_launched(self, domain_id: UUID, *, attempt: int, at: datetime) -> bool:
-        """Record that launch ``attempt`` returned successfully (once)."""
-        return await _provisioning.mark_launched(self._ex, domain_id, attempt=attempt, at=at)
+    async def mark_launched(
+        self,
+        domain_id: UUID,
+        *,
+        attempt: int,
+        at: datetime,
+        events: Sequence[EventPayload] = (),
+        fleet_id: UUID | None = None,
+    ) -> bool:
+        """Record that launch ``attempt`` returned successfully (once).
+
+        ``events`` (``domain.launch.succeeded``) ride the same statement as for
+        :meth:`claim_launch`.
+
+        Raises:
+            ValueError: ``events`` without ``fleet_id``.
+        """
+        return await _provisioning.mark_launched(
+            self._ex, domain_id, attempt=attempt, at=at, events=events, fleet_id=fleet_id
+        )
 
     @bounded
     async def record_domain_address(
@@ -203,12 +271,18 @@ class StateWrites(Facade):
         serving_base_url: str,
         model_urls: Mapping[str, str],
         at: datetime,
+        events: Sequence[EventPayload] = (),
+        fleet_id: UUID | None = None,
     ) -> bool:
         """Record the supervisor, serving base and per-model URLs of launch ``attempt``.
 
         One statement, guarded on the domain still provisioning that attempt. Snapshots fill
         each binding's ``servingUrl`` from ``model_urls``. ``supervisor_url`` is None for a
-        ``skyserve`` domain (its replicas run no supervisor).
+        ``skyserve`` domain (its replicas run no supervisor). ``events``
+        (``domain.address.recorded``) ride the same statement as for :meth:`claim_launch`.
+
+        Raises:
+            ValueError: ``events`` without ``fleet_id``.
         """
         return await _provisioning.record_domain_address(
             self._ex,
@@ -218,6 +292,8 @@ class StateWrites(Facade):
             serving_base_url=serving_base_url,
             model_urls=model_urls,
             at=at,
+            events=events,
+            fleet_id=fleet_id,
         )
 
     @bounded
@@ -228,6 +304,7 @@ class StateWrites(Facade):
         fleet_id: UUID,
         at: datetime,
         heartbeat_stale_ms: int,
+        events: Sequence[EventPayload] = (),
     ) -> bool:
         """Fail a degraded active domain, only while a failover could follow (one statement).
 
@@ -235,6 +312,7 @@ class StateWrites(Facade):
         targets it; the fleet has no in-flight operation; a viable standby exists (another
         domain of the fleet, ready, with a supervisor URL, seen at or after
         ``at - heartbeat_stale_ms``, with at least one inference slot and none failed).
+        ``events`` (why it failed) are appended by the same statement, only when it lands.
         """
         return await _transitions.escalate_domain_if_fleet_idle(
             self._ex,
@@ -242,4 +320,5 @@ class StateWrites(Facade):
             fleet_id=fleet_id,
             at=at,
             heartbeat_stale_ms=heartbeat_stale_ms,
+            events=events,
         )

@@ -304,6 +304,8 @@ operations = sa.Table(
         postgresql_where=sa.text(_in("state", IN_FLIGHT_STATES)),
         sqlite_where=sa.text(_in("state", IN_FLIGHT_STATES)),
     ),
+    # A fleet's recent operations (promotion backoff, pruning's ranking; migration 0013).
+    sa.Index(None, "fleet_id", "created_at"),
 )
 
 events = sa.Table(
@@ -319,6 +321,8 @@ events = sa.Table(
     sa.Column("payload", sa.JSON(), nullable=False),
     sa.Column("created_at", UtcDateTime(), nullable=False),
     sa.Index(None, "fleet_id", "id"),
+    # The foreign key's check when a pruned operation is deleted (migration 0013).
+    sa.Index(None, "operation_id"),
     sqlite_autoincrement=True,
 )
 

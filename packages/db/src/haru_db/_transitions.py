@@ -1,16 +1,21 @@
-"""State compare-and-swaps on domains and slots (one guarded UPDATE each)."""
+"""State compare-and-swaps on domains and slots (one guarded UPDATE each).
+
+A domain or slot transition, and the idle-fleet escalation, can carry events about the change:
+they ride the same statement and land only with it (DESIGN 5.3).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
 import sqlalchemy as sa
 from haru_core import assert_transition, machine_for
-from haru_protocol import DomainState, InferenceSlotState, SlotKind
+from haru_protocol import DomainState, EventPayload, InferenceSlotState, SlotKind
 
+from haru_db._event_writes import about_row, write_domain, write_guarded
 from haru_db._exec import Executor, aware, checked_froms
 from haru_db._tables import IN_FLIGHT_STATES, domains, fleets, operations, slots
 
@@ -22,18 +27,21 @@ async def transition_domain(
     from_states: Collection[DomainState],
     to: DomainState,
     at: datetime,
+    events: Sequence[EventPayload] = (),
+    fleet_id: UUID | None = None,
+    operation_id: UUID | None = None,
 ) -> bool:
     froms = checked_froms("domain", from_states, to)
     at = aware(at)
+    about = about_row(events, at, fleet_id, domain_id, operation_id=operation_id)
     if not froms:
         return False
     stmt = (
         sa.update(domains)
         .where(domains.c.id == domain_id, domains.c.state.in_(froms))
         .values(state=str(to), state_updated_at=at, updated_at=at)
-        .returning(domains.c.id)
     )
-    return bool(await ex.write(stmt))
+    return await write_domain(ex, stmt, about)
 
 
 async def transition_slot(
@@ -44,18 +52,31 @@ async def transition_slot(
     from_states: Collection[str],
     to: str,
     at: datetime,
+    events: Sequence[EventPayload] = (),
+    fleet_id: UUID | None = None,
+    domain_id: UUID | None = None,
 ) -> bool:
     froms = checked_froms(machine_for(kind), from_states, to)
     at = aware(at)
+    about = about_row(events, at, fleet_id, domain_id, slot_id)
     if not froms:
         return False
     stmt = (
         sa.update(slots)
         .where(slots.c.id == slot_id, slots.c.kind == str(kind), slots.c.state.in_(froms))
         .values(state=str(to), state_updated_at=at, updated_at=at)
-        .returning(slots.c.id)
     )
-    return bool(await ex.write(stmt))
+    if about is not None:
+        # As for a domain: the ids the events are stored with must be the row's.
+        stmt = stmt.where(
+            slots.c.domain_id == about.domain_id,
+            sa.exists(
+                sa.select(domains.c.id).where(
+                    domains.c.id == about.domain_id, domains.c.fleet_id == about.fleet_id
+                )
+            ),
+        )
+    return await write_guarded(ex, stmt, slots.c.id, about)
 
 
 async def transition_domain_slots(
@@ -136,11 +157,13 @@ async def escalate_domain_if_fleet_idle(
     fleet_id: UUID,
     at: datetime,
     heartbeat_stale_ms: int,
+    events: Sequence[EventPayload] = (),
 ) -> bool:
     assert_transition("domain", DomainState.DEGRADED.value, DomainState.FAILED.value)
     at = aware(at)
     if heartbeat_stale_ms < 0:
         raise ValueError("heartbeat_stale_ms must not be negative")
+    about = about_row(events, at, fleet_id, domain_id)
     fresh_since = at - timedelta(milliseconds=heartbeat_stale_ms)
     standby = domains.alias("standby")
     inference_slot = sa.and_(
@@ -182,9 +205,8 @@ async def escalate_domain_if_fleet_idle(
             viable_standby,
         )
         .values(state=DomainState.FAILED.value, state_updated_at=at, updated_at=at)
-        .returning(domains.c.id)
     )
-    return bool(await ex.write(stmt))
+    return await write_guarded(ex, stmt, domains.c.id, about)
 
 
 async def record_route_lease(ex: Executor, fleet_id: UUID, lease_ms: int) -> bool:

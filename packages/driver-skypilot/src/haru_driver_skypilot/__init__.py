@@ -43,6 +43,7 @@ from haru_driver_skypilot._errors import (
 )
 from haru_driver_skypilot._render import dump_yaml, render_task_yaml, task_config
 from haru_driver_skypilot._runner import (
+    SKY_ENV_DROPPED,
     SKY_ENV_NAMES,
     SKY_ENV_PREFIXES,
     SkyRunner,
@@ -115,6 +116,7 @@ __all__ = (  # noqa: RUF022
     "SkyTimeouts",
     "is_cold_server_failure",
     "sky_environment",
+    "SKY_ENV_DROPPED",
     "SKY_ENV_NAMES",
     "SKY_ENV_PREFIXES",
     "strip_ansi",

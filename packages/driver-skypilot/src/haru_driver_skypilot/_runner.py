@@ -101,6 +101,11 @@ SKY_ENV_PREFIXES = (
 )
 """Prefixes of the variables a ``sky`` call keeps: SkyPilot's own and clouds' credentials."""
 
+SKY_ENV_DROPPED = frozenset({"PROMETHEUS_MULTIPROC_DIR"})
+"""Variables a ``sky`` call never gets, even from an explicit environment: a ``HARU_WORKERS``
+worker's metrics folder (a child that made prometheus_client metrics would write them into
+the server's ``/metrics`` until the worker set stops)."""
+
 
 def sky_environment(source: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a ``sky`` call gets: what SkyPilot needs of ``source``, nothing else.
@@ -189,9 +194,10 @@ class SkyRunner:
         Args:
             executable: The ``sky`` binary: a name looked up on ``PATH`` or a path.
             execute: The exec function (inject a fake in tests).
-            env: The complete environment of the child, or ``None`` for
-                :func:`sky_environment` of this process's environment, read at each call
-                (never Haru's whole environment: an API server the call starts keeps it).
+            env: The complete environment of the child (less :data:`SKY_ENV_DROPPED`), or
+                ``None`` for :func:`sky_environment` of this process's environment, read at
+                each call (never Haru's whole environment: an API server the call starts
+                keeps it).
             cold_start_retries: How many times to retry a cold-server failure.
             retry_delay: Seconds to wait before such a retry.
             sleep: The sleep function used for that wait (inject to keep tests fast).
@@ -238,6 +244,8 @@ class SkyRunner:
         """
         argv = (self._executable, *args)
         env = sky_environment() if self._env is None else dict(self._env)
+        for name in SKY_ENV_DROPPED:
+            env.pop(name, None)
         if extra_env:
             env.update(extra_env)
         attempt = 0

@@ -148,19 +148,12 @@ from haru_protocol._fleet import (
     RouteTarget,
     SlotSnapshot,
 )
-from haru_protocol._layout import (
-    DomainLayout,
-    FleetLayout,
-    InferenceSlotSpec,
-    ModelBinding,
-    Placement,
+from haru_protocol._layout import DomainLayout, FleetLayout, Placement, Provisioning
+from haru_protocol._policy import (
     Policy,
     PolicyPatch,
     ProbePatch,
     ProbeSettings,
-    Provisioning,
-    SlotSpec,
-    TrainingSlotSpec,
     merge_policy_patch,
     policy_differences,
     resolve_policy,
@@ -173,6 +166,7 @@ from haru_protocol._resources import (
     load_example_layout,
     render_json_schemas,
 )
+from haru_protocol._slots import InferenceSlotSpec, ModelBinding, SlotSpec, TrainingSlotSpec
 from haru_protocol._supervisor import (
     FENCE_HEADER,
     MAX_FENCE,

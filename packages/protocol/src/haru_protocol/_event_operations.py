@@ -180,4 +180,4 @@ class RoutingSwitched(EventPayload):
     from_domain_id: UUID | None
     to_domain_id: UUID
     route_revision: StrictInt | None
-    """The revision read right after the switch (null: the fleet was gone)."""
+    """The revision the switch wrote (null only in events stored before release 0.4.0)."""

@@ -19,14 +19,9 @@ from haru_protocol._enums import (
     TrainingSlotState,
 )
 from haru_protocol._events import AnyEventPayload, parse_event_payload
-from haru_protocol._layout import (
-    InferenceSlotSpec,
-    Placement,
-    Policy,
-    Provisioning,
-    SlotSpec,
-    TrainingSlotSpec,
-)
+from haru_protocol._layout import Placement, Provisioning
+from haru_protocol._policy import Policy
+from haru_protocol._slots import InferenceSlotSpec, SlotSpec, TrainingSlotSpec
 
 RouteRevision = Annotated[StrictInt, Field(ge=1)]
 """Revision of a fleet's routing pointer; it grows by one on every move."""

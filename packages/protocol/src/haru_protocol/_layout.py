@@ -1,25 +1,20 @@
-"""Operator-authored documents: placement, slots, policy and the fleet layout (DESIGN 3.2-3.5)."""
+"""The fleet layout document: its domains, their placement and provisioning (DESIGN 3.2-3.4).
+
+A domain's slots are :mod:`haru_protocol._slots`; the fleet's policy is
+:mod:`haru_protocol._policy`.
+"""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated
 
-from pydantic import AfterValidator, Field, StrictFloat, StrictInt, model_validator
+from pydantic import AfterValidator, Field, StrictInt, model_validator
 
-from haru_protocol._base import (
-    DurationMs,
-    Flag,
-    GpuIndex,
-    HttpUrl,
-    ModelName,
-    NonEmptyStr,
-    Port,
-    Slug,
-    WireModel,
-)
+from haru_protocol._base import Flag, HttpUrl, NonEmptyStr, Port, Slug, WireModel
 from haru_protocol._enums import Cloud, Provider, SlotKind
+from haru_protocol._policy import PolicyPatch
+from haru_protocol._slots import InferenceSlotSpec, SlotSpec, TrainingSlotSpec, is_unset
 
 
 class Placement(WireModel):
@@ -40,15 +35,7 @@ class Placement(WireModel):
 DEFAULT_VLLM_VERSION = "0.33.0"
 """vLLM release a provisioned domain installs unless its layout pins another."""
 
-DEFAULT_GPU_MEMORY_BUDGET = 0.9
-"""Share of a GPU's memory the vLLM servers on it get together by default (vLLM's own
-default for one server); split evenly between the models of the GPU."""
-
-MAX_GPU_MEMORY_BUDGET = 0.95
-"""The most the explicit shares of one GPU's models may add up to."""
-
 _VERSION_RE = re.compile(r"[0-9]+(\.[0-9A-Za-z]+)*([.+-][0-9A-Za-z.]+)?")
-_ARG_RE = re.compile(r"[^\x00-\x1f\x7f]+")
 
 
 def _check_version(value: str) -> str:
@@ -57,273 +44,8 @@ def _check_version(value: str) -> str:
     return value
 
 
-def _check_arg(value: str) -> str:
-    if not value or _ARG_RE.fullmatch(value) is None:
-        raise ValueError(f"argument {value!r} must be non-empty without control characters")
-    return value
-
-
 ReleaseVersion = Annotated[str, AfterValidator(_check_version)]
 """A package release version (digits, dots, and a PEP 440 or local suffix)."""
-
-CliArg = Annotated[str, AfterValidator(_check_arg)]
-"""One command-line argument (passed as one argv item, never through a shell)."""
-
-
-def _is_unset(value: object) -> bool:
-    # Provisioning-only keys are left out of dumps when unset, so static documents (and the
-    # slot specs stored from them) keep their exact shape.
-    return value is None or value == ()
-
-
-class ModelBinding(WireModel):
-    """One model an inference slot serves, and where the proxy reaches it."""
-
-    name: ModelName
-    """Routing key (the ``model`` field of requests); equals vLLM's ``--served-model-name``."""
-    serving_url: HttpUrl | None = None
-    """Base URL of the vLLM server of this model (path prefix and query are kept). Required on
-    a ``static`` domain; on a provisioned domain Haru records it once the machine is up."""
-    source: NonEmptyStr | None = Field(default=None, exclude_if=_is_unset)
-    """Provisioned domains: what vLLM loads (a Hugging Face repo id or a path on the machine);
-    the model's name when omitted."""
-    gpu_memory_utilization: Annotated[StrictFloat, Field(gt=0, le=MAX_GPU_MEMORY_BUDGET)] | None = (
-        Field(default=None, exclude_if=_is_unset)
-    )
-    """Provisioned domains: this server's share of its GPU's memory (vLLM's
-    ``--gpu-memory-utilization``); by default the GPU's models split 0.9 evenly."""
-    extra_vllm_args: tuple[CliArg, ...] = Field(default=(), exclude_if=_is_unset)
-    """Provisioned domains: further ``vllm serve`` arguments, appended verbatim (Haru's own
-    flags: model, served name, host, port, sleep mode and memory share are set already)."""
-    api_key_env: NonEmptyStr | None = Field(default=None, exclude_if=_is_unset)
-    """Static domains: name of a variable of the Haru server's environment holding the serving
-    credential of ``servingUrl`` (vLLM's ``--api-key``); the proxy sends it as ``Authorization:
-    Bearer`` on every request it forwards there. Only the name is stored, never the value."""
-    api_key_file: NonEmptyStr | None = Field(default=None, exclude_if=_is_unset)
-    """Static domains: path of a file on the Haru server holding that credential (trimmed),
-    instead of ``apiKeyEnv``; read again whenever the fleet's routes are rebuilt."""
-
-    @property
-    def provisioning_keys(self) -> list[str]:
-        """The provisioning-only keys this binding sets (none are allowed on static domains)."""
-        keys = []
-        if self.source is not None:
-            keys.append("source")
-        if self.gpu_memory_utilization is not None:
-            keys.append("gpuMemoryUtilization")
-        if self.extra_vllm_args:
-            keys.append("extraVllmArgs")
-        return keys
-
-
-class InferenceSlotSpec(WireModel):
-    """A GPU hosting one vLLM server per model."""
-
-    kind: Literal[SlotKind.INFERENCE] = SlotKind.INFERENCE
-    gpu_index: GpuIndex
-    models: tuple[ModelBinding, ...] = Field(min_length=1)
-    sleep_level: Literal[1] = 1
-    """vLLM sleep level used on the standby (only level 1 is supported)."""
-
-    @model_validator(mode="after")
-    def _unique_models(self) -> InferenceSlotSpec:
-        names = [m.name for m in self.models]
-        if len(set(names)) != len(names):
-            raise ValueError(f"model names must be unique within a slot: {names!r}")
-        shares = [m.gpu_memory_utilization for m in self.models]
-        explicit = [s for s in shares if s is not None]
-        if explicit and len(explicit) != len(shares):
-            raise ValueError(
-                f"GPU {self.gpu_index}: give gpuMemoryUtilization for every model of the slot "
-                "or for none"
-            )
-        if sum(explicit) > MAX_GPU_MEMORY_BUDGET + 1e-9:
-            raise ValueError(
-                f"GPU {self.gpu_index}: gpuMemoryUtilization of its models adds up to "
-                f"{sum(explicit):g}, more than {MAX_GPU_MEMORY_BUDGET:g}"
-            )
-        return self
-
-    def memory_shares(self) -> dict[str, float]:
-        """Each model's share of the GPU: the explicit values, else 0.9 split evenly."""
-        even = int(DEFAULT_GPU_MEMORY_BUDGET / len(self.models) * 100) / 100
-        return {
-            m.name: m.gpu_memory_utilization if m.gpu_memory_utilization is not None else even
-            for m in self.models
-        }
-
-
-class TrainingSlotSpec(WireModel):
-    """A GPU that runs a preemptible training command while its domain is standby."""
-
-    kind: Literal[SlotKind.TRAINING] = SlotKind.TRAINING
-    gpu_index: GpuIndex
-    command: tuple[NonEmptyStr, ...] = Field(min_length=1)
-    """Argv of the trainer, run verbatim (no shell, nothing appended)."""
-    checkpoint_dir: NonEmptyStr
-    """Directory the trainer checkpoints into (given to it as ``HARU_CHECKPOINT_DIR``)."""
-
-
-SlotSpec = Annotated[InferenceSlotSpec | TrainingSlotSpec, Field(discriminator="kind")]
-"""A slot spec; ``kind`` selects the variant."""
-
-
-class ProbeSettings(WireModel):
-    """The synthetic inference probe run against every model after a wake."""
-
-    prompt: NonEmptyStr = "ping"
-    max_tokens: Annotated[StrictInt, Field(ge=1, le=4096)] = 4
-
-
-class Policy(WireModel):
-    """A fleet's resolved policy: the operator's patch over the current defaults (DESIGN 3.5)."""
-
-    auto_failover: Flag = False
-    """Promote a standby automatically when the active fails or goes stale."""
-    heartbeat_stale_ms: DurationMs = 30_000
-    """An active heartbeat older than this is stale."""
-    degraded_grace_ms: DurationMs = 60_000
-    """How long the active may stay degraded before escalating to failed."""
-    dead_confirm_ms: DurationMs = 1_000
-    """How long the active's vLLM servers must stay proven dead (connection refused on every
-    model the active serves, its supervisor answering) before the active fails without
-    waiting for ``degradedGraceMs``: a second heartbeat this long after the first must still
-    prove it."""
-    training_stop_grace_ms: DurationMs = 30_000
-    """SIGTERM to SIGKILL grace for training (a planned promotion: room for a checkpoint)."""
-    failover_training_stop_grace_ms: DurationMs = 5_000
-    """SIGTERM to SIGKILL grace for training when the promotion is an automatic failover:
-    while the active is down every second is failed traffic, so the trainer gets less time."""
-    stop_training_timeout_ms: DurationMs = 90_000
-    verify_gpu_timeout_ms: DurationMs = 30_000
-    wake_timeout_ms: DurationMs = 120_000
-    probe_timeout_ms: DurationMs = 60_000
-    switch_active_timeout_ms: DurationMs = 10_000
-    sleep_timeout_ms: DurationMs = 60_000
-    """Budget of demote_old_sleep and sleep_vllm."""
-    start_training_timeout_ms: DurationMs = 30_000
-    """Budget of demote_old_train and start_training."""
-    promotion_backoff_base_ms: DurationMs = 30_000
-    """Pause before an automatic promotion retries a target whose last promotion failed; it
-    doubles with every further consecutive failure of that target."""
-    promotion_backoff_max_ms: DurationMs = 900_000
-    """Upper bound of that pause."""
-    launch_timeout_ms: DurationMs = 1_800_000
-    """Provisioned domains: budget of ``sky launch`` / ``sky serve up`` (provisioning, setup)."""
-    cluster_up_timeout_ms: DurationMs = 1_800_000
-    """Provisioned domains: how long after its launch started a cluster may take to be UP (a
-    service to have a READY replica) before the domain fails."""
-    supervisor_ready_timeout_ms: DurationMs = 1_800_000
-    """Provisioned domains: how long after its address was recorded the domain may take to send
-    its first good heartbeat (vLLM install and model load happen in this window)."""
-    relaunch_max_attempts: Annotated[StrictInt, Field(ge=0, le=1000)] = 3
-    """Provisioned domains: automatic relaunches of a lost cluster before giving up (0: never);
-    the count restarts once the domain is ready again."""
-    relaunch_backoff_base_ms: DurationMs = 60_000
-    """Pause before the first relaunch of a lost cluster; it doubles with every further one."""
-    relaunch_backoff_max_ms: DurationMs = 900_000
-    """Upper bound of that pause."""
-    probe: ProbeSettings = ProbeSettings()
-
-
-class ProbePatch(WireModel):
-    """The probe keys an operator wrote."""
-
-    prompt: NonEmptyStr | None = None
-    max_tokens: Annotated[StrictInt, Field(ge=1, le=4096)] | None = None
-
-
-class PolicyPatch(WireModel):
-    """Only the policy keys an operator wrote; everything else follows the current defaults."""
-
-    auto_failover: Flag | None = None
-    heartbeat_stale_ms: DurationMs | None = None
-    degraded_grace_ms: DurationMs | None = None
-    dead_confirm_ms: DurationMs | None = None
-    training_stop_grace_ms: DurationMs | None = None
-    failover_training_stop_grace_ms: DurationMs | None = None
-    stop_training_timeout_ms: DurationMs | None = None
-    verify_gpu_timeout_ms: DurationMs | None = None
-    wake_timeout_ms: DurationMs | None = None
-    probe_timeout_ms: DurationMs | None = None
-    switch_active_timeout_ms: DurationMs | None = None
-    sleep_timeout_ms: DurationMs | None = None
-    start_training_timeout_ms: DurationMs | None = None
-    promotion_backoff_base_ms: DurationMs | None = None
-    promotion_backoff_max_ms: DurationMs | None = None
-    launch_timeout_ms: DurationMs | None = None
-    cluster_up_timeout_ms: DurationMs | None = None
-    supervisor_ready_timeout_ms: DurationMs | None = None
-    relaunch_max_attempts: Annotated[StrictInt, Field(ge=0, le=1000)] | None = None
-    relaunch_backoff_base_ms: DurationMs | None = None
-    relaunch_backoff_max_ms: DurationMs | None = None
-    probe: ProbePatch | None = None
-
-    def stored(self) -> dict[str, Any]:
-        """The JSON object to store: only the keys that carry a value (camelCase)."""
-        return self.model_dump(mode="json", exclude_none=True)
-
-    def resolve(self) -> Policy:
-        """Resolve this patch against the CURRENT defaults."""
-        return resolve_policy(self)
-
-
-def resolve_policy(patch: PolicyPatch | None) -> Policy:
-    """Resolve an operator's policy patch (or none) against the current defaults."""
-    if patch is None:
-        return Policy()
-    values = patch.model_dump(exclude_none=True, by_alias=False)
-    probe_values = values.pop("probe", None)
-    if probe_values is not None:
-        values["probe"] = ProbeSettings(**probe_values)
-    return Policy(**values)
-
-
-def merge_policy_patch(stored: Mapping[str, Any], update: WireModel) -> dict[str, Any]:
-    """``stored`` (an operator's policy values, camelCase) with ``update`` merged in.
-
-    JSON Merge Patch (RFC 7396) over the keys ``update`` was given: a value replaces the
-    operator's, null removes it (the key follows the current default again), an object
-    (``probe``) is merged key by key; keys ``update`` was not given are kept.
-    """
-    merged = dict(stored)
-    for name in update.model_fields_set:
-        field = type(update).model_fields[name]
-        key = field.alias or name
-        value = getattr(update, name)
-        if value is None:
-            merged.pop(key, None)
-        elif isinstance(value, WireModel):
-            inner = merged.get(key)
-            nested = merge_policy_patch(inner if isinstance(inner, Mapping) else {}, value)
-            if nested:
-                merged[key] = nested
-            else:
-                merged.pop(key, None)
-        else:
-            merged[key] = value
-    return merged
-
-
-def policy_differences(left: Policy, right: Policy) -> list[tuple[str, object, object]]:
-    """Each resolved key whose value differs, as ``(key, left value, right value)``.
-
-    Keys are camelCase (``probe.prompt`` for a probe key), in the model's order.
-    """
-    first = left.model_dump(mode="json")
-    second = right.model_dump(mode="json")
-    differences: list[tuple[str, object, object]] = []
-    for key, value in first.items():
-        other = second.get(key)
-        if isinstance(value, dict) and isinstance(other, dict):
-            differences.extend(
-                (f"{key}.{inner}", value[inner], other.get(inner))
-                for inner in value
-                if value[inner] != other.get(inner)
-            )
-        elif value != other:
-            differences.append((key, value, other))
-    return differences
 
 
 class Provisioning(WireModel):
@@ -367,7 +89,7 @@ class DomainLayout(WireModel):
     """Base URL of the domain's supervisor; without it Haru cannot drive the domain."""
     serving_base_url: HttpUrl | None = None
     """Public endpoint of the domain's inference servers (published in the route intent)."""
-    provisioning: Provisioning | None = Field(default=None, exclude_if=_is_unset)
+    provisioning: Provisioning | None = Field(default=None, exclude_if=is_unset)
     """Provisioned domains: installation and ports (defaults apply when omitted)."""
     slots: tuple[SlotSpec, ...] = Field(min_length=1)
 

@@ -14,24 +14,25 @@ Mirrors vLLM 0.33's engine-core semantics that Haru depends on (``vllm/v1/engine
   while paused wait (parked) until the engine is fully awake: the client just hangs.
 - The gauges are refreshed only by engine steps, so they freeze while nothing steps.
 - Sleeping while asleep and waking while awake are quick no-ops that still answer 200.
+
+How the engine waits on its own state (broadcasts, shutdown, detached admin calls) is
+:mod:`haru_sim._engine_waits`; ``/_sim/state`` renders it (:mod:`haru_sim._vllm_control`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter, deque
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Literal, Protocol
 
 from haru_sim._config import SLEEP_TAGS, Faults, SleepMode, VllmSimConfig
+from haru_sim._engine_waits import EngineWaits, ServerClosingError
 from haru_sim._errors import SimUnsupportedError
 
 logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,10 +61,6 @@ class ListenerControl(Protocol):
         """Open (True) or close (False) the listening socket on the same port."""
 
 
-class ServerClosingError(Exception):
-    """The server is shutting down; a request waiting inside it must drop its connection."""
-
-
 class SimulatedFaultError(Exception):
     """An injected fault makes this call fail (answered as HTTP 500)."""
 
@@ -83,7 +80,7 @@ PauseState = Literal["unpaused", "paused_new", "paused_all"]
 also freezes running ones (``keep``)."""
 
 
-class Engine:
+class Engine(EngineWaits):
     """State shared by every route of one emulated vLLM server.
 
     Models vLLM's engine core as three parts: the scheduler (pause state, a FIFO waiting queue,
@@ -93,12 +90,11 @@ class Engine:
     """
 
     def __init__(self, config: VllmSimConfig) -> None:
+        super().__init__()
         self.config = config
         self._faults = config.faults
         self._faults_lock = asyncio.Lock()
         self._loop_lock = asyncio.Lock()
-        self._changed = asyncio.Event()
-        self._closing = False
         self.listener: ListenerControl | None = None
         start_asleep = config.start_asleep
         self._pause: PauseState = (
@@ -112,7 +108,6 @@ class Engine:
         self._sleep_ops = 0
         self._gauge_running = 0
         self._gauge_waiting = 0
-        self._stepper: asyncio.Task[None] | None = None
         self.requests_served: Counter[str] = Counter()
         self.finished: Counter[str] = Counter()
         self.sleeps = 0
@@ -120,7 +115,6 @@ class Engine:
         self.arrived_while_sleeping = 0
         self.parked_total = 0
         self._recorded: deque[RecordedRequest] = deque(maxlen=config.request_log_size)
-        self._detached: set[asyncio.Task[Any]] = set()
 
     # -- state -------------------------------------------------------------------------------
 
@@ -187,10 +181,6 @@ class Engine:
         return self._loop_lock.locked()
 
     @property
-    def closing(self) -> bool:
-        return self._closing
-
-    @property
     def recorded_requests(self) -> tuple[RecordedRequest, ...]:
         return tuple(self._recorded)
 
@@ -200,80 +190,12 @@ class Engine:
     def clear_recorded(self) -> None:
         self._recorded.clear()
 
-    def _notify(self) -> None:
-        # Broadcast: wake every waiter, which re-checks its own condition.
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def _wait_until(
-        self, condition: Callable[[], bool], timeout: float | None = None
-    ) -> bool:
-        """Wait until ``condition()`` holds (True) or ``timeout`` seconds pass (False).
-
-        Raises:
-            ServerClosingError: The server started shutting down.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            if self._closing:
-                raise ServerClosingError
-            if condition():
-                return True
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                return False
-            changed = self._changed
-            try:
-                async with asyncio.timeout(remaining):
-                    await changed.wait()
-            except TimeoutError:
-                pass
-
-    async def delay(self, seconds: float) -> None:
-        """Sleep ``seconds`` unless the server shuts down first (then raise)."""
-        if seconds > 0:
-            await self._wait_until(lambda: False, seconds)
-        elif self._closing:
-            raise ServerClosingError
-
-    def close(self) -> None:
-        """Release every waiting request: the server is shutting down."""
-        self._closing = True
-        if self._stepper is not None:
-            self._stepper.cancel()
-        self._notify()
-
-    async def run_detached(self, operation: Coroutine[Any, Any, _T]) -> _T:
-        """Run ``operation`` to its end even if the caller is cancelled.
-
-        A vLLM sleep or wake goes on when its HTTP client disconnects; the server cancels a
-        handler whose client went away (which is what aborts generations), so admin calls
-        run in a task the engine holds and awaits at shutdown.
-        """
-        task = asyncio.create_task(operation)
-        self._detached.add(task)
-        task.add_done_callback(self._detached_done)
-        return await asyncio.shield(task)
-
-    def _detached_done(self, task: asyncio.Task[Any]) -> None:
-        self._detached.discard(task)
-        # Retrieve the outcome so an operation whose caller left does not warn at exit.
-        if not task.cancelled() and task.exception() is not None:
-            logger.info("detached admin operation ended with %r", task.exception())
-
-    async def wait_detached(self) -> None:
-        """Wait for detached admin operations (they end quickly once :meth:`close` ran)."""
-        tasks = [*self._detached, *([self._stepper] if self._stepper is not None else [])]
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     # -- engine steps (gauges) -----------------------------------------------------------------
 
     def start_stepping(self) -> None:
         """Start the engine-step clock that refreshes the gauges (idempotent; needs a loop)."""
-        if self._stepper is None and not self._closing:
-            self._stepper = asyncio.create_task(self._step_loop())
+        if self._background is None and not self._closing:
+            self._background = asyncio.create_task(self._step_loop())
 
     def _held(self) -> bool:
         """The scheduler admits nothing: paused, or (vLLM >= 0.17) the executor sleeps."""
@@ -530,44 +452,3 @@ class Engine:
         if generation in self._running:
             self._running.discard(generation)
             self._notify()
-
-    # -- introspection -------------------------------------------------------------------------
-
-    def state_json(self) -> dict[str, object]:
-        """``GET /_sim/state``."""
-        counters: Mapping[str, object] = {
-            "requests": dict(sorted(self.requests_served.items())),
-            "finished": dict(sorted(self.finished.items())),
-            "sleeps": self.sleeps,
-            "wakes": self.wakes,
-            "arrived_while_sleeping": self.arrived_while_sleeping,
-            "parked": self.parked_total,
-        }
-        return {
-            "served_model_names": list(self.config.served_model_names),
-            "vllm_version": self.config.vllm_version,
-            "dev_mode": self.config.dev_mode,
-            "sleeping": self.is_sleeping,
-            "sleep_level": self.sleep_level,
-            "sleeping_tags": sorted(self._sleeping_tags),
-            "pause_state": self._pause,
-            "sleep_in_progress": self.sleep_in_progress,
-            "engine_busy": self.loop_busy,
-            "max_num_seqs": self.config.max_num_seqs,
-            "num_requests_tokenizing": self.num_tokenizing,
-            "num_requests_running": self.num_running,
-            "num_requests_waiting": self.num_waiting,
-            "num_requests_parked": self.num_parked,
-            "gauges": (
-                {
-                    "num_requests_running": self._gauge_running,
-                    "num_requests_waiting": self._gauge_waiting,
-                }
-                if self.config.log_stats
-                else None
-            ),
-            "faults": self._faults.to_json(),
-            "counters": counters,
-            "recorded_requests": len(self._recorded),
-            "time": time.time(),
-        }

@@ -14,6 +14,7 @@ from haru_sim._config import Faults, FaultUpdate, SleepMode, VllmSimConfig
 from haru_sim._engine import Engine, RecordedRequest
 from haru_sim._errors import SimStateError
 from haru_sim._vllm import build_app
+from haru_sim._vllm_control import engine_state
 
 logger = logging.getLogger(__name__)
 
@@ -294,4 +295,4 @@ class VllmSim:
 
     def state(self) -> dict[str, object]:
         """The same JSON object ``GET /_sim/state`` answers."""
-        return self._engine.state_json()
+        return engine_state(self._engine)

@@ -13,7 +13,8 @@ from typing import Final
 
 from aiohttp import web
 
-from haru_sim._engine import Engine, ServerClosingError
+from haru_sim._engine import Engine
+from haru_sim._engine_waits import ServerClosingError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

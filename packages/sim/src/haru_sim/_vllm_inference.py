@@ -17,6 +17,7 @@ from typing import Final
 
 from aiohttp import web
 
+from haru_sim._engine import Engine
 from haru_sim._vllm_http import ENGINE_KEY, bad_request, internal_error, new_id
 from haru_sim._vllm_parse import (
     FALLBACK_WORDS,
@@ -42,14 +43,24 @@ EMBEDDINGS_PATH: Final = "/v1/embeddings"
 _COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16  # OpenAI's and vLLM's default for /v1/completions
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
+async def _accepted(request: web.Request) -> tuple[Engine, dict[str, object]]:
+    """The engine and the request's parsed body, once recorded and accepted.
+
+    Refused as vLLM would: the 500 fault, a body that is not a JSON object, a model this
+    server does not serve.
+    """
     engine = request.app[ENGINE_KEY]
-    config = engine.config
     body = await read_recorded(request, engine)
     if engine.faults.error_500:
         raise internal_error("simulated internal server error")
     payload = parse_object(body)
-    check_model(payload, config)
+    check_model(payload, engine.config)
+    return engine, payload
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    engine, payload = await _accepted(request)
+    config = engine.config
     words, prompt_tokens = chat_prompt(payload)
     limit = max_tokens(payload, ("max_completion_tokens", "max_tokens"), None)
     stream = optional_bool(payload, "stream")
@@ -135,13 +146,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE_KEY]
+    engine, payload = await _accepted(request)
     config = engine.config
-    body = await read_recorded(request, engine)
-    if engine.faults.error_500:
-        raise internal_error("simulated internal server error")
-    payload = parse_object(body)
-    check_model(payload, config)
     prompts = prompt_texts(payload, "prompt")
     limit = max_tokens(payload, ("max_tokens",), _COMPLETIONS_DEFAULT_MAX_TOKENS)
     stream = optional_bool(payload, "stream")
@@ -219,13 +225,8 @@ def embedding_vector(text: str, dimensions: int) -> list[float]:
 
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE_KEY]
+    engine, payload = await _accepted(request)
     config = engine.config
-    body = await read_recorded(request, engine)
-    if engine.faults.error_500:
-        raise internal_error("simulated internal server error")
-    payload = parse_object(body)
-    check_model(payload, config)
     inputs = prompt_texts(payload, "input")
     encoding = payload.get("encoding_format", "float")
     if encoding not in ("float", "base64"):

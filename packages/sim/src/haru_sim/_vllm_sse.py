@@ -14,7 +14,8 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from haru_sim._engine import Engine, Generation, ServerClosingError
+from haru_sim._engine import Engine, Generation
+from haru_sim._engine_waits import ServerClosingError
 from haru_sim._vllm_http import drop_connection
 
 logger = logging.getLogger(__name__)

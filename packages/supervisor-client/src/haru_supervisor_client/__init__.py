@@ -5,18 +5,19 @@ them with it, and so can a custom orchestrator built on haru-core, without insta
 supervisor itself. Every failure is one typed :class:`SupervisorCallError`.
 """
 
-from haru_supervisor_client._client import (
+from haru_supervisor_client._bounds import (
     HEARTBEAT_TIMEOUT_S,
     MAX_RESPONSE_BYTES,
     MIN_CALL_TIMEOUT_S,
     PROBE_REPLY_MARGIN_S,
+    probe_timeout_ms,
+)
+from haru_supervisor_client._client import SupervisorClient
+from haru_supervisor_client._errors import (
     ConnectFailure,
-    IssuedTrust,
     SupervisorBadResponseError,
     SupervisorCallError,
-    SupervisorClient,
     SupervisorConnectError,
-    SupervisorLinks,
     SupervisorPlaintextError,
     SupervisorRejectedError,
     SupervisorStaleFenceError,
@@ -24,11 +25,14 @@ from haru_supervisor_client._client import (
     SupervisorTlsError,
     SupervisorUnauthorizedError,
     SupervisorUnreachableError,
-    client_ssl_context,
     connect_failure,
+)
+from haru_supervisor_client._trust import (
+    IssuedTrust,
+    SupervisorLinks,
+    client_ssl_context,
     is_loopback_url,
     pin_key,
-    probe_timeout_ms,
 )
 
 __all__ = (

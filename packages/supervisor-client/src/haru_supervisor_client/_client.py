@@ -6,26 +6,8 @@ module needs only haru-protocol, aiohttp and pydantic, never the supervisor's ow
 
 Every call has an explicit time bound (the caller passes what remains of its budget), presents
 the bearer token, never follows a redirect (the token must not travel to another host) and maps
-every failure onto one typed :class:`SupervisorCallError`: a malformed answer is a supervisor
-failure like any other, never an unexpected exception.
-
-Hierarchy::
-
-    SupervisorCallError              one call to a supervisor failed (.url)
-    ├── SupervisorUnauthorizedError  401/403: the token is missing or wrong (.status)
-    ├── SupervisorUnreachableError   connect failure, reset, refused, unusable URL
-    │   ├── SupervisorConnectError   the TCP connect was refused or had no route (.reason):
-    │   │                            nothing listens there, or the host is gone
-    │   ├── SupervisorTlsError       the supervisor's certificate failed verification (expired,
-    │   │                            another CA, another name, not the pinned one) or the
-    │   │                            handshake failed
-    │   └── SupervisorPlaintextError plain http:// to another host, not allowed
-    ├── SupervisorTimeoutError       no complete answer within the call's bound
-    ├── SupervisorRejectedError      another non-2xx answer, e.g. 502 from a failed sleep
-    │   │                            (.status, .code)
-    │   └── SupervisorStaleFenceError  409 stale_fence: the call's fencing token is older than
-    │                                one the supervisor has seen (the caller lost its step)
-    └── SupervisorBadResponseError   2xx, but not the documented body
+every failure onto one typed :class:`SupervisorCallError` (:mod:`haru_supervisor_client._errors`):
+a malformed answer is a supervisor failure like any other, never an unexpected exception.
 
 The state-changing calls (sleep, wake, training start and stop) take the fencing token of the
 operation step they are made for (:class:`~haru_protocol.SupervisorFence`, sent as
@@ -35,24 +17,15 @@ operation step they are made for (:class:`~haru_protocol.SupervisorFence`, sent 
 from __future__ import annotations
 
 import asyncio
-import errno
-import functools
-import ipaddress
-import json
-import logging
 import ssl
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
-from types import MappingProxyType
-from typing import Literal, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
 from haru_protocol import (
     FENCE_HEADER,
     REQUEST_ID_HEADER,
-    ErrorCode,
     GpuMemoryResponse,
     OkResponse,
     PeerModel,
@@ -70,276 +43,19 @@ from haru_protocol import (
 )
 from pydantic import ValidationError
 
-__all__ = (
-    "HEARTBEAT_TIMEOUT_S",
-    "MAX_RESPONSE_BYTES",
-    "MIN_CALL_TIMEOUT_S",
-    "PROBE_REPLY_MARGIN_S",
-    "ConnectFailure",
-    "IssuedTrust",
-    "SupervisorBadResponseError",
-    "SupervisorCallError",
-    "SupervisorClient",
-    "SupervisorConnectError",
-    "SupervisorLinks",
-    "SupervisorPlaintextError",
-    "SupervisorRejectedError",
-    "SupervisorStaleFenceError",
-    "SupervisorTimeoutError",
-    "SupervisorTlsError",
-    "SupervisorUnauthorizedError",
-    "SupervisorUnreachableError",
-    "client_ssl_context",
-    "connect_failure",
-    "is_loopback_url",
-    "pin_key",
-    "probe_timeout_ms",
+from haru_supervisor_client._bounds import MIN_CALL_TIMEOUT_S, probe_timeout_ms, read_bounded
+from haru_supervisor_client._errors import (
+    SupervisorBadResponseError,
+    SupervisorPlaintextError,
+    SupervisorTimeoutError,
+    SupervisorUnreachableError,
+    first_error,
+    link_failure,
+    status_failure,
 )
-
-
-class SupervisorCallError(Exception):
-    """One call to a supervisor failed.
-
-    Attributes:
-        url: The URL that was called (never carries a credential).
-    """
-
-    def __init__(self, message: str, *, url: str) -> None:
-        super().__init__(message)
-        self.url = url
-
-
-class SupervisorUnauthorizedError(SupervisorCallError):
-    """The supervisor answered 401 or 403: the caller's token is missing or wrong."""
-
-    def __init__(self, message: str, *, url: str, status: int) -> None:
-        super().__init__(message, url=url)
-        self.status = status
-
-
-class SupervisorUnreachableError(SupervisorCallError):
-    """The supervisor could not be reached (refused, reset, DNS, TLS, unusable URL)."""
-
-
-ConnectFailure = Literal["refused", "no_route"]
-"""Why a TCP connect failed in a way only a missing listener or host explains."""
-
-_NO_ROUTE_ERRNOS = frozenset({errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN})
-
-
-def connect_failure(exc: BaseException) -> ConnectFailure | None:
-    """``refused`` or ``no_route`` when ``exc`` is that kind of failed TCP connect, else None.
-
-    Refused: the host answered the connect with a reset (``ECONNREFUSED``). No route: the
-    kernel or a router said the host or its network cannot be reached (``EHOSTUNREACH``,
-    ``ENETUNREACH``, ``EHOSTDOWN``). A timeout, a name that does not resolve, a TLS failure
-    or a reset after connecting is none of these: the host may be there.
-    """
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        code = exc.os_error.errno
-    elif isinstance(exc, OSError) and not isinstance(exc, TimeoutError):
-        code = exc.errno
-    else:
-        return None
-    if code == errno.ECONNREFUSED:
-        return "refused"
-    if code in _NO_ROUTE_ERRNOS:
-        return "no_route"
-    return None
-
-
-class SupervisorConnectError(SupervisorUnreachableError):
-    """The TCP connect to the supervisor was refused or had no route (nothing was sent).
-
-    Attributes:
-        reason: ``refused`` or ``no_route`` (:func:`connect_failure`).
-    """
-
-    def __init__(self, message: str, *, url: str, reason: ConnectFailure) -> None:
-        super().__init__(message, url=url)
-        self.reason: ConnectFailure = reason
-
-
-class SupervisorTlsError(SupervisorUnreachableError):
-    """TLS with the supervisor failed; never retried in clear text.
-
-    Its certificate is expired, from another CA, for another name or not the pinned one, or
-    the handshake was refused (e.g. no client certificate).
-    """
-
-
-class SupervisorPlaintextError(SupervisorUnreachableError):
-    """Plain ``http://`` to another host, which :class:`SupervisorLinks` does not allow.
-
-    The token would cross the network in clear text; nothing was sent.
-    """
-
-
-class SupervisorTimeoutError(SupervisorCallError):
-    """The supervisor did not answer within the call's bound."""
-
-
-class SupervisorRejectedError(SupervisorCallError):
-    """The supervisor answered a non-2xx status other than 401/403.
-
-    Attributes:
-        status: The HTTP status.
-        code: The envelope's error code, when the body carried one.
-    """
-
-    def __init__(self, message: str, *, url: str, status: int, code: str | None) -> None:
-        super().__init__(message, url=url)
-        self.status = status
-        self.code = code
-
-
-class SupervisorStaleFenceError(SupervisorRejectedError):
-    """409 ``stale_fence``: the supervisor has seen a newer fencing token for the fleet.
-
-    Another server process wrote the operation since this caller read its token: the caller
-    lost the step, and retrying with the same token can never succeed.
-    """
-
-
-class SupervisorBadResponseError(SupervisorCallError):
-    """The supervisor answered 2xx with a body that is not the documented one."""
-
-
-logger = logging.getLogger(__name__)
+from haru_supervisor_client._trust import SupervisorLinks, is_loopback_url, pin_key
 
 _M = TypeVar("_M", bound=PeerModel)
-
-MAX_RESPONSE_BYTES = 1024 * 1024
-"""A supervisor answer larger than this is a bad response (it is never that large)."""
-
-MIN_CALL_TIMEOUT_S = 0.001
-"""A call is never given a zero or negative bound (aiohttp would read it as "no bound")."""
-
-HEARTBEAT_TIMEOUT_S = 5.0
-"""Bound of one heartbeat poll (DESIGN 7.3: about 5 s)."""
-
-PROBE_REPLY_MARGIN_S = 2.0
-"""Time the supervisor keeps, inside the HTTP bound of a probe call, to report its verdicts.
-
-The supervisor bounds each model's completion by :func:`probe_timeout_ms` of the call's bound,
-so a model that is too slow comes back as a failed result naming it, not as a call timeout."""
-
-
-def probe_timeout_ms(call_timeout_s: float) -> int:
-    """Per-model probe bound sent to the supervisor for a probe call bounded by ``call_timeout_s``.
-
-    The HTTP bound minus :data:`PROBE_REPLY_MARGIN_S`; for a bound under twice that margin,
-    half the bound. Never less than 1 ms.
-    """
-    margin = min(PROBE_REPLY_MARGIN_S, call_timeout_s / 2)
-    return max(1, int((call_timeout_s - margin) * 1000))
-
-
-def client_ssl_context(
-    ca_file: Path | None = None,
-    *,
-    cert_file: Path | None = None,
-    key_file: Path | None = None,
-) -> ssl.SSLContext:
-    """A verifying client context: TLS 1.2 or newer, the peer's certificate and name checked.
-
-    Args:
-        ca_file: PEM bundle of the CAs to trust; None = the system trust store.
-        cert_file: Client certificate for mutual TLS (with ``key_file``).
-        key_file: Its private key.
-
-    Raises:
-        OSError: A file cannot be read.
-        ssl.SSLError: A file is not usable PEM, or the key does not match.
-    """
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca_file)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    if cert_file is not None:
-        context.load_cert_chain(cert_file, key_file)
-    return context
-
-
-def pin_key(url: str) -> str:
-    """The key of a URL's endpoint in :attr:`SupervisorLinks.pins`: ``host:port``.
-
-    Lower case, the default port written out, IPv6 in brackets.
-    """
-    parts = urlsplit(url)
-    host = (parts.hostname or "").lower()
-    port = parts.port or (443 if parts.scheme == "https" else 80)
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _no_pins() -> Mapping[str, bytes]:
-    return MappingProxyType({})
-
-
-@dataclass(frozen=True, slots=True)
-class IssuedTrust:
-    """How one supervisor whose certificate the server issued is verified.
-
-    Attributes:
-        ssl: A verifying context that trusts only the issuing CA.
-        server_name: The DNS name its certificate must carry (sent as SNI and checked in
-            place of the URL's host, which is an address the certificate cannot name).
-    """
-
-    ssl: ssl.SSLContext
-    server_name: str
-
-
-def _no_issued() -> Mapping[str, IssuedTrust]:
-    return MappingProxyType({})
-
-
-@dataclass(frozen=True, slots=True)
-class SupervisorLinks:
-    """How supervisors on other hosts are reached.
-
-    Attributes:
-        ssl: The verifying context of ``https://`` calls (:func:`client_ssl_context`; it may
-            carry a client certificate); None = the system trust store.
-        pins: SHA-256 digests of the leaf certificate (DER) by :func:`pin_key` of the
-            supervisor URL. A pinned endpoint is trusted by that digest only, not by a CA
-            (and presents no client certificate).
-        allow_plaintext: Allow ``http://`` to a host other than loopback (a private network);
-            otherwise such a call is refused before anything is sent.
-        issued: :class:`IssuedTrust` by :func:`pin_key` of the supervisor URL, for
-            supervisors whose certificate the server issued (``skypilot`` domains); it may be
-            a live mapping the server fills as domains get addresses. It wins over ``pins``.
-    """
-
-    ssl: ssl.SSLContext | None = None
-    pins: Mapping[str, bytes] = field(default_factory=_no_pins)
-    allow_plaintext: bool = False
-    issued: Mapping[str, IssuedTrust] = field(default_factory=_no_issued)
-
-
-# Pure, and asked once per supervisor call (each heartbeat).
-@functools.lru_cache(maxsize=4096)
-def is_loopback_url(url: str) -> bool:
-    """The URL's host is ``localhost`` or a loopback address (the link stays on this host)."""
-    host = (urlsplit(url).hostname or "").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _tls_reason(exc: aiohttp.ClientError) -> str:
-    if isinstance(exc, aiohttp.ServerFingerprintMismatch):
-        return (
-            f"the certificate's SHA-256 fingerprint {exc.got.hex()} is not the pinned "
-            f"{exc.expected.hex()}"
-        )
-    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        cert_error = exc.certificate_error
-        reason = getattr(cert_error, "verify_message", None) or str(cert_error)
-        return f"certificate verification failed: {reason}"
-    return f"TLS handshake failed: {exc}"
-
 
 _NO_SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None)
 # Every call is bounded by asyncio.timeout instead (one bound covering connect, headers and body).
@@ -463,7 +179,7 @@ class SupervisorClient:
         except ValidationError as exc:
             raise SupervisorBadResponseError(
                 f"{method} {url}: malformed {model.__name__} ({exc.error_count()} error(s): "
-                f"{_first_error(exc)})",
+                f"{first_error(exc)})",
                 url=url,
             ) from exc
 
@@ -509,54 +225,17 @@ class SupervisorClient:
                     server_hostname=server_name,
                 ) as response,
             ):
-                raw = await _read_bounded(response, url)
+                raw = await read_bounded(response, url)
                 status = response.status
         except TimeoutError as exc:
             raise SupervisorTimeoutError(
                 f"{method} {url}: no answer within {bound:.3f} s", url=url
             ) from exc
-        except (aiohttp.ServerFingerprintMismatch, aiohttp.ClientSSLError) as exc:
-            raise SupervisorTlsError(f"{method} {url}: {_tls_reason(exc)}", url=url) from exc
-        except aiohttp.ClientError as exc:
-            # TLS 1.3 checks a client certificate after the client's side of the handshake:
-            # a refusal reaches the client as a closed connection.
-            hint = (
-                " (over TLS this is also how a supervisor that requires a client certificate "
-                "refuses one it does not accept: see HARU_SUPERVISOR_CLIENT_CERT_FILE)"
-                if isinstance(exc, aiohttp.ServerDisconnectedError) and url.startswith("https:")
-                else ""
-            )
-            failure = connect_failure(exc)
-            if failure is not None:
-                raise SupervisorConnectError(
-                    f"{method} {url}: {type(exc).__name__}: {exc}", url=url, reason=failure
-                ) from exc
-            raise SupervisorUnreachableError(
-                f"{method} {url}: {type(exc).__name__}: {exc}{hint}", url=url
-            ) from exc
-        except OSError as exc:
-            failure = connect_failure(exc)
-            if failure is not None:
-                raise SupervisorConnectError(
-                    f"{method} {url}: {exc}", url=url, reason=failure
-                ) from exc
-            raise SupervisorUnreachableError(f"{method} {url}: {exc}", url=url) from exc
-        if status in (401, 403):
-            raise SupervisorUnauthorizedError(
-                f"{method} {url}: supervisor refused the server's token ({status})",
-                url=url,
-                status=status,
-            )
-        if not 200 <= status < 300:
-            code, message = _error_envelope(raw)
-            detail = f": {code}: {message}" if code is not None else ""
-            if status == 409 and code == ErrorCode.STALE_FENCE.value:
-                raise SupervisorStaleFenceError(
-                    f"{method} {url}: HTTP {status}{detail}", url=url, status=status, code=code
-                )
-            raise SupervisorRejectedError(
-                f"{method} {url}: HTTP {status}{detail}", url=url, status=status, code=code
-            )
+        except (aiohttp.ClientError, OSError) as exc:
+            raise link_failure(method, url, exc) from exc
+        failure = status_failure(method, url, status, raw)
+        if failure is not None:
+            raise failure
         return url, raw
 
     def _tls_for(
@@ -584,45 +263,3 @@ class SupervisorClient:
         if pin is not None:
             return aiohttp.Fingerprint(pin), None
         return (self._links.ssl if self._links.ssl is not None else True), None
-
-
-async def _read_bounded(response: aiohttp.ClientResponse, url: str) -> bytes:
-    length = response.content_length
-    if length is not None and length > MAX_RESPONSE_BYTES:
-        raise SupervisorBadResponseError(
-            f"{url}: answer of {length} bytes exceeds {MAX_RESPONSE_BYTES}", url=url
-        )
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.content.iter_any():
-        size += len(chunk)
-        if size > MAX_RESPONSE_BYTES:
-            raise SupervisorBadResponseError(
-                f"{url}: answer exceeds {MAX_RESPONSE_BYTES} bytes", url=url
-            )
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _error_envelope(raw: bytes) -> tuple[str | None, str]:
-    try:
-        parsed = json.loads(raw)
-    except ValueError:
-        return None, ""
-    if not isinstance(parsed, dict):
-        return None, ""
-    error = parsed.get("error")
-    if not isinstance(error, dict):
-        return None, ""
-    code = error.get("code")
-    message = error.get("message")
-    return (
-        code if isinstance(code, str) else None,
-        message[:512] if isinstance(message, str) else "",
-    )
-
-
-def _first_error(exc: ValidationError) -> str:
-    first = exc.errors(include_url=False, include_input=False)[0]
-    loc = ".".join(str(part) for part in first["loc"]) or "<root>"
-    return f"{loc}: {first['msg']}"

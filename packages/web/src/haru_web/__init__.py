@@ -4,7 +4,10 @@ One error envelope and its middleware, one bearer check, bounded bodies parsed s
 pydantic models, a browser guard for token-less services, and a hardened way to listen:
 bounds on slow clients, a connection cap, protocol errors answered in the envelope without
 echoing the request, and SIGINT/SIGTERM handling. One logging setup (text or JSON lines, a
-request id in every line about a request) and a per-app Prometheus ``/metrics`` route.
+request id in every line about a request), a per-app Prometheus ``/metrics`` route, and the
+relay of an upstream's streamed answer that the proxy and the serving gateway share. One
+application skeleton (the middleware order), and one way to read the listener's settings and
+tokens from an environment mapping.
 """
 
 from haru_web._bind import (
@@ -23,7 +26,7 @@ from haru_web._body import (
     read_body,
     require_json,
 )
-from haru_web._env import EnvInt, EnvLogLevel, TrustedProxies
+from haru_web._env import EnvInt, EnvLogLevel, TrustedProxies, token_validator
 from haru_web._envelope import json_error, json_model, raw_error_bytes, render_api_error
 from haru_web._errors import ApiError, HaruWebError, ListenError
 from haru_web._handler import HardenedRequestHandler, client_address, describe_protocol_error
@@ -37,7 +40,7 @@ from haru_web._limits import (
     ServerLimits,
     connection_cap,
 )
-from haru_web._listener import ListenerSettings
+from haru_web._listener import FileToken, ListenerSettings
 from haru_web._logs import (
     LOG_FORMATS,
     LOG_LEVELS,
@@ -75,6 +78,7 @@ from haru_web._middleware import (
     error_middleware,
     is_api_path,
     is_loopback_host,
+    observe_answer,
 )
 from haru_web._openapi import (
     OPENAPI_PATH,
@@ -98,7 +102,10 @@ from haru_web._peers import (
     parse_trusted_proxies,
     peer_group,
 )
+from haru_web._relay import relay_answer
 from haru_web._serve import HardenedAppRunner, Listening, StopSignals, serving
+from haru_web._service_app import service_app
+from haru_web._settings_env import EnvSettingsError, env_names
 from haru_web._tls import (
     TLS_CERT_FILE_VAR,
     TLS_CLIENT_CA_FILE_VAR,
@@ -146,6 +153,8 @@ __all__ = (
     "BeforeScrape",
     "EnvInt",
     "EnvLogLevel",
+    "EnvSettingsError",
+    "FileToken",
     "HardenedAppRunner",
     "HardenedRequestHandler",
     "HaruWebError",
@@ -181,6 +190,7 @@ __all__ = (
     "describe_protocol_error",
     "describe_validation_error",
     "echo_request_id",
+    "env_names",
     "error_middleware",
     "escape_control",
     "forwarded_client",
@@ -196,6 +206,7 @@ __all__ = (
     "metrics_guarded",
     "new_request_id",
     "normalize_bind_host",
+    "observe_answer",
     "openapi_command",
     "openapi_document",
     "openapi_handler",
@@ -207,6 +218,7 @@ __all__ = (
     "raw_error_bytes",
     "read_body",
     "registered_routes",
+    "relay_answer",
     "render_api_error",
     "render_openapi",
     "request_id_key",
@@ -216,9 +228,11 @@ __all__ = (
     "resolve_token",
     "route",
     "server_context",
+    "service_app",
     "service_registry",
     "serving",
     "tls_files",
     "token_source",
+    "token_validator",
     "undeclared_routes",
 )

@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Final
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, SecretStr
 
 from haru_web._logs import parse_log_level
 from haru_web._peers import Network, parse_trusted_proxies
+from haru_web._tokens import check_token
 
 _DIGITS: Final = re.compile(r"[0-9]{1,20}")
 
@@ -41,3 +42,18 @@ TrustedProxies = Annotated[tuple[Network, ...], BeforeValidator(_trusted_proxies
 """``HARU_TRUSTED_PROXIES``: from the environment a comma-separated list of addresses or
 networks (``10.0.0.0/8, 192.0.2.7``); blank is none. (A service's settings add pydantic-settings'
 ``NoDecode``: the value is not JSON.)"""
+
+
+def token_validator(name: str) -> BeforeValidator:
+    """The check of a token field (``SecretStr | None``), its errors naming it ``name``.
+
+    Trimmed; blank is no token; shorter than :data:`MIN_TOKEN_LENGTH` is refused (a
+    :class:`TokenConfigError`, which never quotes the token).
+    """
+
+    def check(value: object) -> object:
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        return check_token(value, name=name) if isinstance(value, str) else value
+
+    return BeforeValidator(check)

@@ -4,24 +4,44 @@
 supervisor read under the same environment variables: the bind address and its open-to-network
 opt-in, the slow-client and overload bounds, trusted proxies, the metrics opt-out of the token,
 the log format and level, and the listener's TLS files. Each field is read by its name or by
-its variable (``AliasChoices(field, VAR)``). The port (each service has its own default), the
-token that guards the listener, and the bind rule that depends on it stay in each service.
+its variable (``AliasChoices(field, VAR)``). The port (each service has its own default) and
+the token fields stay in each service; a service names its tokens (:class:`FileToken`), and
+the base reads each from its variable or its file (:meth:`ListenerSettings.from_environ`, or a
+file named without its token when built directly), refuses an open bind without the guarding
+token, and builds the source each check asks (:meth:`ListenerSettings.token_source_of`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Final
+from typing import Annotated, Any, ClassVar, Final, Self
 
-from pydantic import AliasChoices, BeforeValidator, Field, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BeforeValidator,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from haru_web._bind import HOST_VAR, OPEN_BIND_VAR, normalize_bind_host
+from haru_web._bind import (
+    HOST_VAR,
+    OPEN_BIND_VAR,
+    choose_bind_host,
+    is_loopback_bind,
+    normalize_bind_host,
+)
 from haru_web._env import EnvInt, EnvLogLevel, TrustedProxies
 from haru_web._limits import DEFAULT_MAX_CONNECTIONS_PER_PEER, ServerLimits
 from haru_web._logs import LogFormat, parse_log_format
 from haru_web._peers import TRUSTED_PROXIES_VAR
+from haru_web._settings_env import EnvSettingsError, settings_from_env
 from haru_web._tls import (
     TLS_CERT_FILE_VAR,
     TLS_CLIENT_CA_FILE_VAR,
@@ -29,6 +49,7 @@ from haru_web._tls import (
     TlsFiles,
     tls_files,
 )
+from haru_web._tokens import FILE_SUFFIX, TokenConfigError, TokenSource, resolve_token
 
 HEADER_TIMEOUT_VAR: Final = "HARU_HTTP_HEADER_TIMEOUT_MS"
 BODY_IDLE_VAR: Final = "HARU_HTTP_BODY_IDLE_TIMEOUT_MS"
@@ -48,6 +69,22 @@ def _env(name: str, field: str) -> AliasChoices:
     return AliasChoices(field, name)
 
 
+@dataclass(frozen=True, slots=True)
+class FileToken:
+    """A token a service reads from its variable or from the file ``<var>_FILE`` names.
+
+    Attributes:
+        var: The token's variable (``HARU_API_TOKEN``).
+        field: The settings field holding it (``SecretStr | None``).
+        file_field: The field naming the file it was read from (``Path | None``); a file is
+            followed: re-read when it changes.
+    """
+
+    var: str
+    field: str
+    file_field: str
+
+
 class ListenerSettings(BaseSettings):
     """The listener's part of a service's settings (a base: each service adds its own fields).
 
@@ -63,6 +100,14 @@ class ListenerSettings(BaseSettings):
         validate_by_alias=True,
         hide_input_in_errors=True,
     )
+
+    guard_token: ClassVar[FileToken | None] = None
+    """The token of the service's ``/v1`` routes; while it is unset the listener stays on
+    loopback unless the operator opts in (:attr:`host`)."""
+    file_tokens: ClassVar[tuple[FileToken, ...]] = ()
+    """Every token the service may read from a file it follows (the guarding one among them)."""
+    once_tokens: ClassVar[tuple[str, ...]] = ()
+    """Variables of tokens read from the variable or its ``_FILE`` once, at start-up."""
 
     bind_host: str | None = Field(None, validation_alias=_env(HOST_VAR, "bind_host"))
     """``HARU_HOST``: the address to listen on; None = all interfaces with a token, 127.0.0.1
@@ -130,6 +175,111 @@ class ListenerSettings(BaseSettings):
     def _tls_pair(self) -> ListenerSettings:
         tls_files(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
         return self
+
+    @model_validator(mode="after")
+    def _guard(self) -> ListenerSettings:
+        # A file named without its token (built directly, not from the environment): read it
+        # now, before the bind rule asks whether the guarding token is set.
+        for token in self.file_tokens:
+            path = getattr(self, token.file_field)
+            if path is not None and getattr(self, token.field) is None:
+                value = resolve_token({token.var + FILE_SUFFIX: str(path)}, token.var)
+                object.__setattr__(self, token.field, None if value is None else SecretStr(value))
+        _ = self.host  # refuses a non-loopback address without a token, unless opted in
+        return self
+
+    @classmethod
+    def from_environ(
+        cls,
+        environ: Mapping[str, str],
+        *,
+        messages: Mapping[str, str] | None = None,
+        **fields: Any,
+    ) -> Self:
+        """The settings ``environ`` sets (blank values count as unset), plus ``fields`` as given.
+
+        Each token is read from its variable or from the file its ``_FILE`` variable names
+        (:attr:`file_tokens` first, then :attr:`once_tokens`); variables no field reads are
+        left out.
+
+        Args:
+            environ: The environment (``os.environ`` in production).
+            messages: Variable -> what a boot error says of it instead of pydantic's words.
+            fields: Values that do not come from a variable (a parsed document, say).
+
+        Raises:
+            EnvSettingsError: A value is unusable; the message names each variable, never a
+                value or a token.
+        """
+        env = dict(environ)
+        try:
+            for var in (*(token.var for token in cls.file_tokens), *cls.once_tokens):
+                env[var] = resolve_token(env, var) or ""
+        except TokenConfigError as exc:
+            raise EnvSettingsError(str(exc)) from None
+        return settings_from_env(cls, env, messages=messages, fields=fields)
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: Any, *_others: Any, **_kw: Any
+    ) -> tuple[Any, ...]:
+        # Only what is passed: a service's loader passes the environment it was given.
+        return (init_settings,)
+
+    @property
+    def guarded(self) -> bool:
+        """Whether a token guards the service's ``/v1`` routes."""
+        return self.guard_token is not None and getattr(self, self.guard_token.field) is not None
+
+    @property
+    def host(self) -> str:
+        """``HARU_HOST``, else all interfaces with a token and loopback without one (DESIGN 6.2).
+
+        Raises:
+            ValueError: A non-loopback ``HARU_HOST`` without the token and without
+                ``HARU_ALLOW_OPEN_BIND`` (refused when the settings are built).
+        """
+        return choose_bind_host(
+            self.bind_host,
+            token_set=self.guarded,
+            allow_open=self.allow_open_bind,
+            token_var="the token" if self.guard_token is None else self.guard_token.var,
+        )
+
+    @property
+    def open_to_network(self) -> bool:
+        """No token, and listening beyond loopback (``HARU_ALLOW_OPEN_BIND``)."""
+        return not self.guarded and not is_loopback_bind(self.host)
+
+    def token_source_of(
+        self,
+        token: FileToken,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+        overlap_s: float = 0.0,
+    ) -> TokenSource | None:
+        """``token`` as a check asks it: a constant, or following its file when one is set.
+
+        A new source per call: build it once per process. None when the token is unset.
+
+        Args:
+            token: One of :attr:`file_tokens`.
+            monotonic: Seconds that only go forward (tests inject a fake).
+            overlap_s: How long the previous token keeps matching after the file changes.
+        """
+        secret: SecretStr | None = getattr(self, token.field)
+        if secret is None:
+            return None
+        path: Path | None = getattr(self, token.file_field)
+        if path is None:
+            return TokenSource.constant(secret.get_secret_value())
+        return TokenSource(
+            secret.get_secret_value(),
+            path=path,
+            name=token.var + FILE_SUFFIX,
+            monotonic=monotonic,
+            overlap_s=overlap_s,
+        )
 
     @property
     def tls(self) -> TlsFiles | None:

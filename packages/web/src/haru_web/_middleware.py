@@ -1,4 +1,8 @@
-"""Middlewares shared by both services: the error envelope, the bearer gate, the browser guard."""
+"""Middlewares shared by both services: the error envelope, the bearer gate, the browser guard.
+
+Also :func:`observe_answer`, the status and duration of an answer however it ends, for a
+service's own counting and access logging.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import asyncio
 import functools
 import ipaddress
 import logging
+import time
 from collections.abc import Callable
 from typing import Final
 
@@ -48,6 +53,32 @@ _MESSAGES: Final[dict[int, str]] = {
 def is_api_path(path: str) -> bool:
     """Whether ``path`` is under ``/v1`` (the routes the bearer token guards)."""
     return path == "/v1" or path.startswith("/v1/")
+
+
+async def observe_answer(
+    request: web.Request, handler: Handler, record: Callable[[int, float], None]
+) -> web.StreamResponse:
+    """``handler``'s answer to ``request``, with ``record(status, seconds)`` called once at its end.
+
+    The status is the response's, or the one an :class:`ApiError` or an aiohttp HTTP exception
+    carries; 499 when the request was cancelled (the client went away), 500 for any other
+    failure. The exception, if any, goes on up after ``record``.
+    """
+    started = time.monotonic()
+    status = 500
+    try:
+        response = await handler(request)
+    except (ApiError, web.HTTPException) as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED_STATUS
+        raise
+    else:
+        status = response.status
+    finally:
+        record(status, time.monotonic() - started)
+    return response
 
 
 def _client_gone(request: web.Request) -> bool:

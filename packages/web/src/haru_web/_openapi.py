@@ -286,8 +286,13 @@ def render_openapi(table: ApiTable) -> str:
     return json.dumps(openapi_document(table), indent=2, ensure_ascii=False) + "\n"
 
 
-def openapi_command(table: ApiTable, argv: Sequence[str]) -> int:
-    """A service's regenerate command: print the document, or write it to ``argv[0]``."""
+def openapi_command(table: ApiTable, argv: Sequence[str] | None = None) -> int:
+    """A service's regenerate command: print the document, or write it to ``argv[0]``.
+
+    ``argv`` defaults to the process's arguments (``sys.argv[1:]``).
+    """
+    if argv is None:
+        argv = sys.argv[1:]
     text = render_openapi(table)
     if argv:
         Path(argv[0]).write_text(text, encoding="utf-8")

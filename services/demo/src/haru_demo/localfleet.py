@@ -1,7 +1,7 @@
 """A whole fleet on one machine without GPUs: emulated vLLM servers and real supervisors.
 
 Every model gets its own :class:`haru_sim.VllmSim` on a real 127.0.0.1 port, every domain a
-real supervisor (``haru_supervisor.create_app``) on another, whose trainers are real
+real supervisor (``haru_supervisor.api.create_app``) on another, whose trainers are real
 ``haru-sim-trainer`` processes. GPU memory is reported through the supervisor's
 ``nvidia-smi`` path with an injected exec that answers from :attr:`LocalDomain.gpu_used_mib`.
 Used by haru-server's tests, the end-to-end tests and the promotion benchmark.
@@ -37,8 +37,8 @@ from haru_protocol import (
     TrainingSlotSpec,
 )
 from haru_sim import VllmSim, VllmSimConfig
-from haru_supervisor import Settings as SupervisorSettings
-from haru_supervisor import create_app as create_supervisor_app
+from haru_supervisor.api import Settings as SupervisorSettings
+from haru_supervisor.api import create_app as create_supervisor_app
 from pydantic import SecretStr
 
 DEFAULT_MODELS: Mapping[int, tuple[str, ...]] = {

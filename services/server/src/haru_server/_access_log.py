@@ -7,7 +7,6 @@ key and the upstream; when the answer is done the middleware counts it on the ap
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from typing import Final
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from haru_protocol import FleetSnapshot
-from haru_web import CLIENT_CLOSED_STATUS, ApiError, access_logged_key, client_address
+from haru_web import access_logged_key, client_address, observe_answer
 
 from haru_server._metrics import metrics_key
 
@@ -99,27 +98,12 @@ def proxy_access_middleware(paths: frozenset[str]) -> Middleware:
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path not in paths:
             return await handler(request)
-        started = time.monotonic()
-        note = ProxyNote(started=started)
+        note = ProxyNote(started=time.monotonic())
         request[proxy_note_key] = note
         request[access_logged_key] = True  # _record writes this request's access line
-        status = 500
-        try:
-            response = await handler(request)
-        except ApiError as exc:
-            status = exc.status
-            raise
-        except web.HTTPException as exc:
-            status = exc.status
-            raise
-        except asyncio.CancelledError:
-            status = CLIENT_CLOSED_STATUS
-            raise
-        else:
-            status = response.status
-        finally:
-            _record(request, note, status, time.monotonic() - started)
-        return response
+        return await observe_answer(
+            request, handler, lambda status, total_s: _record(request, note, status, total_s)
+        )
 
     return middleware
 

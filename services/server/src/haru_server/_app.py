@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from datetime import timedelta
 
 from aiohttp import web
 from haru_db import StateStore
-from haru_web import (
-    OPENAPI_PATH,
-    add_metrics_route,
-    bearer_middleware,
-    browser_guard_middleware,
-    error_middleware,
-    install_request_ids,
-    metrics_guarded,
-    openapi_handler,
-    request_id_middleware,
-)
+from haru_web import add_metrics_route, service_app
 
 from haru_server._access_log import proxy_access_middleware
 from haru_server._apply import apply_routes
@@ -77,23 +66,15 @@ def create_app(
     """
     # Asked per request: a rotated HARU_API_TOKEN_FILE takes effect without a restart.
     api_token = settings.api_token_source()
-    app = web.Application(
-        middlewares=[
-            request_id_middleware,
-            error_middleware,
-            proxy_access_middleware(PROXIED_PATHS),
-            browser_guard_middleware(
-                open_api=settings.api_token is None, check_host=not settings.open_to_network
-            ),
-            # The proxied routes check their own credential: a client key (_client_keys).
-            bearer_middleware(
-                api_token,
-                guarded=_admin_guarded(metrics_guarded(public=settings.metrics_public)),
-            ),
-            store_error_middleware,
-        ]
+    app = service_app(
+        settings,
+        api_token,
+        api_table(),
+        outer=[proxy_access_middleware(PROXIED_PATHS)],
+        inner=[store_error_middleware],
+        # The proxied routes check their own credential: a client key (_client_keys).
+        unguarded=PROXIED_PATHS,
     )
-    install_request_ids(app)
     metrics = ServerMetrics()
     app[metrics_key] = metrics
     add_metrics_route(app, metrics.exposition, before_scrape=metrics.before_scrape)
@@ -144,12 +125,4 @@ def create_app(
     app.add_routes(key_routes)
     app.add_routes(ready_routes)
     add_proxy_routes(app, plane.proxy)
-    app.router.add_get(OPENAPI_PATH, openapi_handler(api_table()))
     return app
-
-
-def _admin_guarded(guarded: Callable[[str], bool]) -> Callable[[str], bool]:
-    def check(path: str) -> bool:
-        return path not in PROXIED_PATHS and guarded(path)
-
-    return check

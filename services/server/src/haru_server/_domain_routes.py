@@ -129,17 +129,23 @@ async def _domain_action(
 ) -> web.Response:
     store = plane_of(request).store
     now = plane_of(request).clock()
-    if not await store.transition_domain(domain.id, from_states=(domain.state,), to=to, at=now):
-        raise ApiError(
-            ErrorCode.OPERATION_CONFLICT,
-            f"domain {domain.slug!r} changed state meanwhile; read it again and retry",
-        )
     payload = (
         DomainUpRequested(from_state=domain.state)
         if to is DomainState.PROVISIONING
         else DomainDownRequested(from_state=domain.state)
     )
-    await store.append_event(fleet_id=fleet.id, payload=payload, at=now, domain_id=domain.id)
+    if not await store.transition_domain(
+        domain.id,
+        from_states=(domain.state,),
+        to=to,
+        at=now,
+        events=(payload,),
+        fleet_id=fleet.id,
+    ):
+        raise ApiError(
+            ErrorCode.OPERATION_CONFLICT,
+            f"domain {domain.slug!r} changed state meanwhile; read it again and retry",
+        )
     logger.info("fleet %s: domain %s %s -> %s", fleet.slug, domain.slug, domain.state, to)
     plane_of(request).kick(fleet.id)
     after = await fleet_snapshot(request)

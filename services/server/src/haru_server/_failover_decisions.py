@@ -32,14 +32,13 @@ from haru_protocol import (
     Operation,
     OperationAutoFailover,
     OperationKind,
-    OperationRestoreDemote,
 )
 from haru_supervisor_client import SupervisorCallError
 
 from haru_server._dead_proof import DeadProofs
 from haru_server._heartbeat_round import HeartbeatRound
 from haru_server._logfields import log_fields
-from haru_server._operation_requests import request_operation
+from haru_server._operation_requests import request_operation, request_restore_demote
 from haru_server._reconcile_context import RECENT_OPERATIONS, ReconcileContext
 
 logger = logging.getLogger(__name__)
@@ -198,20 +197,17 @@ class FailoverDecisions:
     ) -> bool:
         """Fail the active domain if the fleet is idle, and record why; whether it landed.
 
-        The guarded write (:meth:`StateStore.escalate_domain_if_fleet_idle`) is the decision:
-        a replica that lost the race to another one, or to an operation, writes no event.
+        The guarded write (:meth:`StateStore.escalate_domain_if_fleet_idle`) is the decision,
+        and ``payload`` rides it: a replica that lost the race to another one, or to an
+        operation, writes no event.
         """
-        escalated = await self._ctx.store.escalate_domain_if_fleet_idle(
+        return await self._ctx.store.escalate_domain_if_fleet_idle(
             domain_id=domain_id,
             fleet_id=fleet.id,
             at=at,
             heartbeat_stale_ms=fleet.policy.heartbeat_stale_ms,
+            events=(payload,),
         )
-        if escalated:
-            await self._ctx.store.append_event(
-                fleet_id=fleet.id, payload=payload, at=at, domain_id=domain_id
-            )
-        return escalated
 
     async def _request_failover(
         self, fleet: FleetSnapshot, answered: frozenset[UUID]
@@ -286,19 +282,14 @@ class FailoverDecisions:
                 break
         else:
             return None
-        operation, _ = await request_operation(
+        operation, _ = await request_restore_demote(
             self._ctx.store,
             self._ctx.metrics,
             fleet,
-            kind=OperationKind.DEMOTE,
-            target_domain_id=decision.target_domain_id,
+            decision.target_domain_id,
             at=now,
-            trigger="restore",
             why=f"standby out of standby posture: {decision.reason}",
-            event=lambda _: OperationRestoreDemote(
-                cause_operation_id=None,
-                target_domain_id=decision.target_domain_id,
-                reason=decision.reason,
-            ),
+            cause_operation_id=None,
+            reason=decision.reason,
         )
         return operation

@@ -409,21 +409,18 @@ class HeartbeatRound:
                 from_states=(change.from_state,),
                 to=change.to_state,
                 at=now,
-            )
-            if moved:
-                landed = True
-                await self._ctx.store.append_event(
-                    fleet_id=fleet.id,
-                    payload=SlotStateChanged(
+                events=(
+                    SlotStateChanged(
                         kind=change.kind,
                         from_state=change.from_state.value,
                         to_state=change.to_state.value,
                         cause="heartbeat",
                     ),
-                    at=now,
-                    domain_id=domain.id,
-                    slot_id=change.slot_id,
-                )
+                ),
+                fleet_id=fleet.id,
+                domain_id=domain.id,
+            )
+            landed = landed or moved
         return landed
 
     async def _judge_domain(
@@ -439,7 +436,12 @@ class HeartbeatRound:
         if change is None:
             return False
         moved = await self._ctx.store.transition_domain(
-            domain.id, from_states=(change.from_state,), to=change.to_state, at=now
+            domain.id,
+            from_states=(change.from_state,),
+            to=change.to_state,
+            at=now,
+            events=(_domain_change_payload(change),),
+            fleet_id=fleet.id,
         )
         if moved:
             logger.info(
@@ -448,12 +450,6 @@ class HeartbeatRound:
                 change.from_state.value,
                 change.to_state.value,
                 extra=log_fields(fleet, domain=domain),
-            )
-            await self._ctx.store.append_event(
-                fleet_id=fleet.id,
-                payload=_domain_change_payload(change),
-                at=now,
-                domain_id=domain.id,
             )
         return moved
 

@@ -84,8 +84,6 @@ class FailoverHold:
         self._mono = monotonic
         self.holding = 0
         """Requests held right now."""
-        self.retried_total = 0
-        """Requests sent to a second upstream after the first went away without answering."""
         self.over_cap = 0
         """Requests failed at once because ``hold_max`` requests were held already."""
         self._held: dict[UUID, list[_HeldItem]] = {}
@@ -108,6 +106,7 @@ class FailoverHold:
             if not self._may_hold(exc.lookup):
                 raise exc.error from None
             if self.holding >= self.hold_max:
+                request.app[metrics_key].hold_refused(exc.lookup.routes.fleet_slug)
                 raise self._over_cap(exc) from None
             failed = exc
         else:
@@ -131,9 +130,9 @@ class FailoverHold:
                     failed = exc
                     continue
                 held_ms = int((self._mono() - started) * 1000)
-                if reached:
-                    self.retried_total += 1
-                request.app[metrics_key].request_held(lookup.routes.fleet_slug)
+                request.app[metrics_key].request_held(
+                    lookup.routes.fleet_slug, retried=bool(reached)
+                )
                 return lookup, upstream, held_ms
         finally:
             self.holding -= 1

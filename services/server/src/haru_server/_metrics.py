@@ -5,16 +5,9 @@ from what the server already has in hand (a tick's snapshot, a proxied request's
 ``/metrics`` route never touches the state store. Names follow Prometheus' conventions
 (``haru_`` prefix, ``_total`` counters, ``_seconds``, base units); the server README lists them.
 
-Standby duty cycle: when this process's heartbeat write for a domain that is not its fleet's
-active one and has training slots replaced the stored heartbeat it had read (a compare-and-swap,
-so one process per interval however many replicas reconcile), the time between the two is added
-to ``haru_standby_seconds_total``, and also to ``haru_standby_training_seconds_total`` when every
-training slot was running (with a pid) at the earlier heartbeat. Their ratio is the share of
-standby time whose GPUs trained: 1.0 means no idle standby GPU. Gaps longer than
-:data:`MAX_STANDBY_GAP_S` (heartbeats stopped) are not counted either way.
-
-Several workers (``HARU_WORKERS``): ``_metrics_workers`` merges their values (each gauge
-declares how, ``multiprocess_mode``); ``_access_log`` counts and logs each proxied answer.
+``_metrics_standby`` counts the standby duty cycle. Several workers (``HARU_WORKERS``):
+``_metrics_workers`` merges their values (each gauge declares how, ``multiprocess_mode``);
+``_access_log`` counts and logs each proxied answer.
 """
 
 from __future__ import annotations
@@ -24,21 +17,12 @@ import gc
 import importlib.metadata
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Final
-from uuid import UUID
 
 from aiohttp import web
 from haru_core import is_viable_standby
-from haru_protocol import (
-    DomainSnapshot,
-    DomainState,
-    FleetSnapshot,
-    SlotKind,
-    SupervisorStatus,
-    TrainingRunState,
-)
+from haru_protocol import DomainSnapshot, DomainState, FleetSnapshot, SupervisorStatus
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -47,21 +31,12 @@ from prometheus_client import (
     Info,
 )
 
+from haru_server._metrics_standby import StandbyDutyCycle
 from haru_server._metrics_workers import MetricsExposition
-
-MAX_STANDBY_GAP_S: Final = 60.0
-"""A heartbeat gap longer than this is not attributed to the standby duty cycle."""
 
 _LATENCY_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _STEP_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _GC_BUCKETS: Final = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
-
-
-@dataclass(slots=True)
-class _StandbyMark:
-    at: datetime
-    standby: bool
-    training: bool
 
 
 class ServerMetrics(MetricsExposition):
@@ -265,6 +240,20 @@ class ServerMetrics(MetricsExposition):
             ["fleet"],
             registry=r,
         )
+        self.proxy_hold_refused = Counter(
+            "haru_proxy_hold_refused",
+            "Inference requests failed at once with 503 because HARU_FAILOVER_HOLD_MAX "
+            "requests were held already.",
+            ["fleet"],
+            registry=r,
+        )
+        self.proxy_retried = Counter(
+            "haru_proxy_retried_requests",
+            "Held inference requests sent to the new active after the first upstream went "
+            "away without answering.",
+            ["fleet"],
+            registry=r,
+        )
         self.store_errors = Counter(
             "haru_state_store_errors",
             "State-store failures seen by requests and by reconcile ticks.",
@@ -297,6 +286,11 @@ class ServerMetrics(MetricsExposition):
             # Several workers: computed at scrape time from the merged counters instead.
             multiprocess_mode="livemax",
         )
+        self._standby = StandbyDutyCycle(
+            self.standby_seconds,
+            self.standby_training_seconds,
+            None if self.shared_dir is not None else self.standby_duty_cycle,
+        )
         self.clock_skew = Gauge(
             "haru_clock_skew_seconds",
             "This host's wall clock minus the database's (0 before the first reading); "
@@ -310,8 +304,6 @@ class ServerMetrics(MetricsExposition):
         # cardinality is prometheus_client's own: routed fleets x models x paths x statuses).
         self._answered: dict[tuple[str, str, str, int], Counter] = {}
         self._headers_by_fleet: dict[str, Histogram] = {}
-        self._marks: dict[UUID, _StandbyMark] = {}
-        self._standby_totals: dict[tuple[str, str], list[float]] = {}
         # Per (fleet, domain) slug, the state ``haru_domain_state`` was last set to.
         self._domain_states: dict[tuple[str, str], DomainState] = {}
 
@@ -443,44 +435,10 @@ class ServerMetrics(MetricsExposition):
     ) -> None:
         """Note the heartbeat ``status`` answered at ``at``; count its standby interval.
 
-        ``replaced`` is the stored heartbeat time this process's write at ``at`` replaced (its
-        compare-and-swap landed on it); None when it did not (another process's write came
-        between, or nothing was stored). Only an interval this process replaced is counted,
-        so replicas never count one twice. It is attributed to what the
-        heartbeat at its start showed when this process made that one, else to what this one
-        shows.
+        ``replaced``: see :meth:`StandbyDutyCycle.answered`.
         """
-        domain_id = domain.id
         self._heartbeat_age.answered[(fleet.slug, domain.slug)] = self._monotonic()
-        training = [s.training for s in status.slots if s.kind is SlotKind.TRAINING]
-        if not training:
-            self._marks.pop(domain_id, None)
-            return
-        running = all(
-            t is not None and t.state is TrainingRunState.RUNNING and t.pids for t in training
-        )
-        mark = _StandbyMark(at=at, standby=fleet.active_domain_id != domain_id, training=running)
-        previous = self._marks.get(domain_id)
-        self._marks[domain_id] = mark
-        if replaced is None:
-            return
-        if previous is None or previous.at != replaced:
-            previous = mark  # the replaced heartbeat was another process's
-        if not previous.standby:
-            return
-        gap = (at - replaced).total_seconds()
-        if not 0 < gap <= MAX_STANDBY_GAP_S:
-            return
-        labels = (fleet.slug, domain.slug)
-        self.standby_seconds.labels(*labels).inc(gap)
-        if previous.training:
-            self.standby_training_seconds.labels(*labels).inc(gap)
-        if self.shared_dir is not None:
-            return  # the scrape divides the merged counters (SharedCollector)
-        totals = self._standby_totals.setdefault(labels, [0.0, 0.0])
-        totals[0] += gap
-        totals[1] += gap if previous.training else 0.0
-        self.standby_duty_cycle.labels(*labels).set(totals[1] / totals[0])
+        self._standby.answered(fleet, domain, status, at, replaced)
 
     # -- proxy ---------------------------------------------------------------------------------
 
@@ -511,9 +469,19 @@ class ServerMetrics(MetricsExposition):
         """A streamed answer's first chunk reached the client ``seconds`` after the request."""
         self.time_to_first_token.labels(fleet, model).observe(max(seconds, 0.0))
 
-    def request_held(self, fleet: str) -> None:
-        """A request waited for a failover to move the route (the data path calls this)."""
+    def request_held(self, fleet: str, *, retried: bool) -> None:
+        """A request waited for a failover to move the route (the data path calls this).
+
+        ``retried``: it had reached an upstream that went away without answering, and was
+        sent again to the new active.
+        """
         self.proxy_held.labels(fleet).inc()
+        if retried:
+            self.proxy_retried.labels(fleet).inc()
+
+    def hold_refused(self, fleet: str) -> None:
+        """A request that would have been held was failed at once: the hold was full."""
+        self.proxy_hold_refused.labels(fleet).inc()
 
 
 def _installed_version() -> str:

@@ -4,7 +4,8 @@ In a single process, ages and other values kept in memory are read when ``/metri
 scraped. With several workers (``HARU_WORKERS``) the parent sets ``PROMETHEUS_MULTIPROC_DIR``:
 every value lives in the worker's files, each worker writes its in-memory values there every
 :data:`REFRESH_INTERVAL_S` and before its own scrapes, and the scrape merges all the workers'
-files; each gauge declares how (``multiprocess_mode``).
+files; each gauge declares how (``multiprocess_mode``). The ``process_*`` series are read
+from every worker's ``/proc`` entry at scrape time and merged.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import asyncio
 import contextlib
 import math
 import os
-from collections.abc import Callable, Iterator
-from typing import Final
+from collections.abc import Callable, Iterable, Iterator
+from typing import Final, Literal
 
 from haru_web import service_registry
-from prometheus_client import CollectorRegistry, Gauge
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -121,6 +122,67 @@ class SharedCollector(Collector):
         yield ratio
 
 
+_WORKER_PROCESS_SERIES: Final[
+    tuple[tuple[str, Literal["gauge", "counter"], Callable[[Iterable[float]], float], str], ...]
+] = (
+    ("process_resident_memory_bytes", "gauge", sum, "Resident memory size in bytes"),
+    ("process_virtual_memory_bytes", "gauge", sum, "Virtual memory size in bytes"),
+    ("process_cpu_seconds", "counter", sum, "Total user and system CPU time spent in seconds"),
+    ("process_open_fds", "gauge", sum, "Number of open file descriptors"),
+    ("process_start_time_seconds", "gauge", min, "Start time of the process since unix epoch"),
+)
+"""The ``process_*`` series of a worker set: name (a counter's without ``_total``), type, how
+the workers' values merge, and help. ``process_max_fds`` is a per-process limit: not merged."""
+
+
+class WorkerProcesses(Collector):
+    """``process_*`` of every live worker, read at scrape time and merged.
+
+    prometheus_client's process collector reads the one process that answers; this one reads
+    each worker whose pid names a file of the shared folder (``/proc/PID``, with that
+    collector's own reader; a pid that is gone reads as nothing). Memory, CPU seconds and open
+    files are summed over the workers; the start time is the earliest.
+    """
+
+    def __init__(self, path: str, proc: str = "/proc") -> None:
+        self._path = path
+        self._proc = proc
+        self._readers: dict[int, ProcessCollector] = {}
+
+    def pids(self) -> set[int]:
+        """The pids that name a file of the shared folder (``counter_PID.db``, ...)."""
+        found = set()
+        for name in os.listdir(self._path):
+            kind, _, pid = name.removesuffix(".db").rpartition("_")
+            if kind and pid.isdigit():
+                found.add(int(pid))
+        return found
+
+    def _reader(self, pid: int) -> ProcessCollector:
+        def the_pid() -> int:
+            return pid
+
+        return ProcessCollector(pid=the_pid, proc=self._proc, registry=None)
+
+    def collect(self) -> Iterator[Metric]:
+        pids = self.pids()
+        self._readers = {pid: self._readers.get(pid) or self._reader(pid) for pid in sorted(pids)}
+        values: dict[str, list[float]] = {}
+        for reader in self._readers.values():
+            for family in reader.collect():
+                for sample in family.samples:
+                    values.setdefault(family.name, []).append(sample.value)
+        for name, kind, merge, help_text in _WORKER_PROCESS_SERIES:
+            if name not in values:
+                continue
+            documentation = f"{help_text} ({merge.__name__} over the workers)."
+            value = merge(values[name])
+            if kind == "counter":
+                yield CounterMetricFamily(name, documentation, value=value)
+            else:
+                yield GaugeMetricFamily(name, documentation, value=value)
+
+
 class MetricsExposition:
     """What ``/metrics`` serves and the values it reads from this process's memory.
 
@@ -140,6 +202,7 @@ class MetricsExposition:
             self.registry = registry if registry is not None else CollectorRegistry()
             self.exposition = CollectorRegistry()
             self.exposition.register(SharedCollector(self.shared_dir))
+            self.exposition.register(WorkerProcesses(self.shared_dir))
         self._monotonic = monotonic
         # Read at scrape time from this process's memory (single process), or written by each
         # worker every REFRESH_INTERVAL_S and before its own scrapes (several workers).

@@ -3,9 +3,10 @@
 One call drives a fleet's in-flight operation by one step, or by several while steps finish at
 once (chaining, bounded per tick). The step itself (act on a supervisor, then prove the
 effect) is :func:`haru_server._steps.run_step`; this module times the step against its
-budget, records its result with ONE operation CAS (the next step, success or failure, each
-with its events), and after a failure or a best-effort timeout queues the demote that returns
-a domain to standby posture.
+budget and records its result with ONE operation CAS (the next step, success or failure, each
+with its events). What follows that CAS (events written after it, a degraded source, the
+promotion backoff, the demote that returns a domain to standby posture) is
+:mod:`haru_server._operation_followups`.
 """
 
 from __future__ import annotations
@@ -17,38 +18,35 @@ from typing import TYPE_CHECKING
 from uuid import UUID
 
 from haru_core import (
-    CreateOperation,
-    decide_demotion,
     first_step,
     is_best_effort,
     is_step_overdue,
     next_step,
-    promotion_backoff,
     step_budget_ms,
     step_remaining_ms,
 )
 from haru_db import OperationEvent, SlotMirror
 from haru_protocol import (
-    DomainState,
-    EventPayload,
     FleetSnapshot,
     Operation,
     OperationError,
     OperationErrorCode,
     OperationFailed,
     OperationKind,
-    OperationPromotionBackoff,
-    OperationRestoreDemote,
     OperationStarted,
     OperationState,
     OperationStep,
     OperationStepDone,
-    OperationStepTimeoutBestEffort,
     OperationSucceeded,
 )
 
 from haru_server._logfields import log_fields
-from haru_server._operation_requests import request_operation
+from haru_server._operation_followups import (
+    announce_backoff,
+    degrade_source,
+    operation_event,
+    queue_restore_demote,
+)
 from haru_server._reconcile_context import RECENT_OPERATIONS, ReconcileContext
 from haru_server._steps import (
     Done,
@@ -78,6 +76,8 @@ class OperationDriver:
     def __init__(self, ctx: ReconcileContext, proxy: InferenceProxy | None) -> None:
         self._ctx = ctx
         self._proxy = proxy
+        self._last_pending: dict[UUID, tuple[UUID, OperationStep, str]] = {}
+        """Per fleet: the operation, step and reason of the last pending result seen here."""
 
     async def drive_operation(
         self, fleet: FleetSnapshot, operation: Operation
@@ -208,10 +208,13 @@ class OperationDriver:
             at_target = pointer is not None and pointer.active_domain_id == fresh.target_domain_id
             if fresh.routing_committed or at_target:
                 return Done(OperationStepDone(step=step, timed_out=True, routing_committed=True))
-        return Failed(
-            OperationErrorCode.STEP_TIMEOUT,
-            f"step {step.value} did not finish within its budget of {budget} ms",
-        )
+        message = f"step {step.value} did not finish within its budget of {budget} ms"
+        last = self._last_pending.get(fleet.id)
+        if last is not None and last[:2] == (operation.id, step):
+            # What the step waited for, as this process last saw it (another replica's or a
+            # restarted process's last view is not known here).
+            message += f"; last seen waiting: {last[2]}"
+        return Failed(OperationErrorCode.STEP_TIMEOUT, message)
 
     async def _record_step_result(
         self,
@@ -228,6 +231,7 @@ class OperationDriver:
         """
         match result:
             case Pending(reason=reason):
+                self._last_pending[fleet.id] = (operation.id, step, reason)
                 logger.debug(
                     "operation %s step %s pending: %s",
                     operation.id,
@@ -285,8 +289,8 @@ class OperationDriver:
                 seconds=(now - operation.created_at).total_seconds(),
             )
         if not inline:
-            await self._degrade_source(fleet, operation, step, now)
-            await self._event(fleet, operation, result.detail, now)
+            await degrade_source(self._ctx, fleet, operation, step, now)
+            await operation_event(self._ctx, fleet, operation, result.detail, now)
         if following is not None:
             logger.info(
                 "operation %s: %s done, next %s",
@@ -307,15 +311,15 @@ class OperationDriver:
             extra=log_fields(fleet, operation=operation, step=step),
         )
         if not inline:
-            await self._event(fleet, operation, outcome, now)
+            await operation_event(self._ctx, fleet, operation, outcome, now)
         queued = False
         source = operation.source_domain_id
         if result.degrade_source and source is not None and source != operation.target_domain_id:
             # A best-effort demote step ran out of budget (e.g. across a server restart): the
             # old active may be half demoted. A demote finishes the job from what it observes:
             # vLLM proven asleep, then training restarted.
-            queued = await self._queue_restore_demote(
-                fleet, source, operation, now, reason=f"{step.value} timed out"
+            queued = await queue_restore_demote(
+                self._ctx, fleet, source, operation, now, reason=f"{step.value} timed out"
             )
         return await self._reread(operation), True, queued
 
@@ -328,39 +332,18 @@ class OperationDriver:
             operation.kind.value, step.value, outcome=outcome, seconds=seconds
         )
 
-    async def _degrade_source(
-        self, fleet: FleetSnapshot, operation: Operation, step: OperationStep, now: datetime
-    ) -> None:
-        source = operation.source_domain_id
-        degraded = False
-        if source is not None and source != operation.target_domain_id:
-            degraded = await self._ctx.store.transition_domain(
-                source, from_states=(DomainState.READY,), to=DomainState.DEGRADED, at=now
-            )
-        logger.warning(
-            "operation %s: best-effort step %s timed out; source domain %s %s",
-            operation.id,
-            step.value,
-            source,
-            "degraded" if degraded else "left as is",
-            extra=log_fields(fleet, domain=source, operation=operation, step=step),
-        )
-        await self._event(
-            fleet,
-            operation,
-            OperationStepTimeoutBestEffort(
-                step=step, source_domain_id=source, source_degraded=degraded
-            ),
-            now,
-            domain_id=source,
-        )
-
     async def _record_step_failed(
         self, fleet: FleetSnapshot, operation: Operation, step: OperationStep, result: Failed
     ) -> tuple[Operation, bool, bool]:
         now = self._ctx.clock()
         error = OperationError(step=step, code=result.code.value, message=result.message)
         promote = operation.kind is OperationKind.PROMOTE
+        failed = OperationFailed(
+            step=step,
+            code=result.code,
+            message=result.message,
+            failed_models=result.failed_models,
+        )
         landed = await self._ctx.store.fail_operation(
             operation.id,
             error=error,
@@ -369,6 +352,7 @@ class OperationDriver:
             # Before the commit point this guard is always true; at switch_active it keeps a
             # fail from undoing a pointer move that landed meanwhile.
             target_not_routed=promote,
+            events=(OperationEvent.of(failed),),
         )
         if not landed:
             return await self._reread(operation), False, False
@@ -388,20 +372,9 @@ class OperationDriver:
             result.message,
             extra=log_fields(fleet, operation=operation, step=step),
         )
-        await self._event(
-            fleet,
-            operation,
-            OperationFailed(
-                step=step,
-                code=result.code,
-                message=result.message,
-                failed_models=result.failed_models,
-            ),
-            now,
-        )
         queued = False
         if promote:
-            await self._backoff_event(fleet, operation, now)
+            await announce_backoff(self._ctx, fleet, operation, now)
             if result.code is OperationErrorCode.SUPERVISOR_UNAUTHORIZED:
                 # A demote would be refused the same way; the auth failure is reported loudly.
                 logger.error(
@@ -413,92 +386,12 @@ class OperationDriver:
             else:
                 # Whatever step failed (training stopped, vLLM woken, probe), a demote returns
                 # the target to standby posture: vLLM asleep, training restarted.
-                queued = await self._queue_restore_demote(
-                    fleet, operation.target_domain_id, operation, now, reason=result.code.value
+                queued = await queue_restore_demote(
+                    self._ctx,
+                    fleet,
+                    operation.target_domain_id,
+                    operation,
+                    now,
+                    reason=result.code.value,
                 )
         return await self._reread(operation), True, queued
-
-    async def _backoff_event(self, fleet: FleetSnapshot, failed: Operation, now: datetime) -> None:
-        recent = await self._ctx.store.list_recent_operations(fleet.id, limit=RECENT_OPERATIONS)
-        backoff = promotion_backoff(fleet.policy, failed.target_domain_id, recent, now=now)
-        if backoff is None:  # pragma: no cover - the failed promote itself is among them
-            return
-        logger.warning(
-            "fleet %s: %d consecutive failed promotion(s) of domain %s; automatic promotions "
-            "of it wait %d ms (until %s)",
-            fleet.slug,
-            backoff.consecutive_failures,
-            failed.target_domain_id,
-            backoff.delay_ms,
-            backoff.until.isoformat(),
-            extra=log_fields(fleet, operation=failed),
-        )
-        await self._event(
-            fleet,
-            failed,
-            OperationPromotionBackoff(
-                target_domain_id=failed.target_domain_id,
-                consecutive_failures=backoff.consecutive_failures,
-                delay_ms=backoff.delay_ms,
-                until=backoff.until,
-            ),
-            now,
-        )
-
-    async def _queue_restore_demote(
-        self,
-        fleet: FleetSnapshot,
-        domain_id: UUID,
-        cause: Operation,
-        now: datetime,
-        *,
-        reason: str,
-    ) -> bool:
-        """Queue a demote that returns ``domain_id`` to standby posture after ``cause``."""
-        fresh = await self._ctx.load_fleet(str(fleet.id))
-        decision = decide_demotion(fresh, domain_id)
-        if not isinstance(decision, CreateOperation):
-            # Deferred, not dropped: once the domain is a ready standby again, the posture
-            # restore (``FailoverDecisions``) queues the demote if its vLLM is proven awake or
-            # its training stopped.
-            logger.warning(
-                "operation %s: domain cannot be returned to standby yet (%s); its restore "
-                "waits until it is demotable",
-                cause.id,
-                decision.message,
-                extra=log_fields(fleet, domain=domain_id, operation=cause),
-            )
-            return False
-        operation, created = await request_operation(
-            self._ctx.store,
-            self._ctx.metrics,
-            fleet,
-            kind=OperationKind.DEMOTE,
-            target_domain_id=decision.target_domain_id,
-            at=now,
-            trigger="restore",
-            why=f"restore standby after operation {cause.id}: {reason}",
-            event=lambda _: OperationRestoreDemote(
-                cause_operation_id=cause.id, target_domain_id=domain_id, reason=reason
-            ),
-        )
-        if not created:
-            return operation.state in (OperationState.PENDING, OperationState.RUNNING)
-        return True
-
-    async def _event(
-        self,
-        fleet: FleetSnapshot,
-        operation: Operation,
-        payload: EventPayload,
-        now: datetime,
-        *,
-        domain_id: UUID | None = None,
-    ) -> None:
-        await self._ctx.store.append_event(
-            fleet_id=fleet.id,
-            payload=payload,
-            at=now,
-            domain_id=domain_id if domain_id is not None else operation.target_domain_id,
-            operation_id=operation.id,
-        )

@@ -13,7 +13,13 @@ from typing import Literal
 from uuid import UUID
 
 from haru_db import StateStore
-from haru_protocol import EventPayload, FleetSnapshot, Operation, OperationKind
+from haru_protocol import (
+    EventPayload,
+    FleetSnapshot,
+    Operation,
+    OperationKind,
+    OperationRestoreDemote,
+)
 
 from haru_server._logfields import log_fields
 from haru_server._metrics import ServerMetrics
@@ -68,3 +74,36 @@ async def request_operation(
         extra=log_fields(fleet, operation=operation),
     )
     return operation, True
+
+
+async def request_restore_demote(
+    store: StateStore,
+    metrics: ServerMetrics,
+    fleet: FleetSnapshot,
+    target_domain_id: UUID,
+    *,
+    at: datetime,
+    why: str,
+    cause_operation_id: UUID | None,
+    reason: str,
+) -> tuple[Operation, bool]:
+    """Queue a demote that returns a standby to its posture, as :func:`request_operation`.
+
+    ``cause_operation_id``: the operation whose failure or timeout left the domain out of
+    posture (None: the heartbeats found it so); ``reason``: what is out of posture.
+    """
+    return await request_operation(
+        store,
+        metrics,
+        fleet,
+        kind=OperationKind.DEMOTE,
+        target_domain_id=target_domain_id,
+        at=at,
+        trigger="restore",
+        why=why,
+        event=lambda _: OperationRestoreDemote(
+            cause_operation_id=cause_operation_id,
+            target_domain_id=target_domain_id,
+            reason=reason,
+        ),
+    )

@@ -160,6 +160,7 @@ class Provisioner(RecoverySteps):
                 landed |= await self._domain(fleet, domain, in_flight)
             except SkyDriverError as exc:
                 logger.warning("domain %s: SkyPilot status read failed: %s", domain.slug, exc)
+        self._reads.start_read()
         return landed
 
     # ---- one domain ----------------------------------------------------------------------

@@ -117,7 +117,8 @@ class ProvisionerBase:
             )
             data = page[0].data if page else None
             if not isinstance(data, DomainLaunchStarted) or data.attempt != attempt:
-                return name  # claimed, its event not written yet: a new launch's name
+                # None of this attempt: pruned, or an older release died before writing it.
+                return name
             name = data.cluster
         memory.name = (attempt, name)
         return name
@@ -137,28 +138,20 @@ class ProvisionerBase:
     ) -> None:
         memory = self._memory.setdefault(domain.id, DomainMemory())
         name = await self._name(fleet, domain, memory)
-        moved = await self._store.transition_domain(
-            domain.id, from_states=(domain.state,), to=_D.FAILED, at=now
+        failed = DomainProvisioningFailed(
+            cluster=name,
+            attempt=attempt,
+            reason=failure.reason,
+            message=failure.message,
+            argv=failure.argv,
+            exit_code=failure.exit_code,
+            stderr=failure.stderr,
+            cluster_status=failure.cluster_status,
         )
-        if not moved:
+        if not await self._move(fleet, domain, domain.state, _D.FAILED, failed, now):
             return
         logger.error(
             "domain %s: provisioning failed (%s): %s", domain.slug, failure.reason, failure.message
-        )
-        await self._event(
-            fleet,
-            domain,
-            DomainProvisioningFailed(
-                cluster=name,
-                attempt=attempt,
-                reason=failure.reason,
-                message=failure.message,
-                argv=failure.argv,
-                exit_code=failure.exit_code,
-                stderr=failure.stderr,
-                cluster_status=failure.cluster_status,
-            ),
-            now,
         )
         if failure.reason in _CLEANED_AFTER:
             self._start_cleanup(domain, memory, name, failure.reason)
@@ -175,6 +168,25 @@ class ProvisionerBase:
     def _down(self, domain: DomainSnapshot, name: str) -> asyncio.Task[None]:
         return asyncio.create_task(
             self._backend(domain).teardown(name), name=f"haru-cleanup-{name}"
+        )
+
+    async def _move(
+        self,
+        fleet: FleetSnapshot,
+        domain: DomainSnapshot,
+        from_state: DomainState,
+        to: DomainState,
+        payload: EventPayload,
+        now: datetime,
+    ) -> bool:
+        """Move the domain from ``from_state`` to ``to``, ``payload`` riding the same write."""
+        return await self._store.transition_domain(
+            domain.id,
+            from_states=(from_state,),
+            to=to,
+            at=now,
+            events=(payload,),
+            fleet_id=fleet.id,
         )
 
     async def _event(

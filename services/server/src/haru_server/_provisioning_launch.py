@@ -16,7 +16,7 @@ from collections.abc import Coroutine, Mapping
 from datetime import datetime
 from typing import Any
 
-from haru_core import domain_role
+from haru_core import clamp_to_now, domain_role
 from haru_driver_skypilot import SkyDriverError, SkyTimeoutError, cluster_name
 from haru_protocol import (
     DomainAddressRecorded,
@@ -64,19 +64,17 @@ class LaunchSteps(ProvisionerBase):
         attempt = domain.launch_attempt + 1
         previous = await self._name(fleet, domain, memory) if domain.launch_attempt else None
         name = cluster_name(fleet.slug, domain.slug)
+        role = domain_role(fleet, domain)
         if not await self._store.claim_launch(
-            domain.id, expected_attempt=domain.launch_attempt, at=now
+            domain.id,
+            expected_attempt=domain.launch_attempt,
+            at=now,
+            events=(DomainLaunchStarted(cluster=name, attempt=attempt, role=role),),
+            fleet_id=fleet.id,
         ):
             return True  # another process claimed it (or the row moved): re-read
         memory.name = (attempt, name)
-        role = domain_role(fleet, domain)
         logger.info("domain %s: launching cluster %s (attempt %d)", domain.slug, name, attempt)
-        await self._event(
-            fleet,
-            domain,
-            DomainLaunchStarted(cluster=name, attempt=attempt, role=role),
-            now,
-        )
         try:
             secrets = await self._launch_secrets(fleet, domain, attempt, now)
         except PkiError as exc:
@@ -186,7 +184,7 @@ class LaunchSteps(ProvisionerBase):
         now = self._clock()
         attempt = domain.launch_attempt
         name = await self._name(fleet, domain, memory)
-        started = domain.launch_started_at or now
+        started = clamp_to_now(domain.launch_started_at or now, now=now)
         overdue = now - started > ms(fleet.policy.launch_timeout_ms)
         launch = memory.launch
         if launch is not None and launch.attempt == attempt:
@@ -246,14 +244,14 @@ class LaunchSteps(ProvisionerBase):
         observed: bool,
     ) -> bool:
         attempt = domain.launch_attempt
-        if await self._store.mark_launched(domain.id, attempt=attempt, at=now):
+        if await self._store.mark_launched(
+            domain.id,
+            attempt=attempt,
+            at=now,
+            events=(DomainLaunchSucceeded(cluster=name, attempt=attempt, observed=observed),),
+            fleet_id=fleet.id,
+        ):
             logger.info("domain %s: cluster %s launched", domain.slug, name)
-            await self._event(
-                fleet,
-                domain,
-                DomainLaunchSucceeded(cluster=name, attempt=attempt, observed=observed),
-                now,
-            )
         return True
 
     # ---- step 3: UP, then the head's address ---------------------------------------------
@@ -264,7 +262,7 @@ class LaunchSteps(ProvisionerBase):
         now = self._clock()
         attempt = domain.launch_attempt
         name = await self._name(fleet, domain, memory)
-        started = domain.launch_started_at or now
+        started = clamp_to_now(domain.launch_started_at or now, now=now)
         backend = self._backend(domain)
         settings = settings_of(domain)
         if now - started > ms(fleet.policy.cluster_up_timeout_ms):
@@ -298,6 +296,15 @@ class LaunchSteps(ProvisionerBase):
             serving_base_url=address.serving_base_url,
             model_urls=address.model_urls,
             at=now,
+            events=(
+                DomainAddressRecorded(
+                    cluster=name,
+                    attempt=attempt,
+                    supervisor_url=address.supervisor_url,
+                    serving_base_url=address.serving_base_url,
+                ),
+            ),
+            fleet_id=fleet.id,
         )
         if recorded:
             memory.addressed_at = now
@@ -309,17 +316,6 @@ class LaunchSteps(ProvisionerBase):
                 seen.shown,
                 address.serving_base_url,
             )
-            await self._event(
-                fleet,
-                domain,
-                DomainAddressRecorded(
-                    cluster=name,
-                    attempt=attempt,
-                    supervisor_url=address.supervisor_url,
-                    serving_base_url=address.serving_base_url,
-                ),
-                now,
-            )
         return True
 
     # ---- step 4 of a skyserve domain: READY replicas are its readiness -------------------
@@ -328,19 +324,11 @@ class LaunchSteps(ProvisionerBase):
         """Serve the slots, then the domain is ``ready`` (re-runnable: slots first)."""
         now = self._clock()
         await self._mirror_slots(fleet, domain, (_I.STARTING, _I.FAILED), _I.SERVING, now)
-        if not await self._store.transition_domain(
-            domain.id, from_states=(_D.PROVISIONING,), to=_D.READY, at=now
-        ):
-            return True
-        logger.info("domain %s: service ready", domain.slug)
-        await self._event(
-            fleet,
-            domain,
-            DomainStateChanged(
-                from_state=_D.PROVISIONING, to_state=_D.READY, role=domain_role(fleet, domain)
-            ),
-            now,
+        ready = DomainStateChanged(
+            from_state=_D.PROVISIONING, to_state=_D.READY, role=domain_role(fleet, domain)
         )
+        if await self._move(fleet, domain, _D.PROVISIONING, _D.READY, ready, now):
+            logger.info("domain %s: service ready", domain.slug)
         return True
 
     async def _mirror_slots(
@@ -355,21 +343,23 @@ class LaunchSteps(ProvisionerBase):
         for slot in domain.slots:
             if slot.kind is not SlotKind.INFERENCE or slot.state not in from_states:
                 continue
-            if await self._store.transition_slot(
-                slot.id, kind=slot.kind, from_states=(slot.state,), to=to, at=now
-            ):
-                await self._store.append_event(
-                    fleet_id=fleet.id,
-                    payload=SlotStateChanged(
+            await self._store.transition_slot(
+                slot.id,
+                kind=slot.kind,
+                from_states=(slot.state,),
+                to=to,
+                at=now,
+                events=(
+                    SlotStateChanged(
                         kind=slot.kind,
                         from_state=slot.state.value,
                         to_state=to.value,
                         cause="service",
                     ),
-                    at=now,
-                    domain_id=domain.id,
-                    slot_id=slot.id,
-                )
+                ),
+                fleet_id=fleet.id,
+                domain_id=domain.id,
+            )
 
     # ---- step 4: the supervisor's first heartbeat ----------------------------------------
 

@@ -21,6 +21,7 @@ from haru_core import (
     RelaunchPlan,
     RelaunchStreak,
     domain_role,
+    elapsed_since,
     fold_relaunch_streak,
     plan_relaunch,
 )
@@ -72,27 +73,19 @@ class RecoverySteps(LaunchSteps):
         now = self._clock()
         shown = seen.shown
         backend = self._backend(domain)
-        moved = await self._store.transition_domain(
-            domain.id, from_states=(domain.state,), to=_D.FAILED, at=now
+        lost = DomainClusterLost(
+            cluster=name,
+            attempt=domain.launch_attempt,
+            cluster_status=shown,
+            from_state=domain.state,
+            role=domain_role(fleet, domain),
         )
-        if moved:
+        if await self._move(fleet, domain, domain.state, _D.FAILED, lost, now):
             if not backend.has_supervisor:
                 # No heartbeat will say it: the service's slots serve no more.
                 await self._mirror_slots(fleet, domain, (_I.SERVING,), _I.FAILED, now)
             logger.warning(
                 "domain %s: %s %s is %s: domain failed", domain.slug, backend.noun, name, shown
-            )
-            await self._event(
-                fleet,
-                domain,
-                DomainClusterLost(
-                    cluster=name,
-                    attempt=domain.launch_attempt,
-                    cluster_status=shown,
-                    from_state=domain.state,
-                    role=domain_role(fleet, domain),
-                ),
-                now,
             )
         return True
 
@@ -153,7 +146,7 @@ class RecoverySteps(LaunchSteps):
         name = await self._name(fleet, domain, memory)
         policy = fleet.policy
         up_budget = ms(policy.cluster_up_timeout_ms)
-        since = now - domain.state_updated_at
+        since = elapsed_since(domain.state_updated_at, now=now)
         # A failed domain's cluster is watched for twice clusterUpTimeoutMs after the failure:
         # a killed launch's request can still bring it up, and an INIT cluster that stays INIT
         # past clusterUpTimeoutMs is unhealthy, not launching.
@@ -190,9 +183,13 @@ class RecoverySteps(LaunchSteps):
         if plan is None or not due or not seen.lost:
             # Still there (UP/INIT): not lost; what failed is for the heartbeat or the operator.
             return False
-        if not await self._store.transition_domain(
-            domain.id, from_states=(_D.FAILED,), to=_D.PROVISIONING, at=now
-        ):
+        relaunch = DomainRelaunch(
+            cluster=name,
+            relaunch=plan.relaunch,
+            max_attempts=policy.relaunch_max_attempts,
+            backoff_ms=plan.backoff_ms,
+        )
+        if not await self._move(fleet, domain, _D.FAILED, _D.PROVISIONING, relaunch, now):
             return True
         memory.streak = None
         logger.warning(
@@ -201,17 +198,6 @@ class RecoverySteps(LaunchSteps):
             name,
             plan.relaunch,
             policy.relaunch_max_attempts,
-        )
-        await self._event(
-            fleet,
-            domain,
-            DomainRelaunch(
-                cluster=name,
-                relaunch=plan.relaunch,
-                max_attempts=policy.relaunch_max_attempts,
-                backoff_ms=plan.backoff_ms,
-            ),
-            now,
         )
         back = domain.model_copy(update={"state": _D.PROVISIONING, "state_updated_at": now})
         return await self._launch(fleet, back, memory)
@@ -314,9 +300,7 @@ class RecoverySteps(LaunchSteps):
                 now,
             )
             return False
-        if await self._store.transition_domain(
-            domain.id, from_states=(_D.STOPPING,), to=_D.STOPPED, at=now
-        ):
+        torn_down = DomainTeardown(cluster=name, ok=True)
+        if await self._move(fleet, domain, _D.STOPPING, _D.STOPPED, torn_down, now):
             logger.info("domain %s: cluster %s torn down", domain.slug, name)
-            await self._event(fleet, domain, DomainTeardown(cluster=name, ok=True), now)
         return True

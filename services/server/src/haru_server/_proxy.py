@@ -36,9 +36,10 @@ out is never sent again. A request that fails for want of a route (503: no routa
 domain, a store that cannot serve routing, a full hold cap, or a hold that ran out) carries
 ``Retry-After``.
 
-This module admits a request (client key, fleet, body cap) and wires the proxy into an app;
-``_upstream`` opens the upstream request, ``_hold`` holds it through a failover, ``_relay``
-streams the answer back.
+This module admits a request (client key, fleet) and wires the proxy into an app;
+``_proxy_body`` reads the body under its cap and picks the headers sent upstream, ``_upstream``
+opens the upstream request, ``_hold`` holds it through a failover, ``_relay`` streams the
+answer back.
 """
 
 from __future__ import annotations
@@ -55,10 +56,10 @@ from typing import Final
 from uuid import UUID
 
 import aiohttp
-from aiohttp import hdrs, web
+from aiohttp import web
 from haru_db import RouteListener
-from haru_protocol import REQUEST_ID_HEADER, ErrorCode, FleetRoutePointer
-from haru_web import ApiError, connection_cap, current_request_id
+from haru_protocol import ErrorCode, FleetRoutePointer
+from haru_web import ApiError, connection_cap
 
 from haru_server._access_log import note_key, note_route
 from haru_server._async_utils import ClientGoneError, DisconnectWatch, FleetKicker, KickDebouncer
@@ -68,6 +69,7 @@ from haru_server._hold import FailoverHold, held_cap
 from haru_server._keys import api_token_key, clock_key, settings_key, store_key
 from haru_server._metrics import ServerMetrics, metrics_key
 from haru_server._pki import FleetPki
+from haru_server._proxy_body import expect_continue, read_body, upstream_headers
 from haru_server._proxy_errors import routing_headers, unroutable
 from haru_server._proxy_routes import (
     CHAT_PATH,
@@ -231,35 +233,6 @@ class _Proxy:
             raise ApiError(ErrorCode.FLEET_NOT_FOUND, f"fleet {ref[:100]!r} not found")
         return ref
 
-    async def read_body(self, request: web.BaseRequest) -> bytes:
-        limit = self.max_body
-        length = request.content_length
-        if length is not None:
-            if length > limit:
-                raise self._too_large()
-            try:
-                return await request.content.readexactly(length)
-            except asyncio.IncompleteReadError:
-                raise ApiError(
-                    ErrorCode.INVALID_REQUEST, "the request body ended before its Content-Length"
-                ) from None
-        # No declared length (chunked upload): read as it comes and stop one byte past the cap.
-        chunks: list[bytes] = []
-        size = 0
-        content = request.content
-        while chunk := await content.readany():
-            size += len(chunk)
-            if size > limit:
-                raise self._too_large()
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    def _too_large(self) -> ApiError:
-        return ApiError(
-            ErrorCode.PAYLOAD_TOO_LARGE,
-            f"the request body exceeds HARU_CHAT_MAX_BODY_BYTES ({self.max_body} bytes)",
-        )
-
     async def route(self, ref: str) -> RouteLookup[RouteTable]:
         lookup = await resolve_route(self.cache, ref)
         if not lookup.routes.routable:
@@ -285,23 +258,12 @@ class _Proxy:
     async def forward(self, request: web.Request, path: str) -> web.StreamResponse:
         grant, ref = await self.admit(request)
         try:
-            body = await self.read_body(request)
+            body = await read_body(request, self.max_body)
         except ConnectionResetError:
             return web.Response(status=499)  # gone while sending its body; logged as 499
         model = model_of(body)
         grant.check_model(model)
-        headers: dict[str, str] = {
-            hdrs.CONTENT_TYPE: request.headers.get(hdrs.CONTENT_TYPE, "application/json"),
-            # The answer is relayed byte for byte with only content-type copied back, so it
-            # must not arrive compressed.
-            hdrs.ACCEPT_ENCODING: "identity",
-        }
-        accept = request.headers.get(hdrs.ACCEPT)
-        if accept is not None:
-            headers[hdrs.ACCEPT] = accept
-        request_id = current_request_id()
-        if request_id is not None:
-            headers[REQUEST_ID_HEADER] = request_id
+        headers = upstream_headers(request)
         try:
             async with DisconnectWatch(request, self._poll):
                 attempt = functools.partial(
@@ -432,20 +394,8 @@ def _proxy_of(request: web.Request) -> _Proxy:
 
 
 async def _expect_continue(request: web.Request) -> None:
-    # aiohttp's default answers "100 Continue" to any Expect before anything else runs, which
-    # invites a client to send a body the cap will refuse. Over the cap, stay silent: the
-    # handler (after the bearer check) answers 413 without reading the body.
     proxy = request.app[proxy_key].running
-    length = request.content_length
-    if proxy is not None and length is not None and length > proxy.max_body:
-        return
-    if request.version != aiohttp.HttpVersion11:
-        return
-    expect = request.headers.get(hdrs.EXPECT, "")
-    if expect.lower() != "100-continue":
-        raise web.HTTPExpectationFailed(text=f"unknown expectation {expect[:100]!r}")
-    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    request.writer.output_size = 0  # the 100 is not part of the response
+    await expect_continue(request, None if proxy is None else proxy.max_body)
 
 
 async def _chat_completions(request: web.Request) -> web.StreamResponse:

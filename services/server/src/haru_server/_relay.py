@@ -8,10 +8,12 @@ a truncated answer never reads as a clean end.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import aiohttp
 from aiohttp import hdrs, web
+from haru_web import relay_answer
 
 from haru_server._access_log import note_first_chunk
 from haru_server._proxy_errors import HELD_HEADER, ROUTING_HEADER, STALE, origin
@@ -52,50 +54,25 @@ class Relay:
             headers[ROUTING_HEADER] = STALE
         if held_ms is not None:
             headers[HELD_HEADER] = str(held_ms)
-        content = upstream.content
         # Time to first token: the first chunk of a successful event stream (a streamed
         # completion); other answers have no first token to time.
         timing = 200 <= upstream.status < 300 and (content_type or "").startswith(
             "text/event-stream"
         )
-        if content.is_eof() and content.exception() is None:
-            # The whole answer arrived together with its headers (a small JSON answer): it is
-            # already in memory, so send it in one write instead of headers, body, terminator.
-            if timing:
-                note_first_chunk(request)
-            return web.Response(status=upstream.status, body=content.read_nowait(), headers=headers)
-        response = web.StreamResponse(status=upstream.status, headers=headers)
-        length = upstream.content_length
-        if length is not None and hdrs.CONTENT_ENCODING not in upstream.headers:
-            # Framing, not a copied header: a known length spares chunked encoding, and a
-            # short body still reads as truncated to the client.
-            response.content_length = length
-        try:
-            await response.prepare(request)
-            while True:
-                try:
-                    chunk = await content.readany()
-                except aiohttp.ClientError as exc:
-                    self._broken(request, upstream, lookup, exc)
-                    return response
-                if not chunk:
-                    break
-                await response.write(chunk)
-                if timing:
-                    timing = False
-                    note_first_chunk(request)
-            await response.write_eof()
-        except ConnectionError:
-            # The client went away mid-answer: stop reading (the caller closes the upstream).
-            logger.info("499 %s %s: client disconnected mid-answer", request.method, request.path)
-        return response
+        return await relay_answer(
+            request,
+            upstream,
+            headers,
+            on_broken=functools.partial(self._broken, upstream, lookup),
+            on_client_gone=functools.partial(_client_gone, request),
+            on_first_chunk=functools.partial(note_first_chunk, request) if timing else None,
+        )
 
     def _broken(
         self,
-        request: web.Request,
         upstream: aiohttp.ClientResponse,
         lookup: RouteLookup[RouteTable],
-        exc: BaseException,
+        exc: aiohttp.ClientError,
     ) -> None:
         if isinstance(exc, aiohttp.ServerTimeoutError):
             self.idle_cuts += 1
@@ -113,8 +90,8 @@ class Relay:
                 origin(upstream.url),
                 exc,
             )
-        # Close without the final chunk (or with fewer bytes than Content-Length): the client
-        # must see a broken answer, never a clean end of a truncated one.
-        transport = request.transport
-        if transport is not None:
-            transport.close()
+
+
+def _client_gone(request: web.Request) -> None:
+    # The client went away mid-answer: the relay stopped (the caller closes the upstream).
+    logger.info("499 %s %s: client disconnected mid-answer", request.method, request.path)

@@ -56,7 +56,7 @@ from haru_server._promotion_sightings import PromotionSightings
 from haru_server._route_entries import Entry, RouteEntries, RouteLookup
 from haru_server._route_lease import Lease, LeaseHooks, LeaseRecords, MoveWaiters, RouteLeases
 from haru_server._route_outage import StaleFleets, StoreOutage
-from haru_server._single_flight import BoundedReads, SingleFlight
+from haru_server._single_flight import BoundedReads, CallLater, SingleFlight
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,8 @@ class RouteCache(Generic[T]):
         idle_ms: A leased fleet without requests for this long stops being refreshed.
         monotonic: Monotonic seconds (injected by tests).
         sleep: The refresher's pause (injected by tests).
+        call_later: Arms the timers counting the read bounds (default: the running loop's
+            ``call_later``; injected by tests).
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class RouteCache(Generic[T]):
         idle_ms: int = DEFAULT_LEASE_IDLE_MS,
         monotonic: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        call_later: CallLater | None = None,
     ) -> None:
         if max_fleets < 1:
             raise ValueError(f"max_fleets must be >= 1, got {max_fleets}")
@@ -143,9 +146,9 @@ class RouteCache(Generic[T]):
         self._seq = 0
         self._outage = StoreOutage(memo_s=self._outage_memo, monotonic=monotonic)
         self._stale = StaleFleets()
-        self._bounded = BoundedReads()
+        self._bounded = BoundedReads(call_later=call_later)
         self._pointers: SingleFlight[str, FleetRoutePointer | None] = SingleFlight(
-            self._fetch_pointer, next_seq=self._next_seq
+            self._fetch_pointer, next_seq=self._next_seq, call_later=call_later
         )
         self._lease = lease_ms > 0
         self._movers = MoveWaiters()

@@ -184,13 +184,12 @@ async def patch_policy(request: web.Request) -> web.Response:
         if not changed:
             return json_response(answer)
         now = plane_of(request).clock()
-        if await store.replace_fleet_policy(fleet.id, version=stored.version, patch=patch, at=now):
+        event = FleetPolicyChanged(old=stored.patch, new=patch, changed=tuple(changed))
+        swapped = await store.replace_fleet_policy(
+            fleet.id, version=stored.version, patch=patch, at=now, events=(event,)
+        )
+        if swapped:
             # The reconciler reads the policy with the fleet at every tick: nothing to notify.
-            await store.append_event(
-                fleet_id=fleet.id,
-                payload=FleetPolicyChanged(old=stored.patch, new=patch, changed=tuple(changed)),
-                at=now,
-            )
             logger.info("fleet %s: policy changed (%s)", fleet.slug, ", ".join(changed))
             return json_response(answer)
     raise ApiError(

@@ -14,32 +14,23 @@ import ssl
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Final
+from typing import Annotated, Final
 
 from haru_protocol import MAX_DURATION_MS
-from haru_supervisor_client import SupervisorLinks, client_ssl_context, pin_key
+from haru_supervisor_client import SupervisorLinks, client_ssl_context
 from haru_web import (
     EnvInt,
+    EnvSettingsError,
+    FileToken,
     ListenerSettings,
-    TokenConfigError,
     TokenSource,
-    check_token,
-    choose_bind_host,
-    is_loopback_bind,
-    resolve_token,
+    token_validator,
 )
-from pydantic import (
-    AliasChoices,
-    Field,
-    SecretStr,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
-from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 
 from haru_server._errors import HaruServerError
 from haru_server._pki import PkiError, StoreKey
+from haru_server._settings_parse import DurationMs, FleetList, LoopIntervalMs, SupervisorPins
 
 API_TOKEN_VAR: Final = "HARU_API_TOKEN"  # noqa: S105  (a variable name, not a secret)
 SUPERVISOR_TOKEN_VAR: Final = "HARU_SUPERVISOR_TOKEN"  # noqa: S105
@@ -53,22 +44,16 @@ class SettingsError(HaruServerError, ValueError):
     """An environment variable holds a value the server cannot use (a boot error)."""
 
 
-DurationMs = Annotated[EnvInt, Field(ge=1, le=MAX_DURATION_MS)]
+API_TOKEN: Final = FileToken(API_TOKEN_VAR, "api_token", "api_token_file")
+SUPERVISOR_TOKEN: Final = FileToken(
+    SUPERVISOR_TOKEN_VAR, "supervisor_token", "supervisor_token_file"
+)
+
+_Token = Annotated[SecretStr | None, token_validator("the token")]
 
 
 def _env(name: str, field: str) -> AliasChoices:
     return AliasChoices(field, name)
-
-
-class _MappingEnv(EnvSettingsSource):
-    """pydantic-settings' environment source over a given mapping, blank values dropped."""
-
-    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
-        self._environ = {k: v.strip() for k, v in environ.items() if v.strip()}
-        super().__init__(settings_cls, case_sensitive=True)
-
-    def _load_env_vars(self) -> Mapping[str, str | None]:
-        return dict(self._environ)
 
 
 class Settings(ListenerSettings):
@@ -77,6 +62,10 @@ class Settings(ListenerSettings):
     The listener's fields (``HARU_HOST``, ``HARU_HTTP_*``, ``HARU_LOG_*``, ``HARU_TLS_*``, ...)
     are :class:`haru_web.ListenerSettings`; the rest are the server's own.
     """
+
+    guard_token = API_TOKEN
+    file_tokens = (API_TOKEN, SUPERVISOR_TOKEN)
+    once_tokens = (SERVING_TOKEN_VAR,)
 
     # Neither in a repr nor in a dump: a URL may carry a password.
     database_url: str | None = Field(
@@ -93,10 +82,10 @@ class Settings(ListenerSettings):
         8700, validation_alias=_env("PORT", "port")
     )
     """``PORT``: TCP port; 0 picks a free one (the bound port is logged)."""
-    api_token: SecretStr | None = Field(None, validation_alias=_env(API_TOKEN_VAR, "api_token"))
+    api_token: _Token = Field(None, validation_alias=_env(API_TOKEN_VAR, "api_token"))
     """``HARU_API_TOKEN`` (or ``HARU_API_TOKEN_FILE``): bearer token of ``/v1/*``; None =
     open API, bound to 127.0.0.1 only, browsers kept out by the Origin/Host guard."""
-    supervisor_token: SecretStr | None = Field(
+    supervisor_token: _Token = Field(
         None, validation_alias=_env(SUPERVISOR_TOKEN_VAR, "supervisor_token")
     )
     """``HARU_SUPERVISOR_TOKEN`` (or ``HARU_SUPERVISOR_TOKEN_FILE``): presented to supervisors."""
@@ -110,9 +99,7 @@ class Settings(ListenerSettings):
     )
     """``HARU_SUPERVISOR_TOKEN_FILE``: the file :attr:`supervisor_token` was read from; re-read
     when it changes."""
-    serving_token: SecretStr | None = Field(
-        None, validation_alias=_env(SERVING_TOKEN_VAR, "serving_token")
-    )
+    serving_token: _Token = Field(None, validation_alias=_env(SERVING_TOKEN_VAR, "serving_token"))
     """``HARU_SERVING_TOKEN`` (or ``HARU_SERVING_TOKEN_FILE``): the serving credential of
     provisioned domains: passed to each launch as the SkyPilot secret of the same name, which
     the machine's gateway requires, and presented by the proxy on every request it forwards
@@ -145,7 +132,7 @@ class Settings(ListenerSettings):
         33_554_432, validation_alias=_env("HARU_CHAT_MAX_BODY_BYTES", "chat_max_body_bytes")
     )
     """``HARU_CHAT_MAX_BODY_BYTES``: largest inference request body (413 beyond)."""
-    reconcile_interval_ms: DurationMs | None = Field(
+    reconcile_interval_ms: LoopIntervalMs = Field(
         RECONCILE_INTERVAL_DEFAULT_MS,
         validation_alias=_env("HARU_RECONCILE_INTERVAL_MS", "reconcile_interval_ms"),
     )
@@ -157,7 +144,7 @@ class Settings(ListenerSettings):
     """``HARU_SHUTDOWN_DRAIN_MS``: after SIGTERM, keep serving this long with ``/readyz``
     failing before the listener closes, so load balancers stop sending new connections first
     (0: close at once)."""
-    reconcile_fleets: Annotated[tuple[str, ...] | None, NoDecode] = Field(
+    reconcile_fleets: FleetList = Field(
         None, validation_alias=_env("HARU_RECONCILE_FLEETS", "reconcile_fleets")
     )
     """``HARU_RECONCILE_FLEETS``: fleets the loop reconciles; None = every fleet. From the
@@ -230,7 +217,7 @@ class Settings(ListenerSettings):
         validation_alias=_env("HARU_SUPERVISOR_CLIENT_KEY_FILE", "supervisor_client_key_file"),
     )
     """``HARU_SUPERVISOR_CLIENT_KEY_FILE``: its PEM private key."""
-    supervisor_pins: Annotated[dict[str, bytes], NoDecode] = Field(
+    supervisor_pins: SupervisorPins = Field(
         default_factory=dict,
         validation_alias=_env("HARU_SUPERVISOR_PINS", "supervisor_pins"),
         repr=False,
@@ -257,11 +244,6 @@ class Settings(ListenerSettings):
     )
     """``HARU_DOMAIN_CERT_DAYS``: life of the certificate issued to a ``skypilot`` domain
     before each launch (a relaunch issues a new one)."""
-
-    @field_validator("supervisor_pins", mode="before")
-    @classmethod
-    def _pins(cls, value: object) -> object:
-        return parse_pins(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _tls_settings(self) -> Settings:
@@ -326,80 +308,6 @@ class Settings(ListenerSettings):
         except PkiError as exc:
             raise SettingsError(str(exc)) from None
 
-    @classmethod
-    def settings_customise_sources(
-        cls, settings_cls: type[BaseSettings], init_settings: Any, *_others: Any, **_kw: Any
-    ) -> tuple[Any, ...]:
-        # Only what is passed: from_env() passes the environment it was given.
-        return (init_settings,)
-
-    @field_validator("api_token", "supervisor_token", "serving_token", mode="before")
-    @classmethod
-    def _token(cls, value: object) -> object:
-        if isinstance(value, SecretStr):
-            value = value.get_secret_value()
-        if isinstance(value, str):
-            return check_token(value, name="the token")
-        return value
-
-    @model_validator(mode="after")
-    def _read_token_files(self) -> Settings:
-        # A file named without its token (built directly, not from_env): read it now.
-        for field, path, var in (
-            ("api_token", self.api_token_file, API_TOKEN_VAR),
-            ("supervisor_token", self.supervisor_token_file, SUPERVISOR_TOKEN_VAR),
-        ):
-            if path is not None and getattr(self, field) is None:
-                token = resolve_token({var + "_FILE": str(path)}, var)
-                object.__setattr__(self, field, None if token is None else SecretStr(token))
-        return self
-
-    @model_validator(mode="after")
-    def _no_accidental_open_bind(self) -> Settings:
-        choose_bind_host(
-            self.bind_host,
-            token_set=self.api_token is not None,
-            allow_open=self.allow_open_bind,
-            token_var=API_TOKEN_VAR,
-        )
-        return self
-
-    @field_validator("reconcile_interval_ms", mode="before")
-    @classmethod
-    def _loop_off(cls, value: object) -> object:
-        if isinstance(value, str) and value.strip().lower() in ("0", "off"):
-            return None
-        if isinstance(value, int) and not isinstance(value, bool) and value == 0:
-            return None
-        return value
-
-    @field_validator("reconcile_fleets", mode="before")
-    @classmethod
-    def _fleets(cls, value: object) -> object:
-        if not isinstance(value, str):
-            return value
-        if value.strip() == "*":
-            return None
-        fleets = tuple(f.strip() for f in value.split(",") if f.strip())
-        if not fleets:
-            raise ValueError("names no fleet; list fleets (a,b) or use * for every fleet")
-        return fleets
-
-    @property
-    def host(self) -> str:
-        """Bind address: ``HARU_HOST``, else all interfaces only when a token guards the API."""
-        return choose_bind_host(
-            self.bind_host,
-            token_set=self.api_token is not None,
-            allow_open=self.allow_open_bind,
-            token_var=API_TOKEN_VAR,
-        )
-
-    @property
-    def open_to_network(self) -> bool:
-        """No token, and listening beyond loopback (``HARU_ALLOW_OPEN_BIND``)."""
-        return self.api_token is None and not is_loopback_bind(self.host)
-
     def api_token_value(self) -> str | None:
         """The API token in clear, as read at start-up (see :meth:`api_token_source`)."""
         return None if self.api_token is None else self.api_token.get_secret_value()
@@ -416,7 +324,7 @@ class Settings(ListenerSettings):
         It follows ``HARU_API_TOKEN_FILE`` when that is set. A new source per call: build it
         once per process.
         """
-        return _source(self.api_token, self.api_token_file, API_TOKEN_VAR, monotonic)
+        return self.token_source_of(API_TOKEN, monotonic=monotonic)
 
     def supervisor_token_source(
         self, *, monotonic: Callable[[], float] = time.monotonic
@@ -425,9 +333,7 @@ class Settings(ListenerSettings):
 
         It follows ``HARU_SUPERVISOR_TOKEN_FILE`` when that is set.
         """
-        return _source(
-            self.supervisor_token, self.supervisor_token_file, SUPERVISOR_TOKEN_VAR, monotonic
-        )
+        return self.token_source_of(SUPERVISOR_TOKEN, monotonic=monotonic)
 
     def serving_token_value(self) -> str | None:
         """The serving credential in clear (for the proxy and the launch secrets only)."""
@@ -441,79 +347,11 @@ class Settings(ListenerSettings):
             SettingsError: A value is unusable; the message names the variable, never a token.
         """
         environ = dict(env)
-        try:
-            for name in (API_TOKEN_VAR, SUPERVISOR_TOKEN_VAR, SERVING_TOKEN_VAR):
-                token = resolve_token(environ, name)
-                if name == SERVING_TOKEN_VAR:
-                    environ.pop(name + "_FILE", None)  # read once (the others are followed)
-                environ[name] = token or ""
-        except TokenConfigError as exc:
-            raise SettingsError(str(exc)) from None
         # Unset (or blank) means every fleet: a fleet no loop drives never fails over, and its
         # accepted operations would never run (HARU_DEFAULT_FLEET no longer narrows the loop).
         if not environ.get("HARU_RECONCILE_FLEETS", "").strip():
             environ.pop("HARU_RECONCILE_FLEETS", None)
-        names = env_names(cls)
-        known = set(names.values())
-        values = _MappingEnv(cls, {k: v for k, v in environ.items() if k in known})()
         try:
-            return cls(**values)
-        except ValidationError as exc:
-            raise SettingsError(describe_settings_error(exc, names)) from None
-
-
-def _source(
-    token: SecretStr | None, path: Path | None, var: str, monotonic: Callable[[], float]
-) -> TokenSource | None:
-    if token is None:
-        return None
-    if path is None:
-        return TokenSource.constant(token.get_secret_value())
-    return TokenSource(token.get_secret_value(), path=path, name=var + "_FILE", monotonic=monotonic)
-
-
-def parse_pins(text: str) -> dict[str, bytes]:
-    """``HARU_SUPERVISOR_PINS``: ``host:port=sha256hex`` pairs, comma-separated.
-
-    Raises:
-        ValueError: A pair is malformed (the message quotes the address, never more).
-    """
-    pins: dict[str, bytes] = {}
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        address, sep, digest = item.partition("=")
-        hex_digest = digest.strip().replace(":", "").lower()
-        if not sep or len(hex_digest) != 64 or not all(c in "0123456789abcdef" for c in hex_digest):
-            raise ValueError(
-                "must be host:port=<SHA-256 of the leaf certificate, 64 hex digits> pairs, "
-                "comma-separated"
-            )
-        key = pin_key(f"https://{address.strip()}")
-        if key.startswith((":", "[]")):
-            raise ValueError("names a pin without a host")
-        pins[key] = bytes.fromhex(hex_digest)
-    return pins
-
-
-def env_names(cls: type[BaseSettings]) -> dict[str, str]:
-    """Field name -> the environment variable it is read from."""
-    names: dict[str, str] = {}
-    for field_name, field in cls.model_fields.items():
-        alias = field.validation_alias
-        if isinstance(alias, AliasChoices):
-            for choice in alias.choices:
-                if isinstance(choice, str) and choice.isupper():
-                    names[field_name] = choice
-    return names
-
-
-def describe_settings_error(exc: ValidationError, names: Mapping[str, str]) -> str:
-    """A boot error naming each bad variable, without its value."""
-    parts = []
-    for error in exc.errors(include_url=False, include_input=False, include_context=False):
-        field = ".".join(str(p) for p in error["loc"])
-        name = names.get(field, field)
-        message = error["msg"].removeprefix("Value error, ")
-        parts.append(f"{name} {message}" if name else message)
-    return "; ".join(parts)
+            return cls.from_environ(environ)
+        except EnvSettingsError as exc:
+            raise SettingsError(str(exc)) from None

@@ -3,7 +3,8 @@
 Generic (nothing here knows what is read). :class:`BoundedReads` runs a read under a bound of
 running time and abandons it (cancelled, held until it ends) past the bound;
 :class:`SingleFlight` shares reads of one key between concurrent callers without ever answering
-a caller from a read that started before it asked.
+a caller from a read that started before it asked. Their bounds are counted by timers armed
+with the running loop's ``call_later`` unless another is injected (tests move it by hand).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -20,7 +21,19 @@ R = TypeVar("R")
 _BOUND_STEPS: Final = 4
 
 
-async def wait_running(awaited: asyncio.Future[Any], timeout: float) -> bool:
+class Timer(Protocol):
+    """An armed timer (``asyncio.TimerHandle``)."""
+
+    def cancel(self) -> None: ...
+
+
+CallLater = Callable[[float, Callable[[], object]], Timer]
+"""Arms a timer: ``call_later(delay_s, callback)``, as ``loop.call_later``."""
+
+
+async def wait_running(
+    awaited: asyncio.Future[Any], timeout: float, call_later: CallLater | None = None
+) -> bool:
     """Wait until ``awaited`` is done or ``timeout`` seconds passed while this process ran.
 
     Counted in quarters, each as long as it was meant to be however late its timer fired: a
@@ -28,10 +41,13 @@ async def wait_running(awaited: asyncio.Future[Any], timeout: float) -> bool:
     timer would fail at once a read that had no time to answer. This way a pause costs at most
     one quarter, so a read fails only after three quarters of its bound of running time.
 
+    ``call_later`` arms the quarters' timers (default: the running loop's).
+
     Returns:
         Whether ``awaited`` is done.
     """
     loop = asyncio.get_running_loop()
+    arm = loop.call_later if call_later is None else call_later
     step = timeout / _BOUND_STEPS
     for _ in range(_BOUND_STEPS):
         waiter = loop.create_future()
@@ -41,7 +57,7 @@ async def wait_running(awaited: asyncio.Future[Any], timeout: float) -> bool:
                 waiter.set_result(None)
 
         awaited.add_done_callback(wake)
-        timer = loop.call_later(step, wake)
+        timer = arm(step, wake)
         try:
             await waiter
         finally:
@@ -53,10 +69,15 @@ async def wait_running(awaited: asyncio.Future[Any], timeout: float) -> bool:
 
 
 class BoundedReads:
-    """Runs reads under a bound; a read past its bound is abandoned, not waited for."""
+    """Runs reads under a bound; a read past its bound is abandoned, not waited for.
 
-    def __init__(self) -> None:
+    Args:
+        call_later: Arms the timers counting the bounds (default: the running loop's).
+    """
+
+    def __init__(self, *, call_later: CallLater | None = None) -> None:
         self._abandoned: set[asyncio.Task[Any]] = set()
+        self._call_later = call_later
 
     async def run(self, read: Coroutine[Any, Any, R], timeout: float) -> R:
         """Await ``read`` for at most ``timeout`` seconds, or raise :class:`TimeoutError`.
@@ -68,7 +89,7 @@ class BoundedReads:
         """
         task = asyncio.get_running_loop().create_task(read)
         try:
-            done = await wait_running(task, timeout)
+            done = await wait_running(task, timeout, self._call_later)
         except BaseException:
             self._abandon(task)  # the caller itself was cancelled
             raise
@@ -129,13 +150,19 @@ class SingleFlight(Generic[K, V]):
         fetch: Performs one read of a key; its second argument is the read's sequence number.
             What it raises (an :class:`Exception`) is raised to every caller of that read.
         next_seq: Numbers reads in the order they start (later numbers carry newer knowledge).
+        call_later: Arms the timers counting the callers' bounds (default: the running loop's).
     """
 
     def __init__(
-        self, fetch: Callable[[K, int], Awaitable[V]], *, next_seq: Callable[[], int]
+        self,
+        fetch: Callable[[K, int], Awaitable[V]],
+        *,
+        next_seq: Callable[[], int],
+        call_later: CallLater | None = None,
     ) -> None:
         self._fetch = fetch
         self._next_seq = next_seq
+        self._call_later = call_later
         self._batches: dict[K, _Batch[V]] = {}
 
     async def read(self, key: K, timeout: float) -> tuple[V, int]:
@@ -158,7 +185,7 @@ class SingleFlight(Generic[K, V]):
                 batch.queued = loop.create_future()
             shared = batch.queued
         # Waited for without ever cancelling it for the other callers.
-        if not await wait_running(shared, timeout):
+        if not await wait_running(shared, timeout, self._call_later):
             raise TimeoutError
         outcome = shared.result()
         if isinstance(outcome, _Failed):

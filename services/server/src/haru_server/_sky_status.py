@@ -2,7 +2,10 @@
 
 The tick never waits for ``sky``: one background ``sky status N1 N2 ...`` reads every
 ``skypilot`` cluster this process watches, at most once per ``status_interval_s``, and a
-domain takes a result only from a read that started after it asked. The preflight (``sky
+domain takes a result only from a read that started after it asked. A read starts at the end
+of a provisioning round (never halfway through it), and it also names the clusters that took
+the previous read's result: they are about to ask again, so the domains stay in one read
+instead of taking turns. The preflight (``sky
 --version``, ``sky api info``) runs once before the first command, off the tick as well.
 """
 
@@ -12,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from haru_driver_skypilot import DomainDriver, SkyDriverError
 from haru_protocol import DomainSnapshot, Provider
@@ -32,11 +35,13 @@ class _Reads:
 
     A domain that wants a status names its cluster in ``wanted``; one background read asks
     SkyPilot about all of them; a domain takes a result only from a read that started after
-    it asked (``results`` keeps each name's latest, with its read's start).
+    it asked (``results`` keeps each name's latest, with its read's start). ``took`` names
+    the clusters whose domain took a result since the last read started.
     """
 
     wanted: set[str]
     results: dict[str, tuple[float, Observed]]
+    took: set[str] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
     started_at: float | None = None
 
@@ -126,22 +131,30 @@ class StatusReads:
         got = self._reads.results.get(name)
         if got is not None and got[0] >= memory.status_asked_at:
             memory.status_asked_at = None
+            self._reads.took.add(name)
             return got[1]
         self._reads.wanted.add(name)
-        self._start_read(mono)
         return None
 
-    def _start_read(self, mono: float) -> None:
+    def start_read(self) -> None:
+        """Start the batched read if a cluster waits for one and none runs (end of a round).
+
+        Called once per provisioning round, after every domain asked: a read started halfway
+        through a round would miss the domains that take a result later in it, and two
+        domains out of step would then take turns instead of sharing reads.
+        """
         reads = self._reads
         if reads.task is not None and not reads.task.done():
             return
+        mono = time.monotonic()
         last = reads.started_at
         if last is not None and mono - last < self._options.status_interval_s:
             return
-        names = sorted(reads.wanted)
-        if not names:
+        if not reads.wanted:
             return
+        names = sorted(reads.wanted | reads.took)
         reads.wanted = set()
+        reads.took = set()
         reads.started_at = mono
         reads.task = asyncio.create_task(self._read_all(names, mono), name="haru-sky-status")
 

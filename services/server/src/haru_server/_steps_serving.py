@@ -14,7 +14,6 @@ from haru_protocol import (
     FailedModel,
     OperationErrorCode,
     OperationStepDone,
-    RoutingSwitched,
 )
 
 from haru_server._steps_base import (
@@ -122,17 +121,7 @@ async def switch_active(ctx: StepContext) -> StepResult:
     if pointer is not None and ctx.proxy is not None:
         ctx.proxy.note_route_move(pointer)
     if switched:
-        await ctx.store.append_event(
-            fleet_id=fleet.id,
-            payload=RoutingSwitched(
-                from_domain_id=op.source_domain_id,
-                to_domain_id=target.id,
-                route_revision=revision,
-            ),
-            at=ctx.now,
-            domain_id=target.id,
-            operation_id=op.id,
-        )
+        # Its routing.switched event rode the switch's statement.
         return Done(OperationStepDone(step=ctx.step, route_revision=revision))
     if pointer is not None and pointer.active_domain_id == target.id:
         return Done(OperationStepDone(step=ctx.step, route_revision=revision))

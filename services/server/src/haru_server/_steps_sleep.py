@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 from uuid import UUID
 
-from haru_core import lease_guard_ms, models_not_in
+from haru_core import clamp_to_now, lease_guard_ms, models_not_in
 from haru_db import SlotMirror, StateStore
 from haru_protocol import (
     DomainSnapshot,
@@ -119,7 +119,8 @@ async def _flipped_at(store: StateStore, promote: Operation, now: datetime) -> d
     """When ``promote`` moved the routing pointer (its ``routing.switched`` event).
 
     Without that event (a process died between the flip and its event), the latest time it
-    can have happened: the promotion's end.
+    can have happened: the promotion's end. A stored time ahead of ``now`` counts as ``now``
+    (the flip has happened: it is no later than now).
     """
     events = await store.list_domain_events(
         promote.fleet_id,
@@ -129,8 +130,8 @@ async def _flipped_at(store: StateStore, promote: Operation, now: datetime) -> d
     )
     for event in events:
         if event.operation_id == promote.id:
-            return event.created_at
-    return promote.finished_at or now
+            return clamp_to_now(event.created_at, now=now)
+    return clamp_to_now(promote.finished_at or now, now=now)
 
 
 async def former_active_guard_until(
@@ -165,7 +166,7 @@ async def former_active_guard_until(
     if promote is None:
         return None
     guard = timedelta(seconds=await _guard_s(store, tuning, fleet_id))
-    if (promote.finished_at or now) + guard <= since:
+    if clamp_to_now(promote.finished_at or now, now=now) + guard <= since:
         return None
     return await _flipped_at(store, promote, now) + guard
 
@@ -198,9 +199,9 @@ async def route_guard_until(
             return None
         if source.provider is Provider.SKYSERVE:
             return None
-        flipped = operation.step_started_at
-        if flipped is None:
+        if operation.step_started_at is None:
             return None
+        flipped = clamp_to_now(operation.step_started_at, now=now)
         own = flipped + timedelta(seconds=tuning.route_guard_s)
         if now < own:
             return own  # pending anyway: the store is read once this process's guard passed
@@ -210,7 +211,7 @@ async def route_guard_until(
             tuning,
             fleet.id,
             operation.target_domain_id,
-            since=operation.step_started_at or now,
+            since=clamp_to_now(operation.step_started_at or now, now=now),
             now=now,
             recent_limit=recent_limit,
         )

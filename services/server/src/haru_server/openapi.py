@@ -1,17 +1,16 @@
 """The control server's OpenAPI route table: the control API, the inference proxy and health.
 
-Every route the application registers is declared here, one line each (a test compares this
-table with the app's router, both ways). The document is generated from it and the wire
-models; the committed copy is ``services/server/openapi.json``. Regenerate it with::
+One declaration per route the application registers (a test holds this table and the app's
+router to each other, both ways). The document is built from the table and the wire models;
+its committed copy, ``services/server/openapi.json``, is regenerated with::
 
     uv run python -m haru_server.openapi services/server/openapi.json
 """
 
 from __future__ import annotations
 
-import sys
 from importlib import metadata
-from typing import Final
+from typing import Any, Final
 
 from haru_protocol import (
     AcceptedResponse,
@@ -98,6 +97,7 @@ _EVENT_QUERY: Final = (
     ),
 )
 _FLEETS: Final = "/v1/fleets/{ref}"
+_OPERATION_ERRORS: Final = (404, 409, 422, _STORE)
 
 
 def _inference(path: str, summary: str) -> ApiRoute:
@@ -116,39 +116,70 @@ def _inference(path: str, summary: str) -> ApiRoute:
     )
 
 
+def _posture(action: str, summary: str, body: type[BaseModel]) -> ApiRoute:
+    """``POST .../promote`` or ``.../demote``: 200 when already so, 202 with the operation."""
+    return ApiRoute(
+        method="POST",
+        path=f"{_FLEETS}/{action}",
+        summary=summary,
+        responses={200: AlreadyActiveResponse, 202: AcceptedResponse},
+        body=body,
+        errors=_OPERATION_ERRORS,
+        tag="control",
+    )
+
+
+def _domain_action(action: str, summary: str, statuses: tuple[int, ...]) -> ApiRoute:
+    """``POST .../domains/{domain}/up`` or ``.../down`` (an optional body)."""
+    return ApiRoute(
+        method="POST",
+        path=f"{_FLEETS}/domains/{{domain}}/{action}",
+        summary=summary,
+        responses=dict.fromkeys(statuses, DomainActionResponse),
+        body=DomainActionRequest,
+        body_required=False,
+        errors=_OPERATION_ERRORS,
+        tag="control",
+    )
+
+
+def _control(
+    method: str, path: str, summary: str, ok: type[BaseModel], *errors: int, **extra: Any
+) -> ApiRoute:
+    """A control API route (tagged ``control``); each may also answer 503 (the store is down)."""
+    return route(method, path, summary, ok, errors=(*errors, _STORE), tag="control", **extra)
+
+
 ROUTES: Final[tuple[ApiRoute, ...]] = (
     *health_routes(liveness="Liveness (never touches the state store)"),
-    route("GET", "/v1/fleets", "List fleets", FleetList, errors=(_STORE,), tag="control"),
-    route("GET", _FLEETS, "A fleet's snapshot", FleetSnapshot, errors=(404, _STORE), tag="control"),
-    route(
-        "GET",
-        f"{_FLEETS}/route-intent",
-        "Where the proxy routes each model",
-        RouteIntent,
-        errors=(404, _STORE),
-        tag="control",
+    _control("GET", "/v1/fleets", "List fleets", FleetList),
+    _control("GET", _FLEETS, "A fleet's snapshot", FleetSnapshot, 404),
+    _control(
+        "GET", f"{_FLEETS}/route-intent", "Where the proxy routes each model", RouteIntent, 404
     ),
-    route(
+    _control(
         "PATCH",
         f"{_FLEETS}/policy",
         "Change the operator's policy values (JSON Merge Patch: null follows the default)",
         FleetPolicyResponse,
+        400,
+        404,
+        409,
         body=PolicyPatch,
-        errors=(400, 404, 409, _STORE),
-        tag="control",
         description="Keys set replace the operator's values, keys set to null remove them (the "
         "key follows the current default again), other keys stay. Stored with one "
         "compare-and-swap and a `fleet.policy.changed` event; the next reconcile tick uses "
         "it. Answers the resolved policy.",
     ),
-    route(
+    _control(
         "POST",
         f"{_FLEETS}/apply",
         "Plan a fleet layout against the stored fleet, and apply it (dryRun: only the plan)",
         ApplyResponse,
+        400,
+        404,
+        409,
         body=ApplyRequest,
-        errors=(400, 404, 409, _STORE),
-        tag="control",
         description="The plan lists each difference (`+` added, `~` changed, `-` removed) "
         "with the reason a change is refused, and the configuration revisions it was made on. "
         "An apply with refused items changes nothing (409 `change_refused`); one whose "
@@ -156,107 +187,58 @@ ROUTES: Final[tuple[ApiRoute, ...]] = (
         "`plan_stale`. Each change appends a `fleet.config.changed` event. A fleet not yet "
         "stored is created (the `{ref}` is then the layout's slug).",
     ),
-    route(
+    _control(
         "POST",
         f"{_FLEETS}/reconcile",
         "Run one reconcile tick now",
         ReconcileResponse,
+        404,
         body=ReconcileRequest,
         body_required=False,
-        errors=(404, _STORE),
-        tag="control",
     ),
-    ApiRoute(
-        method="POST",
-        path=f"{_FLEETS}/promote",
-        summary="Make a standby domain active",
-        responses={200: AlreadyActiveResponse, 202: AcceptedResponse},
-        body=PromoteRequest,
-        errors=(404, 409, 422, _STORE),
-        tag="control",
-    ),
-    ApiRoute(
-        method="POST",
-        path=f"{_FLEETS}/demote",
-        summary="Put a standby domain to sleep and start its training",
-        responses={200: AlreadyActiveResponse, 202: AcceptedResponse},
-        body=DemoteRequest,
-        errors=(404, 409, 422, _STORE),
-        tag="control",
-    ),
-    route(
-        "GET",
-        f"{_FLEETS}/operations/{{operation_id}}",
-        "One operation",
-        Operation,
-        errors=(404, _STORE),
-        tag="control",
-    ),
-    route(
+    _posture("promote", "Make a standby domain active", PromoteRequest),
+    _posture("demote", "Put a standby domain to sleep and start its training", DemoteRequest),
+    _control("GET", f"{_FLEETS}/operations/{{operation_id}}", "One operation", Operation, 404),
+    _control(
         "GET",
         f"{_FLEETS}/events",
         "The fleet's audit trail, oldest first",
         EventList,
-        errors=(400, 404, _STORE),
+        400,
+        404,
         params=_EVENT_QUERY,
-        tag="control",
     ),
-    route(
+    _control(
         "GET",
         f"{_FLEETS}/domains/{{domain}}",
         "A domain's row, its SkyPilot cluster status and its last provisioning events",
         DomainStatusResponse,
-        errors=(404, _STORE),
-        tag="control",
+        404,
     ),
-    ApiRoute(
-        method="POST",
-        path=f"{_FLEETS}/domains/{{domain}}/up",
-        summary="Launch a stopped or failed skypilot domain again",
-        responses={202: DomainActionResponse},
-        body=DomainActionRequest,
-        body_required=False,
-        errors=(404, 409, 422, _STORE),
-        tag="control",
+    _domain_action("up", "Launch a stopped or failed skypilot domain again", (202,)),
+    _domain_action(
+        "down", "Tear a standby skypilot domain down (`sky down`); 409 for the active", (200, 202)
     ),
-    ApiRoute(
-        method="POST",
-        path=f"{_FLEETS}/domains/{{domain}}/down",
-        summary="Tear a standby skypilot domain down (`sky down`); 409 for the active",
-        responses={200: DomainActionResponse, 202: DomainActionResponse},
-        body=DomainActionRequest,
-        body_required=False,
-        errors=(404, 409, 422, _STORE),
-        tag="control",
-    ),
-    route(
+    _control(
         "POST",
         "/v1/keys",
         "Create an inference client key (the key is in this answer only)",
         ClientKeyCreated,
+        400,
+        404,
         status=201,
         body=ClientKeyCreate,
-        errors=(400, 404, _STORE),
-        tag="control",
         description="The key (`secret`) is shown once; only its SHA-256 is stored. `fleets` "
         "(slugs or ids, each must exist), `models` and `rpm` (per server process) limit it; "
         "omitted: no limit.",
     ),
-    route(
-        "GET",
-        "/v1/keys",
-        "List client keys (never the keys)",
-        ClientKeyList,
-        errors=(_STORE,),
-        tag="control",
-    ),
-    route(
+    _control("GET", "/v1/keys", "List client keys (never the keys)", ClientKeyList),
+    _control(
         "DELETE",
         "/v1/keys/{id}",
         "Revoke a client key (every server refuses it within one route lease)",
         ClientKeyView,
-        errors=(404, _STORE),
-        tag="control",
+        404,
     ),
     _inference(CHAT_PATH, "Chat completion (OpenAI-compatible)"),
     _inference(COMPLETIONS_PATH, "Completion (OpenAI-compatible)"),
@@ -293,7 +275,7 @@ def api_table() -> ApiTable:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the document, or write it to the path given as the only argument."""
-    return openapi_command(api_table(), sys.argv[1:] if argv is None else argv)
+    return openapi_command(api_table(), argv)
 
 
 if __name__ == "__main__":

@@ -4,103 +4,15 @@ It serves the API of DESIGN 6.4 to the control plane, drives the local vLLM serv
 routes on 127.0.0.1, runs one preemptible trainer per training slot in its own process group,
 and reports GPU memory from NVML or ``nvidia-smi``. Run it with ``haru-supervisor``.
 
+The Python API is :mod:`haru_supervisor.api` (:func:`~haru_supervisor.api.create_app`, the
+settings, the trainers, the vLLM admin client, the GPU readers). This package module imports
+nothing itself, so the serving gateway (``haru-gateway``, :mod:`haru_supervisor._gateway`)
+starts without the supervisor's application, settings or trainers.
+
 The client that drives supervisors is its own distribution, ``haru-supervisor-client``: the
 control plane and orchestrators install it without this package.
 """
 
-from haru_supervisor._app import create_app
-from haru_supervisor._errors import (
-    GpuMemoryError,
-    GpuMemorySourceError,
-    GpuMemoryUnavailable,
-    HaruSupervisorError,
-    SettingsError,
-    ShuttingDownError,
-    TrainingStartError,
-    VllmAdminError,
-)
-from haru_supervisor._gpu import (
-    NVIDIA_SMI_APPS_ARGS,
-    NVIDIA_SMI_ARGS,
-    NVIDIA_SMI_UUID_ARGS,
-    SOURCE_HEADER,
-    GpuMemoryReader,
-    GpuMemorySource,
-    NvidiaSmiSource,
-    NvmlApi,
-    NvmlLoader,
-    NvmlMemory,
-    NvmlSource,
-    load_pynvml,
-    open_gpu_reader,
-    parse_nvidia_smi_apps,
-    parse_nvidia_smi_memory,
-    parse_nvidia_smi_uuids,
-    process_name,
-)
-from haru_supervisor._settings import (
-    GPU_SOURCES,
-    GpuSource,
-    Settings,
-    load_config,
-    load_settings,
-    resolve_api_keys,
-    trainer_base_env,
-)
-from haru_supervisor._training import TrainingRun, TrainingRuns
-from haru_supervisor._vllm import (
-    MIN_VLLM_VERSION,
-    SLEEP_LEVEL,
-    SLEEP_MODE,
-    VllmAdminClient,
-    VllmTimeouts,
-    parse_vllm_version,
-    sum_metrics,
-    version_refusal,
-)
+from __future__ import annotations
 
-__all__ = (
-    "GPU_SOURCES",
-    "MIN_VLLM_VERSION",
-    "NVIDIA_SMI_APPS_ARGS",
-    "NVIDIA_SMI_ARGS",
-    "NVIDIA_SMI_UUID_ARGS",
-    "SLEEP_LEVEL",
-    "SLEEP_MODE",
-    "SOURCE_HEADER",
-    "GpuMemoryError",
-    "GpuMemoryReader",
-    "GpuMemorySource",
-    "GpuMemorySourceError",
-    "GpuMemoryUnavailable",
-    "GpuSource",
-    "HaruSupervisorError",
-    "NvidiaSmiSource",
-    "NvmlApi",
-    "NvmlLoader",
-    "NvmlMemory",
-    "NvmlSource",
-    "Settings",
-    "SettingsError",
-    "ShuttingDownError",
-    "TrainingRun",
-    "TrainingRuns",
-    "TrainingStartError",
-    "VllmAdminClient",
-    "VllmAdminError",
-    "VllmTimeouts",
-    "create_app",
-    "load_config",
-    "load_pynvml",
-    "load_settings",
-    "open_gpu_reader",
-    "parse_nvidia_smi_apps",
-    "parse_nvidia_smi_memory",
-    "parse_nvidia_smi_uuids",
-    "parse_vllm_version",
-    "process_name",
-    "resolve_api_keys",
-    "sum_metrics",
-    "trainer_base_env",
-    "version_refusal",
-)
+__all__: tuple[str, ...] = ()

@@ -9,17 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from aiohttp import web
 from haru_exec import Exec, run_exec
-from haru_web import (
-    OPENAPI_PATH,
-    add_metrics_route,
-    bearer_middleware,
-    browser_guard_middleware,
-    error_middleware,
-    install_request_ids,
-    metrics_guarded,
-    openapi_handler,
-    request_id_middleware,
-)
+from haru_web import add_metrics_route, service_app
 
 from haru_supervisor._actions import AdminActions
 from haru_supervisor._fence import FenceBook
@@ -69,21 +59,10 @@ def create_app(
         The application. Its cleanup stops every training run (SIGTERM, then SIGKILL after
         ``settings.shutdown_grace_s``) before anything else is released.
     """
-    app = web.Application(
-        middlewares=[
-            request_id_middleware,
-            error_middleware,
-            browser_guard_middleware(
-                open_api=settings.token is None, check_host=not settings.open_to_network
-            ),
-            # Asked per request: a rotated HARU_SUPERVISOR_TOKEN_FILE needs no restart.
-            bearer_middleware(
-                settings.token_source(), guarded=metrics_guarded(public=settings.metrics_public)
-            ),
-        ],
-        client_max_size=MAX_BODY_BYTES,
+    # Asked per request: a rotated HARU_SUPERVISOR_TOKEN_FILE needs no restart.
+    app = service_app(
+        settings, settings.token_source(), api_table(), client_max_size=MAX_BODY_BYTES
     )
-    install_request_ids(app)
     metrics = SupervisorMetrics()
     app[metrics_key] = metrics
     app[settings_key] = settings
@@ -154,5 +133,4 @@ def create_app(
     app.cleanup_ctx.extend([http_ctx, gpu_ctx, training_ctx])
     app.add_routes(routes)
     app.add_routes(ready_routes)
-    app.router.add_get(OPENAPI_PATH, openapi_handler(api_table()))
     return app

@@ -9,6 +9,7 @@ streamed and capped, the answer streamed back.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from urllib.parse import unquote
 import aiohttp
 from aiohttp import hdrs, web
 from haru_protocol import REQUEST_ID_HEADER, ErrorCode, bearer_matches
-from haru_web import ApiError, bearer_middleware, error_middleware, json_error
+from haru_web import ApiError, bearer_middleware, error_middleware, json_error, relay_answer
 
 logger = logging.getLogger("haru_supervisor.gateway")
 
@@ -245,32 +246,21 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse) -> web.
     content_type = upstream.headers.get(hdrs.CONTENT_TYPE)
     if content_type is not None:
         headers[hdrs.CONTENT_TYPE] = content_type
-    content = upstream.content
-    if content.is_eof() and content.exception() is None:
-        return web.Response(status=upstream.status, body=content.read_nowait(), headers=headers)
-    response = web.StreamResponse(status=upstream.status, headers=headers)
-    length = upstream.content_length
-    if length is not None and hdrs.CONTENT_ENCODING not in upstream.headers:
-        response.content_length = length
-    try:
-        await response.prepare(request)
-        while True:
-            try:
-                chunk = await content.readany()
-            except aiohttp.ClientError as exc:
-                # Never a clean end of a truncated answer: break the client's connection.
-                logger.warning("a model server broke mid-answer (%s)", type(exc).__name__)
-                transport = request.transport
-                if transport is not None:
-                    transport.close()
-                return response
-            if not chunk:
-                break
-            await response.write(chunk)
-        await response.write_eof()
-    except ConnectionError:
-        logger.info("499 %s: client disconnected mid-answer", request.method)
-    return response
+    return await relay_answer(
+        request,
+        upstream,
+        headers,
+        on_broken=_broken,
+        on_client_gone=functools.partial(_client_gone, request),
+    )
+
+
+def _broken(exc: aiohttp.ClientError) -> None:
+    logger.warning("a model server broke mid-answer (%s)", type(exc).__name__)
+
+
+def _client_gone(request: web.Request) -> None:
+    logger.info("499 %s: client disconnected mid-answer", request.method)
 
 
 def create_gateway_app(config: GatewayConfig) -> web.Application:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiohttp import web
 from haru_protocol import ProbeResult, TrainingRunState
-from haru_web import CLIENT_CLOSED_STATUS, ApiError, service_registry
+from haru_web import observe_answer, service_registry
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -151,20 +150,7 @@ def admin_call(action: str) -> Callable[[Handler], Handler]:
     def decorate(handler: Handler) -> Handler:
         @functools.wraps(handler)
         async def observed(request: web.Request) -> web.StreamResponse:
-            started = time.monotonic()
-            status = 500
-            try:
-                response = await handler(request)
-            except ApiError as exc:
-                status = exc.status
-                raise
-            except asyncio.CancelledError:
-                status = CLIENT_CLOSED_STATUS
-                raise
-            else:
-                status = response.status
-            finally:
-                seconds = time.monotonic() - started
+            def record(status: int, seconds: float) -> None:
                 metrics = request.app[metrics_key]
                 result = _result(status)
                 metrics.admin_calls.labels(action, result).inc()
@@ -182,7 +168,8 @@ def admin_call(action: str) -> Callable[[Handler], Handler]:
                         "duration_s": round(seconds, 6),
                     },
                 )
-            return response
+
+            return await observe_answer(request, handler, record)
 
         return observed
 

@@ -36,10 +36,12 @@ from haru_protocol import (
 )
 from haru_web import ApiError, json_model, parse_body
 
+from haru_supervisor._actions import BOTH, TRAINING, VLLM
 from haru_supervisor._errors import (
     GpuMemorySourceError,
     GpuMemoryUnavailable,
     ShuttingDownError,
+    TrainingStartError,
     VllmAdminError,
 )
 from haru_supervisor._gpu import SOURCE_HEADER
@@ -202,24 +204,30 @@ def admit_fence(request: web.Request, action: str) -> SupervisorFence | None:
         raise ApiError(ErrorCode.INVALID_REQUEST, str(exc)) from exc
     seen = request.app[fences_key].admit(fence)
     if seen is not None:
-        logger.warning(
-            "refused %s for fleet %s: fence %d is older than %d (the caller lost its step)",
-            action,
-            fence.fleet_id,
-            fence.token,
-            seen,
-        )
-        raise ApiError(
-            ErrorCode.STALE_FENCE,
-            f"{action} refused: fence {fence.token} of fleet {fence.fleet_id} is older than "
-            f"{seen}, the newest this supervisor has seen; the caller lost its operation step",
-            status=409,
-        )
+        raise _stale(fence, seen, action)
     return fence
 
 
-# Every admin action below runs through `actions_key`: one at a time per GPU it touches, and a
-# request identical to one already queued or running joins it (same answer for all).
+def _stale(fence: SupervisorFence, seen: int, action: str) -> ApiError:
+    """The 409 ``stale_fence`` of ``action`` (logged): ``seen`` is newer than ``fence``."""
+    logger.warning(
+        "refused %s for fleet %s: fence %d is older than %d (the caller lost its step)",
+        action,
+        fence.fleet_id,
+        fence.token,
+        seen,
+    )
+    return ApiError(
+        ErrorCode.STALE_FENCE,
+        f"{action} refused: fence {fence.token} of fleet {fence.fleet_id} is older than "
+        f"{seen}, the newest this supervisor has seen; the caller lost its operation step",
+        status=409,
+    )
+
+
+# Every admin action below runs through `actions_key`: one at a time per GPU it touches and lane
+# (`_actions`), and a request identical to one already queued or running joins it (same answer
+# for all).
 
 
 @routes.post("/v1/vllm/sleep")
@@ -238,7 +246,9 @@ async def vllm_sleep(request: web.Request) -> web.Response:
         )
 
     key = ("sleep", body.gpu_index, body.drain_timeout_ms)
-    await request.app[actions_key].run(key, _inference_gpus(config, body.gpu_index), sleep)
+    await request.app[actions_key].run(
+        key, _inference_gpus(config, body.gpu_index), sleep, lanes=VLLM
+    )
     return json_model(OkResponse())
 
 
@@ -270,20 +280,34 @@ async def vllm_wake(request: web.Request) -> web.Response:
             )
         await _attempt_all("wake", [(model, client.wake(model)) for model in models])
 
-    await request.app[actions_key].run(("wake", body.gpu_index), gpus, wake)
+    await request.app[actions_key].run(("wake", body.gpu_index), gpus, wake, lanes=VLLM)
     return json_model(OkResponse())
 
 
 @routes.post("/v1/training/start")
 @admin_call("training_start")
 async def training_start(request: web.Request) -> web.Response:
-    admit_fence(request, "training start")
+    fence = admit_fence(request, "training start")
     await parse_body(request, NoParameters, limit=MAX_BODY_BYTES, empty_ok=True)
     runs = request.app[runs_key]
-    actions = request.app[actions_key]
+    fences = request.app[fences_key]
+
+    async def start() -> list[TrainingStartError]:
+        # A stop does not queue behind a sleep or wake (its own lane): a start that waited
+        # there may find that a newer step stopped training meanwhile. It must not undo that.
+        if fence is not None:
+            seen = fences.highest(fence.fleet_id)
+            if seen is not None and seen > fence.token:
+                raise _stale(fence, seen, "training start")
+        return await runs.start_all()
+
     try:
-        failures = await actions.run(
-            ("training.start",), _training_gpus(_config(request)), runs.start_all
+        # Starts of different steps never join: each is checked against its own fence.
+        failures = await request.app[actions_key].run(
+            ("training.start", None if fence is None else (fence.fleet_id, fence.token)),
+            _training_gpus(_config(request)),
+            start,
+            lanes=BOTH,
         )
     except ShuttingDownError as exc:
         raise ApiError(ErrorCode.SHUTTING_DOWN, str(exc)) from exc
@@ -308,7 +332,7 @@ async def training_stop(request: web.Request) -> web.Response:
         await runs.stop_all(grace_s)
 
     key = ("training.stop", body.grace_ms)
-    await request.app[actions_key].run(key, _training_gpus(_config(request)), stop)
+    await request.app[actions_key].run(key, _training_gpus(_config(request)), stop, lanes=TRAINING)
     return json_model(OkResponse(), status=202)
 
 

@@ -11,24 +11,16 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Annotated, Any, Final, Literal, get_args
+from typing import Annotated, Final, Literal, get_args
 
 from haru_protocol import SupervisorConfig, normalize_token
 from haru_web import (
-    HOST_VAR,
-    OPEN_BIND_VAR,
-    TLS_CERT_FILE_VAR,
-    TLS_CLIENT_CA_FILE_VAR,
-    TLS_KEY_FILE_VAR,
-    TRUSTED_PROXIES_VAR,
     EnvInt,
+    EnvSettingsError,
+    FileToken,
     ListenerSettings,
-    TokenConfigError,
     TokenSource,
-    check_token,
-    choose_bind_host,
-    is_loopback_bind,
-    resolve_token,
+    token_validator,
 )
 from pydantic import (
     AliasChoices,
@@ -36,10 +28,9 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
-    field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from haru_supervisor._errors import SettingsError
 from haru_supervisor._users import check_run_as
@@ -57,19 +48,16 @@ TOKEN_VAR: Final = "HARU_SUPERVISOR_TOKEN"  # noqa: S105  (a variable name, not 
 TOKEN_FILE_VAR: Final = "HARU_SUPERVISOR_TOKEN_FILE"  # noqa: S105
 TOKEN_OVERLAP_VAR: Final = "HARU_SUPERVISOR_TOKEN_OVERLAP_MS"  # noqa: S105
 DEFAULT_TOKEN_OVERLAP_MS: Final = 300_000
-HEADER_TIMEOUT_VAR: Final = "HARU_HTTP_HEADER_TIMEOUT_MS"
-BODY_IDLE_VAR: Final = "HARU_HTTP_BODY_IDLE_TIMEOUT_MS"
-KEEPALIVE_VAR: Final = "HARU_HTTP_KEEPALIVE_TIMEOUT_MS"
-MAX_CONNECTIONS_VAR: Final = "HARU_HTTP_MAX_CONNECTIONS"
-MAX_CONNECTIONS_PER_PEER_VAR: Final = "HARU_HTTP_MAX_CONNECTIONS_PER_PEER"
-METRICS_PUBLIC_VAR: Final = "HARU_METRICS_PUBLIC"
-LOG_FORMAT_VAR: Final = "HARU_LOG_FORMAT"
-LOG_LEVEL_VAR: Final = "HARU_LOG_LEVEL"
 CONFIG_VAR: Final = "HARU_SUPERVISOR_CONFIG"
 GPU_SOURCE_VAR: Final = "HARU_SUPERVISOR_GPU_SOURCE"
 SHUTDOWN_GRACE_VAR: Final = "HARU_SUPERVISOR_SHUTDOWN_GRACE_MS"
 CHECKPOINT_DIR_VAR: Final = "HARU_CHECKPOINT_DIR"
 GPU_INDEX_VAR: Final = "HARU_GPU_INDEX"
+
+TOKEN: Final = FileToken(TOKEN_VAR, "token", "token_file")
+
+_MESSAGES: Final = {"PORT": "must be an integer from 0 to 65535"}
+"""What a boot error says of a variable instead of pydantic's words."""
 
 # Error messages quote at most this much of a bad value or a validation report.
 _QUOTE_LIMIT: Final = 2000
@@ -81,17 +69,6 @@ def _empty_env() -> Mapping[str, str]:
 
 def _no_keys() -> Mapping[str, SecretStr]:
     return MappingProxyType({})
-
-
-class _MappingEnv(EnvSettingsSource):
-    """pydantic-settings' environment source over a given mapping, blank values dropped."""
-
-    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
-        self._environ = {k: v.strip() for k, v in environ.items() if v.strip()}
-        super().__init__(settings_cls, case_sensitive=True)
-
-    def _load_env_vars(self) -> Mapping[str, str | None]:
-        return dict(self._environ)
 
 
 def _gpu_source(value: object) -> object:
@@ -114,6 +91,8 @@ class Settings(ListenerSettings):
     """
 
     model_config = SettingsConfigDict(arbitrary_types_allowed=True)
+    guard_token = TOKEN
+    file_tokens = (TOKEN,)
 
     config: SupervisorConfig
     """The parsed ``HARU_SUPERVISOR_CONFIG`` document."""
@@ -121,7 +100,9 @@ class Settings(ListenerSettings):
         DEFAULT_PORT, validation_alias=AliasChoices("port", "PORT")
     )
     """``PORT``: TCP port to listen on (0 picks a free one and logs it)."""
-    token: SecretStr | None = Field(None, validation_alias=AliasChoices("token", TOKEN_VAR))
+    token: Annotated[SecretStr | None, token_validator(TOKEN_VAR)] = Field(
+        None, validation_alias=AliasChoices("token", TOKEN_VAR)
+    )
     """``HARU_SUPERVISOR_TOKEN`` (or ``HARU_SUPERVISOR_TOKEN_FILE``): the bearer token of every
     ``/v1/*`` route; None = open API on 127.0.0.1 only, browsers kept out."""
     token_file: Path | None = Field(
@@ -159,50 +140,10 @@ class Settings(ListenerSettings):
     search_path: str | None = None
     """``PATH`` on which ``nvidia-smi`` is looked up (None: the process's)."""
 
-    @classmethod
-    def settings_customise_sources(
-        cls, settings_cls: type[BaseSettings], init_settings: Any, *_others: Any, **_kw: Any
-    ) -> tuple[Any, ...]:
-        # Only what is passed: load_settings() passes the environment it was given.
-        return (init_settings,)
-
     @property
     def shutdown_grace_s(self) -> float:
         """:attr:`shutdown_grace_ms` in seconds."""
         return self.shutdown_grace_ms / 1000
-
-    @field_validator("token", mode="before")
-    @classmethod
-    def _token(cls, value: object) -> object:
-        if isinstance(value, SecretStr):
-            value = value.get_secret_value()
-        if isinstance(value, str):
-            try:
-                return check_token(value, name=TOKEN_VAR)
-            except TokenConfigError as exc:
-                raise ValueError(str(exc)) from None
-        return value
-
-    @model_validator(mode="after")
-    def _read_token_file(self) -> Settings:
-        # A file named without its token (built directly, not load_settings): read it now.
-        if self.token_file is not None and self.token is None:
-            try:
-                token = resolve_token({TOKEN_FILE_VAR: str(self.token_file)}, TOKEN_VAR)
-            except TokenConfigError as exc:
-                raise ValueError(str(exc)) from None
-            object.__setattr__(self, "token", None if token is None else SecretStr(token))
-        return self
-
-    @model_validator(mode="after")
-    def _no_accidental_open_bind(self) -> Settings:
-        choose_bind_host(
-            self.bind_host,
-            token_set=self.token is not None,
-            allow_open=self.allow_open_bind,
-            token_var=TOKEN_VAR,
-        )
-        return self
 
     @model_validator(mode="after")
     def _strip_trainer_env(self) -> Settings:
@@ -228,33 +169,9 @@ class Settings(ListenerSettings):
         accepted for :attr:`token_overlap_ms` after a change). A new source per call: build it
         once per process.
         """
-        if self.token is None:
-            return None
-        token = self.token.get_secret_value()
-        if self.token_file is None:
-            return TokenSource.constant(token)
-        return TokenSource(
-            token,
-            path=self.token_file,
-            name=TOKEN_FILE_VAR,
-            monotonic=monotonic,
-            overlap_s=self.token_overlap_ms / 1000,
+        return self.token_source_of(
+            TOKEN, monotonic=monotonic, overlap_s=self.token_overlap_ms / 1000
         )
-
-    @property
-    def host(self) -> str:
-        """``HARU_HOST``, else all interfaces with a token and loopback without one (DESIGN 6.2)."""
-        return choose_bind_host(
-            self.bind_host,
-            token_set=self.token is not None,
-            allow_open=self.allow_open_bind,
-            token_var=TOKEN_VAR,
-        )
-
-    @property
-    def open_to_network(self) -> bool:
-        """No token, and listening beyond loopback (``HARU_ALLOW_OPEN_BIND``)."""
-        return self.token is None and not is_loopback_bind(self.host)
 
 
 def trainer_base_env(environ: Mapping[str, str], token: str | None) -> dict[str, str]:
@@ -351,52 +268,6 @@ def resolve_api_keys(config: SupervisorConfig, environ: Mapping[str, str]) -> di
     return keys
 
 
-_ENV_VARS: Final = {
-    "PORT": "PORT",
-    HOST_VAR: HOST_VAR,
-    OPEN_BIND_VAR: OPEN_BIND_VAR,
-    TOKEN_VAR: TOKEN_VAR,
-    HEADER_TIMEOUT_VAR: HEADER_TIMEOUT_VAR,
-    BODY_IDLE_VAR: BODY_IDLE_VAR,
-    KEEPALIVE_VAR: KEEPALIVE_VAR,
-    MAX_CONNECTIONS_VAR: MAX_CONNECTIONS_VAR,
-    MAX_CONNECTIONS_PER_PEER_VAR: MAX_CONNECTIONS_PER_PEER_VAR,
-    TRUSTED_PROXIES_VAR: TRUSTED_PROXIES_VAR,
-    METRICS_PUBLIC_VAR: METRICS_PUBLIC_VAR,
-    LOG_FORMAT_VAR: LOG_FORMAT_VAR,
-    LOG_LEVEL_VAR: LOG_LEVEL_VAR,
-    TLS_CERT_FILE_VAR: TLS_CERT_FILE_VAR,
-    TLS_KEY_FILE_VAR: TLS_KEY_FILE_VAR,
-    TLS_CLIENT_CA_FILE_VAR: TLS_CLIENT_CA_FILE_VAR,
-    GPU_SOURCE_VAR: GPU_SOURCE_VAR,
-    SHUTDOWN_GRACE_VAR: SHUTDOWN_GRACE_VAR,
-    TOKEN_FILE_VAR: TOKEN_FILE_VAR,
-    TOKEN_OVERLAP_VAR: TOKEN_OVERLAP_VAR,
-}
-_FIELD_VARS: Final = {
-    "port": "PORT",
-    "bind_host": HOST_VAR,
-    "allow_open_bind": OPEN_BIND_VAR,
-    "token": TOKEN_VAR,
-    "token_file": TOKEN_FILE_VAR,
-    "token_overlap_ms": TOKEN_OVERLAP_VAR,
-    "http_header_timeout_ms": HEADER_TIMEOUT_VAR,
-    "http_body_idle_timeout_ms": BODY_IDLE_VAR,
-    "http_keepalive_timeout_ms": KEEPALIVE_VAR,
-    "http_max_connections": MAX_CONNECTIONS_VAR,
-    "http_max_connections_per_peer": MAX_CONNECTIONS_PER_PEER_VAR,
-    "trusted_proxies": TRUSTED_PROXIES_VAR,
-    "metrics_public": METRICS_PUBLIC_VAR,
-    "log_format": LOG_FORMAT_VAR,
-    "log_level": LOG_LEVEL_VAR,
-    "tls_cert_file": TLS_CERT_FILE_VAR,
-    "tls_key_file": TLS_KEY_FILE_VAR,
-    "tls_client_ca_file": TLS_CLIENT_CA_FILE_VAR,
-    "gpu_source": GPU_SOURCE_VAR,
-    "shutdown_grace_ms": SHUTDOWN_GRACE_VAR,
-}
-
-
 def load_settings(environ: Mapping[str, str]) -> Settings:
     """Build :class:`Settings` from an environment mapping (``os.environ`` in production).
 
@@ -404,27 +275,14 @@ def load_settings(environ: Mapping[str, str]) -> Settings:
         SettingsError: A variable is missing or invalid (named; a token is never quoted).
     """
     config = load_config(environ.get(CONFIG_VAR, ""))
-    env = dict(environ)
     try:
-        env[TOKEN_VAR] = resolve_token(env, TOKEN_VAR) or ""
-    except TokenConfigError as exc:
-        raise SettingsError(str(exc)) from None
-    values = _MappingEnv(Settings, {k: v for k, v in env.items() if k in _ENV_VARS})()
-    try:
-        return Settings(
+        return Settings.from_environ(
+            environ,
+            messages=_MESSAGES,
             config=config,
             trainer_env=environ,
             vllm_api_keys=resolve_api_keys(config, environ),
             search_path=environ.get("PATH"),
-            **values,
         )
-    except ValidationError as exc:
-        parts = []
-        for error in exc.errors(include_url=False, include_input=False, include_context=False):
-            field = ".".join(str(p) for p in error["loc"])
-            name = _FIELD_VARS.get(field, field)
-            message = error["msg"].removeprefix("Value error, ")
-            if name == "PORT":
-                message = "must be an integer from 0 to 65535"
-            parts.append(message if not name or message.startswith(name) else f"{name} {message}")
-        raise SettingsError("; ".join(parts)) from None
+    except EnvSettingsError as exc:
+        raise SettingsError(str(exc)) from None

@@ -9,7 +9,6 @@ models; the committed copy is ``services/supervisor/openapi.json``. Regenerate i
 
 from __future__ import annotations
 
-import sys
 from importlib import metadata
 from typing import Final
 
@@ -27,6 +26,7 @@ from haru_protocol import (
     WakeRequest,
 )
 from haru_web import ApiRoute, ApiTable, Param, health_routes, openapi_command, route
+from pydantic import BaseModel
 
 from haru_supervisor._routes import NoParameters
 
@@ -45,54 +45,42 @@ _FENCE: Final = (
 )
 """The fencing header of every state-changing route."""
 
+
+_FENCED_ERRORS: Final = {"vllm": (404, 409, 502, 503), "training": (409, 503)}
+"""What the fenced routes of each tag may answer besides the common errors."""
+
+
+def _fenced(action: str, summary: str, body: type[BaseModel], *, status: int = 200) -> ApiRoute:
+    """A state-changing ``POST /v1/<tag>/<verb>``: fenced, its body optional."""
+    tag = action.partition("/")[0]
+    return route(
+        "POST",
+        f"/v1/{action}",
+        summary,
+        OkResponse,
+        status=status,
+        body=body,
+        body_required=False,
+        params=_FENCE,
+        errors=_FENCED_ERRORS[tag],
+        tag=tag,
+    )
+
+
 ROUTES: Final[tuple[ApiRoute, ...]] = (
     *health_routes(),
     route("GET", "/v1/status", "Every slot: models' sleep state, training", SupervisorStatus),
     route("GET", "/v1/ready", "Every model awake", ReadyResponse),
-    route(
-        "POST",
-        "/v1/vllm/sleep",
-        "Drain and put the local vLLM servers to sleep",
-        OkResponse,
-        body=SleepRequest,
-        body_required=False,
-        params=_FENCE,
-        errors=(404, 409, 502, 503),
-        tag="vllm",
+    _fenced("vllm/sleep", "Drain and put the local vLLM servers to sleep", SleepRequest),
+    _fenced(
+        "vllm/wake", "Wake the local vLLM servers (refused while training is not idle)", WakeRequest
     ),
-    route(
-        "POST",
-        "/v1/vllm/wake",
-        "Wake the local vLLM servers (refused while training is not idle)",
-        OkResponse,
-        body=WakeRequest,
-        body_required=False,
-        params=_FENCE,
-        errors=(404, 409, 502, 503),
-        tag="vllm",
-    ),
-    route(
-        "POST",
-        "/v1/training/start",
-        "Start every training slot's command",
-        OkResponse,
-        body=NoParameters,
-        body_required=False,
-        params=_FENCE,
-        errors=(409, 503),
-        tag="training",
-    ),
-    route(
-        "POST",
-        "/v1/training/stop",
+    _fenced("training/start", "Start every training slot's command", NoParameters),
+    _fenced(
+        "training/stop",
         "Stop every training run (SIGTERM, then SIGKILL after the grace)",
-        OkResponse,
+        TrainingStopRequest,
         status=202,
-        body=TrainingStopRequest,
-        body_required=False,
-        params=_FENCE,
-        errors=(409, 503),
-        tag="training",
     ),
     route("GET", "/v1/training/status", "Training runs", TrainingStatusResponse, tag="training"),
     route("GET", "/v1/gpu/memory", "GPU memory", GpuMemoryResponse, errors=_GPU_ERRORS, tag="gpu"),
@@ -137,7 +125,7 @@ def api_table() -> ApiTable:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the document, or write it to the path given as the only argument."""
-    return openapi_command(api_table(), sys.argv[1:] if argv is None else argv)
+    return openapi_command(api_table(), argv)
 
 
 if __name__ == "__main__":
