@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 
 HOLDER = r"""
-import os, signal, sys, threading
+import os, select, signal, sys
 from pathlib import Path
 
 import torch
@@ -45,8 +45,12 @@ import torch
 gpu = int(os.environ["HARU_GPU_INDEX"])
 gib = float(sys.argv[1])
 ignore_term = sys.argv[2] == "ignore"
-stop = threading.Event()
-signal.signal(signal.SIGTERM, signal.SIG_IGN if ignore_term else (lambda *_: stop.set()))
+# The handler takes no lock (an Event.set() there can deadlock): it writes to a pipe the
+# final wait selects on.
+wake_read, wake_write = os.pipe()
+signal.signal(
+    signal.SIGTERM, signal.SIG_IGN if ignore_term else (lambda *_: os.write(wake_write, b"x"))
+)
 # The trainer contract: pin yourself to HARU_GPU_INDEX.
 torch.cuda.set_device(gpu)
 held = torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device=f"cuda:{gpu}")
@@ -55,7 +59,7 @@ torch.cuda.synchronize()
 checkpoint_dir = Path(os.environ["HARU_CHECKPOINT_DIR"])
 checkpoint_dir.mkdir(parents=True, exist_ok=True)
 (checkpoint_dir / "ready").write_text(str(os.getpid()))
-stop.wait()
+select.select([wake_read], [], [])
 """
 
 _LISTENING = re.compile(r"listening on http://([0-9.]+):([0-9]+)")

@@ -4,15 +4,20 @@ It records its environment in ``$HARU_CHECKPOINT_DIR/env.json``, installs its SI
 disposition, optionally spawns a grandchild that ignores SIGTERM (and, with
 ``--escaped-grandchild``, leaves the trainer's session with ``setsid()``), then writes its own
 pid and the grandchild's to ``ready.json`` (atomically) and waits.
+
+Its SIGTERM handler takes no lock: it writes a byte to a pipe its waits ``select`` on. A
+``threading.Event.set()`` in the handler deadlocks when the signal lands while the main thread
+holds the event's own lock (entering or leaving a wait); that hung this trainer forever, now
+and then, under load.
 """
 
 import argparse
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 GRANDCHILD = (
@@ -30,6 +35,21 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+class Stop:
+    """Set by the SIGTERM handler without taking any lock; waits return at once once set."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+
+    def handler(self, _signum: int, _frame: object) -> None:
+        os.write(self._write, b"x")
+
+    def wait(self, timeout_s: float | None) -> bool:
+        """Whether SIGTERM came, within ``timeout_s`` (None: wait until it does)."""
+        ready, _, _ = select.select([self._read], [], [], timeout_s)
+        return bool(ready)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ignore-term", action="store_true")
@@ -45,11 +65,8 @@ def main() -> int:
     directory = Path(os.environ["HARU_CHECKPOINT_DIR"])
     directory.mkdir(parents=True, exist_ok=True)
     write_atomically(directory / "env.json", json.dumps(dict(os.environ)))
-    stop = threading.Event()
-    if args.ignore_term:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    else:
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = Stop()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_term else stop.handler)
     pids = [os.getpid()]
     if args.grandchild or args.escaped_grandchild:
         ready = directory / "grandchild-ready"
