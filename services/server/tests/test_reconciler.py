@@ -34,6 +34,7 @@ from haru_protocol import (
     OperationStep,
     PolicyPatch,
     SlotKind,
+    SupervisorStatus,
     TrainingRunState,
 )
 from haru_server._clock import ManualClock
@@ -1279,6 +1280,74 @@ async def test_a_hung_supervisor_delays_no_other_domains_heartbeat_nor_the_failo
     events = await store.list_events(seeded.id, limit=1000)
     auto = [e for e in events if e.type == EventType.OPERATION_AUTO_FAILOVER]
     assert [e.payload["reason"] for e in auto] == ["active_stale"]
+
+
+class HeldStatus(SupervisorClient):
+    """A client whose status polls of one supervisor wait until the test releases each one."""
+
+    def __init__(self, session: aiohttp.ClientSession, held_url: str) -> None:
+        super().__init__(session, token=None)
+        self.held_url = held_url
+        self.gates: list[asyncio.Event] = []
+        self.finished = asyncio.Event()
+
+    async def status(self, base_url: str, *, timeout_s: float) -> SupervisorStatus:
+        if base_url != self.held_url:
+            return await super().status(base_url, timeout_s=timeout_s)
+        gate = asyncio.Event()
+        self.gates.append(gate)
+        await gate.wait()
+        try:
+            return await super().status(base_url, timeout_s=timeout_s)
+        finally:
+            self.finished.set()
+
+
+async def test_an_answer_a_later_tick_takes_is_recorded_at_its_own_time(
+    sqlite_store: StateStore,
+    make_fleet: MakeFleet,
+    clock: ManualClock,
+    http: aiohttp.ClientSession,
+    helpers: Any,
+) -> None:
+    """A standby's poll outlives its round and answers between two ticks.
+
+    The next tick takes that answer (its own new poll is still out): the domain's heartbeat
+    is recorded at the time the answer came, not at the later tick's, while the domain that
+    answered in the round is recorded at the tick's time.
+    """
+    store = sqlite_store
+    fleet = await make_fleet(training_gpus=(), domains=("alpha", "beta"))
+    await helpers.seed(store, fleet, clock, policy=AUTO)
+    beta_url = fleet.domain("beta").supervisor_url
+    assert beta_url is not None
+    client = HeldStatus(http, beta_url)
+    reconciler = Reconciler(
+        store,
+        client,
+        clock=clock,
+        options=ReconcilerOptions(heartbeat_timeout_s=60, heartbeat_round_s=0.05),
+    )
+    try:
+        async with asyncio.timeout(30):
+            answered_at = clock.advance(ms=1_000)
+            await reconciler.tick("local")
+            seen = {d.slug: d.last_seen_at for d in (await snapshot_of(store)).domains}
+            assert seen["alpha"] == answered_at
+            assert seen["beta"] != answered_at  # its poll is held: not judged this tick
+            assert len(client.gates) == 1
+            client.gates[0].set()
+            await client.finished.wait()  # the poll is done, before the clock moves on
+            taken_at = clock.advance(ms=1_000)
+            await reconciler.tick("local")
+            assert len(client.gates) == 2  # the second tick's own poll is held
+            seen = {d.slug: d.last_seen_at for d in (await snapshot_of(store)).domains}
+    finally:
+        for gate in client.gates:
+            gate.set()
+        await reconciler.close()
+    assert seen["alpha"] == taken_at
+    assert seen["beta"] == answered_at
 
 
 async def test_a_probe_right_after_a_supervisor_restart_waits_for_not_ready_models(

@@ -41,16 +41,11 @@ from haru_protocol import (
     SlotStateChanged,
     SupervisorStatus,
 )
-from haru_supervisor_client import (
-    SupervisorCallError,
-    SupervisorConnectError,
-    SupervisorRejectedError,
-    SupervisorTimeoutError,
-    SupervisorUnauthorizedError,
-)
+from haru_supervisor_client import SupervisorCallError, SupervisorUnauthorizedError
 
 from haru_server._dead_proof import DeadProofs
 from haru_server._logfields import log_fields
+from haru_server._reach import reach_of_call_error
 from haru_server._reconcile_context import ReconcileContext
 
 logger = logging.getLogger(__name__)
@@ -102,6 +97,9 @@ class HeartbeatRound:
         self._partitioned: set[UUID] = set()
         # How each domain's latest finished heartbeat poll ended (its connection).
         self._reach: dict[UUID, Reach] = {}
+        # When each domain's latest answering poll finished, on the application clock: an
+        # answer a later tick takes is recorded at this time, not at that tick's.
+        self._answered_at: dict[UUID, datetime] = {}
 
     async def close(self) -> None:
         """Cancel the heartbeat polls still running (a hung supervisor's)."""
@@ -148,8 +146,11 @@ class HeartbeatRound:
             if in_flight is None
             else {in_flight.target_domain_id, in_flight.source_domain_id} - {None}
         )
-        answers = await self._collect_answers(fleet, polled)
+        answers, late = await self._collect_answers(fleet, polled)
         now = self._ctx.clock()
+        # When each answer came: now for this round's, its own time for a poll an earlier
+        # tick left running (a slow supervisor), never after now.
+        seen_at = {domain_id: min(at, now) for domain_id, at in late.items()}
         reached = [d.id for d, answer in answers if answer is not None]
         partitioned = await self._note_partition(
             fleet, polled=[d.id for d, _ in polled], reached=reached, now=now
@@ -172,15 +173,11 @@ class HeartbeatRound:
                     fleet, domain, status, now, busy=domain.id in busy
                 )
             verdicts.append((domain, status, refused is not None))
-        # Slot health first, then the heartbeats (DESIGN 7.3), every answering domain's in one
-        # statement.
+        # Slot health first, then the heartbeats (DESIGN 7.3): every domain answering in this
+        # round in one statement, a late answer in one of its own at its own time.
         read = {d.id: d.last_seen_at for d, status, _ in verdicts if status is not None}
         answered = frozenset(read)
-        seen, replaced = (
-            await self._ctx.store.record_heartbeats(read, at=now)
-            if read
-            else (frozenset[UUID](), frozenset[UUID]())
-        )
+        seen, replaced = await self._record_heartbeats(read, seen_at, now)
         for domain, status, _ in verdicts:
             if status is not None:
                 # The duty cycle counts the interval this write replaced, if it did (one
@@ -189,7 +186,7 @@ class HeartbeatRound:
                     fleet,
                     domain,
                     status,
-                    now,
+                    seen_at.get(domain.id, now),
                     replaced=domain.last_seen_at if domain.id in replaced else None,
                 )
         if len(seen) < len(answered):
@@ -207,9 +204,25 @@ class HeartbeatRound:
         if not seen:
             return fleet, answered
         domains = tuple(
-            d.model_copy(update={"last_seen_at": now}) if d.id in seen else d for d in fleet.domains
+            d.model_copy(update={"last_seen_at": seen_at.get(d.id, now)}) if d.id in seen else d
+            for d in fleet.domains
         )
         return fleet.model_copy(update={"domains": domains}), answered
+
+    async def _record_heartbeats(
+        self, read: dict[UUID, datetime | None], seen_at: dict[UUID, datetime], now: datetime
+    ) -> tuple[frozenset[UUID], frozenset[UUID]]:
+        """Record ``read``'s heartbeats, each at its ``seen_at`` time or else ``now``."""
+        seen: set[UUID] = set()
+        replaced: set[UUID] = set()
+        groups: dict[datetime, dict[UUID, datetime | None]] = {}
+        for domain_id, last in read.items():
+            groups.setdefault(seen_at.get(domain_id, now), {})[domain_id] = last
+        for at, group in groups.items():
+            recorded, moved = await self._ctx.store.record_heartbeats(group, at=at)
+            seen |= recorded
+            replaced |= moved
+        return frozenset(seen), frozenset(replaced)
 
     async def _poll(
         self, fleet: FleetSnapshot, domain: DomainSnapshot, url: str
@@ -223,7 +236,7 @@ class HeartbeatRound:
             self._heartbeat_errors[domain.id] = str(exc)
             return _Refused(str(exc))
         except SupervisorCallError as exc:
-            self._reach[domain.id] = _reach_of(exc)
+            self._reach[domain.id] = reach_of_call_error(exc)
             message = str(exc)
             if self._heartbeat_errors.get(domain.id) != message:
                 self._heartbeat_errors[domain.id] = message
@@ -235,6 +248,7 @@ class HeartbeatRound:
                 )
             return None
         self._reach[domain.id] = Reach.ANSWERED
+        self._answered_at[domain.id] = self._ctx.clock()
         if self._heartbeat_errors.pop(domain.id, None) is not None:
             logger.info(
                 "heartbeat of domain %s answers again",
@@ -341,6 +355,7 @@ class HeartbeatRound:
                 left.task.cancel()
                 del self._polls[domain_id]
                 self._suspects.discard(domain_id)
+                self._answered_at.pop(domain_id, None)
             elif left.task.done():
                 del self._polls[domain_id]
                 if not left.task.cancelled():
@@ -351,7 +366,7 @@ class HeartbeatRound:
 
     async def _collect_answers(
         self, fleet: FleetSnapshot, polled: list[tuple[DomainSnapshot, str]]
-    ) -> list[tuple[DomainSnapshot, Answer]]:
+    ) -> tuple[list[tuple[DomainSnapshot, Answer]], dict[UUID, datetime]]:
         """Each domain's heartbeat answer that is in, after waiting a bounded round.
 
         A domain gets a new poll unless one is still running; the tick waits for its new
@@ -361,6 +376,8 @@ class HeartbeatRound:
         this tick: neither seen nor failed); the answer of a poll an earlier tick left
         running (or its failure once the poll's own bound ran out) is taken by the first
         tick that finds it done, unless that tick's new poll answers in its round.
+
+        Returns the answers, and when each status taken from an earlier tick's poll came.
         """
         earlier = self._left_running(fleet, {d.id for d, _ in polled})
         started: list[asyncio.Task[Answer]] = []
@@ -377,6 +394,7 @@ class HeartbeatRound:
         if started:
             await asyncio.wait(started, timeout=self._ctx.options.heartbeat_round_s)
         answers: list[tuple[DomainSnapshot, Answer]] = []
+        late: dict[UUID, datetime] = {}
         for domain, _ in polled:
             task = self._polls[domain.id].task
             if task.done():
@@ -388,8 +406,12 @@ class HeartbeatRound:
                 continue
             self._suspects.add(domain.id)
             if domain.id in earlier:
-                answers.append((domain, earlier[domain.id]))
-        return answers
+                answer = earlier[domain.id]
+                answers.append((domain, answer))
+                at = self._answered_at.get(domain.id)
+                if isinstance(answer, SupervisorStatus) and at is not None:
+                    late[domain.id] = at
+        return answers, late
 
     async def _mirror_slots(
         self,
@@ -474,15 +496,3 @@ def _domain_change_payload(
         active_ready=verdict.active_ready,
         models_not_awake=verdict.models_not_awake,
     )
-
-
-def _reach_of(exc: SupervisorCallError) -> Reach:
-    """How a failed heartbeat's connection ended (only refused / no route are strong)."""
-    if isinstance(exc, SupervisorConnectError):
-        return Reach(exc.reason)
-    if isinstance(exc, SupervisorTimeoutError):
-        # A connect nobody answered and a slow answer both end here: weak either way.
-        return Reach.SLOW
-    if isinstance(exc, SupervisorRejectedError):
-        return Reach.ANSWERED  # an error status came from the host
-    return Reach.BROKEN  # TLS, plain HTTP refused, a reset after connecting, a bad answer

@@ -1,4 +1,4 @@
-"""A bounded TCP connect that says how it ended (:class:`haru_core.Reach`).
+"""How a connection ended (:class:`haru_core.Reach`): a bounded TCP connect, a failed call.
 
 The reconciler uses it on the active domain's serving endpoints when the domain's supervisor
 refused the heartbeat's connection: an endpoint that refuses too, or has no route, is part of
@@ -12,7 +12,13 @@ import socket
 from contextlib import suppress
 
 from haru_core import Reach
-from haru_supervisor_client import connect_failure
+from haru_supervisor_client import (
+    SupervisorCallError,
+    SupervisorConnectError,
+    SupervisorRejectedError,
+    SupervisorTimeoutError,
+    connect_failure,
+)
 
 ENDPOINT_CONNECT_TIMEOUT_S = 1.0
 """Bound of one serving-endpoint connect (all its addresses together)."""
@@ -51,3 +57,15 @@ async def connect_reach(host: str, port: int, *, timeout_s: float) -> Reach:
     if failures and len(strong) == len(failures):
         return strong[0]
     return Reach.BROKEN
+
+
+def reach_of_call_error(exc: SupervisorCallError) -> Reach:
+    """How a failed heartbeat's connection ended (only refused / no route are strong)."""
+    if isinstance(exc, SupervisorConnectError):
+        return Reach(exc.reason)
+    if isinstance(exc, SupervisorTimeoutError):
+        # A connect nobody answered and a slow answer both end here: weak either way.
+        return Reach.SLOW
+    if isinstance(exc, SupervisorRejectedError):
+        return Reach.ANSWERED  # an error status came from the host
+    return Reach.BROKEN  # TLS, plain HTTP refused, a reset after connecting, a bad answer
